@@ -1,0 +1,1 @@
+"""Built-in qgraph passes, written only against qgraph's public pass API."""

@@ -1,0 +1,47 @@
+"""qgraph: declarative ONNX graph transformations from a float model to a deployable INT8 model.
+
+Public API (what passes, plug-ins and scripts import)::
+
+    from qgraph import Pipeline, Recipe, Pass, PassConfig, PassResult, PassContext, GraphHandle, register
+    from qgraph import NodeSelector, select, load_model, save_model
+"""
+
+__version__ = "0.1.0"
+
+from qgraph.errors import DataError, ModelError, PassError, QGraphError, RecipeError, VerificationError
+from qgraph.graph import GraphHandle, GraphIndex
+from qgraph.model_io import load_model, save_model
+from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult, Skipped, get_pass, register
+from qgraph.selectors import NodeSelector, Selection, SubgraphRange, select
+
+from qgraph.recipe import Recipe  # noqa: E402  (recipe imports pass_api)
+from qgraph.pipeline import Pipeline, PipelineEvent, PipelineResult  # noqa: E402
+
+__all__ = [
+    "DataError",
+    "GraphHandle",
+    "GraphIndex",
+    "ModelError",
+    "NodeSelector",
+    "Pass",
+    "PassConfig",
+    "PassContext",
+    "PassError",
+    "PassResult",
+    "Pipeline",
+    "PipelineEvent",
+    "PipelineResult",
+    "QGraphError",
+    "Recipe",
+    "RecipeError",
+    "Selection",
+    "Skipped",
+    "SubgraphRange",
+    "VerificationError",
+    "__version__",
+    "get_pass",
+    "load_model",
+    "register",
+    "save_model",
+    "select",
+]

@@ -1,0 +1,207 @@
+"""Batching-invariant streaming histograms on a global power-of-two grid.
+
+Design (why histogram calibration here is independent of how the data is batched):
+
+* Bin ``j`` of exponent ``k`` is the half-open interval ``[j * 2**k, (j + 1) * 2**k)`` for
+  every integer ``j`` -- one *global* grid per exponent, not a grid fitted to the first
+  batch.  The bin of a value is ``floor(ldexp(x, -k))``, computed exactly in float64.
+* Coarsening from ``k`` to ``k + d`` is exact: ``floor(j / 2**d) == j >> d`` maps every fine
+  bin into exactly one coarse bin, so re-binning loses nothing that a direct histogram at
+  ``k + d`` would keep.
+* After every update the exponent is the *smallest* ``k >= K_MIN`` such that the observed
+  span ``[lo, hi]`` fits in ``num_bins`` bins (``floor(hi/2**k) - floor(lo/2**k) + 1 <=
+  num_bins``) and bin indices stay below ``2**62``.  That condition is monotone in ``k`` and
+  depends only on the global ``lo``/``hi``, so the final exponent, first bin
+  (``floor(lo / 2**k)``) and therefore every count are the same whether the data arrived in
+  one batch, in batches of 7 or one value at a time -- and merging two histograms is exact.
+
+The price is resolution: the data span always covers between ``num_bins / 2`` and
+``num_bins`` bins (e.g. 1024..2048 for the default 2048), never fewer.  In ``include_zero``
+mode (used for histograms of ``|x|``) the span always starts at 0, so bin 0 is ``[0, w)``.
+
+Each histogram holds ``C`` independent rows (channels); state is ``O(C * num_bins)``,
+independent of the number of values observed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+#: Finest exponent: every float32 value is an integer multiple of 2**-149.
+K_MIN = -149
+_IDX_LIMIT_EXP = 62
+
+
+def required_exponent(lo: F64, hi: F64, num_bins: int) -> I64:
+    """Smallest ``k >= K_MIN`` with ``floor(hi/2**k) - floor(lo/2**k) + 1 <= num_bins`` and
+    ``max(|lo|, |hi|) / 2**k < 2**62`` (elementwise; ``lo <= hi`` finite)."""
+    span = hi - lo
+    amax = np.maximum(np.abs(lo), np.abs(hi))
+    _, e_abs = np.frexp(amax)  # amax < 2**e_abs
+    k_abs = e_abs.astype(np.int64) - _IDX_LIMIT_EXP
+    with np.errstate(divide="ignore"):
+        guess = np.floor(np.log2(np.where(span > 0, span, 1.0) / num_bins)) - 1
+    k = np.where(span > 0, guess, K_MIN).astype(np.int64)
+    k = np.maximum(np.maximum(k, K_MIN), k_abs)
+    for _ in range(64):  # converges in <= 3 iterations; bound is defensive
+        n = np.floor(np.ldexp(hi, -k)) - np.floor(np.ldexp(lo, -k)) + 1
+        bad = n > num_bins
+        if not np.any(bad):
+            break
+        k = k + bad.astype(np.int64)
+    return k
+
+
+@dataclass
+class HistogramRow:
+    """One channel of a histogram: ``counts[j]`` counts ``[(first + j) * width, (first + j + 1) * width)``.
+
+    ``lo``/``hi`` are the exact extremes of the histogrammed values (``lo`` is 0 in
+    ``include_zero`` mode when all values are positive).
+    """
+
+    counts: npt.NDArray[np.int64]
+    first: int
+    width: float
+    lo: float
+    hi: float
+
+    @property
+    def total(self) -> int:
+        """Number of values in the row."""
+        return int(self.counts.sum())
+
+    def edges(self) -> F64:
+        """Bin edges, ``len(counts) + 1`` values."""
+        return (self.first + np.arange(self.counts.size + 1, dtype=np.float64)) * self.width
+
+    def mass_below(self, v: float) -> float:
+        """Estimated number of values ``< v`` (linear inside the bin containing ``v``)."""
+        if v <= self.lo:
+            return 0.0
+        if v > self.hi:
+            return float(self.total)
+        pos = v / self.width - self.first
+        j = int(np.floor(pos))
+        j = min(max(j, 0), self.counts.size - 1)
+        frac = min(max(pos - j, 0.0), 1.0)
+        return float(self.counts[:j].sum()) + frac * float(self.counts[j])
+
+    def mass_above(self, v: float) -> float:
+        """Estimated number of values ``> v`` (linear inside the bin containing ``v``)."""
+        if v >= self.hi:
+            return 0.0
+        if v < self.lo:
+            return float(self.total)
+        return float(self.total) - self.mass_below(v)
+
+
+class AlignedHistogram:
+    """``C`` rows of ``num_bins`` counts on the global power-of-two grid (see module docstring)."""
+
+    def __init__(self, channels: int, num_bins: int = 2048, include_zero: bool = False) -> None:
+        if num_bins < 2:
+            raise ValueError("num_bins must be >= 2")
+        self.channels = channels
+        self.num_bins = num_bins
+        self.include_zero = include_zero
+        self.counts = np.zeros((channels, num_bins), dtype=np.int64)
+        self.k = np.full(channels, K_MIN, dtype=np.int64)
+        self.first = np.zeros(channels, dtype=np.int64)
+        self.lo = np.full(channels, np.inf)
+        self.hi = np.full(channels, -np.inf)
+
+    @property
+    def empty(self) -> npt.NDArray[np.bool_]:
+        """Rows that have seen no value."""
+        return ~(self.lo <= self.hi)
+
+    def _regrid(self, lo: F64, hi: F64) -> None:
+        """Move every row to the grid required by ``[lo, hi]`` (exact coarsening + shift)."""
+        k_new = required_exponent(lo, hi, self.num_bins)
+        first_new = np.floor(np.ldexp(lo, -k_new)).astype(np.int64)
+        had = ~self.empty
+        k_new = np.where(had, np.maximum(k_new, self.k), k_new)
+        first_new = np.floor(np.ldexp(lo, -k_new)).astype(np.int64)
+        changed = had & ((k_new != self.k) | (first_new != self.first))
+        if np.any(changed):
+            rows = np.nonzero(changed)[0]
+            shift = (k_new - self.k)[rows]
+            absolute = self.first[rows, None] + np.arange(self.num_bins, dtype=np.int64)[None, :]
+            new_pos = (absolute >> shift[:, None]) - first_new[rows, None]
+            old = self.counts[rows]
+            keep = old != 0
+            flat = (np.arange(rows.size, dtype=np.int64)[:, None] * self.num_bins + new_pos)[keep]
+            moved = np.bincount(flat, weights=old[keep], minlength=rows.size * self.num_bins)
+            self.counts[rows] = moved.reshape(rows.size, self.num_bins).astype(np.int64)
+        self.k = k_new
+        self.first = first_new
+        self.lo = lo
+        self.hi = hi
+
+    def update(self, values: F64, vmin: F64 | None = None, vmax: F64 | None = None) -> None:
+        """Add ``values`` of shape ``(C, M)`` (row ``c`` goes to channel ``c``).
+
+        ``vmin``/``vmax`` may pass precomputed row extremes.  Values must be finite.
+        """
+        if values.shape[1] == 0:
+            return
+        bmin = values.min(axis=1) if vmin is None else vmin
+        bmax = values.max(axis=1) if vmax is None else vmax
+        lo = np.minimum(self.lo, bmin.astype(np.float64))
+        hi = np.maximum(self.hi, bmax.astype(np.float64))
+        if self.include_zero:
+            lo = np.minimum(lo, 0.0)
+        self._regrid(lo, hi)
+        idx = np.floor(np.ldexp(values.astype(np.float64, copy=False), -self.k[:, None])).astype(np.int64)
+        idx -= self.first[:, None]
+        idx += np.arange(self.channels, dtype=np.int64)[:, None] * self.num_bins
+        add = np.bincount(idx.ravel(), minlength=self.channels * self.num_bins)
+        self.counts += add.reshape(self.channels, self.num_bins)
+
+    def merge(self, other: AlignedHistogram) -> None:
+        """Add the counts of ``other`` (same channels, bins and mode); exact."""
+        if (other.channels, other.num_bins, other.include_zero) != (
+            self.channels,
+            self.num_bins,
+            self.include_zero,
+        ):
+            raise ValueError("cannot merge histograms with different channels, bins or mode")
+        if np.all(other.empty):
+            return
+        lo = np.minimum(self.lo, other.lo)
+        hi = np.maximum(self.hi, other.hi)
+        mine_empty = self.empty
+        self._regrid(lo, hi)
+        tmp = AlignedHistogram(self.channels, self.num_bins, self.include_zero)
+        tmp.counts = other.counts.copy()
+        tmp.k, tmp.first, tmp.lo, tmp.hi = other.k.copy(), other.first.copy(), other.lo.copy(), other.hi.copy()
+        # the grid of a row that was empty here is defined by other's data alone -> k >= other's k
+        tmp._regrid(np.where(other.empty, lo, lo), hi)
+        tmp.k = np.where(other.empty, self.k, tmp.k)
+        tmp_counts = np.where(other.empty[:, None], 0, tmp.counts)
+        if not np.array_equal(np.where(other.empty, self.k, tmp.k), self.k) and np.any(mine_empty):
+            raise AssertionError("histogram grids diverged during merge")
+        self.counts += tmp_counts
+
+    def row(self, c: int = 0) -> HistogramRow:
+        """Channel ``c`` trimmed to its occupied bins (empty rows give one zero bin at 0)."""
+        if self.empty[c]:
+            return HistogramRow(np.zeros(1, dtype=np.int64), 0, 1.0, 0.0, 0.0)
+        counts = self.counts[c]
+        nz = np.nonzero(counts)[0]
+        start = 0 if self.include_zero else int(nz[0])
+        stop = int(nz[-1]) + 1
+        return HistogramRow(
+            counts=counts[start:stop].copy(),
+            first=int(self.first[c]) + start,
+            width=float(np.ldexp(1.0, int(self.k[c]))),
+            lo=float(self.lo[c]),
+            hi=float(self.hi[c]),
+        )

@@ -1,0 +1,245 @@
+"""The ``qgraph`` command line.
+
+Exit codes: 0 ok; 1 a run failed (a pass refused, verification failed); 2 bad input (recipe, model, data),
+printed as one paragraph without a traceback unless ``--debug``; 130 interrupted (no partial output is left:
+every output is written atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qgraph import __version__
+from qgraph.errors import QGraphError
+
+app = typer.Typer(
+    name="qgraph",
+    help="Declarative ONNX graph transformations: float model → deployable INT8 model, checked at every step.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console(stderr=True)
+out = Console()
+_STATE: dict[str, bool] = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"qgraph {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for input errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    _STATE["debug"] = debug
+
+
+@app.command()
+def run(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    model: Annotated[Path, typer.Argument(help="Input ONNX model (never modified).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output ONNX model.")],
+    calibration_data: Annotated[
+        str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
+    ] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Check float-preserving passes numerically.")] = False,
+    tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
+    report: Annotated[Path | None, typer.Option("--report", help="Write a report (.json or .html).")] = None,
+    patch: Annotated[
+        list[Path] | None, typer.Option("--patch", help="Recipe patch(es) to append (e.g. from fallback).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+) -> None:
+    """Run RECIPE on MODEL and write the transformed model to OUTPUT."""
+    from qgraph.pipeline import PipelineEvent
+    from qgraph.recipe import Recipe
+
+    rec = Recipe.from_yaml(recipe)
+    for p in patch or []:
+        rec = apply_patch(rec, p)
+    pipeline = rec.pipeline()
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} passes"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+    )
+    task = progress.add_task(rec.name, total=len(pipeline.passes))
+
+    def on_event(ev: PipelineEvent) -> None:
+        if ev.kind == "pass_start":
+            progress.update(task, description=f"{rec.name}: {ev.pass_name}")
+        elif ev.kind == "pass_end" and ev.result is not None:
+            r = ev.result
+            progress.advance(task)
+            progress.console.print(
+                f"  [green]✓[/] {ev.pass_name}: matched {r.matched}, rewritten {r.rewritten}, "
+                f"skipped {len(r.skipped)}, +{r.nodes_added}/-{r.nodes_removed} nodes "
+                f"[dim]({ev.seconds:.2f}s, peak {ev.peak_rss_mb:.0f} MB)[/]"
+            )
+        elif ev.kind == "verify" and ev.verify:
+            worst = max(ev.verify, key=lambda d: d.relative)
+            progress.console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}")
+
+    with progress:
+        result = pipeline.run(model, calibration_data=calibration_data, verify=verify,
+                              verify_tolerance=tolerance, on_event=on_event)
+    result.save(output)
+    if report is not None:
+        from qgraph.report import write_report
+
+        write_report(report, rec, result)
+    console.print(f"wrote {output}")
+
+
+def apply_patch(recipe: Any, patch_path: Path) -> Any:
+    """Append the passes of a recipe patch (YAML with a ``passes:`` list) to ``recipe``."""
+    from qgraph.recipe import Recipe
+
+    text = patch_path.read_text(encoding="utf-8") if patch_path.exists() else None
+    if text is None:
+        raise QGraphError(f"patch file not found: {patch_path}")
+    patch_recipe = Recipe.from_text(text if "name:" in text else f"name: patch\n{text}", str(patch_path))
+    return Recipe(
+        recipe.name,
+        [*recipe.passes, *patch_recipe.passes],
+        description=recipe.description,
+        target=recipe.target,
+        calibration=recipe.calibration,
+        source=recipe.source,
+    )
+
+
+@app.command()
+def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to check.")]) -> None:
+    """Validate recipes; print every problem with file:line:column and a suggestion."""
+    from qgraph.recipe import Recipe, RecipeValidationError
+
+    failed = 0
+    for path in recipes:
+        try:
+            rec = Recipe.from_yaml(path)
+        except RecipeValidationError as exc:
+            failed += 1
+            for issue in exc.issues:
+                out.print(str(issue), markup=False, highlight=False, soft_wrap=True)
+            continue
+        out.print(f"{path}: ok ({len(rec.passes)} passes: {', '.join(p.name for p in rec.passes)})",
+                  markup=False, highlight=False)
+    if failed:
+        raise typer.Exit(2)
+
+
+@app.command()
+def schema(
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write to a file.")] = None,
+) -> None:
+    """Print the JSON Schema of recipes (for yaml-language-server / editor completion)."""
+    from qgraph.recipe import recipe_json_schema
+
+    text = json.dumps(recipe_json_schema(), indent=2)
+    if output is not None:
+        output.write_text(text + "\n", encoding="utf-8")
+    else:
+        sys.stdout.write(text + "\n")
+
+
+@app.command("passes")
+def list_passes() -> None:
+    """List the available passes with one-line docs and their options."""
+    from qgraph.pass_api import discover
+
+    table = Table(title="qgraph passes")
+    table.add_column("pass", style="bold")
+    table.add_column("float-preserving")
+    table.add_column("summary")
+    table.add_column("options")
+    for name, cls in discover().items():
+        opts = ", ".join(
+            f"{f.alias or k}={f.default!r}" if not f.is_required() else f"{f.alias or k} (required)"
+            for k, f in cls.config_class.model_fields.items()
+        )
+        table.add_row(name, "yes" if cls.preserves_float else "no", cls.summary(), opts)
+    out.print(table)
+
+
+@app.command()
+def inspect(
+    model: Annotated[Path, typer.Argument(help="ONNX model.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Summarize a model: opset, IR, op histogram, inputs/outputs, weights, subgraphs, external data."""
+    from qgraph.inspect import inspect_model
+
+    info = inspect_model(model)
+    if as_json:
+        sys.stdout.write(json.dumps(info, indent=2, default=str) + "\n")
+        return
+    out.print(f"[bold]{model}[/]  IR {info['ir_version']}  opsets {info['opsets']}  "
+              f"{info['nodes']} nodes  {info['initializer_bytes'] / 1e6:.2f} MB weights")
+    io_table = Table(title="inputs / outputs")
+    for col in ("kind", "name", "dtype", "shape"):
+        io_table.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for t in info[kind]:
+            io_table.add_row(kind[:-1], t["name"], t["dtype"], str(t["shape"]))
+    out.print(io_table)
+    ops = Table(title="op histogram")
+    ops.add_column("op")
+    ops.add_column("count", justify="right")
+    for op, count in Counter(info["ops"]).most_common():
+        ops.add_row(op, str(count))
+    out.print(ops)
+    if info["subgraphs"]:
+        out.print(f"subgraphs: {info['subgraphs']}")
+    if info["external_data"]:
+        out.print(f"external data files: {info['external_data']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI, mapping qgraph errors to exit codes without tracebacks."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except QGraphError as exc:
+        if _STATE["debug"]:
+            raise
+        console.print("[bold red]error:[/]", end=" ")
+        console.print(exc.message, markup=False, highlight=False, soft_wrap=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print("interrupted: no output was written.")
+        return 130
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:
+        return 130
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

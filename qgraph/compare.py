@@ -1,0 +1,169 @@
+"""Running models in onnxruntime and comparing their outputs (used by ``--verify``, diff and reports).
+
+Metrics, for a reference ``r`` and a candidate ``c`` of the same shape:
+
+- max abs error ``max|c - r|`` and its ratio to the output scale ``max|r|`` (the ``--verify`` criterion:
+  ``max|c - r| <= tol * max|r|``, tol = 1e-5 by default);
+- cosine similarity ``<c, r> / (|c| |r|)``;
+- SQNR in dB ``10 log10(sum r² / sum (c - r)²)`` (inf when identical).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from qgraph.data import Feed, model_inputs
+from qgraph.errors import ModelError
+from qgraph.model_io import PROTOBUF_LIMIT, save_model
+
+
+def make_session(
+    model: onnx.ModelProto | str | Path,
+    *,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    threads: int = 1,
+    optimized_model_path: str | None = None,
+) -> ort.InferenceSession:
+    """An onnxruntime CPU session for ``model`` (models over 2 GB go through a temporary file)."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = optimization
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    if optimized_model_path:
+        opts.optimized_model_filepath = optimized_model_path
+    try:
+        if isinstance(model, (str, Path)):
+            return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+        if model.ByteSize() < PROTOBUF_LIMIT - (16 << 20):
+            return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = save_model(model, Path(tmp) / "model.onnx", external_data=True)
+            return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ModelError(f"onnxruntime cannot load the model: {exc}") from exc
+
+
+def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Run ``session`` on ``feed``; returns output name -> array."""
+    names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
+    values = session.run(names, feed)
+    return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
+
+
+def random_feeds(model: onnx.ModelProto, n: int = 2, seed: int = 0, dynamic_dim: int = 1) -> list[Feed]:
+    """Seeded random feeds matching the model's declared inputs (dynamic dims set to ``dynamic_dim``)."""
+    rng = np.random.default_rng(seed)
+    feeds: list[Feed] = []
+    for _ in range(n):
+        feed: Feed = {}
+        for spec in model_inputs(model):
+            shape = tuple(d if isinstance(d, int) and d > 0 else dynamic_dim for d in spec.shape)
+            if spec.dtype.kind == "f":
+                feed[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+            elif spec.dtype.kind in "iu":
+                feed[spec.name] = rng.integers(0, 2, size=shape).astype(spec.dtype)
+            elif spec.dtype.kind == "b":
+                feed[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
+            else:
+                feed[spec.name] = np.zeros(shape, dtype=spec.dtype)
+        feeds.append(feed)
+    return feeds
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How far a candidate tensor is from its reference."""
+
+    name: str
+    max_abs: float
+    scale: float  # max|reference|
+    cosine: float
+    sqnr_db: float
+
+    @property
+    def relative(self) -> float:
+        """``max_abs / max|reference|`` (max_abs itself when the reference is all zeros)."""
+        return self.max_abs / self.scale if self.scale > 0 else self.max_abs
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "max_abs": self.max_abs,
+            "scale": self.scale,
+            "relative": self.relative,
+            "cosine": self.cosine,
+            "sqnr_db": self.sqnr_db,
+        }
+
+
+class DiffAccumulator:
+    """Streams (reference, candidate) pairs of one tensor into the metrics above in O(1) memory."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.max_abs = 0.0
+        self.scale = 0.0
+        self.dot = 0.0
+        self.ref_sq = 0.0
+        self.cand_sq = 0.0
+        self.err_sq = 0.0
+
+    def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
+        """Fold one pair of arrays (same shape) into the metrics."""
+        r = np.asarray(reference, dtype=np.float64)
+        c = np.asarray(candidate, dtype=np.float64)
+        if r.shape != c.shape:
+            raise ValueError(f"{self.name}: shapes differ {r.shape} vs {c.shape}")
+        if r.size == 0:
+            return
+        err = c - r
+        self.max_abs = max(self.max_abs, float(np.max(np.abs(err))))
+        self.scale = max(self.scale, float(np.max(np.abs(r))))
+        self.dot += float(np.sum(r * c))
+        self.ref_sq += float(np.sum(r * r))
+        self.cand_sq += float(np.sum(c * c))
+        self.err_sq += float(np.sum(err * err))
+
+    def result(self) -> TensorDiff:
+        """The accumulated metrics."""
+        denom = math.sqrt(self.ref_sq * self.cand_sq)
+        cosine = self.dot / denom if denom > 0 else (1.0 if self.err_sq == 0 else 0.0)
+        if self.err_sq == 0:
+            sqnr = math.inf
+        elif self.ref_sq == 0:
+            sqnr = -math.inf
+        else:
+            sqnr = 10.0 * math.log10(self.ref_sq / self.err_sq)
+        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr)
+
+
+def compare_models(
+    reference: onnx.ModelProto | ort.InferenceSession,
+    candidate: onnx.ModelProto | ort.InferenceSession,
+    feeds: Iterable[Feed],
+) -> list[TensorDiff]:
+    """Run both models on ``feeds`` and compare every output by position (names may differ)."""
+    ref_sess = reference if isinstance(reference, ort.InferenceSession) else make_session(reference)
+    cand_sess = candidate if isinstance(candidate, ort.InferenceSession) else make_session(candidate)
+    ref_names = [o.name for o in ref_sess.get_outputs()]
+    cand_names = [o.name for o in cand_sess.get_outputs()]
+    if len(ref_names) != len(cand_names):
+        raise ModelError(f"the models have {len(ref_names)} and {len(cand_names)} outputs; cannot compare.")
+    accs = [DiffAccumulator(n) for n in ref_names]
+    for feed in feeds:
+        ref = run(ref_sess, feed)
+        cand = run(cand_sess, feed)
+        for acc, rn, cn in zip(accs, ref_names, cand_names, strict=True):
+            acc.add(ref[rn], cand[cn])
+    return [a.result() for a in accs]

@@ -1,0 +1,206 @@
+"""The public pass API: what a pass is, what it returns, and how it is found.
+
+A pass is a small class::
+
+    class FuseBatchNormConfig(PassConfig):
+        include_matmul: bool = True
+
+    @register
+    class FuseBatchNorm(Pass[FuseBatchNormConfig]):
+        '''Fold inference BatchNormalization into the preceding Conv/Gemm.'''
+        name = "fuse_batchnorm"
+        config_class = FuseBatchNormConfig
+        preserves_float = True
+
+        def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult: ...
+
+Its registered ``name`` is its recipe key; its config class is its schema. Built-in passes and third-party
+passes are discovered the same way, through the ``qgraph.passes`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from qgraph.errors import RecipeError
+from qgraph.graph import GraphHandle
+
+if TYPE_CHECKING:
+    from qgraph.data import DataSource
+
+ENTRY_POINT_GROUP = "qgraph.passes"
+
+
+class PassConfig(BaseModel):
+    """Base of every pass config: frozen, unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+@dataclass
+class Skipped:
+    """A node a pass looked at and left alone, with the reason a user can act on."""
+
+    node: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready form."""
+        return {"node": self.node, "reason": self.reason}
+
+
+@dataclass
+class PassResult:
+    """What a pass did. Counts are exact; "nothing matched" is a normal outcome."""
+
+    matched: int = 0
+    rewritten: int = 0
+    skipped: list[Skipped] = field(default_factory=list)
+    nodes_added: int = 0
+    nodes_removed: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def skip(self, node: str, reason: str) -> None:
+        """Record that ``node`` was left alone because of ``reason``."""
+        self.skipped.append(Skipped(node, reason))
+
+    @property
+    def changed(self) -> bool:
+        """Whether the pass modified the graph."""
+        return bool(self.rewritten or self.nodes_added or self.nodes_removed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, deterministic form (no timings)."""
+        return {
+            "matched": self.matched,
+            "rewritten": self.rewritten,
+            "skipped": [s.to_dict() for s in self.skipped],
+            "nodes_added": self.nodes_added,
+            "nodes_removed": self.nodes_removed,
+            "details": self.details,
+            "notes": self.notes,
+        }
+
+
+class PassContext:
+    """Services a running pipeline offers to passes: calibration data, target, shared caches."""
+
+    def __init__(
+        self,
+        *,
+        calibration_data: DataSource | None = None,
+        target_opset: int | None = None,
+        target_runtime: str = "onnxruntime",
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.calibration_data = calibration_data
+        self.target_opset = target_opset
+        self.target_runtime = target_runtime
+        self.options: dict[str, Any] = dict(options or {})
+        #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
+        self.cache: dict[str, Any] = {}
+
+
+C = TypeVar("C", bound=PassConfig)
+
+
+class Pass(Generic[C]):
+    """Base class of every pass. Subclasses set ``name``, ``config_class`` and implement `run`."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[PassConfig]]
+    #: True when the pass keeps the model's float results (checked numerically with ``--verify``).
+    preserves_float: ClassVar[bool] = True
+
+    def __init__(self, config: C | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError("pass either a config object or keyword options, not both")
+        if config is None:
+            from pydantic import ValidationError
+
+            try:
+                config = self.config_class(**options)  # type: ignore[assignment]
+            except ValidationError as exc:
+                raise RecipeError(f"{self.name}: invalid options: {exc}") from exc
+        elif not isinstance(config, self.config_class):
+            raise TypeError(f"{self.name} expects a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config: C = config  # type: ignore[assignment]
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Transform ``graph`` in place and report what changed."""
+        raise NotImplementedError
+
+    def check(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Validate the config against the model before any pass runs (raise `RecipeError`/`PassError`)."""
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the pass's docstring."""
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+
+PassClass = type[Pass[Any]]
+_REGISTRY: dict[str, PassClass] = {}
+_DISCOVERED = False
+
+
+def register(cls: PassClass) -> PassClass:
+    """Class decorator: make ``cls`` available under ``cls.name`` (used by entry points and tests)."""
+    if not getattr(cls, "name", None) or not getattr(cls, "config_class", None):
+        raise TypeError(f"{cls.__name__} must define `name` and `config_class`")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
+        raise TypeError(f"pass name {cls.name!r} is already registered by {existing.__module__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def discover() -> dict[str, PassClass]:
+    """Load every pass advertised in the ``qgraph.passes`` entry-point group (built-ins included)."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        _DISCOVERED = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                obj = ep.load()
+            except Exception as exc:  # a broken plug-in must not break qgraph
+                import warnings
+
+                warnings.warn(f"qgraph: cannot load pass plug-in {ep.name!r} ({ep.value}): {exc}", stacklevel=2)
+                continue
+            if isinstance(obj, type) and issubclass(obj, Pass):
+                if obj.name != ep.name:
+                    raise TypeError(f"entry point {ep.name!r} points at a pass named {obj.name!r}")
+                register(obj)
+    return dict(sorted(_REGISTRY.items()))
+
+
+def rediscover() -> dict[str, PassClass]:
+    """Forget cached discovery and scan entry points again (after installing a plug-in at run time)."""
+    global _DISCOVERED
+    _DISCOVERED = False
+    return discover()
+
+
+def get_pass(name: str) -> PassClass:
+    """The pass class registered as ``name``; `RecipeError` with the closest names otherwise."""
+    passes = discover()
+    if name in passes:
+        return passes[name]
+    close = difflib.get_close_matches(name, list(passes), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise RecipeError(f"unknown pass {name!r}.{hint} Known passes: {', '.join(passes)}.")
+
+
+ProgressCallback = Callable[[int, int | None], None]

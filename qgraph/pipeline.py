@@ -1,0 +1,239 @@
+"""The pipeline runner: passes in order, optional numeric verification, provenance, progress events.
+
+``Pipeline([FoldConstants(), FuseBatchNorm()]).run("model.onnx")`` returns a `PipelineResult` whose ``model``
+carries provenance in ``metadata_props`` (canonical recipe text and hash, input model hash, qgraph version,
+per-pass stats). Nothing in provenance depends on time or machine, so the same recipe on the same model gives
+a byte-identical file.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import onnx
+
+from qgraph import __version__
+from qgraph.compare import TensorDiff, compare_models, random_feeds
+from qgraph.data import DataSource, Feed, open_data_source
+from qgraph.errors import VerificationError
+from qgraph.graph import GraphHandle, check_acyclic, describe
+from qgraph.model_io import file_fingerprint, load_model, model_fingerprint, save_model
+from qgraph.pass_api import Pass, PassContext, PassResult
+from qgraph.recipe import CalibrationSpec, Recipe, TargetSpec
+
+EventKind = Literal["pipeline_start", "pass_start", "pass_end", "verify", "pipeline_end"]
+
+
+@dataclass(frozen=True)
+class PipelineEvent:
+    """A progress event; the CLI renders them, Python callers can subscribe."""
+
+    kind: EventKind
+    total: int
+    index: int | None = None
+    pass_name: str | None = None
+    seconds: float | None = None
+    peak_rss_mb: float | None = None
+    result: PassResult | None = None
+    verify: list[TensorDiff] | None = None
+
+
+@dataclass
+class PassRecord:
+    """One executed pass: its config, result, cost and (optionally) verification."""
+
+    index: int
+    name: str
+    config: dict[str, Any]
+    result: PassResult
+    seconds: float
+    peak_rss_mb: float
+    nodes_before: int
+    nodes_after: int
+    preserves_float: bool
+    verify: list[TensorDiff] | None = None
+
+
+@dataclass
+class PipelineResult:
+    """The output model and what every pass did."""
+
+    model: onnx.ModelProto
+    records: list[PassRecord] = field(default_factory=list)
+    input_model: onnx.ModelProto | None = None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the output model atomically (external data beside it when over 2 GB)."""
+        return save_model(self.model, path)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Pipeline:
+    """An ordered list of passes; build it in Python or from a `Recipe`."""
+
+    def __init__(self, passes: Sequence[Pass[Any]], *, name: str = "pipeline", recipe: Recipe | None = None) -> None:
+        self.passes = list(passes)
+        self.name = name
+        self.recipe = recipe
+        self._subscribers: list[Callable[[PipelineEvent], None]] = []
+
+    def subscribe(self, callback: Callable[[PipelineEvent], None]) -> None:
+        """Call ``callback`` with every `PipelineEvent` of later runs."""
+        self._subscribers.append(callback)
+
+    def to_recipe(self, name: str | None = None) -> Recipe:
+        """The equivalent recipe (round-trips through YAML)."""
+        if self.recipe is not None and name is None:
+            return self.recipe
+        return Recipe(name or self.name, self.passes)
+
+    def to_yaml(self) -> str:
+        """The equivalent recipe as YAML."""
+        return self.to_recipe().to_yaml()
+
+    def run(
+        self,
+        model: onnx.ModelProto | str | Path,
+        *,
+        calibration_data: DataSource | str | Path | None = None,
+        verify: bool = False,
+        verify_tolerance: float = 1e-5,
+        verify_samples: int = 2,
+        on_event: Callable[[PipelineEvent], None] | None = None,
+    ) -> PipelineResult:
+        """Run every pass on a copy of ``model`` and return the result (the input is never modified)."""
+        listeners = [*self._subscribers, *([on_event] if on_event else [])]
+
+        def emit(event: PipelineEvent) -> None:
+            for cb in listeners:
+                cb(event)
+
+        if isinstance(model, (str, Path)):
+            source = load_model(model)
+            input_hash = file_fingerprint(model)
+        else:
+            source = onnx.ModelProto()
+            source.CopyFrom(model)
+            input_hash = model_fingerprint(source)
+        check_acyclic(source)
+        recipe = self.to_recipe()
+        ctx = self._context(recipe, source, calibration_data)
+        handle = GraphHandle(source)
+        total = len(self.passes)
+        emit(PipelineEvent("pipeline_start", total))
+        records: list[PassRecord] = []
+        previous = source if verify else None
+        verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
+        for i, p in enumerate(self.passes):
+            emit(PipelineEvent("pass_start", total, i, p.name))
+            nodes_before = len(handle.graph.nodes)
+            start = time.perf_counter()
+            p.check(handle, ctx)
+            result = p.run(handle, ctx)
+            handle.changed()
+            seconds = time.perf_counter() - start
+            record = PassRecord(
+                index=i,
+                name=p.name,
+                config=p.config.model_dump(mode="json", exclude_defaults=True, by_alias=True),
+                result=result,
+                seconds=seconds,
+                peak_rss_mb=_peak_rss_mb(),
+                nodes_before=nodes_before,
+                nodes_after=len(handle.graph.nodes),
+                preserves_float=p.preserves_float,
+            )
+            records.append(record)
+            emit(PipelineEvent("pass_end", total, i, p.name, seconds, record.peak_rss_mb, result))
+            if verify and previous is not None:
+                current = handle.to_onnx()
+                if p.preserves_float:
+                    record.verify = self._verify(p, i, previous, current, verify_feeds, verify_tolerance)
+                    emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
+                previous = current
+        out = handle.to_onnx()
+        _write_provenance(out, recipe, input_hash, records)
+        emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
+        return PipelineResult(out, records, source)
+
+    def _context(
+        self, recipe: Recipe, model: onnx.ModelProto, calibration_data: DataSource | str | Path | None
+    ) -> PassContext:
+        spec: CalibrationSpec = recipe.calibration
+        target: TargetSpec = recipe.target
+        data_spec = calibration_data if calibration_data is not None else spec.data
+        data = open_data_source(data_spec, samples=spec.samples).bind(model) if data_spec is not None else None
+        return PassContext(
+            calibration_data=data,
+            target_opset=target.opset,
+            target_runtime=target.runtime,
+            options={"batch_size": spec.batch_size, "ranges_file": spec.ranges},
+        )
+
+    @staticmethod
+    def _verify_feeds(model: onnx.ModelProto, ctx: PassContext, n: int) -> list[Feed]:
+        if ctx.calibration_data is not None:
+            feeds: list[Feed] = []
+            for feed in ctx.calibration_data:
+                feeds.append(feed)
+                if len(feeds) >= n:
+                    break
+            if feeds:
+                return feeds
+        return random_feeds(model, n)
+
+    @staticmethod
+    def _verify(
+        p: Pass[Any],
+        index: int,
+        before: onnx.ModelProto,
+        after: onnx.ModelProto,
+        feeds: Iterable[Feed],
+        tolerance: float,
+    ) -> list[TensorDiff]:
+        diffs = compare_models(before, after, feeds)
+        worst = max(diffs, key=lambda d: d.relative, default=None)
+        if worst is not None and worst.max_abs > tolerance * max(worst.scale, 1e-12):
+            raise VerificationError(
+                f"pass #{index} {p.name!r} changed the model's results: output {worst.name!r} differs by "
+                f"max abs {worst.max_abs:.3g} (scale {worst.scale:.3g}, relative {worst.relative:.3g} > "
+                f"tolerance {tolerance:g}). This is a bug in the pass or an unsupported pattern: exclude the "
+                "affected nodes or report it."
+            )
+        return diffs
+
+
+def _write_provenance(model: onnx.ModelProto, recipe: Recipe, input_hash: str, records: list[PassRecord]) -> None:
+    stats = [
+        {
+            "pass": r.name,
+            "matched": r.result.matched,
+            "rewritten": r.result.rewritten,
+            "skipped": len(r.result.skipped),
+            "nodes_before": r.nodes_before,
+            "nodes_after": r.nodes_after,
+        }
+        for r in records
+    ]
+    entries = {
+        "qgraph.version": __version__,
+        "qgraph.recipe": recipe.canonical_text(),
+        "qgraph.recipe_sha256": recipe.sha256(),
+        "qgraph.input_sha256": input_hash,
+        "qgraph.passes": describe(stats),
+    }
+    kept = [p for p in model.metadata_props if p.key not in entries]
+    del model.metadata_props[:]
+    for p in kept:
+        model.metadata_props.add(key=p.key, value=p.value)
+    for key in sorted(entries):
+        model.metadata_props.add(key=key, value=entries[key])
+

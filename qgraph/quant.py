@@ -1,0 +1,341 @@
+"""Quantization math shared by every part of qgraph.
+
+This module is the single place where integer ranges, scales, zero points and the
+QuantizeLinear / DequantizeLinear arithmetic are defined.  Everything is vectorized numpy
+and works elementwise for per-channel parameters.
+
+Conventions (they match ONNX ``QuantizeLinear`` / ``DequantizeLinear``):
+
+* quantize:    ``q = saturate(round_half_to_even(x / scale) + zero_point)``
+* dequantize:  ``x' = (q - zero_point) * scale``
+* fake quantize: ``dequantize(quantize(x))``
+
+Scales are always ``float32`` and at least :data:`MIN_SCALE`; an exactly-zero range gets
+scale ``1.0`` (see :func:`compute_scale_zero_point`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+from onnx import TensorProto
+from pydantic import BaseModel, ConfigDict, model_validator
+
+FloatArray: TypeAlias = npt.NDArray[np.float32]
+ArrayOrScalar: TypeAlias = "float | npt.NDArray[Any]"
+
+#: Smallest scale ever produced: ``2**-40`` (~9.1e-13).  Scales below this would make
+#: ``input_scale * weight_scale`` (the bias scale) underflow towards float32 denormals.
+MIN_SCALE: float = 2.0**-40
+
+#: Scale used when the (zero-extended) range is exactly ``[0, 0]``: any positive scale
+#: represents the only observed value 0 exactly; 1.0 keeps downstream products well away
+#: from denormals.
+ZERO_RANGE_SCALE: float = 1.0
+
+_INT32_MAX = 2**31 - 1
+
+
+class QuantDtype(str, enum.Enum):
+    """Integer storage type of a quantized tensor."""
+
+    INT8 = "int8"
+    UINT8 = "uint8"
+    INT16 = "int16"
+    UINT16 = "uint16"
+    INT4 = "int4"
+    UINT4 = "uint4"
+    INT32 = "int32"
+
+    @property
+    def bits(self) -> int:
+        """Number of bits of the type (4, 8, 16 or 32)."""
+        return _BITS[self]
+
+    @property
+    def signed(self) -> bool:
+        """True for the two's-complement signed types."""
+        return self in (QuantDtype.INT8, QuantDtype.INT16, QuantDtype.INT4, QuantDtype.INT32)
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        """numpy storage dtype (int4/uint4 are stored unpacked in int8/uint8)."""
+        return np.dtype(_NUMPY[self])
+
+    @property
+    def onnx_type(self) -> int:
+        """``onnx.TensorProto`` element type (e.g. ``TensorProto.INT8``)."""
+        return _ONNX[self]
+
+
+_BITS = {
+    QuantDtype.INT8: 8,
+    QuantDtype.UINT8: 8,
+    QuantDtype.INT16: 16,
+    QuantDtype.UINT16: 16,
+    QuantDtype.INT4: 4,
+    QuantDtype.UINT4: 4,
+    QuantDtype.INT32: 32,
+}
+_NUMPY: dict[QuantDtype, type[np.integer[Any]]] = {
+    QuantDtype.INT8: np.int8,
+    QuantDtype.UINT8: np.uint8,
+    QuantDtype.INT16: np.int16,
+    QuantDtype.UINT16: np.uint16,
+    QuantDtype.INT4: np.int8,
+    QuantDtype.UINT4: np.uint8,
+    QuantDtype.INT32: np.int32,
+}
+_ONNX = {
+    QuantDtype.INT8: TensorProto.INT8,
+    QuantDtype.UINT8: TensorProto.UINT8,
+    QuantDtype.INT16: TensorProto.INT16,
+    QuantDtype.UINT16: TensorProto.UINT16,
+    QuantDtype.INT4: TensorProto.INT4,
+    QuantDtype.UINT4: TensorProto.UINT4,
+    QuantDtype.INT32: TensorProto.INT32,
+}
+
+
+def dtype_range(dtype: QuantDtype | str, narrow: bool = False, reduce_range: bool = False) -> tuple[int, int]:
+    """Integer range ``(qmin, qmax)`` of ``dtype``.
+
+    With ``b`` bits (``b - 1`` when ``reduce_range``):
+
+    * signed: ``[-2**(b-1), 2**(b-1) - 1]``; ``narrow`` drops the most negative code,
+      e.g. int8 ``[-127, 127]``; ``reduce_range`` int8 ``[-64, 63]``.
+    * unsigned: ``[0, 2**b - 1]``; ``narrow`` drops the highest code so the range is
+      symmetric around its midpoint, e.g. uint8 ``[0, 254]``; ``reduce_range`` uint8 ``[0, 127]``.
+    """
+    dt = QuantDtype(dtype)
+    bits = dt.bits - 1 if reduce_range else dt.bits
+    if dt.signed:
+        qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        if narrow:
+            qmin += 1
+    else:
+        qmin, qmax = 0, 2**bits - 1
+        if narrow:
+            qmax -= 1
+    return qmin, qmax
+
+
+def symmetric_zero_point(dtype: QuantDtype | str, narrow: bool = False, reduce_range: bool = False) -> int:
+    """Zero point of a symmetric quantizer: 0 for signed types, ``(qmin + qmax + 1) // 2`` otherwise.
+
+    uint8 -> 128, uint16 -> 32768, narrow uint8 ``[0, 254]`` -> 127.
+    """
+    dt = QuantDtype(dtype)
+    if dt.signed:
+        return 0
+    qmin, qmax = dtype_range(dt, narrow, reduce_range)
+    return (qmin + qmax + 1) // 2
+
+
+class QuantSpec(BaseModel):
+    """How one tensor is quantized.
+
+    ``axis`` is required (and only allowed) when ``per_channel`` is true.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: QuantDtype = QuantDtype.INT8
+    symmetric: bool = False
+    per_channel: bool = False
+    axis: int | None = None
+    narrow_range: bool = False
+    reduce_range: bool = False
+
+    @model_validator(mode="after")
+    def _check_axis(self) -> QuantSpec:
+        if self.per_channel and self.axis is None:
+            raise ValueError("per_channel quantization needs an axis")
+        if not self.per_channel and self.axis is not None:
+            raise ValueError("axis is only meaningful with per_channel=True")
+        return self
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        """``dtype_range(dtype, narrow_range, reduce_range)``."""
+        return dtype_range(self.dtype, self.narrow_range, self.reduce_range)
+
+
+@dataclass(frozen=True, eq=False)
+class ActivationRange:
+    """Real-valued range ``[rmin, rmax]`` of a tensor (arrays of shape ``(C,)`` when per channel)."""
+
+    rmin: float | npt.NDArray[np.float64]
+    rmax: float | npt.NDArray[np.float64]
+
+    @property
+    def per_channel(self) -> bool:
+        """True when ``rmin``/``rmax`` are arrays."""
+        return isinstance(self.rmin, np.ndarray) and self.rmin.ndim > 0
+
+
+def compute_scale_zero_point(
+    rmin: float | npt.ArrayLike, rmax: float | npt.ArrayLike, spec: QuantSpec
+) -> tuple[FloatArray, npt.NDArray[Any]]:
+    """Scale and zero point that map ``[rmin, rmax]`` onto ``spec``'s integer range.
+
+    The range is first extended to include 0: ``lo = min(rmin, 0)``, ``hi = max(rmax, 0)``, so
+    that 0 is exactly representable (``quantize(0) == zero_point``).  With ``(qmin, qmax) =
+    spec.qrange``:
+
+    * symmetric: ``zp = symmetric_zero_point(...)``, ``a = max(-lo, hi)``,
+      ``scale = a / min(qmax - zp, zp - qmin)`` (e.g. ``a / 127`` for int8 and uint8), so both
+      ``-a`` and ``a`` are representable without clipping.
+    * asymmetric: ``scale = (hi - lo) / (qmax - qmin)``,
+      ``zp = clip(round_half_even(qmin - lo / scale), qmin, qmax)``.
+
+    Special cases: an exactly-zero range (``lo == hi == 0``) gives ``scale =
+    ZERO_RANGE_SCALE`` (1.0); any other scale is floored at :data:`MIN_SCALE`.  The scale is
+    rounded to float32 before the zero point is derived from it.  Works elementwise on
+    per-channel arrays.  Returns ``(scale float32, zero_point of spec.dtype.numpy_dtype)`` with
+    the broadcast shape of the inputs.
+
+    Raises:
+        ValueError: non-finite bounds or ``rmin > rmax``.
+    """
+    lo_in = np.asarray(rmin, dtype=np.float64)
+    hi_in = np.asarray(rmax, dtype=np.float64)
+    if not (np.all(np.isfinite(lo_in)) and np.all(np.isfinite(hi_in))):
+        raise ValueError(f"range bounds must be finite, got rmin={rmin!r}, rmax={rmax!r}")
+    if np.any(lo_in > hi_in):
+        raise ValueError(f"rmin must be <= rmax, got rmin={rmin!r}, rmax={rmax!r}")
+    lo = np.minimum(lo_in, 0.0)
+    hi = np.maximum(hi_in, 0.0)
+    qmin, qmax = spec.qrange
+    if spec.symmetric:
+        zp_int = symmetric_zero_point(spec.dtype, spec.narrow_range, spec.reduce_range)
+        absmax = np.maximum(-lo, hi)
+        raw = absmax / float(min(qmax - zp_int, zp_int - qmin))
+    else:
+        raw = (hi - lo) / float(qmax - qmin)
+    zero = (lo == 0.0) & (hi == 0.0)
+    scale64 = np.where(zero, ZERO_RANGE_SCALE, np.maximum(raw, MIN_SCALE))
+    scale = scale64.astype(np.float32)
+    # float32 rounding may push a floored scale just below MIN_SCALE; nudge it back up.
+    scale = np.where(scale < np.float32(MIN_SCALE), np.float32(MIN_SCALE), scale).astype(np.float32)
+    if spec.symmetric:
+        zp = np.full(scale.shape, zp_int, dtype=np.float64)
+    else:
+        zp = np.clip(np.rint(qmin - lo / scale.astype(np.float64)), qmin, qmax)
+    return scale, zp.astype(spec.dtype.numpy_dtype)
+
+
+def _broadcast_param(p: npt.ArrayLike, ndim: int, axis: int | None) -> npt.NDArray[Any]:
+    """Reshape a per-channel parameter so it broadcasts along ``axis`` of an ``ndim`` array."""
+    arr = np.asarray(p)
+    if axis is None or arr.ndim == 0:
+        if arr.size != 1 and axis is None:
+            raise ValueError(f"per-tensor quantization needs a scalar parameter, got shape {arr.shape}")
+        return arr.reshape(())
+    ax = axis % ndim
+    shape = [1] * ndim
+    shape[ax] = arr.size
+    return arr.reshape(shape)
+
+
+def quantize(
+    x: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    zero_point: npt.ArrayLike,
+    dtype: QuantDtype | str,
+    axis: int | None = None,
+) -> npt.NDArray[Any]:
+    """ONNX ``QuantizeLinear``: ``saturate(round_half_to_even(x / scale) + zero_point)``.
+
+    ``x / scale`` is computed in float32 like onnxruntime.  Saturation clips to the full
+    range of ``dtype`` (not the narrow or reduced one).  ``axis`` selects the channel axis
+    for per-channel ``scale``/``zero_point`` of shape ``(C,)``.
+    """
+    dt = QuantDtype(dtype)
+    xa = np.asarray(x, dtype=np.float32)
+    s = _broadcast_param(np.asarray(scale, dtype=np.float32), xa.ndim, axis)
+    z = _broadcast_param(np.asarray(zero_point, dtype=np.float64), xa.ndim, axis)
+    qmin, qmax = dtype_range(dt)
+    q = np.rint(xa / s).astype(np.float64) + z
+    return np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+
+
+def dequantize(
+    q: npt.ArrayLike, scale: npt.ArrayLike, zero_point: npt.ArrayLike, axis: int | None = None
+) -> FloatArray:
+    """ONNX ``DequantizeLinear``: ``(q - zero_point) * scale`` (float32 result)."""
+    qa = np.asarray(q)
+    s = _broadcast_param(np.asarray(scale, dtype=np.float32), qa.ndim, axis)
+    z = _broadcast_param(np.asarray(zero_point, dtype=np.int64), qa.ndim, axis)
+    diff = (qa.astype(np.int64) - z).astype(np.float32)
+    return np.asarray(diff * s, dtype=np.float32)
+
+
+def fake_quantize(
+    x: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    zero_point: npt.ArrayLike,
+    dtype: QuantDtype | str,
+    axis: int | None = None,
+) -> FloatArray:
+    """``dequantize(quantize(x))``: the float values a QDQ pair produces."""
+    return dequantize(quantize(x, scale, zero_point, dtype, axis), scale, zero_point, axis)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedBias:
+    """Result of :func:`quantize_bias`.
+
+    Attributes:
+        values: int32 bias, ``round_half_even(bias / scale)``.
+        scale: float32 bias scale ``input_scale * weight_scale`` (per output channel).
+        weight_scale: float32 weight scale actually used; differs from the requested one in
+            the channels flagged by ``adjusted`` (the weight must then be quantized with it).
+        adjusted: bool mask of the channels whose weight scale was raised.
+    """
+
+    values: npt.NDArray[np.int32]
+    scale: FloatArray
+    weight_scale: FloatArray
+    adjusted: npt.NDArray[np.bool_]
+
+
+def quantize_bias(
+    bias: npt.ArrayLike, input_scale: npt.ArrayLike, weight_scale: npt.ArrayLike
+) -> QuantizedBias:
+    """Quantize a bias to int32 with ``scale = input_scale * weight_scale`` and zero point 0.
+
+    ``q = round_half_even(bias / scale)``.  Guard against tiny scales: a channel needs
+    ``|bias| / scale <= 2**31 - 1`` and ``scale >= MIN_SCALE**2`` (never denormal).  Where this
+    fails the *weight* scale of that channel is raised to the smallest float32 value that
+    satisfies both, ``weight_scale' = max(|bias| / (2**31 - 1), MIN_SCALE**2) / input_scale``
+    (rounded up), and the channel is reported in ``adjusted``: the caller must quantize that
+    weight channel with ``weight_scale'`` so ``input_scale * weight_scale'`` stays the product
+    of the two scales used by the QDQ graph.
+    """
+    b = np.asarray(bias, dtype=np.float64)
+    s_in = np.float32(np.asarray(input_scale, dtype=np.float32).reshape(()))
+    w = np.broadcast_to(np.asarray(weight_scale, dtype=np.float32), b.shape).astype(np.float32)
+    if not np.all(np.isfinite(b)):
+        raise ValueError("bias contains NaN or Inf")
+    if not (np.isfinite(s_in) and s_in > 0 and np.all(np.isfinite(w)) and np.all(w > 0)):
+        raise ValueError("input_scale and weight_scale must be finite and positive")
+    need = np.maximum(np.abs(b) / _INT32_MAX, MIN_SCALE**2)
+    scale = (w * s_in).astype(np.float32)
+    adjusted = scale.astype(np.float64) < need
+    if np.any(adjusted):
+        w_new = (need / np.float64(s_in)).astype(np.float32)
+        # round up until the float32 product meets the requirement (at most a few ulps)
+        for _ in range(8):
+            low = adjusted & ((w_new * s_in).astype(np.float64) < need)
+            if not np.any(low):
+                break
+            w_new = np.where(low, np.nextafter(w_new, np.float32(np.inf)), w_new).astype(np.float32)
+        w = np.where(adjusted, w_new, w).astype(np.float32)
+        scale = (w * s_in).astype(np.float32)
+    q = np.clip(np.rint(b / scale.astype(np.float64)), -_INT32_MAX - 1, _INT32_MAX).astype(np.int32)
+    return QuantizedBias(values=q, scale=scale, weight_scale=w, adjusted=np.asarray(adjusted, dtype=np.bool_))

@@ -1,0 +1,399 @@
+"""Recipes: YAML files validated by Pydantic v2 into an ordered list of pass configs.
+
+::
+
+    name: cnn-int8
+    description: Conv nets for x86 with VNNI
+    target: {runtime: onnxruntime, opset: 17}
+    calibration: {data: calib.npz, samples: 256}
+    passes:
+      - pass: fold_constants
+      - pass: fuse_batchnorm
+      - pass: insert_qdq
+        preset: ort-x86-vnni
+
+``passes`` is a discriminated union keyed by ``pass`` (the registered pass name), so a pass may appear twice
+with different options. Every error names file:line:column and the field path, says what was expected and
+suggests the closest valid key or pass name. Unknown keys are errors, never warnings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic_core import ErrorDetails
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import MarkedYAMLError
+
+from qgraph.errors import RecipeError
+from qgraph.pass_api import Pass, PassClass, PassConfig, discover
+
+if TYPE_CHECKING:
+    from qgraph.pipeline import Pipeline
+
+RECIPE_FORMAT = 1
+
+
+class TargetSpec(BaseModel):
+    """Where the model will run: used by presets, ``reduce_range: auto`` and opset checks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    runtime: Literal["onnxruntime", "tensorrt", "generic"] = Field(
+        default="onnxruntime", description="Runtime the output model is tuned for."
+    )
+    opset: int | None = Field(default=None, ge=7, le=30, description="Opset the output model must use.")
+
+
+class CalibrationSpec(BaseModel):
+    """Where calibration data comes from (``qgraph run --calibration-data`` overrides ``data``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data: str | None = Field(default=None, description=".npz file, folder of .npz/.npy, or module:function.")
+    samples: int | None = Field(default=None, ge=1, description="Use at most this many samples.")
+    batch_size: int = Field(default=1, ge=1, description="Samples per onnxruntime call during calibration.")
+    ranges: str | None = Field(default=None, description="Reuse a ranges JSON file written by qgraph calibrate.")
+
+
+@dataclass(frozen=True)
+class RecipeIssue:
+    """One problem in a recipe, located in its file."""
+
+    file: str
+    line: int | None
+    column: int | None
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}:{self.column or 1}"
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+class RecipeValidationError(RecipeError):
+    """A recipe with one or more problems; ``issues`` lists each with its location."""
+
+    def __init__(self, issues: list[RecipeIssue]) -> None:
+        self.issues = issues
+        count = f"{len(issues)} problem{'s' if len(issues) != 1 else ''}"
+        super().__init__(f"invalid recipe ({count}):\n" + "\n".join(f"  {i}" for i in issues))
+
+
+def _step_model(cls: PassClass) -> type[PassConfig]:
+    """The recipe entry of pass ``cls``: its config plus ``pass: <name>``."""
+    return create_model(  # type: ignore[call-overload,no-any-return]
+        f"{cls.config_class.__name__}Step",
+        __base__=cls.config_class,
+        __doc__=cls.summary() or cls.config_class.__doc__,
+        pass_=(Literal[cls.name], Field(alias="pass", description=f"Pass name: {cls.name}")),  # type: ignore[valid-type]
+    )
+
+
+@lru_cache(maxsize=8)
+def _recipe_model(names: tuple[str, ...]) -> type[BaseModel]:
+    passes = discover()
+    steps = tuple(_step_model(passes[n]) for n in names)
+    step_union: Any = Annotated[Union[steps], Field(discriminator="pass_")]  # noqa: UP007
+    return create_model(  # type: ignore[call-overload,no-any-return]
+        "Recipe",
+        __config__=ConfigDict(extra="forbid", frozen=True),
+        __doc__="A qgraph recipe: ordered graph transformation passes with their options.",
+        name=(str, Field(description="Recipe name, recorded in the output model.")),
+        description=(str, Field(default="", description="What the recipe is for.")),
+        target=(TargetSpec, Field(default_factory=TargetSpec)),
+        calibration=(CalibrationSpec, Field(default_factory=CalibrationSpec)),
+        passes=(list[step_union], Field(min_length=1, description="Passes, run in order.")),
+    )
+
+
+def recipe_model() -> type[BaseModel]:
+    """The Pydantic model of recipes for the passes registered now."""
+    return _recipe_model(tuple(discover()))
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON Schema of recipes (for yaml-language-server / editor completion)."""
+    schema = recipe_model().model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "qgraph recipe"
+    return schema
+
+
+class Recipe:
+    """A validated recipe: name, description, target, calibration source and pass instances."""
+
+    def __init__(
+        self,
+        name: str,
+        passes: list[Pass[Any]],
+        *,
+        description: str = "",
+        target: TargetSpec | None = None,
+        calibration: CalibrationSpec | None = None,
+        source: str | None = None,
+    ) -> None:
+        self.name = name
+        self.passes = passes
+        self.description = description
+        self.target = target or TargetSpec()
+        self.calibration = calibration or CalibrationSpec()
+        self.source = source
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Recipe:
+        """Load and validate a recipe file."""
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            raise RecipeError(f"recipe file not found: {p}") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{p}: cannot read recipe ({exc}).") from exc
+        return cls.from_text(text, str(p))
+
+    @classmethod
+    def from_text(cls, text: str, filename: str = "<recipe>") -> Recipe:
+        """Validate recipe YAML ``text``; errors are located in ``filename``."""
+        yaml = YAML(typ="rt")
+        try:
+            data = yaml.load(text)
+        except MarkedYAMLError as exc:
+            mark = exc.problem_mark
+            line = mark.line + 1 if mark is not None else None
+            col = mark.column + 1 if mark is not None else None
+            issue = RecipeIssue(filename, line, col, "", f"YAML syntax error: {exc.problem}")
+            raise RecipeValidationError([issue]) from exc
+        if data is None:
+            raise RecipeValidationError(
+                [RecipeIssue(filename, 1, 1, "", "the recipe is empty; expected a mapping with `name` and `passes`.")]
+            )
+        if not isinstance(data, dict):
+            kind = "a list" if isinstance(data, list) else f"a {type(data).__name__}"
+            raise RecipeValidationError(
+                [RecipeIssue(filename, 1, 1, "", f"the recipe is {kind}; expected a mapping with `name` and `passes`.")]
+            )
+        return cls.from_dict(data, filename)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], filename: str = "<recipe>") -> Recipe:
+        """Validate a recipe given as a (possibly ruamel-annotated) mapping."""
+        model = recipe_model()
+        try:
+            spec = model.model_validate(_plain(data))
+        except ValidationError as exc:
+            issues = [_issue(err, data, filename, model) for err in exc.errors()]
+            raise RecipeValidationError(issues) from None
+        passes = discover()
+        instances: list[Pass[Any]] = []
+        for step in spec.passes:  # type: ignore[attr-defined]
+            pass_cls = passes[step.pass_]
+            config = pass_cls.config_class(**step.model_dump(exclude={"pass_"}, exclude_unset=True))
+            instances.append(pass_cls(config))
+        return cls(
+            spec.name,  # type: ignore[attr-defined]
+            instances,
+            description=spec.description,  # type: ignore[attr-defined]
+            target=spec.target,  # type: ignore[attr-defined]
+            calibration=spec.calibration,  # type: ignore[attr-defined]
+            source=filename,
+        )
+
+    # ---------------------------------------------------------------- output
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical mapping: defaults omitted, keys in schema order."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.description:
+            out["description"] = self.description
+        target = self.target.model_dump(mode="json", exclude_defaults=True)
+        if target:
+            out["target"] = target
+        calibration = self.calibration.model_dump(mode="json", exclude_defaults=True)
+        if calibration:
+            out["calibration"] = calibration
+        out["passes"] = [
+            {"pass": p.name, **p.config.model_dump(mode="json", exclude_defaults=True, by_alias=True)}
+            for p in self.passes
+        ]
+        return out
+
+    def to_yaml(self) -> str:
+        """The recipe as YAML; loading it gives an equivalent recipe."""
+        yaml = YAML(typ="safe", pure=True)
+        yaml.default_flow_style = False
+        yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
+        buf = io.StringIO()
+        yaml.dump(self.to_dict(), buf)
+        return buf.getvalue()
+
+    def canonical_text(self) -> str:
+        """Deterministic JSON used for provenance and hashing."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        """Hash of `canonical_text`."""
+        return hashlib.sha256(self.canonical_text().encode()).hexdigest()
+
+    def pipeline(self) -> Pipeline:
+        """A `Pipeline` running this recipe's passes in order."""
+        from qgraph.pipeline import Pipeline
+
+        return Pipeline(self.passes, name=self.name, recipe=self)
+
+
+# ------------------------------------------------------------------------- error locating
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, str) else k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _strip_tags(loc: tuple[int | str, ...], data: Any) -> tuple[list[int | str], str | None]:
+    """Remove discriminator tags pydantic inserts after list indexes of ``passes``."""
+    out: list[int | str] = []
+    pass_name: str | None = None
+    node = data
+    i = 0
+    while i < len(loc):
+        part = loc[i]
+        out.append(part)
+        node = node[part] if _has(node, part) else None
+        if (
+            len(out) == 2
+            and out[0] == "passes"
+            and isinstance(part, int)
+            and i + 1 < len(loc)
+            and isinstance(node, dict)
+            and loc[i + 1] == node.get("pass")
+        ):
+            pass_name = str(loc[i + 1])
+            i += 1
+        i += 1
+    return out, pass_name
+
+
+def _has(node: Any, key: int | str) -> bool:
+    if isinstance(node, dict):
+        return key in node
+    if isinstance(node, list) and isinstance(key, int):
+        return 0 <= key < len(node)
+    return False
+
+
+def _position(data: Any, path: list[int | str], want_key: bool) -> tuple[int | None, int | None]:
+    """1-based line/column of ``path`` in ruamel-annotated ``data`` (the deepest existing prefix)."""
+    node = data
+    line: int | None = None
+    col: int | None = None
+    if hasattr(data, "lc"):
+        line, col = data.lc.line + 1, data.lc.col + 1
+    for depth, part in enumerate(path):
+        last = depth == len(path) - 1
+        if isinstance(node, CommentedMap) and part in node:
+            lc_pos = node.lc.key(part) if (want_key and last) else node.lc.value(part)
+            line, col = lc_pos[0] + 1, lc_pos[1] + 1
+            node = node[part]
+        elif isinstance(node, CommentedSeq) and isinstance(part, int) and 0 <= part < len(node):
+            pos = node.lc.item(part)
+            line, col = pos[0] + 1, pos[1] + 1
+            node = node[part]
+        else:
+            break
+    return line, col
+
+
+def _fmt_path(path: list[int | str]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _fields_of(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _model_at(root: type[BaseModel], path: list[int | str], pass_name: str | None) -> type[BaseModel] | None:
+    """The pydantic model describing the mapping at ``path`` (for key suggestions)."""
+    model: type[BaseModel] | None = root
+    rest = list(path)
+    if len(rest) >= 2 and rest[0] == "passes" and isinstance(rest[1], int):
+        if pass_name is None:
+            return None
+        model = discover()[pass_name].config_class
+        rest = rest[2:]
+    for part in rest:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) or next(
+            (f for f in model.model_fields.values() if f.alias == part), None
+        )
+        if field is None:
+            return None
+        model = _nested_model(field.annotation)
+    return model
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _nested_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _issue(err: ErrorDetails, data: Any, filename: str, root: type[BaseModel]) -> RecipeIssue:
+    path, pass_name = _strip_tags(tuple(err["loc"]), data)
+    kind = err["type"]
+    ctx = err.get("ctx", {}) or {}
+    where = _fmt_path(path)
+    if pass_name:
+        where += f" ({pass_name})"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        names = list(discover())
+        if kind == "union_tag_not_found":
+            line, col = _position(data, path, want_key=False)
+            msg = f"missing `pass: <name>`; expected one of: {', '.join(names)}."
+            return RecipeIssue(filename, line, col, where, msg)
+        tag = str(ctx.get("tag", ""))
+        line, col = _position(data, [*path, "pass"], want_key=False)
+        msg = f"unknown pass {tag!r}.{_suggest(tag, names)} Known passes: {', '.join(names)}."
+        return RecipeIssue(filename, line, col, _fmt_path([*path, "pass"]), msg)
+    if kind == "extra_forbidden":
+        key = str(path[-1])
+        parent = _model_at(root, path[:-1], pass_name)
+        options = [o for o in _fields_of(parent) if o != "pass"] if parent else []
+        line, col = _position(data, path, want_key=True)
+        what = "option" if pass_name else "key"
+        msg = f"unknown {what} {key!r}.{_suggest(key, options)}"
+        if options:
+            msg += f" Valid {what}s: {', '.join(options)}."
+        return RecipeIssue(filename, line, col, where, msg)
+    if kind == "missing":
+        line, col = _position(data, path[:-1], want_key=False)
+        return RecipeIssue(filename, line, col, where, f"missing required field {path[-1]!r}.")
+    line, col = _position(data, path, want_key=False)
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return RecipeIssue(filename, line, col, where, f"{err['msg']} (got {shown}).")
