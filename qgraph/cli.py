@@ -217,7 +217,7 @@ def inspect(
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, mapping qgraph errors to exit codes without tracebacks."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
     except QGraphError as exc:
         if _STATE["debug"]:
             raise
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             exc.show()
             return 2
         raise
-    return 0
+    return int(code) if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

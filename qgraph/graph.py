@@ -48,10 +48,17 @@ class GraphHandle:
     """A model being transformed: the graphsurgeon graph plus model-level fields and cached analyses."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
-        self._model_fields = onnx.ModelProto()
-        self._model_fields.CopyFrom(model)
-        del self._model_fields.graph.node[:]
-        del self._model_fields.graph.initializer[:]
+        # Model-level fields only: copying the whole proto would double the cost of a load.
+        self._model_fields = onnx.ModelProto(
+            ir_version=model.ir_version,
+            producer_name=model.producer_name,
+            producer_version=model.producer_version,
+            domain=model.domain,
+            model_version=model.model_version,
+            doc_string=model.doc_string,
+        )
+        self._model_fields.opset_import.extend(model.opset_import)
+        self._model_fields.functions.extend(model.functions)
         try:
             self.graph: gs.Graph = gs.import_onnx(model)
         except Exception as exc:  # graphsurgeon raises bare exceptions on malformed graphs
@@ -169,10 +176,15 @@ class GraphHandle:
         if isinstance(tensor, gs.Constant):
             return np.asarray(tensor.values)
         prod = self.producer(tensor)
-        if prod is not None and prod.op == "Constant" and "value" in prod.attrs:
-            value = prod.attrs["value"]
-            if isinstance(value, gs.Constant):
+        if prod is None or prod.op != "Constant":
+            return None
+        for key, value in prod.attrs.items():
+            if key == "value" and isinstance(value, gs.Constant):
                 return np.asarray(value.values)
+            if key in ("value_float", "value_floats"):
+                return np.asarray(value, dtype=np.float32)
+            if key in ("value_int", "value_ints"):
+                return np.asarray(value, dtype=np.int64)
         return None
 
     def tag(self, node: gs.Node | str, pass_name: str) -> None:
@@ -214,10 +226,10 @@ class GraphHandle:
                                 yield v
                                 stack.append(v)
 
-    def cleanup(self) -> None:
+    def cleanup(self, remove_unused_graph_inputs: bool = False) -> None:
         """Remove dead nodes and tensors (one graphsurgeon walk) and invalidate caches."""
         self.walks["cleanup"] += 1
-        self.graph.cleanup(remove_unused_graph_inputs=False)
+        self.graph.cleanup(remove_unused_graph_inputs=remove_unused_graph_inputs)
         self.changed()
 
     # ------------------------------------------------------------------ ordering

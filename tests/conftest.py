@@ -1,0 +1,100 @@
+"""Shared fixtures: toy passes registered for the duration of a test, small models written as ONNX text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import onnx
+import pytest
+from pydantic import Field
+
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult
+from qgraph import pass_api
+
+
+class DropIdentityConfig(PassConfig):
+    """Options of the toy pass."""
+
+    keep_graph_outputs: bool = Field(default=True, description="Keep Identity nodes producing graph outputs.")
+
+
+class DropIdentity(Pass[DropIdentityConfig]):
+    """Toy pass for core tests: bypass Identity nodes."""
+
+    name = "toy_drop_identity"
+    config_class = DropIdentityConfig
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        res = PassResult()
+        for node in list(graph.graph.nodes):
+            if node.op != "Identity" or graph.is_graph_output(node.outputs[0]):
+                continue
+            res.matched += 1
+            src, dst = node.inputs[0], node.outputs[0]
+            for consumer in list(graph.consumers(dst)):
+                for i, t in enumerate(consumer.inputs):
+                    if t is dst:
+                        consumer.inputs[i] = src
+            node.outputs.clear()
+            res.rewritten += 1
+        before = len(graph.graph.nodes)
+        graph.cleanup()
+        res.nodes_removed = before - len(graph.graph.nodes)
+        return res
+
+
+class ScaleOutputConfig(PassConfig):
+    """Options of the toy pass that breaks float semantics."""
+
+    factor: float = Field(description="Multiply the first output by this (required).")
+
+
+class ScaleOutput(Pass[ScaleOutputConfig]):
+    """Toy pass that (wrongly) claims to preserve float: multiplies the first graph output."""
+
+    name = "toy_scale_output"
+    config_class = ScaleOutputConfig
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        import numpy as np
+        import onnx_graphsurgeon as gs
+
+        out = graph.graph.outputs[0]
+        prod = graph.producer(out)
+        assert prod is not None
+        mid = gs.Variable(out.name + "/pre", dtype=out.dtype, shape=out.shape)
+        prod.outputs[prod.outputs.index(out)] = mid
+        k = gs.Constant(out.name + "/k", np.array(self.config.factor, dtype=np.float32))
+        graph.graph.nodes.append(gs.Node("Mul", out.name + "/scale", inputs=[mid, k], outputs=[out]))
+        return PassResult(matched=1, rewritten=1, nodes_added=1)
+
+
+@pytest.fixture
+def toy_passes() -> Iterator[dict[str, type[Pass]]]:  # type: ignore[type-arg]
+    """Register the toy passes for one test, then remove them."""
+    pass_api.discover()
+    added = {p.name: p for p in (DropIdentity, ScaleOutput)}
+    for p in added.values():
+        pass_api.register(p)
+    yield added
+    for name in added:
+        pass_api._REGISTRY.pop(name, None)
+
+
+SMALL_MODEL = """
+<ir_version: 8, opset_import: ["" : 17]>
+small (float[N,4] x) => (float[N,4] y) {
+  a = Identity(x)
+  w = Constant<value = float[4,4] {1,0,0,0, 0,2,0,0, 0,0,3,0, 0,0,0,4}>()
+  b = MatMul(a, w)
+  c = Relu(b)
+  d = Identity(c)
+  y = Add(d, a)
+}
+"""
+
+
+@pytest.fixture
+def small_model() -> onnx.ModelProto:
+    """A 6-node float model with two Identity nodes to remove."""
+    return onnx.parser.parse_model(SMALL_MODEL)
