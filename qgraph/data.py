@@ -149,9 +149,9 @@ class DataSource:
         """Slice sample ``i`` from a stacked array, keeping the batch axis the model expects."""
         rank = self._rank(name)
         if rank is None or arr.ndim == rank:
-            return arr[i : i + 1]
+            return np.asarray(arr[i : i + 1])
         if arr.ndim == rank + 1:
-            return arr[i]
+            return np.asarray(arr[i])
         raise DataError(
             f"{self.description}, input {name!r}: array of shape {list(arr.shape)} fits neither the input's "
             f"rank {rank} (axis 0 = batch) nor rank {rank + 1} (axis 0 = samples)."
@@ -230,7 +230,7 @@ class FolderSource(DataSource):
     def _one(self, arr: np.ndarray, name: str) -> np.ndarray:
         rank = self._rank(name)
         if rank is not None and arr.ndim == rank - 1:
-            return arr[None]
+            return np.asarray(arr[None])
         return arr
 
 

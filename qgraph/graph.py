@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
+import networkx
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -71,7 +71,7 @@ class GraphHandle:
         self.metadata: dict[str, str] = {p.key: p.value for p in model.metadata_props}
         self.walks: collections.Counter[str] = collections.Counter()
         self._index: GraphIndex | None = None
-        self._nx: nx.DiGraph | None = None
+        self._nx: networkx.DiGraph | None = None
 
     # ------------------------------------------------------------------ model-level facts
     @property
@@ -134,16 +134,16 @@ class GraphHandle:
         )
 
     @property
-    def nx(self) -> nx.DiGraph:
+    def nx(self) -> networkx.DiGraph:
         """Node-level dataflow view: nodes are positions in ``index.nodes``, edges carry ``tensors``."""
         if self._nx is None:
             self._nx = self._build_nx()
         return self._nx
 
-    def _build_nx(self) -> nx.DiGraph:
+    def _build_nx(self) -> networkx.DiGraph:
         idx = self.index
         self.walks["nx"] += 1
-        g = nx.DiGraph()
+        g: networkx.DiGraph = networkx.DiGraph()
         g.add_nodes_from((i, {"op": n.op, "name": n.name}) for i, n in enumerate(idx.nodes))
         for i, node in enumerate(idx.nodes):
             for t in node.outputs:
@@ -247,7 +247,7 @@ class GraphHandle:
         """Export to a ModelProto with model-level fields, tags and metadata restored and a sane IR."""
         self.walks["export"] += 1
         try:
-            model = gs.export_onnx(self.graph, do_type_check=False)
+            model: onnx.ModelProto = gs.export_onnx(self.graph, do_type_check=False)
         except Exception as exc:
             raise ModelError(f"the rewritten graph cannot be exported: {type(exc).__name__}: {exc}") from exc
         model.ir_version = self._model_fields.ir_version
@@ -329,15 +329,15 @@ def _inputs_with_outer_scope(node: gs.Node) -> Iterable[gs.Tensor]:
 
 
 def _cycle_message(nodes: Sequence[gs.Node]) -> str:
-    g = nx.DiGraph()
+    g = networkx.DiGraph()
     producer = {t.name: n.name or n.op for n in nodes for t in n.outputs}
     for n in nodes:
         for t in n.inputs:
             if t.name in producer:
                 g.add_edge(producer[t.name], n.name or n.op)
     try:
-        cycle = [edge[0] for edge in nx.find_cycle(g)]
-    except nx.NetworkXNoCycle:
+        cycle = [edge[0] for edge in networkx.find_cycle(g)]
+    except networkx.NetworkXNoCycle:
         cycle = []
     shown = " -> ".join(cycle[:8]) + (" -> ..." if len(cycle) > 8 else "")
     return (
@@ -352,15 +352,15 @@ def check_acyclic(model: onnx.ModelProto) -> None:
     for i, node in enumerate(model.graph.node):
         for t in node.output:
             producer[t] = i
-    g = nx.DiGraph()
+    g = networkx.DiGraph()
     g.add_nodes_from(range(len(model.graph.node)))
     for j, node in enumerate(model.graph.node):
         for t in node.input:
             if t in producer and producer[t] != j:
                 g.add_edge(producer[t], j)
-    if nx.is_directed_acyclic_graph(g):
+    if networkx.is_directed_acyclic_graph(g):
         return
-    cycle = [model.graph.node[e[0]].name or model.graph.node[e[0]].op_type for e in nx.find_cycle(g)]
+    cycle = [model.graph.node[e[0]].name or model.graph.node[e[0]].op_type for e in networkx.find_cycle(g)]
     raise ModelError(
         f"the graph has a cycle ({' -> '.join(cycle[:8])}); ONNX graphs must be acyclic. Fix the exporter or "
         "the graph surgery that produced it."

@@ -93,12 +93,13 @@ class RecipeValidationError(RecipeError):
 
 def _step_model(cls: PassClass) -> type[PassConfig]:
     """The recipe entry of pass ``cls``: its config plus ``pass: <name>``."""
-    return create_model(  # type: ignore[call-overload,no-any-return]
+    step: type[PassConfig] = create_model(
         f"{cls.config_class.__name__}Step",
         __base__=cls.config_class,
         __doc__=cls.summary() or cls.config_class.__doc__,
-        pass_=(Literal[cls.name], Field(alias="pass", description=f"Pass name: {cls.name}")),  # type: ignore[valid-type]
+        pass_=(Literal[cls.name], Field(alias="pass", description=f"Pass name: {cls.name}")),  # type: ignore[arg-type]
     )
+    return step
 
 
 @lru_cache(maxsize=8)
@@ -106,7 +107,7 @@ def _recipe_model(names: tuple[str, ...]) -> type[BaseModel]:
     passes = discover()
     steps = tuple(_step_model(passes[n]) for n in names)
     step_union: Any = Annotated[Union[steps], Field(discriminator="pass_")]  # noqa: UP007
-    return create_model(  # type: ignore[call-overload,no-any-return]
+    model: type[BaseModel] = create_model(
         "Recipe",
         __config__=ConfigDict(extra="forbid", frozen=True),
         __doc__="A qgraph recipe: ordered graph transformation passes with their options.",
@@ -116,6 +117,7 @@ def _recipe_model(names: tuple[str, ...]) -> type[BaseModel]:
         calibration=(CalibrationSpec, Field(default_factory=CalibrationSpec)),
         passes=(list[step_union], Field(min_length=1, description="Passes, run in order.")),
     )
+    return model
 
 
 def recipe_model() -> type[BaseModel]:
@@ -233,7 +235,7 @@ class Recipe:
         """The recipe as YAML; loading it gives an equivalent recipe."""
         yaml = YAML(typ="safe", pure=True)
         yaml.default_flow_style = False
-        yaml.sort_base_mapping_type_on_output = False  # type: ignore[attr-defined]
+        yaml.sort_base_mapping_type_on_output = False  # type: ignore[assignment]
         buf = io.StringIO()
         yaml.dump(self.to_dict(), buf)
         return buf.getvalue()

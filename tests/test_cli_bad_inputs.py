@@ -88,7 +88,10 @@ def test_bad_recipes(workspace: Path, capsys, recipe: str, expected: str) -> Non
 @pytest.mark.parametrize(
     ("arrays", "expected"),
     [
-        ({"input": np.zeros((4, 4), np.float32)}, "input names do not match the model. Missing: ['x']; unknown: ['input']"),
+        (
+            {"input": np.zeros((4, 4), np.float32)},
+            "input names do not match the model. Missing: ['x']; unknown: ['input']",
+        ),
         ({"x": np.zeros((4, 4), np.float64)}, "input 'x': dtype float64 but the model expects float32"),
         ({"x": np.zeros((4, 5), np.float32)}, "input 'x': dimension 1 is 5 but the model fixes it to 4"),
         ({"x": np.zeros((4, 2, 2, 4), np.float32)}, "fits neither the input's rank 2"),
