@@ -58,7 +58,7 @@ def add_node(
     **attrs: object,
 ) -> onnx.NodeProto:
     """Append a node to ``graph`` and return it; attributes are converted with ``helper.make_attribute``."""
-    node = graph.node.add()
+    node: onnx.NodeProto = graph.node.add()
     node.op_type = op_type
     node.name = name
     node.input.extend(inputs)

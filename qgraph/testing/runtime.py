@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort  # type: ignore[import-untyped]
+import onnxruntime as ort
 from onnx import helper
 
 Feeds = dict[str, np.ndarray]
@@ -29,7 +29,10 @@ def graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
 def input_shape(
     info: onnx.ValueInfoProto, dynamic_dim: int = 1, dims: Mapping[str, int] | None = None
 ) -> tuple[int, ...]:
-    """Concrete shape of a declared input: named dims come from ``dims``, other unknown dims → ``dynamic_dim``."""
+    """Concrete shape of a declared input.
+
+    Symbolic dims found in ``dims`` take that size, any other unknown dim takes ``dynamic_dim``.
+    """
     out: list[int] = []
     for dim in info.type.tensor_type.shape.dim:
         if dim.HasField("dim_value") and dim.dim_value > 0:

@@ -1,0 +1,42 @@
+"""The shared model corpus for qgraph's tests and benchmarks (public API).
+
+* real architecture graphs from the onnx wheel with seeded realistic weights:
+  :func:`light_model_path`, :func:`materialize_light_model`, :func:`cached_light_model`;
+* synthetic graphs: :func:`conv_bn_relu_chain`, :func:`matmul_add_relu_chain`, :func:`conv_bn_net`,
+  :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`);
+* running them: :func:`random_feeds`, :func:`run_ort`.
+
+Every model built here sets its IR version explicitly (the one matching its opset, at most 10), passes
+``onnx.checker.check_model(full_check=True)`` and runs in onnxruntime. Nothing is downloaded; every
+output is a deterministic function of its arguments (``seed``).
+"""
+
+from __future__ import annotations
+
+from qgraph.testing._common import ir_version_for_opset
+from qgraph.testing.light import (
+    LIGHT_MODEL_NAMES,
+    cached_light_model,
+    light_model_path,
+    materialize_light_model,
+)
+from qgraph.testing.runtime import graph_inputs, make_session, random_feeds, run_ort
+from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, matmul_add_relu_chain
+from qgraph.testing.transformer import transformer_encoder, transformer_encoder_inputs
+
+__all__ = [
+    "LIGHT_MODEL_NAMES",
+    "cached_light_model",
+    "conv_bn_net",
+    "conv_bn_relu_chain",
+    "graph_inputs",
+    "ir_version_for_opset",
+    "light_model_path",
+    "make_session",
+    "materialize_light_model",
+    "matmul_add_relu_chain",
+    "random_feeds",
+    "run_ort",
+    "transformer_encoder",
+    "transformer_encoder_inputs",
+]
