@@ -212,7 +212,68 @@ def inspect(
         out.print(f"subgraphs: {info['subgraphs']}")
     if info["external_data"]:
         out.print(f"external data files: {info['external_data']}")
+    print_analysis(out, info["analysis"], top)
 
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="Reference model (before).")],
+    b: Annotated[Path, typer.Argument(help="Candidate model (after).")],
+    inputs: Annotated[
+        str | None,
+        typer.Option("--inputs", help="Data for the numeric diff (.npz, folder, module:function, or 'random')."),
+    ] = None,
+    samples: Annotated[int, typer.Option(help="Samples used by the numeric diff.")] = 8,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write JSON to FILE ('-': stdout only).")] = None,
+    html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page.")] = None,
+    top: Annotated[int, typer.Option(help="Rows in ranked tables.")] = 10,
+) -> None:
+    """Diff two models: nodes, ops, weights, opsets, QDQ coverage; with --inputs, layer-by-layer error and the
+    layer where it first jumps."""
+    from qgraph.diff import diff_files
+    from qgraph.diff.html import write_text_atomic
+    from qgraph.diff.render import diff_html, diff_json, dumps, print_numeric, print_structural
+
+    structural, numeric = diff_files(a, b, inputs=inputs, samples=samples)
+    if json_out == "-":
+        sys.stdout.write(dumps(diff_json(structural, numeric, top)))
+    else:
+        print_structural(out, structural, top)
+        if numeric is not None:
+            print_numeric(out, numeric, top)
+        if json_out:
+            console.print(f"wrote {write_text_atomic(json_out, dumps(diff_json(structural, numeric, top)))}")
+    if html is not None:
+        console.print(f"wrote {write_text_atomic(html, diff_html(structural, numeric, top))}")
+
+
+@app.command()
+def sensitivity(
+    model_float: Annotated[Path, typer.Argument(help="Float ONNX model (the reference).")],
+    model_qdq: Annotated[Path, typer.Argument(help="QDQ model of it (from qgraph or any other tool).")],
+    data: Annotated[str, typer.Option("--data", help="Evaluation data: .npz, folder, or module:function.")],
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the table (and search) as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart (.svg, or .png).")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Worker processes measuring nodes.")] = 1,
+    target: Annotated[
+        str | None, typer.Option("--target", help="Fall back until met: cosine:0.99 | sqnr:30 | mod:fn>=float-1%.")
+    ] = None,
+    patch: Annotated[Path | None, typer.Option("--patch", help="Write the decision as a recipe patch.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the best model found.")] = None,
+    max_nodes: Annotated[int | None, typer.Option("--max-nodes", help="Keep at most N nodes in float.")] = None,
+    max_time: Annotated[float | None, typer.Option("--max-time", help="Search budget in seconds.")] = None,
+    samples: Annotated[int | None, typer.Option("--samples", help="Use at most N samples of --data.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+) -> None:
+    """Rank quantized nodes by how much returning each one alone to float helps; with --target, fall back
+    the most sensitive nodes until the target is met (exit 1 when it cannot be: the best model is still written)."""
+    from qgraph.passes.float_fallback.report import run_command
+
+    code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs, target=target,
+                       patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
+                       quiet=quiet, out=out, console=console)
+    if code:
+        raise typer.Exit(code)
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, mapping qgraph errors to exit codes without tracebacks."""
