@@ -111,13 +111,20 @@ def run(
 
 
 def apply_patch(recipe: Any, patch_path: Path) -> Any:
-    """Append the passes of a recipe patch (YAML with a ``passes:`` list) to ``recipe``."""
+    """Append the passes of a recipe patch (YAML with a ``passes:`` list, ``name`` optional) to ``recipe``."""
+    from ruamel.yaml import YAML
+
+    from qgraph.errors import RecipeError
     from qgraph.recipe import Recipe
 
-    text = patch_path.read_text(encoding="utf-8") if patch_path.exists() else None
-    if text is None:
-        raise QGraphError(f"patch file not found: {patch_path}")
-    patch_recipe = Recipe.from_text(text if "name:" in text else f"name: patch\n{text}", str(patch_path))
+    if not patch_path.exists():
+        raise RecipeError(f"patch file not found: {patch_path}")
+    data = YAML(typ="rt").load(patch_path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and "name" not in data:
+        data["name"] = "patch"
+    patch_recipe = Recipe.from_dict(data, str(patch_path)) if isinstance(data, dict) else None
+    if patch_recipe is None:
+        raise RecipeError(f"{patch_path}: a patch is a mapping with a `passes:` list.")
     return Recipe(
         recipe.name,
         [*recipe.passes, *patch_recipe.passes],
@@ -126,6 +133,28 @@ def apply_patch(recipe: Any, patch_path: Path) -> Any:
         calibration=recipe.calibration,
         source=recipe.source,
     )
+
+
+@app.command()
+def lower(
+    model: Annotated[Path, typer.Argument(help="Input ONNX model (never modified).")],
+    opset: Annotated[int, typer.Option("--opset", help="Target opset (lower or higher than the model's).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output ONNX model.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Compare outputs with the input model in ORT.")] = False,
+) -> None:
+    """Rewrite MODEL so it is valid at --opset and computes the same results (lowering or raising)."""
+    from qgraph.model_io import load_model
+    from qgraph.pass_api import get_pass
+    from qgraph.pipeline import Pipeline
+
+    source = load_model(model)
+    current = next((o.version for o in source.opset_import if o.domain in ("", "ai.onnx")), opset)
+    name = "lower_opset" if opset <= current else "raise_opset"
+    result = Pipeline([get_pass(name)(opset=opset)], name=f"{name}-{opset}").run(model, verify=verify)
+    for note in result.records[0].result.notes:
+        console.print(note)
+    result.save(output)
+    console.print(f"wrote {output}")
 
 
 @app.command()
@@ -185,13 +214,22 @@ def list_passes() -> None:
 def inspect(
     model: Annotated[Path, typer.Argument(help="ONNX model.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    opset: Annotated[int | None, typer.Option(help="Check ops against this target opset.")] = None,
+    target: Annotated[str | None, typer.Option(help="Check int8 support on a target preset.")] = None,
+    inputs: Annotated[
+        str | None, typer.Option("--inputs", help="Data for activation ranges (.npz, folder, module:function).")
+    ] = None,
+    samples: Annotated[int, typer.Option(help="Samples read from --inputs.")] = 8,
+    top: Annotated[int, typer.Option(help="Rows per analysis table.")] = 10,
 ) -> None:
-    """Summarize a model: opset, IR, op histogram, inputs/outputs, weights, subgraphs, external data."""
+    """Summarize a model (opset, IR, ops, I/O, weights, subgraphs, external data) and analyse it: QDQ coverage,
+    foldable BatchNorms, ops unsupported at --opset or on --target, extreme ranges, int16 saturation risk."""
+    from qgraph.diff.render import dumps, print_analysis
     from qgraph.inspect import inspect_model
 
-    info = inspect_model(model)
+    info = inspect_model(model, opset=opset, target=target, inputs=inputs, samples=samples)
     if as_json:
-        sys.stdout.write(json.dumps(info, indent=2, default=str) + "\n")
+        sys.stdout.write(dumps(info))
         return
     out.print(f"[bold]{model}[/]  IR {info['ir_version']}  opsets {info['opsets']}  "
               f"{info['nodes']} nodes  {info['initializer_bytes'] / 1e6:.2f} MB weights")
@@ -274,6 +312,7 @@ def sensitivity(
                        quiet=quiet, out=out, console=console)
     if code:
         raise typer.Exit(code)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, mapping qgraph errors to exit codes without tracebacks."""

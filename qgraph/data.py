@@ -171,6 +171,7 @@ class NpzSource(DataSource):
         super().__init__(samples)
         self.path = path
         self.description = str(path)
+        self.ignored: list[str] = []
         try:
             with np.load(path, allow_pickle=False) as npz:
                 self.arrays = {k: npz[k] for k in npz.files}
@@ -190,6 +191,11 @@ class NpzSource(DataSource):
             yield {k: np.ascontiguousarray(self._per_sample(a, k, i)) for k, a in self.arrays.items()}
 
     def _validate_upfront(self) -> None:
+        # Extra arrays (labels, ids) are allowed beside a complete set of inputs; they are not fed.
+        names = {s.name for s in self.inputs or []}
+        if names and names <= set(self.arrays):
+            self.ignored = sorted(set(self.arrays) - names)
+            self.arrays = {k: v for k, v in self.arrays.items() if k in names}
         # Every sample is in memory already: check all of them now, before any work.
         for i, feed in enumerate(self._raw()):
             self._check_feed(feed, i)

@@ -65,7 +65,7 @@ def file_fingerprint(path: str | os.PathLike[str]) -> str:
     h.update(p.read_bytes())
     try:
         model = onnx.load(str(p), load_external_data=False)
-    except Exception:  # noqa: BLE001 - a fingerprint of an unreadable file is just its bytes
+    except Exception:
         return h.hexdigest()
     locations = sorted(
         {
@@ -86,11 +86,20 @@ def file_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def model_fingerprint(model: onnx.ModelProto) -> str:
-    """sha256 of the graph's serialized content (nodes, initializers, I/O), independent of metadata."""
+    """sha256 of the graph's content (nodes, initializers, I/O, opsets), independent of metadata.
+
+    Streams piece by piece, so it works for models over the 2 GB protobuf limit.
+    """
     h = hashlib.sha256()
-    g = onnx.GraphProto()
-    g.CopyFrom(model.graph)
-    h.update(g.SerializeToString(deterministic=True))
+    g = model.graph
+    for part in (*g.input, *g.output, *g.node, *g.sparse_initializer):
+        h.update(part.SerializeToString(deterministic=True))
+    for t in g.initializer:
+        h.update(f"{t.name}:{t.data_type}:{list(t.dims)};".encode())
+        if t.HasField("raw_data"):
+            h.update(t.raw_data)
+        else:
+            h.update(t.SerializeToString(deterministic=True))
     for o in model.opset_import:
         h.update(f"{o.domain}:{o.version};".encode())
     return h.hexdigest()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
+import onnx
 from pydantic import BaseModel, ConfigDict
 
 from qgraph.errors import RecipeError
@@ -99,8 +100,11 @@ class PassContext:
         target_opset: int | None = None,
         target_runtime: str = "onnxruntime",
         options: dict[str, Any] | None = None,
+        input_model: onnx.ModelProto | None = None,
     ) -> None:
         self.calibration_data = calibration_data
+        #: The pipeline's input model as loaded (read-only: the float reference for accuracy-driven passes).
+        self.input_model = input_model
         self.target_opset = target_opset
         self.target_runtime = target_runtime
         self.options: dict[str, Any] = dict(options or {})

@@ -22,7 +22,7 @@ from qgraph.compare import TensorDiff, compare_models, random_feeds
 from qgraph.data import DataSource, Feed, open_data_source
 from qgraph.errors import VerificationError
 from qgraph.graph import GraphHandle, check_acyclic, describe
-from qgraph.model_io import file_fingerprint, load_model, model_fingerprint, save_model
+from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.recipe import CalibrationSpec, Recipe, TargetSpec
 
@@ -66,6 +66,10 @@ class PipelineResult:
     model: onnx.ModelProto
     records: list[PassRecord] = field(default_factory=list)
     input_model: onnx.ModelProto | None = None
+    #: The model after each pass (``stages[i]`` follows ``records[i]``), kept only with ``keep_stages=True``.
+    stages: list[onnx.ModelProto] = field(default_factory=list)
+    #: The bound calibration data the passes saw (None without data); reports reuse it for fidelity.
+    calibration_data: DataSource | None = None
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
@@ -108,8 +112,13 @@ class Pipeline:
         verify_tolerance: float = 1e-5,
         verify_samples: int = 2,
         on_event: Callable[[PipelineEvent], None] | None = None,
+        keep_stages: bool = False,
     ) -> PipelineResult:
-        """Run every pass on a copy of ``model`` and return the result (the input is never modified)."""
+        """Run every pass on a copy of ``model`` and return the result (the input is never modified).
+
+        ``keep_stages`` keeps the exported model after every pass in ``result.stages`` (for reports: per-pass
+        structural diffs and per-stage fidelity); it costs one export per pass and memory for each stage.
+        """
         listeners = [*self._subscribers, *([on_event] if on_event else [])]
 
         def emit(event: PipelineEvent) -> None:
@@ -118,11 +127,11 @@ class Pipeline:
 
         if isinstance(model, (str, Path)):
             source = load_model(model)
-            input_hash = file_fingerprint(model)
         else:
             source = onnx.ModelProto()
             source.CopyFrom(model)
-            input_hash = model_fingerprint(source)
+        # Content hash: the same model gives the same provenance whether given as a path or in memory.
+        input_hash = model_fingerprint(source)
         check_acyclic(source)
         recipe = self.to_recipe()
         ctx = self._context(recipe, source, calibration_data)
@@ -132,6 +141,7 @@ class Pipeline:
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
+        stages: list[onnx.ModelProto] = []
         for i, p in enumerate(self.passes):
             emit(PipelineEvent("pass_start", total, i, p.name))
             nodes_before = len(handle.graph.nodes)
@@ -153,8 +163,11 @@ class Pipeline:
             )
             records.append(record)
             emit(PipelineEvent("pass_end", total, i, p.name, seconds, record.peak_rss_mb, result))
-            if verify and previous is not None:
+            if keep_stages or (verify and previous is not None):
                 current = handle.to_onnx()
+                if keep_stages:
+                    stages.append(current)
+            if verify and previous is not None:
                 if p.preserves_float:
                     record.verify = self._verify(p, i, previous, current, verify_feeds, verify_tolerance)
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
@@ -162,7 +175,7 @@ class Pipeline:
         out = handle.to_onnx()
         _write_provenance(out, recipe, input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, source)
+        return PipelineResult(out, records, source, stages, ctx.calibration_data)
 
     def _context(
         self, recipe: Recipe, model: onnx.ModelProto, calibration_data: DataSource | str | Path | None
@@ -172,6 +185,7 @@ class Pipeline:
         data_spec = calibration_data if calibration_data is not None else spec.data
         data = open_data_source(data_spec, samples=spec.samples).bind(model) if data_spec is not None else None
         return PassContext(
+            input_model=model,
             calibration_data=data,
             target_opset=target.opset,
             target_runtime=target.runtime,

@@ -26,7 +26,6 @@ from onnx import TensorProto
 from pydantic import BaseModel, ConfigDict, model_validator
 
 FloatArray: TypeAlias = npt.NDArray[np.float32]
-ArrayOrScalar: TypeAlias = "float | npt.NDArray[Any]"
 
 #: Smallest scale ever produced: ``2**-40`` (~9.1e-13).  Scales below this would make
 #: ``input_scale * weight_scale`` (the bias scale) underflow towards float32 denormals.
@@ -260,8 +259,9 @@ def quantize(
     s = _broadcast_param(np.asarray(scale, dtype=np.float32), xa.ndim, axis)
     z = _broadcast_param(np.asarray(zero_point, dtype=np.float64), xa.ndim, axis)
     qmin, qmax = dtype_range(dt)
-    q = np.rint(xa / s).astype(np.float64) + z
-    return np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+    q: npt.NDArray[np.float64] = np.rint(xa / s).astype(np.float64) + z
+    out: npt.NDArray[Any] = np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+    return out
 
 
 def dequantize(
@@ -304,9 +304,7 @@ class QuantizedBias:
     adjusted: npt.NDArray[np.bool_]
 
 
-def quantize_bias(
-    bias: npt.ArrayLike, input_scale: npt.ArrayLike, weight_scale: npt.ArrayLike
-) -> QuantizedBias:
+def quantize_bias(bias: npt.ArrayLike, input_scale: npt.ArrayLike, weight_scale: npt.ArrayLike) -> QuantizedBias:
     """Quantize a bias to int32 with ``scale = input_scale * weight_scale`` and zero point 0.
 
     ``q = round_half_even(bias / scale)``.  Guard against tiny scales: a channel needs

@@ -12,6 +12,7 @@ import pytest
 from qgraph import Pipeline, PipelineEvent, Recipe, VerificationError, load_model, save_model
 from qgraph.cli import main
 from qgraph.compare import make_session, run
+from qgraph.model_io import model_fingerprint
 
 
 def test_python_pipeline_and_its_yaml_dump_give_identical_files(toy_passes, small_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -37,7 +38,9 @@ def test_provenance_and_rerun_determinism(toy_passes, small_model, tmp_path: Pat
     a, b = (tmp_path / "a.onnx").read_bytes(), (tmp_path / "b.onnx").read_bytes()
     assert a == b
     meta = {p.key: p.value for p in onnx.load(str(tmp_path / "a.onnx")).metadata_props}
-    assert meta["qgraph.input_sha256"] == hashlib.sha256(before).hexdigest()
+    assert meta["qgraph.input_sha256"] == model_fingerprint(onnx.load(str(src)))
+    in_memory = Pipeline([toy_passes["toy_drop_identity"]()]).run(onnx.load(str(src))).model
+    assert {p.key: p.value for p in in_memory.metadata_props}["qgraph.input_sha256"] == meta["qgraph.input_sha256"]
     rec = Recipe.from_yaml(recipe)
     assert meta["qgraph.recipe"] == rec.canonical_text()
     assert meta["qgraph.recipe_sha256"] == hashlib.sha256(rec.canonical_text().encode()).hexdigest()

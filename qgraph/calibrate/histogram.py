@@ -26,6 +26,7 @@ independent of the number of values observed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +45,7 @@ def required_exponent(lo: F64, hi: F64, num_bins: int) -> I64:
     span = hi - lo
     amax = np.maximum(np.abs(lo), np.abs(hi))
     _, e_abs = np.frexp(amax)  # amax < 2**e_abs
-    k_abs = e_abs.astype(np.int64) - _IDX_LIMIT_EXP
+    k_abs = np.where(amax > 0, e_abs.astype(np.int64) - _IDX_LIMIT_EXP, K_MIN)
     with np.errstate(divide="ignore"):
         guess = np.floor(np.log2(np.where(span > 0, span, 1.0) / num_bins)) - 1
     k = np.where(span > 0, guess, K_MIN).astype(np.int64)
@@ -123,12 +124,17 @@ class AlignedHistogram:
         return ~(self.lo <= self.hi)
 
     def _regrid(self, lo: F64, hi: F64) -> None:
-        """Move every row to the grid required by ``[lo, hi]`` (exact coarsening + shift)."""
-        k_new = required_exponent(lo, hi, self.num_bins)
-        first_new = np.floor(np.ldexp(lo, -k_new)).astype(np.int64)
+        """Move every non-empty row to the grid required by ``[lo, hi]`` (exact coarsening + shift).
+
+        Rows with ``lo > hi`` (no data) are left untouched.
+        """
+        valid = lo <= hi
+        safe_lo = np.where(valid, lo, 0.0)
+        safe_hi = np.where(valid, hi, 0.0)
+        k_new = np.where(valid, required_exponent(safe_lo, safe_hi, self.num_bins), self.k)
         had = ~self.empty
         k_new = np.where(had, np.maximum(k_new, self.k), k_new)
-        first_new = np.floor(np.ldexp(lo, -k_new)).astype(np.int64)
+        first_new = np.where(valid, np.floor(np.ldexp(safe_lo, -k_new)), self.first).astype(np.int64)
         changed = had & ((k_new != self.k) | (first_new != self.first))
         if np.any(changed):
             rows = np.nonzero(changed)[0]
@@ -139,56 +145,79 @@ class AlignedHistogram:
             keep = old != 0
             flat = (np.arange(rows.size, dtype=np.int64)[:, None] * self.num_bins + new_pos)[keep]
             moved = np.bincount(flat, weights=old[keep], minlength=rows.size * self.num_bins)
-            self.counts[rows] = moved.reshape(rows.size, self.num_bins).astype(np.int64)
+            self.counts[rows] = np.rint(moved).reshape(rows.size, self.num_bins).astype(np.int64)
         self.k = k_new
         self.first = first_new
-        self.lo = lo
-        self.hi = hi
+        self.lo = np.where(valid, lo, self.lo)
+        self.hi = np.where(valid, hi, self.hi)
 
-    def update(self, values: F64, vmin: F64 | None = None, vmax: F64 | None = None) -> None:
-        """Add ``values`` of shape ``(C, M)`` (row ``c`` goes to channel ``c``).
+    def copy(self) -> AlignedHistogram:
+        """Deep copy."""
+        out = AlignedHistogram(self.channels, self.num_bins, self.include_zero)
+        out.counts = self.counts.copy()
+        out.k, out.first = self.k.copy(), self.first.copy()
+        out.lo, out.hi = self.lo.copy(), self.hi.copy()
+        return out
 
-        ``vmin``/``vmax`` may pass precomputed row extremes.  Values must be finite.
+    def update(
+        self,
+        values: npt.NDArray[np.floating[Any]],
+        vmin: F64 | None = None,
+        vmax: F64 | None = None,
+        absolute: bool = False,
+    ) -> None:
+        """Add ``values`` of shape ``(C, M)`` (row ``c`` goes to channel ``c``); must be finite.
+
+        ``vmin``/``vmax`` may pass precomputed row extremes of ``values``.  ``absolute``
+        histograms ``|values|`` without materialising them (``include_zero`` mode only).
         """
         if values.shape[1] == 0:
             return
-        bmin = values.min(axis=1) if vmin is None else vmin
-        bmax = values.max(axis=1) if vmax is None else vmax
-        lo = np.minimum(self.lo, bmin.astype(np.float64))
-        hi = np.maximum(self.hi, bmax.astype(np.float64))
+        bmin = (values.min(axis=1) if vmin is None else vmin).astype(np.float64)
+        bmax = (values.max(axis=1) if vmax is None else vmax).astype(np.float64)
+        if absolute:
+            if not self.include_zero:
+                raise ValueError("absolute updates need include_zero=True")
+            bmin, bmax = np.zeros_like(bmin), np.maximum(np.abs(bmin), np.abs(bmax))
+        lo = np.minimum(self.lo, bmin)
+        hi = np.maximum(self.hi, bmax)
         if self.include_zero:
             lo = np.minimum(lo, 0.0)
-        self._regrid(lo, hi)
-        idx = np.floor(np.ldexp(values.astype(np.float64, copy=False), -self.k[:, None])).astype(np.int64)
-        idx -= self.first[:, None]
-        idx += np.arange(self.channels, dtype=np.int64)[:, None] * self.num_bins
+        if not (np.array_equal(lo, self.lo) and np.array_equal(hi, self.hi)):
+            self._regrid(lo, hi)
+        # x * 2**-k is exact in float64 (|x| * 2**-k < 2**62, no underflow), so floor() is the exact bin
+        scaled = np.multiply(values, np.ldexp(1.0, -self.k)[:, None], dtype=np.float64)
+        if absolute:
+            np.abs(scaled, out=scaled)  # >= 0: truncation below equals floor
+        else:
+            np.floor(scaled, out=scaled)
+        idx = scaled.astype(np.int64)
+        del scaled
+        if self.channels == 1:
+            idx -= int(self.first[0])
+        else:
+            idx -= (self.first - np.arange(self.channels, dtype=np.int64) * self.num_bins)[:, None]
         add = np.bincount(idx.ravel(), minlength=self.channels * self.num_bins)
         self.counts += add.reshape(self.channels, self.num_bins)
 
     def merge(self, other: AlignedHistogram) -> None:
-        """Add the counts of ``other`` (same channels, bins and mode); exact."""
+        """Add the counts of ``other`` (same channels, bins and mode).
+
+        Exact: both are moved to the grid of the union's ``[lo, hi]`` and added, which equals
+        the histogram of all the data observed by either.
+        """
         if (other.channels, other.num_bins, other.include_zero) != (
             self.channels,
             self.num_bins,
             self.include_zero,
         ):
             raise ValueError("cannot merge histograms with different channels, bins or mode")
-        if np.all(other.empty):
-            return
         lo = np.minimum(self.lo, other.lo)
         hi = np.maximum(self.hi, other.hi)
-        mine_empty = self.empty
+        theirs = other.copy()
         self._regrid(lo, hi)
-        tmp = AlignedHistogram(self.channels, self.num_bins, self.include_zero)
-        tmp.counts = other.counts.copy()
-        tmp.k, tmp.first, tmp.lo, tmp.hi = other.k.copy(), other.first.copy(), other.lo.copy(), other.hi.copy()
-        # the grid of a row that was empty here is defined by other's data alone -> k >= other's k
-        tmp._regrid(np.where(other.empty, lo, lo), hi)
-        tmp.k = np.where(other.empty, self.k, tmp.k)
-        tmp_counts = np.where(other.empty[:, None], 0, tmp.counts)
-        if not np.array_equal(np.where(other.empty, self.k, tmp.k), self.k) and np.any(mine_empty):
-            raise AssertionError("histogram grids diverged during merge")
-        self.counts += tmp_counts
+        theirs._regrid(lo, hi)
+        self.counts += theirs.counts
 
     def row(self, c: int = 0) -> HistogramRow:
         """Channel ``c`` trimmed to its occupied bins (empty rows give one zero bin at 0)."""

@@ -1,0 +1,203 @@
+"""The ``float_fallback`` pass: keep selected nodes of a QDQ model in float, by hand or to meet a target.
+
+Manual::
+
+    - pass: float_fallback
+      nodes:
+        op_types: [Softmax, LayerNormalization]
+        names: [classifier]
+
+Automatic (falls back the most sensitive nodes until the target holds; see `auto`)::
+
+    - pass: float_fallback
+      auto:
+        target: cosine:0.99          # or sqnr:30, or mypkg.metrics:top1>=float-0.5%
+        data: eval.npz               # default: the recipe's calibration data
+        reference: model_float.onnx  # default: this model with every Q/DQ removed
+        max_nodes: 8
+
+Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
+nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
+line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+from pydantic import Field, field_validator, model_validator
+
+from qgraph import (
+    GraphHandle,
+    NodeSelector,
+    Pass,
+    PassConfig,
+    PassContext,
+    PassError,
+    PassResult,
+    register,
+    select,
+)
+
+from .qdq_edit import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
+from .targets import parse_target
+
+__all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
+
+
+class AutoFallbackConfig(PassConfig):
+    """Options of the automatic mode."""
+
+    target: str = Field(description="cosine:GOAL, sqnr:GOAL_DB, or module:function>=GOAL (e.g. >=float-0.5%).")
+    data: str | None = Field(default=None, description="Evaluation data; default: the calibration data.")
+    reference: str | None = Field(
+        default=None, description="Float model to compare with; default: this model with every Q/DQ removed."
+    )
+    candidates: NodeSelector | None = Field(default=None, description="Only consider these nodes.")
+    max_nodes: int | None = Field(default=None, ge=0, description="Keep at most this many nodes in float.")
+    max_time: float | None = Field(default=None, gt=0, description="Stop searching after this many seconds.")
+    samples: int | None = Field(default=None, ge=1, description="Use at most this many evaluation samples.")
+    jobs: int = Field(default=1, ge=1, description="Worker processes measuring sensitivity.")
+
+    @field_validator("target")
+    @classmethod
+    def _parses(cls, value: str) -> str:
+        parse_target(value, load=False)
+        return value
+
+
+class FloatFallbackConfig(PassConfig):
+    """Which nodes go back to float."""
+
+    nodes: NodeSelector | None = Field(default=None, description="Nodes to keep in float (always).")
+    auto: AutoFallbackConfig | None = Field(default=None, description="Also find nodes automatically.")
+
+    @model_validator(mode="after")
+    def _something(self) -> FloatFallbackConfig:
+        if self.nodes is None and self.auto is None:
+            raise ValueError("give `nodes` (a selector) and/or `auto` (a target); with neither nothing would change")
+        return self
+
+
+@register
+class FloatFallback(Pass[FloatFallbackConfig]):
+    """Keep selected nodes of a QDQ model in float: remove the Q/DQ feeding and leaving them, and only those.
+
+    Rewrite, for a selected node n: ``DQ(Q(x)) → n`` becomes ``x → n`` (weights stored as integers become a
+    float constant ``(w_q - zero_point) * scale``); ``n → Q → DQ → graph output`` becomes ``n → graph output``.
+    Quantized neighbours keep their own Q/DQ (a shared pair is left in place for them), so they stay
+    quantized and bit-identical. A Relu a quantizer folded into a bypassed Q (zero point at the integer
+    minimum) is restored.
+    """
+
+    name = PASS_NAME
+    config_class = FloatFallbackConfig
+    preserves_float = False
+
+    def check(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Fail before any rewrite when a selector criterion matches nothing or auto mode lacks data."""
+        if self.config.nodes is not None:
+            self._selected(graph)
+        auto = self.config.auto
+        if auto is not None and auto.data is None and ctx.calibration_data is None:
+            raise PassError(
+                "float_fallback: auto mode needs evaluation data: set `auto.data` or the recipe's calibration data "
+                "(or --calibration-data)."
+            )
+
+    def _selected(self, graph: GraphHandle) -> list[Any]:
+        selector = self.config.nodes
+        assert selector is not None
+        sel = select(graph, selector)
+        if sel.unmatched:
+            raise PassError(
+                f"float_fallback: the selector ({selector.describe()}) has criteria that match nothing: "
+                f"{'; '.join(sel.unmatched)}. Fix the names/patterns (list nodes with `qgraph inspect --json`)."
+            )
+        return sel.nodes
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
+        res = PassResult()
+        outcome = FallbackOutcome()
+        if self.config.nodes is not None:
+            nodes = self._selected(graph)
+            res.matched = len(nodes)
+            outcome = fall_back(graph, nodes)
+            _record(res, outcome)
+        if self.config.auto is not None:
+            self._auto(graph, ctx, res)
+        res.rewritten = len(res.details.get("fallen_back", []))
+        if not res.rewritten:
+            res.notes.append("no node went back to float")
+        return res
+
+    def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> None:
+        from qgraph.model_io import load_model
+
+        from .auto import auto_fallback
+
+        auto = self.config.auto
+        assert auto is not None
+        data = auto.data if auto.data is not None else ctx.calibration_data
+        if data is None:
+            raise PassError("float_fallback: auto mode needs evaluation data (auto.data or calibration data).")
+        qdq = graph.to_onnx()
+        if auto.reference is not None:
+            reference = load_model(auto.reference)
+        else:
+            reference = _strip_all(qdq)
+            res.notes.append(
+                "auto: compared with this model with every Q/DQ removed (set auto.reference to the "
+                "float model to include weight quantization error)"
+            )
+        result = auto_fallback(
+            reference,
+            qdq,
+            data,
+            auto.target,
+            candidates=auto.candidates,
+            max_nodes=auto.max_nodes,
+            max_time=auto.max_time,
+            jobs=auto.jobs,
+            samples=auto.samples,
+        )
+        res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
+        res.notes.append("auto: " + result.message())
+        res.notes.extend(f"auto: {n}" for n in result.notes)
+        if result.nodes:
+            _record(res, fall_back(graph, select(graph, NodeSelector(names=tuple(result.nodes))).nodes))
+            res.matched += len(result.nodes)
+
+
+def _record(res: PassResult, outcome: FallbackOutcome) -> None:
+    d = res.details
+    d.setdefault("fallen_back", []).extend(outcome.fallen_back)
+    for key in ("dequantized_weights", "relu_restored"):
+        values = getattr(outcome, key)
+        if values:
+            d.setdefault(key, []).extend(values)
+    if outcome.still_quantized_for:
+        d.setdefault("outputs_still_quantized_for", {}).update(outcome.still_quantized_for)
+    for name in outcome.already_float:
+        res.skip(
+            name,
+            "already float: no input is read through DequantizeLinear and no output quantization is its own",
+        )
+    for name, reason in outcome.refused:
+        res.skip(name, reason)
+    if outcome.ignored_qdq:
+        res.notes.append(
+            f"{outcome.ignored_qdq} QuantizeLinear/DequantizeLinear node(s) in the selection were "
+            "ignored: select compute nodes, their Q/DQ are removed with them"
+        )
+    res.nodes_added += outcome.nodes_added
+    res.nodes_removed += outcome.nodes_removed
+
+
+def _strip_all(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every quantized node in float: the float reference when none is given."""
+    handle = GraphHandle(model)
+    fall_back(handle, quantized_nodes(handle))
+    return handle.to_onnx()

@@ -1,0 +1,233 @@
+"""Evaluating fallback variants of a QDQ model: evaluation data, one session per variant, worker processes.
+
+`Evaluator` holds the QDQ model, the evaluation batches and the float model's outputs on them; `measure` builds
+the variant with given nodes in float (the same rewrite the pass makes), opens one onnxruntime session for it,
+runs every batch through it and compares each output with the reference. `measure_all` measures independent
+variants sequentially or in ``jobs`` spawned worker processes (each receives the evaluator once); Ctrl-C in the
+parent stops the workers at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from qgraph import DataError, GraphHandle, ModelError, NodeSelector, select
+from qgraph.compare import DiffAccumulator, TensorDiff, make_session
+from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
+
+from .qdq_edit import fall_back
+
+Progress = Callable[[int, int], None]
+
+_OPT = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def load_feeds(
+    spec: str | DataSource,
+    model: onnx.ModelProto,
+    *,
+    samples: int | None = None,
+    batch_size: int = 32,
+    others: Sequence[onnx.ModelProto] = (),
+) -> list[Feed]:
+    """Evaluation batches from ``spec``, validated against ``model``.
+
+    Arrays of an ``.npz`` that are not model inputs (e.g. ``labels``) are ignored, so one file can hold the
+    inputs and what a user metric needs. Samples are batched along axis 0 when every input's first dimension
+    is dynamic in ``model`` and in ``others``, else fed one by one.
+    """
+    source = open_data_source(spec, samples=samples)
+    if isinstance(source, NpzSource):
+        wanted = {s.name for s in model_inputs(model)}
+        if wanted <= set(source.arrays):
+            source.arrays = {k: v for k, v in source.arrays.items() if k in wanted}
+    source.bind(model)
+    feeds = list(source)
+    if not feeds:
+        raise DataError(f"{source.description}: no evaluation samples.")
+    specs = [s for m in (model, *others) for s in model_inputs(m)]
+    dynamic = all(len(s.shape) > 0 and not (isinstance(s.shape[0], int) and s.shape[0] > 0) for s in specs)
+    return list(batched(feeds, batch_size)) if dynamic and batch_size > 1 else feeds
+
+
+def run_batches(session: ort.InferenceSession, batches: Sequence[Feed]) -> list[list[np.ndarray]]:
+    """Outputs per batch (by output position) of ``session`` on ``batches``."""
+    names = [o.name for o in session.get_outputs()]
+    return [[np.asarray(v) for v in session.run(names, feed)] for feed in batches]
+
+
+def concat_outputs(per_batch: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """One array per output, batches concatenated along axis 0 (rank-0 outputs stacked)."""
+    if not per_batch:
+        return []
+    out = []
+    for i in range(len(per_batch[0])):
+        arrays = [b[i] for b in per_batch]
+        out.append(np.stack(arrays) if arrays[0].ndim == 0 else np.concatenate(arrays, axis=0))
+    return out
+
+
+@dataclass
+class Measurement:
+    """One evaluated model: which nodes were in float, output diffs vs the reference, optional outputs."""
+
+    nodes: tuple[str, ...]
+    diffs: list[TensorDiff]
+    outputs: list[np.ndarray] | None
+    seconds: float
+
+
+class Evaluator:
+    """Builds and runs fallback variants of one QDQ model against fixed reference outputs (picklable)."""
+
+    def __init__(
+        self,
+        qdq: onnx.ModelProto,
+        batches: list[Feed],
+        reference: list[list[np.ndarray]],
+        *,
+        keep_outputs: bool = False,
+        optimization: str = "all",
+    ) -> None:
+        self.qdq = qdq
+        self.batches = batches
+        self.reference = reference
+        self.keep_outputs = keep_outputs
+        self.optimization = optimization
+
+    def variant(self, nodes: Sequence[str]) -> onnx.ModelProto:
+        """The QDQ model with ``nodes`` fallen back (the model itself when ``nodes`` is empty)."""
+        if not nodes:
+            return self.qdq
+        handle = GraphHandle(self.qdq)
+        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes)
+        return handle.to_onnx()
+
+    def run(self, model: onnx.ModelProto, nodes: Sequence[str] = ()) -> Measurement:
+        """Run ``model`` on every batch and compare each output with the reference."""
+        start = time.perf_counter()
+        session = make_session(model, optimization=_OPT[self.optimization])
+        per_batch = run_batches(session, self.batches)
+        names = [o.name for o in session.get_outputs()]
+        if len(names) != len(self.reference[0]):
+            raise ModelError(
+                f"the QDQ model has {len(names)} outputs but the float model "
+                f"{len(self.reference[0])}; they must match by position."
+            )
+        accs = [DiffAccumulator(n) for n in names]
+        for ref, cand in zip(self.reference, per_batch, strict=True):
+            for acc, r, c in zip(accs, ref, cand, strict=True):
+                acc.add(r, c)
+        outputs = concat_outputs(per_batch) if self.keep_outputs else None
+        return Measurement(tuple(nodes), [a.result() for a in accs], outputs, time.perf_counter() - start)
+
+    def measure(self, nodes: Sequence[str]) -> Measurement:
+        """`run` on the variant with ``nodes`` in float."""
+        return self.run(self.variant(nodes), nodes)
+
+
+# ----------------------------------------------------------------------------- worker processes
+_WORKER: dict[str, Evaluator] = {}
+
+
+def _init_worker(evaluator: Evaluator) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    _WORKER["evaluator"] = evaluator
+
+
+def _measure_in_worker(nodes: tuple[str, ...]) -> Measurement:
+    return _WORKER["evaluator"].measure(nodes)
+
+
+def measure_all(
+    evaluator: Evaluator,
+    node_sets: Sequence[tuple[str, ...]],
+    *,
+    jobs: int = 1,
+    deadline: float | None = None,
+    progress: Progress | None = None,
+) -> list[Measurement]:
+    """Measure every node set (one session each), in ``jobs`` processes; stops early at ``deadline``."""
+    results: list[Measurement] = []
+    total = len(node_sets)
+    if jobs <= 1 or total <= 1:
+        for nodes in node_sets:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            results.append(evaluator.measure(nodes))
+            if progress:
+                progress(len(results), total)
+        return results
+    pool = cf.ProcessPoolExecutor(
+        max_workers=min(jobs, total),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(evaluator,),
+    )
+    workers: dict[int, Any] = {}
+    try:
+        with _sigint_blocked():
+            futures = [pool.submit(_measure_in_worker, nodes) for nodes in node_sets]
+        for fut in cf.as_completed(futures):
+            workers.update(getattr(pool, "_processes", None) or {})
+            results.append(fut.result())
+            if progress:
+                progress(len(results), total)
+            if deadline is not None and time.monotonic() > deadline:
+                break
+    finally:  # done, out of time, a failing candidate or Ctrl-C: stop every worker now, leave nothing running
+        with _sigint_blocked():
+            workers.update(getattr(pool, "_processes", None) or {})
+            _stop(pool, list(workers.values()))
+    return results
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Hold Ctrl-C back (it stays pending and is raised on exit) while workers are spawned or stopped.
+
+    Workers spawned meanwhile inherit the blocked mask (fork + exec keep it), so Ctrl-C only ever reaches the
+    parent, which then stops them; and stopping them is never cut short, so none is left running.
+    """
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _stop(pool: cf.ProcessPoolExecutor, workers: list[Any]) -> None:
+    # The results are in (or no longer wanted): idle or busy, the pool's own workers are ended right away
+    # instead of waiting for them to wind down.
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in workers:
+        proc.join(timeout=5)
+
+
+def reference_outputs(
+    reference: onnx.ModelProto, batches: Sequence[Feed], optimization: str = "all"
+) -> list[list[np.ndarray]]:
+    """The float model's outputs per batch."""
+    return run_batches(make_session(reference, optimization=_OPT[optimization]), batches)

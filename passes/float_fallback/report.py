@@ -1,0 +1,234 @@
+"""``qgraph sensitivity``: the ranked table, JSON, plot, and the automatic search behind ``--target``.
+
+Every output file is written only after all measurements are done, each through a temporary file and an
+atomic rename, so an interrupted run (Ctrl-C) leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from qgraph import RecipeError, load_model, save_model
+
+from .auto import auto_fallback, write_text_atomic
+from .sensitivity import SensitivityReport
+from .stats import matmul_flops
+from .targets import Target, parse_target
+
+#: Ranking used when no --target is given.
+DEFAULT_RANKING = Target("sqnr", "sqnr", goal=math.inf)
+
+
+def _fmt(v: float | None, spec: str = ".4g") -> str:
+    if v is None:
+        return "-"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return format(v, spec)
+
+
+def render_table(report: SensitivityReport, console: Console) -> None:
+    """Print the ranked table: node, op, sensitivity, output cosine/SQNR, input clipping and quantization SQNR."""
+    what = {"cosine": "output cosine", "sqnr": "output SQNR (dB)"}.get(report.target.kind, report.target.metric_spec)
+    table = Table(
+        title=f"sensitivity = gain in {what} when only this node is returned to float",
+        caption="clip %: activation input values beyond the Q range; in SQNR: its quantization SQNR",
+    )
+    table.add_column("#", justify="right")
+    table.add_column("node", overflow="fold")
+    table.add_column("op", overflow="fold")
+    for col in ("sensitivity", "cosine", "SQNR dB", "clip %", "in SQNR"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for i, r in enumerate(report.ranked(), 1):
+        clip = None if r.clip_fraction is None else 100.0 * r.clip_fraction
+        table.add_row(
+            str(i),
+            r.name,
+            r.op,
+            _fmt(r.sensitivity, "+.3g"),
+            _fmt(r.cosine, ".5f"),
+            _fmt(r.sqnr_db, ".1f"),
+            _fmt(clip, ".2g"),
+            _fmt(r.input_sqnr_db, ".1f"),
+        )
+    console.print(table)
+    base = min(report.baseline, key=lambda d: d.cosine, default=None)
+    if base is not None:
+        console.print(
+            f"full INT8 vs float: cosine {base.cosine:.6f}, SQNR {_fmt(base.sqnr_db, '.2f')} dB "
+            f"(worst output {base.name}); {len(report.rows)} of {report.candidates} quantized nodes measured "
+            f"in {report.seconds:.1f} s",
+            markup=False,
+            highlight=False,
+        )
+
+
+def write_plot(path: Path, report: SensitivityReport, top: int = 40) -> None:
+    """Bar chart of the most sensitive nodes: SVG written directly, PNG through matplotlib."""
+    rows = [r for r in report.ranked() if math.isfinite(r.sensitivity)][:top]
+    if path.suffix.lower() == ".png":
+        _write_png(path, rows, report)
+        return
+    bar_h, label_w, plot_w, pad = 18, 260, 420, 10
+    height = pad * 2 + 30 + bar_h * max(len(rows), 1)
+    peak = max((abs(r.sensitivity) for r in rows), default=1.0) or 1.0
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + plot_w + 3 * pad + 80}" height="{height}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<text x="{pad}" y="{pad + 12}" font-size="13">{html.escape(_title(report))}</text>',
+    ]
+    for i, r in enumerate(rows):
+        y = pad + 30 + i * bar_h
+        w = max(1.0, plot_w * abs(r.sensitivity) / peak)
+        color = "#d62728" if r.sensitivity > 0 else "#7f7f7f"
+        parts.append(f'<text x="{label_w}" y="{y + 12}" text-anchor="end">{html.escape(f"{r.name} ({r.op})")}</text>')
+        parts.append(f'<rect x="{label_w + pad}" y="{y + 2}" width="{w:.1f}" height="{bar_h - 4}" fill="{color}"/>')
+        parts.append(f'<text x="{label_w + 2 * pad + w:.1f}" y="{y + 12}">{r.sensitivity:+.4g}</text>')
+    parts.append("</svg>")
+    write_text_atomic(path, "\n".join(parts) + "\n")
+
+
+def _title(report: SensitivityReport) -> str:
+    what = report.target.metric_spec if report.target.kind == "metric" else f"output {report.target.kind}"
+    return f"Gain in {what} when only this node is returned to float"
+
+
+def check_plot_path(path: Path) -> None:
+    """Fail before any work when the plot format is unsupported."""
+    suffix = path.suffix.lower()
+    if suffix not in (".svg", ".png"):
+        raise RecipeError(f"--plot {path}: use a .svg or .png file name.")
+    if suffix == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RecipeError(
+                f"--plot {path}: PNG plots need matplotlib (pip install matplotlib); "
+                "SVG plots need nothing: use a .svg file name."
+            ) from None
+
+
+def _write_png(path: Path, rows: list[Any], report: SensitivityReport) -> None:
+    import os
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 1 + 0.25 * max(len(rows), 1)))
+    ax.barh([f"{r.name} ({r.op})" for r in rows][::-1], [r.sensitivity for r in rows][::-1], color="#d62728")
+    ax.set_title(_title(report))
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(prefix=".qgraph-", suffix=".png", dir=path.parent if str(path.parent) else ".")
+    os.close(fd)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def flops_summary(model: Any, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[int, int]:
+    """(MatMul/Gemm FLOPs in INT8, total MatMul/Gemm FLOPs) for one sample."""
+    try:
+        rows = matmul_flops(model, input_shapes)
+    except Exception:  # shape inference can fail on exotic models; the summary is informative only
+        return 0, 0
+    return sum(r["flops"] for r in rows if r["int8"]), sum(r["flops"] for r in rows)
+
+
+def run_command(
+    model_float: Path,
+    model_qdq: Path,
+    data: str,
+    *,
+    json_path: Path | None,
+    plot: Path | None,
+    jobs: int,
+    target: str | None,
+    patch: Path | None,
+    output: Path | None,
+    max_nodes: int | None,
+    max_time: float | None,
+    samples: int | None,
+    quiet: bool,
+    out: Console,
+    console: Console,
+) -> int:
+    """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met)."""
+    if (output is not None or patch is not None) and target is None:
+        raise RecipeError("-o/--output and --patch write the result of the automatic search: give --target too.")
+    if plot is not None:
+        check_plot_path(plot)
+    tgt = parse_target(target) if target is not None else DEFAULT_RANKING
+    reference, qdq = load_model(model_float), load_model(model_qdq)
+    progress = Progress(
+        TextColumn("[bold]sensitivity"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} nodes"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+    )
+    task = progress.add_task("sensitivity", total=None)
+    with progress:
+        result = auto_fallback(
+            reference,
+            qdq,
+            data,
+            tgt,
+            max_nodes=max_nodes,
+            max_time=max_time,
+            jobs=jobs,
+            samples=samples,
+            report_only=target is None,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if result.sensitivity is not None:
+        render_table(result.sensitivity, out)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    # Everything is measured: write the outputs now (each atomically).
+    if json_path is not None:
+        payload = (
+            result.to_dict() if target is not None else (result.sensitivity.to_dict() if result.sensitivity else {})
+        )
+        write_text_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
+    if plot is not None and result.sensitivity is not None:
+        write_plot(plot, result.sensitivity)
+    if target is None:
+        return 0
+    int8_flops, total_flops = flops_summary(result.model, result.input_shapes)
+    if output is not None:
+        save_model(result.model, output)
+    wrote_patch = result.write_patch(patch) if patch is not None else False
+    console.print(result.message(), markup=False, highlight=False, soft_wrap=True)
+    if total_flops:
+        console.print(
+            f"MatMul/Gemm FLOPs in INT8: {int8_flops}/{total_flops} ({100.0 * int8_flops / total_flops:.1f}%)",
+            markup=False,
+            highlight=False,
+        )
+    if output is not None:
+        console.print(f"wrote {output} (best model found)", markup=False, highlight=False)
+    if patch is not None:
+        console.print(
+            f"wrote {patch}" if wrote_patch else f"no node needs to go back to float: {patch} not written",
+            markup=False,
+            highlight=False,
+        )
+    if result.nodes:  # the decision, as a recipe patch, on stdout
+        out.print(result.patch_yaml() or "", markup=False, highlight=False, end="", soft_wrap=True)
+    return 0 if result.target_met else 1

@@ -1,0 +1,44 @@
+"""Calibration: observers that pick activation ranges, the onnxruntime collector, the ranges file.
+
+Typical use::
+
+    from qgraph.calibrate import collect_ranges, read_ranges, write_ranges
+    from qgraph.model_io import model_fingerprint
+
+    cal = collect_ranges(model, ["conv1_out", "relu2_out"], feeds, method="entropy")
+    write_ranges("ranges.json", cal, model_fingerprint=model_fingerprint(model))
+    ranges = read_ranges("ranges.json", model_fingerprint(model)).ranges()  # overrides applied
+
+All methods need a single pass over the data (histograms live on a global power-of-two
+grid, see :mod:`qgraph.calibrate.histogram`), so ``feeds`` may be a one-shot iterator.
+"""
+
+from qgraph.calibrate.collector import TensorCalibration, collect_ranges, observe
+from qgraph.calibrate.observers import (
+    OBSERVERS,
+    EntropyObserver,
+    HistogramSummary,
+    MinMaxObserver,
+    MseObserver,
+    Observer,
+    PercentileObserver,
+    make_observer,
+)
+from qgraph.calibrate.ranges_file import RangesFile, read_ranges, write_ranges
+
+__all__ = [
+    "OBSERVERS",
+    "EntropyObserver",
+    "HistogramSummary",
+    "MinMaxObserver",
+    "MseObserver",
+    "Observer",
+    "PercentileObserver",
+    "RangesFile",
+    "TensorCalibration",
+    "collect_ranges",
+    "make_observer",
+    "observe",
+    "read_ranges",
+    "write_ranges",
+]

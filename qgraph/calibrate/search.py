@@ -1,0 +1,202 @@
+"""Range searches on a single histogram row (percentile, KL entropy, MSE).
+
+All functions are vectorized over candidate thresholds; none loops over bins in Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from qgraph.calibrate.histogram import HistogramRow
+
+F64 = npt.NDArray[np.float64]
+
+
+def percentile_value(row: HistogramRow, q: float) -> float:
+    """Inverse CDF of the histogram at fraction ``q`` in ``[0, 1]``.
+
+    With bin counts ``h_j``, cumulative ``E_j = sum_{i<j} h_i`` and target mass ``m = q * N``,
+    the bin ``j`` with ``E_j < m <= E_{j+1}`` is found and the value is interpolated
+    uniformly inside it: ``(first + j + (m - E_j) / h_j) * width``, clamped to the exact
+    observed ``[lo, hi]``.
+    """
+    total = row.total
+    if total == 0:
+        return 0.0
+    if q <= 0.0:
+        return row.lo
+    if q >= 1.0:
+        return row.hi
+    m = q * total
+    cum = np.concatenate([[0.0], np.cumsum(row.counts, dtype=np.float64)])
+    j = int(np.searchsorted(cum, m, side="left")) - 1
+    j = min(max(j, 0), row.counts.size - 1)
+    h = float(row.counts[j])
+    frac = (m - cum[j]) / h if h > 0 else 0.0
+    value = (row.first + j + frac) * row.width
+    return float(min(max(value, row.lo), row.hi))
+
+
+def kl_divergences(hist: npt.NDArray[np.int64], num_levels: int) -> tuple[npt.NDArray[np.int64], F64]:
+    """TensorRT-style KL divergence of every clipping threshold, vectorized.
+
+    ``hist`` is a histogram of ``|x|`` starting at 0.  For each candidate ``i`` (bins kept,
+    ``num_levels <= i <= len(hist)``):
+
+    * reference ``P``: ``P_j = h_j`` for ``j < i - 1`` and ``P_{i-1} = h_{i-1} + O_i`` with the
+      outliers ``O_i = sum_{j >= i} h_j``;
+    * candidate ``Q``: bin ``j < i`` belongs to level ``g(j) = floor(j * L / i)``
+      (``L = num_levels``); ``Q_j = S_g / n_g`` if ``h_j > 0`` else 0, where ``S_g`` and
+      ``n_g`` are the count sum and number of non-empty bins of level ``g``;
+    * ``KL_i = sum_j p_j log(p_j / q_j)`` with ``p = P / sum(P)``, ``q = Q / sum(Q)``;
+      ``+inf`` when some ``p_j > 0`` has ``q_j = 0`` (only possible at ``j = i - 1``).
+
+    Expanding the sums gives, with ``N = sum(h)``,
+    ``KL_i = (sum_j P_j log P_j - sum_g S_g log(S_g / n_g) - O_i log Q_{i-1}) / N + log((N - O_i) / N)``,
+    which prefix sums evaluate for all ``i`` at once in ``O(len(hist) * L)``.
+
+    Returns ``(candidates i, KL_i)``.
+    """
+    h = hist.astype(np.float64)
+    n = h.size
+    L = num_levels
+    cand = np.arange(L, n + 1, dtype=np.int64)
+    if cand.size == 0:
+        return cand, np.zeros(0)
+    total = h.sum()
+    cs = np.concatenate([[0.0], np.cumsum(h)])
+    nzc = np.concatenate([[0], np.cumsum(h > 0)]).astype(np.float64)
+    xlogx = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
+    ce = np.concatenate([[0.0], np.cumsum(xlogx)])
+
+    g = np.arange(L + 1, dtype=np.int64)
+    bounds = (g[None, :] * cand[:, None] + L - 1) // L  # ceil(g * i / L), shape (T, L + 1)
+    s_g = cs[bounds[:, 1:]] - cs[bounds[:, :-1]]
+    n_g = nzc[bounds[:, 1:]] - nzc[bounds[:, :-1]]
+    safe_n = np.where(n_g > 0, n_g, 1.0)
+    safe_s = np.where(s_g > 0, s_g, 1.0)
+    plogq = np.sum(np.where(s_g > 0, s_g * np.log(safe_s / safe_n), 0.0), axis=1)
+
+    outliers = total - cs[cand]
+    h_last = h[cand - 1]
+    q_last = s_g[:, -1] / safe_n[:, -1]
+    with np.errstate(divide="ignore"):
+        plogq += np.where(outliers > 0, outliers * np.log(np.where(q_last > 0, q_last, 1.0)), 0.0)
+    p_last = h_last + outliers
+    plogp = ce[cand - 1] + np.where(p_last > 0, p_last * np.log(np.where(p_last > 0, p_last, 1.0)), 0.0)
+    inside = total - outliers
+    with np.errstate(divide="ignore"):
+        kl = (plogp - plogq) / total + np.log(np.where(inside > 0, inside, 1.0) / total)
+    invalid = (h_last == 0) & (outliers > 0)
+    kl = np.where(invalid, np.inf, kl)
+    return cand, kl
+
+
+def entropy_threshold(row: HistogramRow, num_levels: int = 128) -> float:
+    """Threshold ``t`` minimizing the KL divergence (see :func:`kl_divergences`) on a ``|x|`` row.
+
+    ``t = i* * width`` for the minimizing ``i*`` (first minimum), capped at the exact maximum
+    ``row.hi``.  If the data occupy fewer than ``num_levels`` bins no clipping can help and
+    ``t = row.hi``.
+    """
+    if row.total == 0:
+        return 0.0
+    cand, kl = kl_divergences(row.counts, num_levels)
+    if cand.size == 0 or not np.any(np.isfinite(kl)):
+        return row.hi
+    best = int(cand[int(np.argmin(kl))])
+    return float(min((row.first + best) * row.width, row.hi))
+
+
+def mse_symmetric(row: HistogramRow, levels: float, num_candidates: int = 1024) -> tuple[float, F64]:
+    """Threshold ``t`` of a ``|x|`` row minimizing the expected quantization MSE.
+
+    Candidates ``t_k = hi * k / K`` (``k = 1..K``).  With bin centers ``c_j`` (clamped to the
+    observed ``[lo, hi]``), counts ``h_j``
+    and step ``s = t / levels`` (``levels`` = positive integer levels, e.g. 127 for int8):
+    ``MSE(t) = [ s**2 / 12 * sum_{c_j <= t} h_j + sum_{c_j > t} h_j (c_j - t)**2 ] / N``,
+    i.e. uniform rounding noise inside the range plus squared clipping distance outside.
+    A single-valued row (``lo == hi``) returns ``t = hi``: the value is then exactly
+    representable, which the uniform-noise model cannot see.
+    Returns ``(t, MSE of every candidate)``.
+    """
+    if row.total == 0 or row.hi <= 0:
+        return 0.0, np.zeros(0)
+    if row.lo == row.hi:
+        return row.hi, np.zeros(0)
+    t = row.hi * np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
+    err = _clip_error_above(row, t) + (t / levels) ** 2 / 12.0 * _count_at_or_below(row, t)
+    mse = err / row.total
+    return float(t[int(np.argmin(mse))]), mse
+
+
+def mse_asymmetric(row: HistogramRow, num_steps: int, num_candidates: int = 1024) -> tuple[tuple[float, float], F64]:
+    """Range ``[a, b]`` of a signed row minimizing the expected quantization MSE.
+
+    Candidates shrink the zero-extended range ``[lo0, hi0] = [min(lo, 0), max(hi, 0)]``
+    uniformly: ``(a, b) = alpha_k * (lo0, hi0)``, ``alpha_k = k / K``.  With step
+    ``s = (b - a) / num_steps`` (``num_steps = qmax - qmin``):
+    ``MSE = [ s**2/12 * #{a <= c_j <= b} + sum_{c_j < a} h_j (a - c_j)**2``
+    ``+ sum_{c_j > b} h_j (c_j - b)**2 ] / N``.
+    A single-valued row returns the full range (see :func:`mse_symmetric`).
+    Returns ``((a, b), MSE of every candidate)``.
+    """
+    lo0, hi0 = min(row.lo, 0.0), max(row.hi, 0.0)
+    if row.total == 0 or hi0 - lo0 <= 0 or row.lo == row.hi:
+        return (lo0, hi0), np.zeros(0)
+    alpha = np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
+    a, b = alpha * lo0, alpha * hi0
+    above = _clip_error_above(row, b)
+    below = _clip_error_below(row, a)
+    inside = row.total - _count_above(row, b) - _count_below(row, a)
+    err = above + below + ((b - a) / num_steps) ** 2 / 12.0 * inside
+    mse = err / row.total
+    k = int(np.argmin(mse))
+    return (float(a[k]), float(b[k])), mse
+
+
+def _centers(row: HistogramRow) -> F64:
+    """Bin centers clamped to the exact observed ``[lo, hi]`` (the end bins' values lie inside it)."""
+    c = (row.first + np.arange(row.counts.size, dtype=np.float64) + 0.5) * row.width
+    return np.clip(c, row.lo, row.hi)
+
+
+def _suffix(x: F64) -> F64:
+    """``out[i] = sum(x[i:])``, length ``len(x) + 1``."""
+    return np.concatenate([np.cumsum(x[::-1])[::-1], [0.0]])
+
+
+def _prefix(x: F64) -> F64:
+    """``out[i] = sum(x[:i])``, length ``len(x) + 1``."""
+    return np.concatenate([[0.0], np.cumsum(x)])
+
+
+def _clip_error_above(row: HistogramRow, t: F64) -> F64:
+    c = _centers(row)
+    h = row.counts.astype(np.float64)
+    idx = np.searchsorted(c, t, side="right")  # first center > t
+    s0, s1, s2 = _suffix(h)[idx], _suffix(h * c)[idx], _suffix(h * c * c)[idx]
+    return np.maximum(s2 - 2.0 * t * s1 + t * t * s0, 0.0)
+
+
+def _clip_error_below(row: HistogramRow, t: F64) -> F64:
+    c = _centers(row)
+    h = row.counts.astype(np.float64)
+    idx = np.searchsorted(c, t, side="left")  # centers < t are c[:idx]
+    p0, p1, p2 = _prefix(h)[idx], _prefix(h * c)[idx], _prefix(h * c * c)[idx]
+    return np.maximum(p2 - 2.0 * t * p1 + t * t * p0, 0.0)
+
+
+def _count_above(row: HistogramRow, t: F64) -> F64:
+    idx = np.searchsorted(_centers(row), t, side="right")
+    return _suffix(row.counts.astype(np.float64))[idx]
+
+
+def _count_below(row: HistogramRow, t: F64) -> F64:
+    idx = np.searchsorted(_centers(row), t, side="left")
+    return _prefix(row.counts.astype(np.float64))[idx]
+
+
+def _count_at_or_below(row: HistogramRow, t: F64) -> F64:
+    return row.total - _count_above(row, t)

@@ -1,0 +1,97 @@
+"""AlignedHistogram: exact equality with a brute-force histogram, batching invariance, merging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from calib_reference import ref_histogram
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qgraph.calibrate.histogram import AlignedHistogram, required_exponent
+
+values_st = st.lists(st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=200)
+
+
+def _feed(h: AlignedHistogram, x: np.ndarray, batch: int) -> None:
+    for i in range(0, x.size, batch):
+        h.update(x[i : i + batch].reshape(1, -1).astype(np.float64))
+
+
+@pytest.mark.parametrize("include_zero", [False, True])
+@pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 1e5])
+def test_matches_brute_force(include_zero: bool, scale: float) -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(3000) * scale + 3 * scale).astype(np.float32)
+    if include_zero:
+        x = np.abs(x)
+    for batch in (1, 97, 3000):
+        h = AlignedHistogram(1, 64, include_zero=include_zero)
+        _feed(h, x if batch != 1 else x[:300], batch)
+        data = x if batch != 1 else x[:300]
+        w, first, counts = ref_histogram(data, 64, include_zero)
+        row = h.row(0)
+        assert row.width == w and row.first == first
+        np.testing.assert_array_equal(row.counts, counts)
+        assert row.lo == min(float(data.min()), 0.0 if include_zero else np.inf) and row.hi == float(data.max())
+
+
+def test_constant_and_zero_data() -> None:
+    h = AlignedHistogram(1, 16)
+    h.update(np.zeros((1, 10)))
+    r = h.row(0)
+    assert r.total == 10 and r.lo == r.hi == 0.0
+    h = AlignedHistogram(1, 16)
+    h.update(np.full((1, 5), 3.25))
+    r = h.row(0)
+    w, first, counts = ref_histogram(np.full(5, 3.25), 16, False)
+    assert (r.width, r.first, r.counts.tolist()) == (w, first, counts.tolist())
+
+
+def test_zeros_then_tiny_values_regression() -> None:
+    """An all-zero first batch must not pin the grid (found by hypothesis)."""
+    x = np.array([0.0] * 13 + [1.13e-33], dtype=np.float32)
+    one = AlignedHistogram(1, 64)
+    _feed(one, x, 1)
+    whole = AlignedHistogram(1, 64)
+    _feed(whole, x, 14)
+    w, first, counts = ref_histogram(x, 64, False)
+    for h in (one, whole):
+        r = h.row(0)
+        assert (r.width, r.first) == (w, first)
+        np.testing.assert_array_equal(r.counts, counts)
+
+
+def test_required_exponent_is_minimal() -> None:
+    rng = np.random.default_rng(1)
+    lo = -rng.random(50) * 10.0 ** rng.integers(-20, 20, 50)
+    hi = rng.random(50) * 10.0 ** rng.integers(-20, 20, 50)
+    k = required_exponent(lo, hi, 128)
+    n = np.floor(np.ldexp(hi, -k)) - np.floor(np.ldexp(lo, -k)) + 1
+    n_finer = np.floor(np.ldexp(hi, -(k - 1))) - np.floor(np.ldexp(lo, -(k - 1))) + 1
+    assert np.all(n <= 128) and np.all(n_finer > 128)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=values_st, cut=st.integers(1, 7), include_zero=st.booleans())
+def test_batching_and_merge_invariance(values: list[float], cut: int, include_zero: bool) -> None:
+    x = np.array(values, dtype=np.float32)
+    if include_zero:
+        x = np.abs(x)
+    whole = AlignedHistogram(2, 32, include_zero)
+    whole.update(np.stack([x, -2 * x]).astype(np.float64))
+    batched = AlignedHistogram(2, 32, include_zero)
+    for i in range(0, x.size, cut):
+        part = x[i : i + cut]
+        batched.update(np.stack([part, -2 * part]).astype(np.float64))
+    a = AlignedHistogram(2, 32, include_zero)
+    b = AlignedHistogram(2, 32, include_zero)
+    half = x.size // 2
+    if half:
+        a.update(np.stack([x[:half], -2 * x[:half]]).astype(np.float64))
+    b.update(np.stack([x[half:], -2 * x[half:]]).astype(np.float64))
+    a.merge(b)
+    for other in (batched, a):
+        np.testing.assert_array_equal(other.k, whole.k)
+        np.testing.assert_array_equal(other.first, whole.first)
+        np.testing.assert_array_equal(other.counts, whole.counts)

@@ -1,0 +1,286 @@
+"""The float_fallback pass: structure, numbers in onnxruntime, idempotence, shared Q/DQ, real QDQ models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from qgraph.passes.float_fallback import FloatFallback
+from qgraph.passes.float_fallback.qdq_edit import is_dq, is_q, quantized_nodes
+
+from qgraph import GraphHandle, NodeSelector, PassError, Pipeline, Recipe
+from qgraph.compare import make_session
+from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+
+# x -> Q/DQ shared by mm_a and mm_b; mm_a's output t -> Q/DQ -> graph output y, also read by mm_c (quantized);
+# mm_c's output r -> Q/DQ with zero point 0 (a folded Relu) -> mm_d; weight DQ wa_dq shared by mm_a and mm_d.
+SHARED_QDQ = """
+<ir_version: 8, opset_import: ["" : 17]>
+shared (float[2,4] x) => (float[2,4] y, float[2,4] z, float[2,4] u)
+<float sx = {0.02}, uint8 zx = {128}, float sw = {0.01}, int8 zw = {0}, float st = {0.03}, uint8 zt = {128},
+ float sr = {0.02}, uint8 zr = {0},
+ int8[4,4] wa = {10, -20, 30, -40, 50, -60, 70, -80, 90, -100, 110, -120, 5, 15, -25, 35},
+ int8[4,4] wb = {-7, 14, -21, 28, -35, 42, -49, 56, -63, 70, -77, 84, -91, 98, -105, 112},
+ int8[4,4] wc = {3, 60, -9, 12, -15, 18, -121, 24, 27, -30, 33, -36, 39, 100, 45, -48}>
+{
+  [x_q] xq = QuantizeLinear(x, sx, zx)
+  [x_dq] xd = DequantizeLinear(xq, sx, zx)
+  [wa_dq] wad = DequantizeLinear(wa, sw, zw)
+  [wb_dq] wbd = DequantizeLinear(wb, sw, zw)
+  [wc_dq] wcd = DequantizeLinear(wc, sw, zw)
+  [mm_a] t = MatMul(xd, wad)
+  [mm_b] z = MatMul(xd, wbd)
+  [t_q] tq = QuantizeLinear(t, st, zt)
+  [t_dq] y = DequantizeLinear(tq, st, zt)
+  [mm_c] r = MatMul(y, wcd)
+  [r_q] rq = QuantizeLinear(r, sr, zr)
+  [r_dq] rd = DequantizeLinear(rq, sr, zr)
+  [mm_d] u = MatMul(rd, wad)
+}
+"""
+
+
+def _w(model: onnx.ModelProto, name: str) -> np.ndarray:
+    init = next(i for i in model.graph.initializer if i.name == name)
+    return onnx.numpy_helper.to_array(init).astype(np.float64) * 0.01
+
+
+def _fq(x: np.ndarray, scale: float, zp: int, lo: int = 0, hi: int = 255) -> np.ndarray:
+    return (np.clip(np.round(x / scale) + zp, lo, hi) - zp) * scale
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> dict[str, np.ndarray]:
+    sess = make_session(model)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, {"x": x}), strict=True))
+
+
+def _fall_back(model: onnx.ModelProto, **selector: object) -> tuple[onnx.ModelProto, object]:
+    result = Pipeline([FloatFallback(nodes=NodeSelector(**selector))]).run(model)  # type: ignore[arg-type]
+    return result.model, result.records[0].result
+
+
+@pytest.fixture
+def shared() -> onnx.ModelProto:
+    return onnx.parser.parse_model(SHARED_QDQ)
+
+
+@pytest.fixture
+def x() -> np.ndarray:
+    return np.random.default_rng(0).uniform(-2, 2, (2, 4)).astype(np.float32)
+
+
+def test_structure_shared_pairs_stay_for_quantized_neighbours(shared: onnx.ModelProto) -> None:
+    out, res = _fall_back(shared, names=("mm_a",))
+    nodes = {n.name: n for n in out.graph.node}
+    producer = {o: n for n in out.graph.node for o in n.output}
+    # mm_a reads the float input and a float constant equal to the dequantized weight.
+    assert nodes["mm_a"].input[0] == "x"
+    assert nodes["mm_a"].input[1] == "wa/float" and nodes["mm_a"].input[1] not in producer
+    # Its neighbours keep their (shared) pairs: mm_b still reads x's DQ, mm_d still reads wa's DQ.
+    assert nodes["mm_b"].input[0] == "xd" and is_dq_node(producer["xd"])
+    assert nodes["mm_d"].input[1] == "wad" and is_dq_node(producer["wad"])
+    # The graph output y is float now (an Identity of t); mm_c keeps the pair on a renamed tensor.
+    assert producer["y"].op_type == "Identity" and producer["y"].input[0] == "t"
+    assert producer["y"].doc_string == "qgraph:float_fallback"
+    assert nodes["mm_c"].input[0] == "y/dq" and is_dq_node(producer["y/dq"])
+    assert [o.name for o in out.graph.output] == ["y", "z", "u"]
+    assert res.rewritten == 1 and res.details["fallen_back"] == ["mm_a"]  # type: ignore[attr-defined]
+    assert res.details["outputs_still_quantized_for"] == {"mm_a": ["mm_c"]}  # type: ignore[attr-defined]
+    assert res.details["dequantized_weights"] == ["wa/float"]  # type: ignore[attr-defined]
+    assert res.nodes_added == 1 and res.nodes_removed == 0  # type: ignore[attr-defined]
+    onnx.checker.check_model(out, full_check=True)
+
+
+def is_dq_node(node: onnx.NodeProto) -> bool:
+    return node.op_type == "DequantizeLinear"
+
+
+def test_numbers_neighbours_bit_identical_and_fallen_back_node_float(shared: onnx.ModelProto, x: np.ndarray) -> None:
+    before = _run(shared, x)
+    out, _ = _fall_back(shared, names=("mm_a",))
+    after = _run(out, x)
+    # The neighbours are still quantized and compute exactly what they computed before.
+    np.testing.assert_array_equal(after["z"], before["z"])
+    np.testing.assert_array_equal(after["u"], before["u"])
+    # mm_a now computes in float: x @ dequantized(wa), no activation rounding on either side.
+    expected_y = x.astype(np.float64) @ _w(shared, "wa")
+    np.testing.assert_allclose(after["y"], expected_y, rtol=1e-5, atol=1e-6)
+    assert np.abs(before["y"] - expected_y).max() > 1e-3  # it was quantized before
+
+
+def test_folded_relu_is_restored_when_its_pair_goes(shared: onnx.ModelProto, x: np.ndarray) -> None:
+    out, res = _fall_back(shared, names=("mm_c", "mm_d"))
+    ops = [n.op_type for n in out.graph.node]
+    assert "r_q" not in {n.name for n in out.graph.node}  # r's pair served only mm_d: removed
+    relu = next(n for n in out.graph.node if n.op_type == "Relu")
+    assert relu.name == "r/relu" and relu.input[0] == "r" and relu.doc_string == "qgraph:float_fallback"
+    assert res.details["relu_restored"] == ["r"]  # type: ignore[attr-defined]
+    assert ops.count("QuantizeLinear") == 2  # x and t remain
+    got = _run(out, x)
+    xd = _fq(x.astype(np.float64), 0.02, 128)
+    t = xd @ _w(shared, "wa")  # mm_a is still quantized on its input side
+    y = _fq(t, 0.03, 128)
+    r = t @ _w(shared, "wc")  # mm_c reads t itself (its DQ(Q(t)) is bypassed) and the dequantized weight
+    np.testing.assert_allclose(got["u"], np.maximum(r, 0.0) @ _w(shared, "wa"), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["y"], y, rtol=1e-6, atol=1e-6)  # mm_a untouched
+    assert (r < 0).any()  # the Relu matters on this input
+
+
+def test_idempotent(shared: onnx.ModelProto) -> None:
+    once, _ = _fall_back(shared, names=("mm_a", "mm_d"))
+    twice, res = _fall_back(once, names=("mm_a", "mm_d"))
+    assert res.rewritten == 0 and res.nodes_added == 0 and res.nodes_removed == 0  # type: ignore[attr-defined]
+    assert {s.node for s in res.skipped} == {"mm_a", "mm_d"}  # type: ignore[attr-defined]
+    assert once.graph.SerializeToString(deterministic=True) == twice.graph.SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize(
+    ("selector", "named"),
+    [
+        ({"names": ("mm_a", "mm_z")}, "'mm_z'"),
+        ({"op_types": ("Softmax",)}, "Softmax"),
+        ({"regex": ("^enc/",)}, "^enc/"),
+    ],
+)
+def test_selector_matching_nothing_is_an_error_naming_it(
+    shared: onnx.ModelProto, selector: dict[str, tuple[str, ...]], named: str
+) -> None:
+    with pytest.raises(PassError) as err:
+        _fall_back(shared, **selector)
+    assert named in err.value.message and "match nothing" in err.value.message
+
+
+def test_selector_error_from_a_recipe_via_cli(shared: onnx.ModelProto, tmp_path: Path) -> None:
+    from qgraph.cli import main
+
+    onnx.save(shared, tmp_path / "m.onnx")
+    (tmp_path / "r.yaml").write_text("name: r\npasses:\n  - pass: float_fallback\n    nodes: {names: [nope]}\n")
+    assert main(["run", str(tmp_path / "r.yaml"), str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "-q"]) == 1
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_qdq_and_float_nodes_in_the_selection(shared: onnx.ModelProto) -> None:
+    _, res = _fall_back(shared, regex=("^mm_a$", "_q$"))
+    assert res.details["fallen_back"] == ["mm_a"]  # type: ignore[attr-defined]
+    assert any("QuantizeLinear/DequantizeLinear node(s) in the selection were ignored" in n for n in res.notes)  # type: ignore[attr-defined]
+
+
+def test_config_needs_nodes_or_auto() -> None:
+    from qgraph import RecipeError
+
+    with pytest.raises(RecipeError, match="nodes"):
+        FloatFallback()
+    with pytest.raises(RecipeError, match="invalid target"):
+        Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n    auto: {target: 'cosine:high'}\n")
+
+
+# ----------------------------------------------------------------------------- real topology (onnxruntime QDQ)
+@pytest.fixture(scope="module")
+def ort_encoder(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """A BERT-like encoder and its QDQ model from onnxruntime.quantize_static (weights kept float as Q→DQ)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    folder = tmp_path_factory.mktemp("ff_ort")
+    float_model = transformer_encoder(layers=1, d_model=32, heads=2, seq=8)
+    onnx.save(float_model, folder / "f.onnx")
+    calib = transformer_encoder_inputs(8, seed=1, seq=8, d_model=32)
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.it = iter(calib)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.it, None)
+
+    quantize_static(
+        str(folder / "f.onnx"),
+        str(folder / "q.onnx"),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        extra_options={"AddQDQPairToWeight": True},
+    )
+    return float_model, onnx.load(folder / "q.onnx"), transformer_encoder_inputs(2, seed=2, seq=8, d_model=32)
+
+
+def test_real_model_everything_back_to_float_equals_float_model(ort_encoder) -> None:  # type: ignore[no-untyped-def]
+    float_model, qdq, feeds = ort_encoder
+    handle = GraphHandle(qdq)
+    n_quantized = len(quantized_nodes(handle))
+    result = Pipeline([FloatFallback(nodes=NodeSelector())]).run(qdq)
+    res = result.records[0].result
+    assert res.rewritten == n_quantized > 30
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in result.model.graph.node)
+    # onnxruntime stores LayerNorm biases as int32 even with AddQDQPairToWeight: they come back dequantized.
+    restored = {i.name: i for i in result.model.graph.initializer}
+    assert res.details["dequantized_weights"] == ["layer0/attn/ln.bias_1", "layer0/ffn/ln.bias_1"]
+    reference = onnx.ModelProto()
+    reference.CopyFrom(float_model)
+    for init in reference.graph.initializer:
+        if init.name + "_1" in restored:
+            init.CopyFrom(restored[init.name + "_1"])
+            init.name = init.name[:-2] if init.name.endswith("_1") else init.name
+    f_sess, o_sess = make_session(reference), make_session(result.model)
+    for feed in feeds:
+        ref, got = f_sess.run(None, feed)[0], o_sess.run(None, feed)[0]
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_real_model_one_matmul_of_a_shared_pair(ort_encoder) -> None:  # type: ignore[no-untyped-def]
+    _, qdq, _ = ort_encoder
+    handle = GraphHandle(qdq)
+    q_proj = handle.index.by_name["layer0/attn/q/matmul"]
+    shared_dq = handle.producer(q_proj.inputs[0])
+    assert shared_dq is not None and is_dq(shared_dq)
+    sharing = [c.name for c in handle.consumers(shared_dq.outputs[0])]
+    assert "layer0/attn/k/matmul" in sharing and "layer0/attn/v/matmul" in sharing
+    result = Pipeline([FloatFallback(nodes=NodeSelector(names=("layer0/attn/q/matmul",)))]).run(qdq)
+    after = GraphHandle(result.model)
+    q_after = after.index.by_name["layer0/attn/q/matmul"]
+    assert not any((p := after.producer(t)) is not None and is_dq(p) for t in q_after.inputs)
+    for name in sharing:
+        if name != "layer0/attn/q/matmul":  # each neighbour still reads the very same DQ output
+            assert shared_dq.outputs[0].name in [t.name for t in after.index.by_name[name].inputs]
+    assert any(is_q(c) for c in after.consumers(q_after.outputs[0]))  # its output stays quantized for the Add
+    assert len(quantized_nodes(after)) == len(quantized_nodes(handle)) - 1
+
+
+def test_walks_bounded(ort_encoder) -> None:  # type: ignore[no-untyped-def]
+    from qgraph.passes.float_fallback.qdq_edit import fall_back
+
+    _, qdq, _ = ort_encoder
+    handle = GraphHandle(qdq)
+    fall_back(handle, quantized_nodes(handle))
+    assert handle.walks["index"] <= 3 and handle.walks["cleanup"] == 1 and handle.walks["toposort"] <= 1
+
+
+def test_auto_mode_inside_the_pass_defaults_to_the_stripped_model(ort_encoder, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    _, qdq, feeds = ort_encoder
+    np.savez(tmp_path / "eval.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    auto = {
+        "target": "sqnr:200",
+        "data": str(tmp_path / "eval.npz"),
+        "max_nodes": 2,
+        "candidates": {"op_types": ["Softmax", "LayerNormalization"]},
+    }
+    result = Pipeline([FloatFallback(auto=auto)]).run(qdq)  # type: ignore[arg-type]
+    res = result.records[0].result
+    assert any("every Q/DQ removed" in n for n in res.notes)
+    assert res.details["auto"]["target_met"] is False and len(res.details["auto"]["nodes"]) == 2
+    assert res.details["fallen_back"] == res.details["auto"]["nodes"] and res.rewritten == 2
+    assert any(n.startswith("auto: target NOT met") for n in res.notes)
+
+
+def test_float_and_qdq_models_must_match(ort_encoder, shared: onnx.ModelProto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from qgraph.passes.float_fallback.auto import auto_fallback
+
+    from qgraph import ModelError
+
+    float_model, _, feeds = ort_encoder
+    np.savez(tmp_path / "eval.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
+    with pytest.raises(ModelError, match="do not match"):
+        auto_fallback(float_model, shared, str(tmp_path / "eval.npz"), "cosine:0.99")

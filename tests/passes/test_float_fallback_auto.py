@@ -1,0 +1,274 @@
+"""Automatic float fallback and ``qgraph sensitivity``: transformer cosine target, digits top-1, unmet target,
+interrupted run, recipe patch round trip, worker processes, qgraph's own insert_qdq output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from qgraph.passes.float_fallback.auto import auto_fallback
+from qgraph.passes.float_fallback.evaluate import Evaluator
+from qgraph.passes.float_fallback.stats import matmul_flops
+from qgraph.passes.float_fallback.targets import parse_target
+
+from qgraph import Pipeline, RecipeError
+from qgraph.cli import main
+from qgraph.compare import compare_models
+from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+
+DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits"
+
+
+def _ort_qdq(float_path: Path, out: Path, feeds: list[dict[str, np.ndarray]], **options: object) -> onnx.ModelProto:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.it, None)
+
+    quantize_static(str(float_path), str(out), Reader(), quant_format=QuantFormat.QDQ, **options)
+    return onnx.load(out)
+
+
+def _stack(feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """BERT-like encoder (additive -10000 attention mask), INT8 by onnxruntime, eval data: in one folder."""
+    folder = tmp_path_factory.mktemp("ff_auto")
+    onnx.save(transformer_encoder(layers=1, d_model=64, heads=4, seq=16), folder / "float.onnx")
+    _ort_qdq(folder / "float.onnx", folder / "qdq.onnx", transformer_encoder_inputs(16, seed=1))
+    np.savez(folder / "eval.npz", **_stack(transformer_encoder_inputs(8, seed=2)))
+    return folder
+
+
+def _cos(a: onnx.ModelProto, b: onnx.ModelProto, data: Path) -> float:
+    with np.load(data) as z:
+        feeds = [{k: z[k][i : i + 1] for k in z.files} for i in range(len(z[z.files[0]]))]
+    return min(d.cosine for d in compare_models(a, b, feeds))
+
+
+def test_transformer_reaches_cosine_keeping_matmuls_int8_and_patch_reproduces(encoder: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
+    args = [
+        "sensitivity",
+        str(encoder / "float.onnx"),
+        str(encoder / "qdq.onnx"),
+        "--data",
+        str(encoder / "eval.npz"),
+        "--target",
+        "cosine:0.99",
+        "-o",
+        str(encoder / "best.onnx"),
+        "--patch",
+        str(encoder / "patch.yaml"),
+        "--json",
+        str(encoder / "r.json"),
+        "--plot",
+        str(encoder / "r.svg"),
+        "-q",
+    ]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    report = json.loads((encoder / "r.json").read_text())
+    best = onnx.load(encoder / "best.onnx")
+    int8_cos, best_cos = _cos(ref, qdq, encoder / "eval.npz"), _cos(ref, best, encoder / "eval.npz")
+    assert int8_cos < 0.99 <= best_cos
+    assert report["target_met"] and report["int8_score"] == pytest.approx(int8_cos, abs=1e-6)
+    chosen = report["nodes"]
+    assert 1 <= len(chosen) <= 4 and all("softmax" in n for n in chosen)
+    ranked = report["sensitivity"]["nodes"]
+    assert len(ranked) > 30 and ranked[0]["name"] in chosen and ranked[0]["sensitivity"] > 0.01
+    flops = [
+        r for r in matmul_flops(best, {"embeddings": (1, 16, 64), "attention_mask": (1, 16)}) if r["op"] == "MatMul"
+    ]
+    assert sum(r["flops"] for r in flops if r["int8"]) / sum(r["flops"] for r in flops) > 0.5  # here: all of them
+    assert "MatMul/Gemm FLOPs in INT8" in captured.err and "target met" in captured.err
+    assert "- pass: float_fallback" in captured.out and chosen[0] in captured.out  # the patch, on stdout
+    assert (encoder / "r.svg").read_text().startswith("<svg")
+    # The patch is a recipe on its own and a --patch for another recipe: both rebuild the same graph.
+    for extra in ([], ["--patch", str(encoder / "patch.yaml")]):
+        out = encoder / f"rerun{len(extra)}.onnx"
+        assert main(["run", str(encoder / "patch.yaml"), str(encoder / "qdq.onnx"), "-o", str(out), "-q", *extra]) == 0
+        assert onnx.load(out).graph.SerializeToString(deterministic=True) == best.graph.SerializeToString(
+            deterministic=True
+        )
+
+
+def test_unmet_target_returns_best_model_and_says_so(encoder: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out, patch = encoder / "unmet.onnx", encoder / "unmet.yaml"
+    args = [
+        "sensitivity",
+        str(encoder / "float.onnx"),
+        str(encoder / "qdq.onnx"),
+        "--data",
+        str(encoder / "eval.npz"),
+        "--target",
+        "sqnr:60",
+        "--max-nodes",
+        "1",
+        "-o",
+        str(out),
+        "--patch",
+        str(patch),
+        "-q",
+    ]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "target NOT met" in err and "max_nodes (1) reached" in err and f"wrote {out}" in err
+    best = onnx.load(out)
+    ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
+    assert _cos(ref, best, encoder / "eval.npz") > _cos(ref, qdq, encoder / "eval.npz")  # better than INT8
+    assert "Target NOT met" in patch.read_text() and patch.read_text().count("    - ") == 1
+
+
+def test_interrupted_run_leaves_no_output(encoder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    original = Evaluator.measure
+
+    def flaky(self: Evaluator, nodes: tuple[str, ...]) -> object:
+        calls["n"] += 1
+        if calls["n"] == 5:  # in the middle of the sensitivity pass
+            raise KeyboardInterrupt
+        return original(self, nodes)
+
+    monkeypatch.setattr(Evaluator, "measure", flaky)
+    outputs = [tmp_path / "o.onnx", tmp_path / "p.yaml", tmp_path / "r.json", tmp_path / "r.svg"]
+    args = [
+        "sensitivity",
+        str(encoder / "float.onnx"),
+        str(encoder / "qdq.onnx"),
+        "--data",
+        str(encoder / "eval.npz"),
+        "--target",
+        "cosine:0.99",
+        "-o",
+        str(outputs[0]),
+        "--patch",
+        str(outputs[1]),
+        "--json",
+        str(outputs[2]),
+        "--plot",
+        str(outputs[3]),
+        "-q",
+    ]
+    assert main(args) == 130
+    assert calls["n"] == 5 and list(tmp_path.iterdir()) == []  # not even a temporary file
+
+
+def test_worker_processes_give_the_same_table(encoder: Path) -> None:
+    ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
+    kwargs = {"report_only": True, "samples": 2, "candidates": None}
+    from qgraph import NodeSelector
+
+    kwargs["candidates"] = NodeSelector(regex=("^layer0/attn/",))
+    one = auto_fallback(ref, qdq, str(encoder / "eval.npz"), "cosine:0.99", jobs=1, **kwargs)  # type: ignore[arg-type]
+    two = auto_fallback(ref, qdq, str(encoder / "eval.npz"), "cosine:0.99", jobs=2, **kwargs)  # type: ignore[arg-type]
+    assert one.sensitivity is not None and two.sensitivity is not None
+    rows1 = {r.name: r.sensitivity for r in one.sensitivity.rows}
+    rows2 = {r.name: r.sensitivity for r in two.sensitivity.rows}
+    assert len(rows1) >= 10 and rows1 == rows2
+
+
+def test_candidate_selector_matching_nothing(encoder: Path) -> None:
+    from qgraph import NodeSelector, PassError
+
+    ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
+    with pytest.raises(PassError, match="nope"):
+        auto_fallback(ref, qdq, str(encoder / "eval.npz"), "sqnr:90", candidates=NodeSelector(names=("nope",)))
+
+
+def test_targets_parse() -> None:
+    t = parse_target("cosine:0.99")
+    assert (t.kind, t.goal, t.threshold(1.0), t.met(0.995, 0.99)) == ("cosine", 0.99, 0.99, True)
+    m = parse_target("x.y:top1>=float-0.5%", load=False)
+    assert m.kind == "metric" and m.threshold(0.9889) == pytest.approx(0.9889 * 0.995)
+    assert parse_target("x.y:err<=float+0.01", load=False).threshold(0.1) == pytest.approx(0.11)
+    assert not parse_target("x.y:err<=0.2", load=False).met(0.3, 0.2)
+    for bad in ("cosine:high", "accuracy", "x.y:f>=float*2", "cosine:1.5"):
+        with pytest.raises(RecipeError, match="invalid target"):
+            parse_target(bad, load=False)
+    with pytest.raises(RecipeError, match="cannot import"):
+        parse_target("no_such_module_xyz:f>=1")
+
+
+# ----------------------------------------------------------------------------- trained digits CNN, top-1 metric
+METRIC_MODULE = f"""
+import sys
+sys.path.insert(0, {str(DIGITS)!r})
+import metric as digits
+
+_, LABELS = digits.load_eval()
+
+
+def top1(outputs, references):
+    return digits.top1(outputs[0], LABELS)
+"""
+
+
+@pytest.mark.skipif(not (DIGITS / "model.onnx").exists(), reason="examples/digits not built")
+def test_digits_top1_within_half_percent_of_float(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnxruntime.quantization import CalibrationMethod
+
+    sys.path.insert(0, str(DIGITS))
+    import metric as digits
+
+    (tmp_path / "digits_top1.py").write_text(METRIC_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calib = digits.calibration_feeds(batch_size=1)
+    # Percentile calibration clips hard enough to lose accuracy (the usual INT8 model already meets the goal).
+    qdq = _ort_qdq(
+        DIGITS / "model.onnx",
+        tmp_path / "qdq.onnx",
+        calib,
+        calibrate_method=CalibrationMethod.Percentile,
+        extra_options={"CalibPercentile": 99.0},
+    )
+    float_top1, int8_top1 = digits.evaluate(DIGITS / "model.onnx"), digits.evaluate(tmp_path / "qdq.onnx")
+    assert int8_top1 < float_top1 * 0.995
+    result = auto_fallback(
+        onnx.load(DIGITS / "model.onnx"), qdq, str(DIGITS / "eval.npz"), "digits_top1:top1>=float-0.5%"
+    )
+    assert result.target_met and 1 <= len(result.nodes) <= 3
+    assert result.float_score == pytest.approx(float_top1) and result.int8_score == pytest.approx(int8_top1)
+    assert digits.evaluate(result.model.SerializeToString()) == pytest.approx(result.score)
+    assert result.score >= float_top1 * 0.995
+    standard = _ort_qdq(DIGITS / "model.onnx", tmp_path / "minmax.onnx", calib)
+    already = auto_fallback(
+        onnx.load(DIGITS / "model.onnx"), standard, str(DIGITS / "eval.npz"), "digits_top1:top1>=float-0.5%"
+    )
+    assert already.target_met and already.nodes == [] and already.stop_reason.startswith("the INT8 model already")
+
+
+# ----------------------------------------------------------------------------- qgraph's own QDQ output
+@pytest.mark.skipif(not (DIGITS / "model.onnx").exists(), reason="examples/digits not built")
+def test_on_insert_qdq_output_inside_a_recipe(tmp_path: Path) -> None:
+    from qgraph import Recipe
+
+    pytest.importorskip("qgraph.passes.insert_qdq")
+    with np.load(DIGITS / "calibration.npz") as z:
+        np.savez(tmp_path / "calib.npz", input=z["input"][:64])
+    recipe = Recipe.from_text(
+        "name: digits-int8\npasses:\n  - pass: insert_qdq\n  - pass: float_fallback\n"
+        "    nodes: {names: [/classifier/Gemm]}\n"
+        f"    auto: {{target: 'sqnr:40', reference: {str(DIGITS / 'model.onnx')!r}, samples: 64}}\n"
+    )
+    result = Pipeline(recipe.passes, recipe=recipe).run(DIGITS / "model.onnx", calibration_data=tmp_path / "calib.npz")
+    res = result.records[1].result
+    assert res.details["fallen_back"][0] == "/classifier/Gemm" and res.details["auto"]["target_met"]
+    quantized = Pipeline(recipe.passes[:1]).run(DIGITS / "model.onnx", calibration_data=tmp_path / "calib.npz").model
+    with np.load(DIGITS / "eval.npz") as z:
+        feeds = [{"input": z["input"][i : i + 8]} for i in range(0, 64, 8)]
+    ref = onnx.load(DIGITS / "model.onnx")
+    before = compare_models(ref, quantized, feeds)[0].sqnr_db
+    after = compare_models(ref, result.model, feeds)[0].sqnr_db
+    assert before < 40 <= after
