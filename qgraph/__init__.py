@@ -12,10 +12,9 @@ from qgraph.errors import DataError, ModelError, PassError, QGraphError, RecipeE
 from qgraph.graph import GraphHandle, GraphIndex
 from qgraph.model_io import load_model, save_model
 from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult, Skipped, get_pass, register
+from qgraph.pipeline import Pipeline, PipelineEvent, PipelineResult
+from qgraph.recipe import Recipe
 from qgraph.selectors import NodeSelector, Selection, SubgraphRange, select
-
-from qgraph.recipe import Recipe  # noqa: E402  (recipe imports pass_api)
-from qgraph.pipeline import Pipeline, PipelineEvent, PipelineResult  # noqa: E402
 
 __all__ = [
     "DataError",

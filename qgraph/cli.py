@@ -101,7 +101,7 @@ def run(
 
     with progress:
         result = pipeline.run(model, calibration_data=calibration_data, verify=verify,
-                              verify_tolerance=tolerance, on_event=on_event)
+                              verify_tolerance=tolerance, on_event=on_event, keep_stages=report is not None)
     result.save(output)
     if report is not None:
         from qgraph.report import write_report
@@ -155,6 +155,34 @@ def lower(
         console.print(note)
     result.save(output)
     console.print(f"wrote {output}")
+
+
+@app.command()
+def calibrate(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file (its preparation passes run first).")],
+    model: Annotated[Path, typer.Argument(help="Float ONNX model.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Ranges JSON file to write.")],
+    calibration_data: Annotated[
+        str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
+    ] = None,
+    method: Annotated[
+        str | None, typer.Option(help="minmax | percentile | entropy | mse (default: the recipe's).")
+    ] = None,
+) -> None:
+    """Measure activation ranges of the graph RECIPE quantizes and write them to a reusable ranges file."""
+    from qgraph.calibrate.command import calibrate_recipe
+    from qgraph.recipe import Recipe
+
+    rec = Recipe.from_yaml(recipe)
+    with Progress(SpinnerColumn(), TextColumn("calibrating"), BarColumn(), TextColumn("{task.completed} samples"),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("calibrate", total=None)
+
+        def on_progress(done: int, total: int | None) -> None:
+            progress.update(task, completed=done, total=total)
+
+        path = calibrate_recipe(rec, model, calibration_data, output, method=method, progress=on_progress)
+    console.print(f"wrote {path}")
 
 
 @app.command()

@@ -63,6 +63,10 @@ class GraphHandle:
             self.graph: gs.Graph = gs.import_onnx(model)
         except Exception as exc:  # graphsurgeon raises bare exceptions on malformed graphs
             raise ModelError(f"the model's graph cannot be imported: {type(exc).__name__}: {exc}") from exc
+        # graphsurgeon shares these protos with the input model: copy so passes never edit the caller's model.
+        self.graph.import_domains = [
+            onnx.helper.make_opsetid(d.domain, d.version) for d in self.graph.import_domains or []
+        ]
         self.tags: dict[str, str] = {
             n.name: n.doc_string[len(TAG_PREFIX) :]
             for n in model.graph.node

@@ -26,6 +26,9 @@ from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.recipe import CalibrationSpec, Recipe, TargetSpec
 
+#: At most this many skipped nodes (with reasons) per pass are written into the output model's metadata.
+MAX_SKIPPED_IN_PROVENANCE = 500
+
 EventKind = Literal["pipeline_start", "pass_start", "pass_end", "verify", "pipeline_end"]
 
 
@@ -232,6 +235,8 @@ def _write_provenance(model: onnx.ModelProto, recipe: Recipe, input_hash: str, r
             "matched": r.result.matched,
             "rewritten": r.result.rewritten,
             "skipped": len(r.result.skipped),
+            # Reasons travel with the model (capped) so `qgraph diff` can say why a node stayed float.
+            "skipped_nodes": [s.to_dict() for s in r.result.skipped[:MAX_SKIPPED_IN_PROVENANCE]],
             "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after,
         }

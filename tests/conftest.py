@@ -8,8 +8,7 @@ import onnx
 import pytest
 from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult
-from qgraph import pass_api
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, pass_api
 
 
 class DropIdentityConfig(PassConfig):

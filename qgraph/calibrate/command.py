@@ -1,0 +1,97 @@
+"""``qgraph calibrate``: ranges of every float activation of the graph a recipe quantizes.
+
+The recipe's passes up to its first non-float-preserving pass (usually ``insert_qdq``) run first, so the
+ranges describe the graph that actually gets quantized (after BN fusion, folding, lowering). The ranges
+file records that graph's fingerprint; a recipe that reuses it (``calibration: {ranges: file}``) on another
+graph gets an error, not a silent mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from qgraph.calibrate.collector import collect_ranges
+from qgraph.calibrate.ranges_file import write_ranges
+from qgraph.data import DataSource, batched, open_data_source
+from qgraph.errors import RecipeError
+from qgraph.model_io import model_fingerprint
+from qgraph.pipeline import Pipeline
+from qgraph.recipe import Recipe
+
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def float_activations(model: onnx.ModelProto) -> list[str]:
+    """Names of the float tensors computed at run time (graph inputs and node outputs, not constants)."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in (*inferred.graph.value_info, *inferred.graph.input,
+                                                                *inferred.graph.output)}
+    inits = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in inits]
+    names += [o for n in model.graph.node if n.op_type != "Constant" for o in n.output if o]
+    return [n for n in dict.fromkeys(names) if types.get(n) in FLOAT_TYPES]
+
+
+def prepared_model(recipe: Recipe, model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """The model as the recipe's first quantizing pass will see it."""
+    prep: list[Any] = []
+    for p in recipe.passes:
+        if not p.preserves_float:
+            break
+        prep.append(p)
+    return Pipeline(prep, name=recipe.name).run(model).model if prep else _copy_or_load(model)
+
+
+def _copy_or_load(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    from qgraph.model_io import load_model
+
+    if isinstance(model, onnx.ModelProto):
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        return out
+    return load_model(model)
+
+
+def calibrate_recipe(
+    recipe: Recipe,
+    model: str | Path | onnx.ModelProto,
+    data: str | Path | DataSource | None,
+    output: str | Path,
+    *,
+    method: str | None = None,
+    options: dict[str, Any] | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
+) -> Path:
+    """Calibrate the recipe's quantized graph on ``data`` and write a ranges file to ``output``."""
+    spec = data if data is not None else recipe.calibration.data
+    if spec is None:
+        raise RecipeError("no calibration data: pass --calibration-data or set calibration.data in the recipe.")
+    graph = prepared_model(recipe, model)
+    chosen_method, chosen_options = _method_from_recipe(recipe)
+    method = method or chosen_method
+    options = {**chosen_options, **(options or {})} if method == chosen_method else dict(options or {})
+    source = open_data_source(spec, samples=recipe.calibration.samples).bind(graph)
+    names = float_activations(graph)
+    hasher = hashlib.sha256()
+    batch = recipe.calibration.batch_size
+    calibrations = collect_ranges(
+        graph, names, lambda: batched(source, batch), method, options=options, progress=progress,
+        data_hasher=hasher,
+    )
+    return write_ranges(
+        output, calibrations, model_fingerprint=model_fingerprint(graph), data_fingerprint=hasher.hexdigest(),
+        method=method, options=options,
+    )
+
+
+def _method_from_recipe(recipe: Recipe) -> tuple[str, dict[str, Any]]:
+    for p in recipe.passes:
+        activations = getattr(p.config, "activations", None)
+        if activations is not None and hasattr(activations, "method"):
+            return str(activations.method), dict(getattr(activations, "method_options", {}) or {})
+    return "minmax", {}
