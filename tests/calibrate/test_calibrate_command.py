@@ -1,0 +1,38 @@
+"""`qgraph calibrate`: ranges of the graph the recipe quantizes, tied to that graph's fingerprint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qgraph import DataError, Recipe
+from qgraph.calibrate import read_ranges
+from qgraph.calibrate.command import float_activations, prepared_model
+from qgraph.cli import main
+from qgraph.model_io import load_model, model_fingerprint
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "examples" / "digits"
+RECIPE = ROOT / "recipes" / "ort-x86-vnni.yaml"
+
+
+def test_calibrate_writes_ranges_of_the_prepared_graph(tmp_path: Path) -> None:
+    out = tmp_path / "ranges.json"
+    code = main(["calibrate", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(out),
+                 "--calibration-data", str(DIGITS / "calibration.npz"), "--method", "minmax"])
+    assert code == 0
+    prepared = prepared_model(Recipe.from_yaml(RECIPE), DIGITS / "model.onnx")
+    assert sum(n.op_type == "BatchNormalization" for n in prepared.graph.node) == 0  # after fuse_batchnorm
+    ranges = read_ranges(out, model_fingerprint(prepared))
+    names = float_activations(prepared)
+    assert set(ranges.tensors) == set(names)
+    # minmax over the data equals the brute-force min/max of the input tensor itself.
+    x = np.load(DIGITS / "calibration.npz")[prepared.graph.input[0].name]
+    got = ranges.ranges()[prepared.graph.input[0].name]
+    assert float(got.rmin) == pytest.approx(min(float(x.min()), 0.0))
+    assert float(got.rmax) == pytest.approx(max(float(x.max()), 0.0))
+    # Reusing the file for another graph (the unprepared model) is an error, not a silent mismatch.
+    with pytest.raises(DataError, match="fingerprint|different model"):
+        read_ranges(out, model_fingerprint(load_model(DIGITS / "model.onnx")))
