@@ -36,3 +36,24 @@ def test_calibrate_writes_ranges_of_the_prepared_graph(tmp_path: Path) -> None:
     # Reusing the file for another graph (the unprepared model) is an error, not a silent mismatch.
     with pytest.raises(DataError, match="fingerprint|different model"):
         read_ranges(out, model_fingerprint(load_model(DIGITS / "model.onnx")))
+
+
+def test_recipe_reuses_ranges_file_and_refuses_a_foreign_one(tmp_path: Path) -> None:
+    from qgraph import QGraphError
+
+    out = tmp_path / "ranges.json"
+    assert main(["calibrate", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(out),
+                 "--calibration-data", str(DIGITS / "calibration.npz")]) == 0
+    text = RECIPE.read_text().replace("target: {runtime: onnxruntime}",
+                                      f"target: {{runtime: onnxruntime}}\ncalibration: {{ranges: {out}}}")
+    recipe = Recipe.from_text(text, "reuse.yaml")
+    result = recipe.pipeline().run(DIGITS / "model.onnx")  # no data needed: every range comes from the file
+    assert sum(n.op_type == "QuantizeLinear" for n in result.model.graph.node) > 0
+    with_data = Recipe.from_yaml(RECIPE).pipeline().run(
+        DIGITS / "model.onnx", calibration_data=DIGITS / "calibration.npz"
+    )
+    assert result.model.graph.SerializeToString() == with_data.model.graph.SerializeToString()
+    # The same file on a different graph (no BN fusion before quantizing) is refused.
+    foreign = Recipe.from_text(text.replace("  - pass: fuse_batchnorm\n", ""), "foreign.yaml")
+    with pytest.raises(QGraphError, match="fingerprint|different model|computed for"):
+        foreign.pipeline().run(DIGITS / "model.onnx")

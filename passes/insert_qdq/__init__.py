@@ -1,0 +1,264 @@
+"""``insert_qdq``: turn a prepared float graph into a QDQ INT8 model onnxruntime fuses into integer kernels."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
+from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
+
+from .calib import RangeInfo, calibrate, screen
+from .config import InsertQDQConfig, local_cpu, resolve_reduce_range, saturation_wanted
+from .dynamic import DynamicQuantizer
+from .emit import ActParams, insert_activation_qdq
+from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
+from .placement import Plan, Planner, Unit, label
+from .saturation import activation_codes, analyze
+from .weights import Emitter, WeightQuantizer
+
+__all__ = ["InsertQDQ", "InsertQDQConfig"]
+
+_WIDE = {QuantDtype.INT4, QuantDtype.UINT4, QuantDtype.INT16, QuantDtype.UINT16}
+
+
+@register
+class InsertQDQ(Pass[InsertQDQConfig]):
+    """Insert QuantizeLinear/DequantizeLinear pairs (static, calibrated) or dynamic MatMul quantization.
+
+    Rewrite: ``x -> Conv(W, B) -> Relu -> y`` becomes ``x -> Q -> DQ -> Conv(DQ(W/q), DQ(B/q)) -> Relu -> Q -> DQ
+    -> y`` with ``W/q = round(W / s_w)`` per output channel, ``B/q = round(B / (s_x s_w))`` (int32), and
+    activation scales from calibration; onnxruntime fuses each group into QLinearConv/QGemm/QLinearAdd...
+    Placement, presets, outlier screening and saturation analysis are described in the submodules.
+    """
+
+    name = "insert_qdq"
+    config_class = InsertQDQConfig
+    preserves_float = False
+
+    # ------------------------------------------------------------------ validation
+    def check(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Opset rules and data availability, before anything is written."""
+        cfg, opset = self.config, graph.opset
+
+        def need(version: int, what: str) -> None:
+            if opset < version:
+                raise PassError(
+                    f"insert_qdq: {what} needs opset >= {version} but the model has opset {opset}. Add "
+                    f"`- pass: raise_opset` with `opset: {max(version, 13)}` before insert_qdq in the recipe."
+                )
+
+        need(11 if cfg.mode == "dynamic" else 10, "QuantizeLinear/DequantizeLinear")
+        if cfg.weights.per_channel and cfg.mode == "static":
+            need(13, "per-channel weight quantization (the DequantizeLinear axis attribute)")
+        wide = {d.value for d in (cfg.weights.dtype, cfg.activations.dtype) if d in _WIDE}
+        if wide:
+            need(21, f"{'/'.join(sorted(wide))} quantization")
+        if cfg.mode == "dynamic" and cfg.activations.dtype != QuantDtype.UINT8:
+            raise PassError(
+                "insert_qdq: dynamic mode quantizes activations to uint8 (DynamicQuantizeLinear); "
+                "set activations.dtype: uint8"
+            )
+        if cfg.mode == "static" and ctx.calibration_data is None and not ctx.options.get("ranges_file"):
+            raise PassError(
+                "insert_qdq: static quantization needs calibration data for activation ranges. Run "
+                "`qgraph run RECIPE MODEL --calibration-data DATA` (.npz with one array per input, a folder, or "
+                "module:function), give `calibration.ranges` in the recipe, or use `mode: dynamic`."
+            )
+
+    # ------------------------------------------------------------------ run
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Plan, calibrate, screen outliers, quantize weights/biases, insert activation Q/DQ."""
+        # The graph is ~10 Python objects per node, all containers: with the cyclic GC on, every allocation
+        # burst rescans them and the pass turns super-linear on 100k-node graphs. Nothing here makes cycles
+        # that need collecting before the pass returns.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(graph, ctx)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        cfg = self.config
+        res = PassResult()
+        graph.toposort()
+        reduce_range, rr_why = resolve_reduce_range(cfg)
+        wspec = QuantSpec(
+            dtype=cfg.weights.dtype,
+            symmetric=cfg.weights.symmetric is not False,
+            narrow_range=cfg.weights.narrow_range,
+            reduce_range=reduce_range,
+        )
+        selection = select(graph, cfg.nodes)
+        res.notes += [f"nodes selector: {u}" for u in selection.unmatched]
+        ops = set(cfg.op_types)
+        selected = {id(n) for n in selection.nodes if n.op in ops}
+        res.matched = len(selected)
+        floats = float32_tensors(graph.index.nodes, graph.graph.inputs)
+        plan = Planner(graph, cfg, selected, floats).plan()
+        params: dict[str, ActParams] = {}
+        ranges: dict[str, RangeInfo] = {}
+        forbidden: dict[str, str] = {}
+        if cfg.mode == "static" and plan.roots:
+            ranges, notes = calibrate(graph, ctx, plan.roots, cfg)
+            res.notes += notes
+            forbidden = screen(ranges, cfg)
+            if forbidden:
+                plan = Planner(graph, cfg, selected, floats, forbidden).plan()
+            params = self._params(plan, ranges)
+        before = len(graph.graph.nodes)
+        em = Emitter(graph)
+        wq = WeightQuantizer(em, wspec, cfg.weights.format, cfg.activations.dtype, cfg.bias)
+        wq.auto_symmetric, wq.asym_gain = cfg.weights.symmetric == "auto", cfg.weights.asymmetric_gain
+        dyn = DynamicQuantizer(em, wspec.model_copy(update={"per_channel": cfg.weights.per_channel}))
+        dyn.auto_symmetric, dyn.asym_gain = wq.auto_symmetric, wq.asym_gain
+
+        def input_scale(unit: Unit) -> float | None:
+            act = params.get(plan.tensors.get(unit.act_inputs[0], "")) if unit.act_inputs else None
+            return act.scale if act is not None else None
+
+        wq.prepare([(u, input_scale(u)) for u in plan.units if u.kind == "weighted"])
+        for unit in plan.units:
+            if unit.kind == "dynamic":
+                dyn.unit(unit, graph.graph)
+                continue
+            if unit.node.op == "Sum":  # two-input Sum (old exporters' residual add): Add has a QLinear kernel
+                unit.node.op = "Add"
+            wq.unit(unit, input_scale(unit))
+            for i in unit.const_inputs:
+                wq.constant_operand(unit.node, i)
+        insert_activation_qdq(em, plan, params)
+        sub_units, sub_skips = self._subgraphs(graph, em, dyn, ops)
+        graph.changed()
+        dead = set(dyn.replaced)
+        for node in graph.index.nodes:  # Constant nodes whose weights were replaced by integer initializers
+            if node.op == "Constant" and not any(graph.consumers(t) or graph.is_graph_output(t) for t in node.outputs):
+                dead.add(id(node))
+        if dead:
+            graph.graph.nodes = [n for n in graph.graph.nodes if id(n) not in dead]
+        graph.toposort()
+        for node, why in plan.skipped + sub_skips:
+            res.skip(node, why)
+        self._refuse_unsupported(res)
+        res.rewritten = len(plan.units) + len(plan.movement) + sub_units
+        res.nodes_added = len(em.new_nodes)
+        res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
+        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units)
+        if wq.adjusted:
+            res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
+        if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg):
+            res.details["saturation"] = self._saturation(plan, params, ranges, wq)
+        return res
+
+    def _params(self, plan: Plan, ranges: dict[str, RangeInfo]) -> dict[str, ActParams]:
+        spec = QuantSpec(dtype=self.config.activations.dtype, symmetric=self.config.activations.symmetric)
+        roots = plan.roots
+        lo = np.array([ranges[r].rmin for r in roots], np.float64)
+        hi = np.array([ranges[r].rmax for r in roots], np.float64)
+        scales, zps = compute_scale_zero_point(lo, hi, spec)  # vectorized over every group
+        return {
+            root: ActParams(float(scales[i]), int(zps[i]), spec.dtype, float(lo[i]), float(hi[i]))
+            for i, root in enumerate(roots)
+        }
+
+    def _subgraphs(
+        self, graph: GraphHandle, em: Emitter, dyn: DynamicQuantizer, ops: set[str]
+    ) -> tuple[int, list[tuple[str, str]]]:
+        done, skips = 0, []
+        for sub in list(graph.subgraphs()):
+            em.used.update(t for n in sub.nodes for t in (n.name, *(o.name for o in n.outputs)))
+            for node in list(sub.nodes):
+                if node.op not in ops or node.op not in WEIGHTED | BINARY | VARIADIC | UNARY:
+                    continue
+                w = graph.constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
+                x_const = graph.constant_value(node.inputs[0]) is not None
+                dynamic_ok = node.op in ("MatMul", "Gemm") and w is not None and not x_const and w.ndim == 2
+                if node.op == "Gemm" and int(node.attrs.get("transA", 0)):
+                    dynamic_ok = False
+                if self.config.subgraphs == "dynamic" and dynamic_ok:
+                    dyn.unit(Unit(node, "dynamic", [node.inputs[0].name], 1), sub)
+                    done += 1
+                else:
+                    skips.append(
+                        (
+                            label(node),
+                            "inside an If/Loop/Scan body: its activations cannot be calibrated "
+                            "(only MatMul/Gemm with constant weights are quantized there, dynamically)",
+                        )
+                    )
+            sub.nodes = [n for n in sub.nodes if id(n) not in dyn.replaced]
+            sub.toposort()
+        return done, skips
+
+    def _refuse_unsupported(self, res: PassResult) -> None:
+        if self.config.unsupported != "error":
+            return
+        bad = [s for s in res.skipped if not s.reason.startswith("already quantized")]
+        if bad:
+            listed = "; ".join(f"{s.node}: {s.reason}" for s in bad[:8])
+            raise PassError(
+                f"insert_qdq: {len(bad)} selected node(s) cannot be quantized ({listed}). Exclude them with "
+                "`nodes: {exclude: {names: [...]}}` or set `unsupported: float`."
+            )
+
+    def _details(
+        self,
+        plan: Plan,
+        params: dict[str, ActParams],
+        forbidden: dict[str, str],
+        rr_why: str,
+        wq: WeightQuantizer,
+        sub_units: int,
+    ) -> dict[str, Any]:
+        cfg = self.config
+        quantized = [
+            {
+                "node": label(u.node),
+                "op": u.node.op,
+                "kind": u.kind,
+                "absorbed": [n.name for n in u.absorbed],
+                "per_channel": u.weight_axis is not None if u.weight_index is not None else None,
+            }
+            for u in plan.units
+        ]
+        return {
+            "preset": cfg.preset,
+            "why": cfg.why,
+            "mode": cfg.mode,
+            "reduce_range": rr_why,
+            "cpu": local_cpu().describe(),
+            "quantized": quantized,
+            "quantized_ops": dict(Counter(u.node.op for u in plan.units)),
+            "integer_data_movement": [label(n) for n in plan.movement],
+            "quantized_tensors": len(plan.tensors),
+            "calibrated_tensors": len(params),
+            "excluded_tensors": forbidden,
+            "asymmetric_weights": wq.asymmetric,
+            "subgraph_nodes_quantized": sub_units,
+        }
+
+    def _saturation(
+        self, plan: Plan, params: dict[str, ActParams], ranges: dict[str, RangeInfo], wq: WeightQuantizer
+    ) -> dict[str, Any]:
+        codes: dict[str, tuple[int, int]] = {}
+        for u in plan.units:
+            if u.kind != "weighted" or not u.act_inputs:
+                continue
+            root = plan.tensors.get(u.act_inputs[0])
+            p = params.get(root or "")
+            if p is None or p.dtype != QuantDtype.UINT8:
+                continue
+            codes[label(u.node)] = activation_codes(p.rmin, p.rmax, p.scale, p.zero_point)
+        results = analyze(wq.weights, codes)
+        risky = [r.to_dict() for r in results if r.at_risk]
+        return {
+            "kernel": "u8 x s8 VPMADDUBSW (AVX2 without VNNI)",
+            "layers_analyzed": len(results),
+            "layers_at_risk": risky,
+            "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
+        }
