@@ -34,7 +34,7 @@ def test_calibrate_writes_ranges_of_the_prepared_graph(tmp_path: Path) -> None:
     assert float(got.rmin) == pytest.approx(min(float(x.min()), 0.0))
     assert float(got.rmax) == pytest.approx(max(float(x.max()), 0.0))
     # Reusing the file for another graph (the unprepared model) is an error, not a silent mismatch.
-    with pytest.raises(DataError, match="fingerprint|different model"):
+    with pytest.raises(DataError, match=r"fingerprint|different model"):
         read_ranges(out, model_fingerprint(load_model(DIGITS / "model.onnx")))
 
 
@@ -55,5 +55,5 @@ def test_recipe_reuses_ranges_file_and_refuses_a_foreign_one(tmp_path: Path) -> 
     assert result.model.graph.SerializeToString() == with_data.model.graph.SerializeToString()
     # The same file on a different graph (no BN fusion before quantizing) is refused.
     foreign = Recipe.from_text(text.replace("  - pass: fuse_batchnorm\n", ""), "foreign.yaml")
-    with pytest.raises(QGraphError, match="fingerprint|different model|computed for"):
+    with pytest.raises(QGraphError, match=r"fingerprint|different model|computed for"):
         foreign.pipeline().run(DIGITS / "model.onnx")
