@@ -14,7 +14,6 @@ Everything here works on onnx-graphsurgeon objects through their own producer/co
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -22,6 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
+from qgraph.graph import topological_order
 
 Shape = tuple[int | None, ...]
 #: What shape inference found for a tensor: its shape (None if unknown) and its ONNX element type (0 if unknown).
@@ -259,26 +259,8 @@ def is_topological(nodes: Sequence[gs.Node]) -> bool:
 
 
 def topological(nodes: Sequence[gs.Node]) -> list[gs.Node] | None:
-    """Kahn's algorithm (iterative, stable); None if the nodes form a cycle."""
-    pos = _positions(nodes)
-    indegree = [0] * len(nodes)
-    successors: list[list[int]] = [[] for _ in nodes]
-    for j, node in enumerate(nodes):
-        deps = {pos[id(t)] for t in dependencies(node) if id(t) in pos}
-        deps.discard(j)
-        indegree[j] = len(deps)
-        for i in deps:
-            successors[i].append(j)
-    ready = collections.deque(i for i, d in enumerate(indegree) if d == 0)
-    order: list[int] = []
-    while ready:
-        i = ready.popleft()
-        order.append(i)
-        for j in successors[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                ready.append(j)
-    return [nodes[i] for i in order] if len(order) == len(nodes) else None
+    """Kahn's algorithm (iterative, stable); None if the nodes form a cycle (the core's implementation)."""
+    return topological_order(nodes)
 
 
 def tensor_shape(tensor: gs.Tensor, inferred: Inferred | None = None) -> Shape | None:
