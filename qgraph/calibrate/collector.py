@@ -15,6 +15,7 @@ initializers as external data (one tensor in memory at a time) and loaded from t
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
@@ -133,6 +134,20 @@ def collect_ranges(
     """
     axes = dict(per_channel_axes or {})
     observers = {name: make_observer(method, name, axes.get(name), **dict(options or {})) for name in tensor_names}
+    if method == "minmax" and not axes and not dict(options or {}).get("moving_average"):
+        # Reduce inside onnxruntime (three scalars per tensor instead of whole activations), as fast as
+        # plain inference; the observer sees [min, max] and so keeps its NaN/Inf checks and formulas.
+        inits = {t.name for t in model.graph.initializer}
+        _check_tensors(model, list(observers), inits, {vi.name for vi in model.graph.input if vi.name not in inits})
+        reduced, feeders = _in_graph_minmax(model, observers)
+        # Optimizations stay off: ORT_ENABLE_ALL swaps kernels and moves ranges by ~1e-6 (measured) for no
+        # measurable speed-up here.
+        observe(reduced, feeders, data, progress=progress, providers=providers, data_hasher=data_hasher,
+                large_model_bytes=large_model_bytes)
+        for feeder in feeders.values():
+            if isinstance(feeder, _FoldMinMax):
+                feeder.finish()
+        return {name: TensorCalibration.from_observer(obs) for name, obs in observers.items()}
     observe(
         model,
         observers,
@@ -154,6 +169,7 @@ def observe(
     providers: Sequence[str] | None = None,
     data_hasher: Hasher | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
 ) -> int:
     """Feed every tensor named in ``observers`` (any mix of observer types, or anything with
     ``update(x, sample_index)``) for all of ``data``.
@@ -168,7 +184,7 @@ def observe(
     source = data() if callable(data) else data
     total = len(source) if isinstance(source, Sized) else None
     done = 0
-    with _session(model, fetch, providers, large_model_bytes) as sess:
+    with _session(model, fetch, providers, large_model_bytes, optimization) as sess:
         expected = {i.name for i in sess.get_inputs()}
         for index, feed in enumerate(_iterate(source)):
             arrays = _validate_feed(feed, expected, index)
@@ -271,10 +287,15 @@ def _serialized_size(model: onnx.ModelProto) -> int:
 
 @contextmanager
 def _session(
-    model: onnx.ModelProto, fetch: Sequence[str], providers: Sequence[str] | None, large_model_bytes: int
+    model: onnx.ModelProto,
+    fetch: Sequence[str],
+    providers: Sequence[str] | None,
+    large_model_bytes: int,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
 ) -> Iterator[ort.InferenceSession]:
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = optimization
     provs = list(providers) if providers else ["CPUExecutionProvider"]
     infos = _output_infos(model, fetch)
     if _serialized_size(model) <= large_model_bytes:
@@ -348,3 +369,61 @@ def _write_with_external_data(model: onnx.ModelProto, extra_outputs: list[onnx.V
     path = folder / "model.onnx"
     path.write_bytes(aug.SerializeToString())
     return path
+
+
+class _Held:
+    """Holds one reduced scalar until the last one of its tensor arrives."""
+
+    def __init__(self) -> None:
+        self.value: npt.NDArray[Any] = np.zeros((), np.float32)
+
+    def update(self, x: npt.ArrayLike, sample_index: int | None = None) -> None:
+        self.value = np.asarray(x).reshape(())
+
+
+class _FoldMinMax:
+    """Receives a tensor's element count last: keeps the running [min, max] as two floats (no per-sample
+    numpy work) and folds them into the real observer once, in `finish`."""
+
+    def __init__(self, observer: Observer, lo: _Held, hi: _Held) -> None:
+        self.observer, self.lo, self.hi = observer, lo, hi
+        self.vmin, self.vmax = math.inf, -math.inf
+        self.values = 0
+        self.updates = 0
+
+    def update(self, x: npt.ArrayLike, sample_index: int | None = None) -> None:
+        size = int(np.asarray(x))
+        self.updates += 1
+        if size == 0:
+            return
+        lo, hi = float(self.lo.value), float(self.hi.value)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            where = "" if sample_index is None else f" in sample {sample_index}"
+            raise DataError(f"tensor {self.observer.name!r} contains NaN or Inf values{where}")
+        self.vmin, self.vmax = min(self.vmin, lo), max(self.vmax, hi)
+        self.values += size
+
+    def finish(self) -> None:
+        """Fold the accumulated range into the observer, with its true value and update counts."""
+        if self.values == 0:
+            return
+        self.observer.update(np.array([self.vmin, self.vmax], dtype=np.float64))
+        self.observer.num_values += self.values - 2
+        self.observer.num_updates += self.updates - 1
+
+
+def _in_graph_minmax(
+    model: onnx.ModelProto, observers: Mapping[str, Observer]
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """A copy of ``model`` with ReduceMin/ReduceMax/Size of every observed tensor, and their feeders."""
+    reduced = onnx.ModelProto()
+    reduced.CopyFrom(model)
+    feeders: dict[str, Any] = {}
+    for name, obs in observers.items():
+        lo, hi = _Held(), _Held()
+        outs = [f"{name}/qgraph_min", f"{name}/qgraph_max", f"{name}/qgraph_size"]
+        reduced.graph.node.append(onnx.helper.make_node("ReduceMin", [name], [outs[0]], keepdims=0))
+        reduced.graph.node.append(onnx.helper.make_node("ReduceMax", [name], [outs[1]], keepdims=0))
+        reduced.graph.node.append(onnx.helper.make_node("Size", [name], [outs[2]]))
+        feeders.update({outs[0]: lo, outs[1]: hi, outs[2]: _FoldMinMax(obs, lo, hi)})
+    return reduced, feeders
