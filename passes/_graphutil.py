@@ -21,7 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
-from qgraph.graph import topological_order
+from qgraph.graph import constant_node_value, topological_order
 
 Shape = tuple[int | None, ...]
 #: What shape inference found for a tensor: its shape (None if unknown) and its ONNX element type (0 if unknown).
@@ -58,18 +58,6 @@ def graph_scopes(root: gs.Graph, recurse: bool = True) -> list[gs.Graph]:
 def producer(tensor: gs.Tensor) -> gs.Node | None:
     """The node producing ``tensor`` (None for graph inputs, initializers and omitted optionals)."""
     return tensor.inputs[0] if tensor.inputs else None
-
-
-def constant_node_value(node: gs.Node) -> np.ndarray | None:
-    """The value of a ``Constant`` node (``value``, ``value_float(s)``, ``value_int(s)``), else None."""
-    for key, value in node.attrs.items():
-        if key == "value" and isinstance(value, gs.Constant):
-            return np.asarray(value.values)
-        if key in ("value_float", "value_floats"):
-            return np.asarray(value, dtype=np.float32)
-        if key in ("value_int", "value_ints"):
-            return np.asarray(value, dtype=np.int64)
-    return None
 
 
 def const_dtype(tensor: gs.Tensor) -> np.dtype | None:

@@ -29,13 +29,13 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
+from qgraph.graph import constant_node_value
 
 from ._fold_eval import evaluation_model, generator_size, run_model, shape_value
 from ._graphutil import (
     Inferred,
     NameRegistry,
     const_value,
-    constant_node_value,
     graph_scopes,
     node_subgraphs,
     rebuild,

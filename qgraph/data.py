@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.errors import DataError
+from qgraph.errors import DataError, QGraphError
 
 Feed = dict[str, np.ndarray]
 
@@ -277,18 +277,23 @@ def open_data_source(
             return NpzSource(path, samples)
         raise DataError(f"{path}: unsupported data file; give an .npz, a folder of .npz/.npy, or module:function.")
     if ":" in text and not text.endswith((".npz", ".npy")):
-        module_name, _, func_name = text.partition(":")
-        if str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise DataError(f"data source {text!r}: cannot import module {module_name!r} ({exc}).") from exc
-        fn = getattr(module, func_name, None)
-        if not callable(fn):
-            raise DataError(f"data source {text!r}: {module_name} has no callable {func_name!r}.")
-        return CallableSource(fn, text, samples)
+        return CallableSource(import_callable(text, DataError, "data source"), text, samples)
     raise DataError(f"data source {text!r} not found: give an existing .npz, a folder, or module:function.")
+
+
+def import_callable(spec: str, error: type[QGraphError], what: str) -> Callable[..., Any]:
+    """Import ``module:function`` (the current directory is importable); ``error`` names ``what`` failed."""
+    module_name, _, func_name = spec.partition(":")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise error(f"{what} {spec!r}: cannot import module {module_name!r} ({exc}).") from exc
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise error(f"{what} {spec!r}: {module_name} has no callable {func_name!r}.")
+    return fn  # type: ignore[no-any-return]
 
 
 def batched(feeds: Iterable[Feed], batch_size: int) -> Iterator[Feed]:

@@ -182,14 +182,7 @@ class GraphHandle:
         prod = self.producer(tensor)
         if prod is None or prod.op != "Constant":
             return None
-        for key, value in prod.attrs.items():
-            if key == "value" and isinstance(value, gs.Constant):
-                return np.asarray(value.values)
-            if key in ("value_float", "value_floats"):
-                return np.asarray(value, dtype=np.float32)
-            if key in ("value_int", "value_ints"):
-                return np.asarray(value, dtype=np.int64)
-        return None
+        return constant_node_value(prod)
 
     def tag(self, node: gs.Node | str, pass_name: str) -> None:
         """Record that ``pass_name`` created ``node`` (written to the node's doc_string on export)."""
@@ -281,6 +274,18 @@ class GraphHandle:
         self.tags = {**tags, **self.tags}
         self.metadata = {**metadata, **self.metadata}
         self.walks = walks
+
+
+def constant_node_value(node: gs.Node) -> np.ndarray | None:
+    """The value of a ``Constant`` node (``value``, ``value_float(s)``, ``value_int(s)``), else None."""
+    for key, value in node.attrs.items():
+        if key == "value" and isinstance(value, gs.Constant):
+            return np.asarray(value.values)
+        if key in ("value_float", "value_floats"):
+            return np.asarray(value, dtype=np.float32)
+        if key in ("value_int", "value_ints"):
+            return np.asarray(value, dtype=np.int64)
+    return None
 
 
 def _merge_opsets(model: onnx.ModelProto, original: onnx.ModelProto) -> None:

@@ -19,18 +19,16 @@ a top-1 metric loads its labels at import time and compares them with ``argmax(o
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from qgraph import RecipeError
 from qgraph.compare import TensorDiff
+from qgraph.data import import_callable
 
 Metric = Callable[[list[np.ndarray], list[np.ndarray]], float]
 _GOAL = re.compile(r"^(?P<spec>[^<>=\s]+)\s*(?P<rel>>=|<=)\s*(?P<goal>.+)$")
@@ -147,17 +145,7 @@ def _bad(text: str, why: str) -> RecipeError:
 
 def load_metric(spec: str) -> Metric:
     """Import ``module:function`` (the current directory is importable, as for data sources)."""
-    module_name, _, func_name = spec.partition(":")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RecipeError(f"target metric {spec!r}: cannot import module {module_name!r} ({exc}).") from exc
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise RecipeError(f"target metric {spec!r}: {module_name} has no callable {func_name!r}.")
-    return fn  # type: ignore[no-any-return]
+    return import_callable(spec, RecipeError, "target metric")
 
 
 def call_metric(target: Target, outputs: list[np.ndarray], refs: list[np.ndarray]) -> float:
