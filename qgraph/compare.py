@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,20 +60,39 @@ def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None
     return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
 
 
-def random_feeds(model: onnx.ModelProto, n: int = 2, seed: int = 0, dynamic_dim: int = 1) -> list[Feed]:
-    """Seeded random feeds matching the model's declared inputs (dynamic dims set to ``dynamic_dim``)."""
+def random_feeds(
+    model: onnx.ModelProto,
+    n: int = 2,
+    seed: int = 0,
+    dynamic_dim: int = 1,
+    *,
+    dims: Mapping[str, int] | None = None,
+    int_high: int = 2,
+) -> list[Feed]:
+    """Seeded random feeds matching the model's declared inputs.
+
+    Float inputs are standard normal, integer inputs uniform in ``[0, int_high)`` (small, so index-like
+    inputs stay valid), bool inputs fair coins, anything else zeros. Symbolic dims named in ``dims``
+    (e.g. ``{"seq": 16}``) take that size; other dynamic dims take ``dynamic_dim``.
+    """
     rng = np.random.default_rng(seed)
+    specs = model_inputs(model)
     feeds: list[Feed] = []
     for _ in range(n):
         feed: Feed = {}
-        for spec in model_inputs(model):
-            shape = tuple(d if isinstance(d, int) and d > 0 else dynamic_dim for d in spec.shape)
+        for spec in specs:
+            shape = tuple(
+                d if isinstance(d, int) and d > 0
+                else int(dims[d]) if isinstance(d, str) and dims is not None and d in dims
+                else dynamic_dim
+                for d in spec.shape
+            )
             if spec.dtype.kind == "f":
-                feed[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+                feed[spec.name] = rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
             elif spec.dtype.kind in "iu":
-                feed[spec.name] = rng.integers(0, 2, size=shape).astype(spec.dtype)
+                feed[spec.name] = rng.integers(0, int_high, size=shape).astype(spec.dtype)
             elif spec.dtype.kind == "b":
-                feed[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
+                feed[spec.name] = rng.random(shape) < 0.5
             else:
                 feed[spec.name] = np.zeros(shape, dtype=spec.dtype)
         feeds.append(feed)
