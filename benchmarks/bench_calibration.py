@@ -9,7 +9,16 @@ runs in a fresh subprocess; its peak RSS is read from ``os.wait4``'s rusage of t
 Wall time is measured inside the child around the calibration call only (model building and
 imports excluded) and compared with plain FP32 inference over the same samples, timed right
 after in the same child (so the ratio holds up when the machine is shared).  Samples are
-generated on the fly from a per-index seed, so no configuration holds the data set.
+generated on the fly from a per-index seed, so no configuration holds the data set.  Minmax
+configurations alternate calibration and FP32 five times in their child and report the median
+ratio (single runs on this shared 2-core machine vary by +-15%).
+
+For minmax a second, timing-only measurement pre-generates the feeds before the clock starts
+(no RSS is read there), so the ratio shows the graph's cost alone, without the per-sample data
+generation both sides pay.  ``qgraph-noopt`` runs qgraph with onnxruntime's optimizations
+off, as onnxruntime's calibrators do: its minmax ranges must equal theirs bit for bit.
+``qgraph-qdq`` calibrates only the tensors insert_qdq quantizes (what ``qgraph run`` costs):
+ReLU outputs rather than the Conv outputs before them, so Conv+ReLU stay fused.
 
 Model: a 10-conv CNN built here with onnx.helper (input 1x3x64x64, He-initialised seeded
 weights, biases ~N(0, 0.05)); no downloads.  Options are matched: entropy 2048 bins / 128
@@ -34,6 +43,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 INPUT = "input"
+#: Timing rounds per minmax configuration (median ratio reported).
+ROUNDS = 5
+#: The tensors insert_qdq calibrates (filled by the parent; the child reads them from QDQ_TENSORS).
+QDQ_SET: list[str] = []
 # (out_channels, stride) of the 3x3 convs; a 1x1 classifier conv follows
 LAYERS = [(16, 2), (16, 1), (32, 2), (32, 1), (64, 2), (64, 1), (64, 1), (128, 2), (128, 1)]
 ORT_OPTIONS = {
@@ -105,17 +118,35 @@ def calib_tensors(model: onnx.ModelProto) -> list[str]:
     return [n for n in names if n in floats]
 
 
+def qdq_tensors(model: onnx.ModelProto) -> list[str]:
+    """The activations qgraph's insert_qdq (preset ort-x86-vnni) calibrates: inputs of its QuantizeLinear nodes."""
+    from qgraph.passes.insert_qdq import InsertQDQ
+
+    from qgraph import Pipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(Path(tmp) / "cal.npz", **{INPUT: np.concatenate([sample(i)[INPUT] for i in range(2)])})
+        q = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(model, calibration_data=Path(tmp) / "cal.npz").model
+    weights = {t.name for t in q.graph.initializer}
+    return [n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in weights]
+
+
 # --------------------------------------------------------------------------------------------- child side
-def run_child(tool: str, method: str, n: int, out: str) -> None:
+def run_child(tool: str, method: str, n: int, out: str, pregenerate: bool = False) -> None:
     import onnxruntime as ort
 
     model = build_model()
+    pregenerated = list(feeds(n)) if pregenerate else None
+
+    def source() -> Any:
+        return iter(pregenerated) if pregenerated is not None else feeds(n)
+
     tmp = Path(tempfile.mkdtemp(prefix="qgbench-"))
     model_path = tmp / "model.onnx"
     onnx.save(model, str(model_path))
-    ranges: dict[str, list[float]] = {}
-    # imports happen before the clock starts, and only the measured tool's
-    if tool == "qgraph":
+    # imports and the choice of tensors happen before the clock starts, and only the measured tool's
+    names = json.loads(os.environ["QDQ_TENSORS"]) if tool == "qgraph-qdq" else calib_tensors(model)
+    if tool.startswith("qgraph"):
         from qgraph.calibrate import collect_ranges
     elif tool == "ort":
         from onnxruntime.quantization.calibrate import (
@@ -124,19 +155,20 @@ def run_child(tool: str, method: str, n: int, out: str) -> None:
             create_calibrator,
         )
 
-    start = time.perf_counter()
-    if tool == "fp32":
-        sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-        for f in feeds(n):
-            sess.run(None, f)
-    elif tool == "qgraph":
-        cal = collect_ranges(model, calib_tensors(model), lambda: feeds(n), method, options=QG_OPTIONS[method])
-        ranges = {k: [float(v.range.rmin), float(v.range.rmax)] for k, v in cal.items()}
-    else:
+    def calibrate() -> dict[str, list[float]]:
+        if tool == "fp32":
+            sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+            for f in source():
+                sess.run(None, f)
+            return {}
+        if tool.startswith("qgraph"):
+            opt = tool != "qgraph-noopt"
+            cal = collect_ranges(model, names, source, method, options=QG_OPTIONS[method], optimize=opt)
+            return {k: [float(v.range.rmin), float(v.range.rmax)] for k, v in cal.items()}
 
         class Reader(CalibrationDataReader):
             def __init__(self) -> None:
-                self.it = feeds(n)
+                self.it = source()
 
             def get_next(self) -> dict[str, np.ndarray] | None:
                 return next(self.it, None)
@@ -152,30 +184,54 @@ def run_child(tool: str, method: str, n: int, out: str) -> None:
         )
         calibrator.collect_data(Reader())
         data = calibrator.compute_data()
-        ranges = {
-            k: [
-                float(np.asarray(v.range_value[0]).ravel()[0]),
-                float(np.asarray(v.range_value[1]).ravel()[0]),
-            ]
+        return {
+            k: [float(np.asarray(v.range_value[0]).ravel()[0]), float(np.asarray(v.range_value[1]).ravel()[0])]
             for k, v in data.data.items()
         }
-    elapsed = time.perf_counter() - start
-    # FP32 inference over the same samples, right after and in the same process, so the
-    # ratio is robust to other load on the machine (peak RSS is dominated by calibration)
-    start = time.perf_counter()
-    fp32 = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-    for f in feeds(n):
-        fp32.run(None, f)
-    fp32_seconds = time.perf_counter() - start
-    Path(out).write_text(json.dumps({"seconds": elapsed, "fp32_seconds": fp32_seconds, "ranges": ranges}))
+
+    def fp32() -> None:
+        sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+        for f in source():
+            sess.run(None, f)
+
+    # Calibration and FP32 inference over the same samples alternate in this process, so the ratio holds up
+    # when the machine is shared; minmax (cheap) gets several rounds and the median, the others one.
+    times: list[float] = []
+    fp32_times: list[float] = []
+    for _ in range(ROUNDS if method == "minmax" else 1):
+        start = time.perf_counter()
+        ranges = calibrate()
+        times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        fp32()
+        fp32_times.append(time.perf_counter() - start)
+    ratio = float(np.median([t / f for t, f in zip(times, fp32_times, strict=True)]))
+    Path(out).write_text(json.dumps({
+        "seconds": float(np.median(times)), "fp32_seconds": float(np.median(fp32_times)), "ratio": ratio,
+        "ranges": ranges,
+    }))
+
+
+def kl_search_ms() -> float:
+    """Median time of one KL threshold search over a 2048-bin |x| histogram (ORT's loop: ~0.6 s)."""
+    from qgraph.calibrate.search import kl_divergences
+
+    rng = np.random.default_rng(0)
+    counts = np.bincount(np.minimum((np.abs(rng.standard_normal(200_000)) * 400).astype(int), 2047), minlength=2048)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        kl_divergences(counts, 128)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
 
 
 # -------------------------------------------------------------------------------------------- parent side
-def measure(tool: str, method: str, n: int) -> dict[str, Any]:
+def measure(tool: str, method: str, n: int, pregenerate: bool = False) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, __file__, "--child", tool, method, str(n), out]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", QDQ_TENSORS=json.dumps(QDQ_SET))
+    cmd = [sys.executable, __file__, "--child", tool, method, str(n), out, *(["--pregenerate"] if pregenerate else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     stderr = proc.stderr.read().decode() if proc.stderr else ""
@@ -192,60 +248,82 @@ def main() -> None:
     parser.add_argument("--samples", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--methods", nargs="+", default=["minmax", "entropy", "percentile"])
     parser.add_argument("--child", nargs=4, metavar=("TOOL", "METHOD", "N", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--pregenerate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--qdq-set", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.qdq_set:
+        Path(args.qdq_set).write_text(json.dumps(qdq_tensors(build_model())))
+        return
     if args.child:
         tool, method, n, out = args.child
-        run_child(tool, method, int(n), out)
+        run_child(tool, method, int(n), out, args.pregenerate)
         return
 
     t0 = time.perf_counter()
+    # in a child: the parent stays small, since a child's peak RSS counts the parent's pages until it execs
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, __file__, "--qdq-set", f"{tmp}/set.json"], check=True, capture_output=True)
+        QDQ_SET[:] = json.loads(Path(f"{tmp}/set.json").read_text())
     fp32 = {n: measure("fp32", "none", n) for n in args.samples}
-    rows = []
     results: dict[tuple[str, str, int], dict[str, Any]] = {}
+    tools = {
+        m: ("qgraph", "qgraph-noopt", "qgraph-qdq", "ort") if m == "minmax" else ("qgraph", "ort") for m in args.methods
+    }
     for method in args.methods:
-        for tool in ("qgraph", "ort"):
+        for tool in tools[method]:
             for n in args.samples:
                 r = measure(tool, method, n)
+                if method == "minmax":  # graph cost alone: feeds generated before the clock
+                    pre = measure(tool, method, n, pregenerate=True)
+                    r["pregen_ratio"] = pre["ratio"]
                 results[(tool, method, n)] = r
-                rows.append((tool, method, n, r))
-                print(f"  done {tool:6s} {method:10s} n={n:5d}: {r['seconds']:.2f}s", file=sys.stderr)
+                print(f"  done {tool:12s} {method:10s} n={n:5d}: {r['seconds']:.2f}s", file=sys.stderr)
 
     lo, hi = min(args.samples), max(args.samples)
-    print(f"\nmodel: 10-conv CNN, input 1x3x64x64, {len(calib_tensors(build_model()))} calibrated tensors")
+    print(
+        f"\nmodel: 10-conv CNN, input 1x3x64x64; {len(calib_tensors(build_model()))} calibrated tensors (every float "
+        f"tensor, as ORT's calibrators pick), qgraph-qdq: the {len(QDQ_SET)} that insert_qdq quantizes"
+    )
     print(
         "FP32 inference alone (fresh process): "
         f"n={lo}: {fp32[lo]['seconds']:.2f}s, peak RSS {fp32[lo]['peak_rss_mb']:.0f} MB; "
         f"n={hi}: {fp32[hi]['seconds']:.2f}s, peak RSS {fp32[hi]['peak_rss_mb']:.0f} MB\n"
     )
-    header = (
-        f"| {'tool':6} | {'method':10} | RSS n={lo:<4} MB | RSS n={hi:<4} MB | time n={lo:<4} s | "
-        f"time n={hi:<4} s | x FP32 n={lo:<4} | x FP32 n={hi:<4} |"
-    )
-    print(header)
-    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    cols = [
+        "tool", "method", f"RSS n={lo} MB", f"RSS n={hi} MB", "RSS growth", f"time n={hi} s",
+        f"x FP32 n={lo}", f"x FP32 n={hi}", f"x FP32 graph only n={hi}",
+    ]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("-" * (len(c) + 2) for c in cols) + "|")
     for method in args.methods:
-        for tool in ("qgraph", "ort"):
+        for tool in tools[method]:
             a, b = results[(tool, method, lo)], results[(tool, method, hi)]
-            print(
-                f"| {tool:6} | {method:10} | {a['peak_rss_mb']:14.0f} | {b['peak_rss_mb']:14.0f} | "
-                f"{a['seconds']:15.2f} | {b['seconds']:15.2f} | {a['seconds'] / a['fp32_seconds']:13.1f} | "
-                f"{b['seconds'] / b['fp32_seconds']:13.1f} |"
-            )
+            cells = [
+                tool, method, f"{a['peak_rss_mb']:.0f}", f"{b['peak_rss_mb']:.0f}",
+                f"{100 * (b['peak_rss_mb'] / a['peak_rss_mb'] - 1):+.0f}%", f"{b['seconds']:.2f}",
+                f"{a['ratio']:.2f}", f"{b['ratio']:.2f}",
+                f"{b['pregen_ratio']:.2f}" if "pregen_ratio" in b else "",
+            ]
+            print("| " + " | ".join(f"{c:>{len(h)}}" for c, h in zip(cells, cols, strict=True)) + " |")
     if "minmax" in args.methods:
         for n in args.samples:
-            q, o = results[("qgraph", "minmax", n)]["ranges"], results[("ort", "minmax", n)]["ranges"]
-            common = sorted(set(q) & set(o))
-            diff = max(abs(q[k][i] - o[k][i]) for k in common for i in (0, 1))
-            exact = all(q[k] == o[k] for k in common)
-            print(
-                f"\nminmax n={n}: {len(common)} tensors in common (qgraph {len(q)}, ORT {len(o)}); "
-                f"identical: {exact}; max |difference| = {diff:.3g}"
-            )
+            o = results[("ort", "minmax", n)]["ranges"]
+            for tool in ("qgraph-noopt", "qgraph"):
+                q = results[(tool, "minmax", n)]["ranges"]
+                common = sorted(set(q) & set(o))
+                span = {k: max(abs(o[k][0]), abs(o[k][1]), 1e-12) for k in common}
+                rel = max(abs(q[k][i] - o[k][i]) / span[k] for k in common for i in (0, 1))
+                exact = all(q[k] == o[k] for k in common)
+                print(
+                    f"minmax n={n}: {tool} vs ORT MinMax on {len(common)} tensors (qgraph {len(q)}, ORT {len(o)}): "
+                    f"identical: {exact}; max difference {rel:.2g} of the tensor's range"
+                )
     for method in [m for m in args.methods if m != "minmax"]:
         q, o = results[("qgraph", method, hi)]["ranges"], results[("ort", method, hi)]["ranges"]
         common = sorted(set(q) & set(o))
         rel = [abs(q[k][1] - o[k][1]) / max(abs(o[k][1]), 1e-12) for k in common]
         print(f"{method} n={hi}: upper bound qgraph vs ORT, median relative difference {np.median(rel):.3f}")
+    print(f"entropy KL search, 2048 bins / 128 levels: {kl_search_ms():.1f} ms per tensor (vectorized)")
     print(f"\ntotal benchmark time {time.perf_counter() - t0:.0f}s")
 
 

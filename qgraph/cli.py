@@ -15,7 +15,15 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from qgraph import __version__
@@ -77,18 +85,27 @@ def run(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} passes"),
+        TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
         disable=quiet,
     )
     task = progress.add_task(rec.name, total=len(pipeline.passes))
+    steps: dict[str, Any] = {}  # sub-task per long step of a pass (calibration), with its own bar and ETA
 
     def on_event(ev: PipelineEvent) -> None:
         if ev.kind == "pass_start":
             progress.update(task, description=f"{rec.name}: {ev.pass_name}")
+        elif ev.kind == "pass_progress" and ev.task is not None:
+            key = f"{ev.pass_name}: {ev.task}"
+            if key not in steps:
+                steps[key] = progress.add_task(f"  {key}", total=ev.of)
+            progress.update(steps[key], completed=ev.done, total=ev.of)
         elif ev.kind == "pass_end" and ev.result is not None:
             r = ev.result
+            for key in [k for k in steps if k.startswith(f"{ev.pass_name}: ")]:
+                progress.remove_task(steps.pop(key))
             progress.advance(task)
             progress.console.print(
                 f"  [green]✓[/] {ev.pass_name}: matched {r.matched}, rewritten {r.rewritten}, "
@@ -174,15 +191,38 @@ def calibrate(
     from qgraph.recipe import Recipe
 
     rec = Recipe.from_yaml(recipe)
-    with Progress(SpinnerColumn(), TextColumn("calibrating"), BarColumn(), TextColumn("{task.completed} samples"),
-                  TimeElapsedColumn(), console=console) as progress:
+    with Progress(SpinnerColumn(), TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("batches"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("calibrate", total=None)
 
         def on_progress(done: int, total: int | None) -> None:
             progress.update(task, completed=done, total=total)
 
-        path = calibrate_recipe(rec, model, calibration_data, output, method=method, progress=on_progress)
+        seen: list[Any] = []
+        path = calibrate_recipe(rec, model, calibration_data, output, method=method, progress=on_progress,
+                                on_result=seen.append)
+    _print_fragile(seen[0] if seen else {})
     console.print(f"wrote {path}")
+
+
+def _print_fragile(calibrations: Any) -> None:
+    """Where calibration is fragile: the tensors clipping most values and those with the largest outlier ratio."""
+    from qgraph.calibrate.summary import most_fragile
+
+    worst = most_fragile(calibrations, top=5)
+    for kind, title in (("most_clipped", "most values clipped"), ("largest_outlier_ratio", "largest max|x| / p99.99")):
+        rows = worst[kind]
+        if not rows:
+            continue
+        table = Table(title=f"calibration: {title}", title_justify="left")
+        table.add_column("tensor", overflow="fold")  # names are what users search for: never truncated
+        for col in ("range", "observed", "clipped", "outlier ratio"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in rows:
+            ratio = "" if r.outlier_ratio is None else f"{r.outlier_ratio:.3g}"
+            table.add_row(r.tensor, f"[{r.range_min:.4g}, {r.range_max:.4g}]",
+                          f"[{r.observed_min:.4g}, {r.observed_max:.4g}]", f"{100 * r.clip_fraction:.3g}%", ratio)
+        out.print(table)
 
 
 @app.command()

@@ -101,8 +101,10 @@ class PassContext:
         target_runtime: str = "onnxruntime",
         options: dict[str, Any] | None = None,
         input_model: onnx.ModelProto | None = None,
+        on_progress: Callable[[str, int, int | None], None] | None = None,
     ) -> None:
         self.calibration_data = calibration_data
+        self._on_progress = on_progress
         #: The pipeline's input model as loaded (read-only: the float reference for accuracy-driven passes).
         self.input_model = input_model
         self.target_opset = target_opset
@@ -110,6 +112,14 @@ class PassContext:
         self.options: dict[str, Any] = dict(options or {})
         #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
         self.cache: dict[str, Any] = {}
+
+    def progress(self, task: str) -> Callable[[int, int | None], None] | None:
+        """A ``(done, total or None)`` callback reporting the progress of a long step (``task`` names it,
+        e.g. ``"calibrating"``) to whoever runs the pipeline; None when nobody listens."""
+        report = self._on_progress
+        if report is None:
+            return None
+        return lambda done, total: report(task, done, total)
 
 
 C = TypeVar("C", bound=PassConfig)

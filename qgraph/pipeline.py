@@ -30,7 +30,7 @@ from qgraph.recipe import CalibrationSpec, Recipe, TargetSpec
 #: At most this many skipped nodes (with reasons) per pass are written into the output model's metadata.
 MAX_SKIPPED_IN_PROVENANCE = 500
 
-EventKind = Literal["pipeline_start", "pass_start", "pass_end", "verify", "pipeline_end"]
+EventKind = Literal["pipeline_start", "pass_start", "pass_progress", "pass_end", "verify", "pipeline_end"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ class PipelineEvent:
     peak_rss_mb: float | None = None
     result: PassResult | None = None
     verify: list[TensorDiff] | None = None
+    #: ``pass_progress``: the step (e.g. "calibrating"), units done and the total when known.
+    task: str | None = None
+    done: int | None = None
+    of: int | None = None
 
 
 @dataclass
@@ -138,9 +142,15 @@ class Pipeline:
         input_hash = model_fingerprint(source)
         check_acyclic(source)
         recipe = self.to_recipe()
-        ctx = self._context(recipe, source, calibration_data)
-        handle = GraphHandle(source)
         total = len(self.passes)
+        running: list[tuple[int, str]] = []  # the running pass, for progress events
+
+        def on_progress(task: str, done: int, of: int | None) -> None:
+            index, name = running[-1] if running else (None, None)
+            emit(PipelineEvent("pass_progress", total, index, name, task=task, done=done, of=of))
+
+        ctx = self._context(recipe, source, calibration_data, on_progress)
+        handle = GraphHandle(source)
         emit(PipelineEvent("pipeline_start", total))
         records: list[PassRecord] = []
         previous = source if verify else None
@@ -148,6 +158,7 @@ class Pipeline:
         stages: list[onnx.ModelProto] = []
         for i, p in enumerate(self.passes):
             emit(PipelineEvent("pass_start", total, i, p.name))
+            running.append((i, p.name))
             nodes_before = len(handle.graph.nodes)
             start = time.perf_counter()
             p.check(handle, ctx)
@@ -190,7 +201,11 @@ class Pipeline:
         return PipelineResult(out, records, source, stages, ctx.calibration_data)
 
     def _context(
-        self, recipe: Recipe, model: onnx.ModelProto, calibration_data: DataSource | str | Path | None
+        self,
+        recipe: Recipe,
+        model: onnx.ModelProto,
+        calibration_data: DataSource | str | Path | None,
+        on_progress: Callable[[str, int, int | None], None] | None = None,
     ) -> PassContext:
         spec: CalibrationSpec = recipe.calibration
         target: TargetSpec = recipe.target
@@ -202,6 +217,7 @@ class Pipeline:
             target_opset=target.opset,
             target_runtime=target.runtime,
             options={"batch_size": spec.batch_size, "ranges_file": spec.ranges},
+            on_progress=on_progress,
         )
 
     @staticmethod

@@ -110,3 +110,20 @@ def test_external_data_round_trip(toy_passes, tmp_path: Path) -> None:  # type: 
     reloaded = load_model(out)
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(reloaded.graph.initializer[0]), w)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["o.onnx", "o.onnx.data"]  # no temp left
+
+
+def test_calibration_reports_progress_with_a_total(tmp_path: Path) -> None:
+    """`qgraph run` draws a calibration bar with an ETA from these events: one per batch, total known."""
+    from qgraph.passes.insert_qdq import InsertQDQ
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "digits"
+    data = dict(np.load(root / "calibration.npz"))
+    np.savez(tmp_path / "cal.npz", input=data["input"][:10])
+    events: list[PipelineEvent] = []
+    Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(
+        root / "model.onnx", calibration_data=tmp_path / "cal.npz", on_event=events.append
+    )
+    steps = [(e.pass_name, e.task, e.done, e.of) for e in events if e.kind == "pass_progress"]
+    assert steps == [("insert_qdq", "calibrating", i, 10) for i in range(1, 11)]
+    kinds = [e.kind for e in events]
+    assert kinds.index("pass_start") < kinds.index("pass_progress") < kinds.index("pass_end")

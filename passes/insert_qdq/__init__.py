@@ -104,8 +104,9 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         params: dict[str, ActParams] = {}
         ranges: dict[str, RangeInfo] = {}
         forbidden: dict[str, str] = {}
+        fragile: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
-            ranges, notes = calibrate(graph, ctx, plan.roots, cfg)
+            ranges, notes, fragile = calibrate(graph, ctx, plan.roots, cfg)
             res.notes += notes
             forbidden = screen(ranges, cfg)
             if forbidden:
@@ -149,6 +150,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
         res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units)
+        if fragile:
+            res.details["calibration"] = {"method": cfg.activations.method, **fragile}
         if wq.adjusted:
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
         if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg):

@@ -11,6 +11,8 @@ Typical use::
 
 All methods need a single pass over the data (histograms live on a global power-of-two
 grid, see :mod:`qgraph.calibrate.histogram`), so ``feeds`` may be a one-shot iterator.
+Plain ``minmax`` is reduced inside onnxruntime (:mod:`qgraph.calibrate.reduce`) and costs about
+what inference costs; the other methods fetch the tensors and fold them in numpy.
 """
 
 from qgraph.calibrate.collector import TensorCalibration, collect_ranges, observe
@@ -25,9 +27,11 @@ from qgraph.calibrate.observers import (
     make_observer,
 )
 from qgraph.calibrate.ranges_file import RangesFile, read_ranges, write_ranges
+from qgraph.calibrate.robust import ROBUST_PERCENTILE, RobustMagnitude
 
 __all__ = [
     "OBSERVERS",
+    "ROBUST_PERCENTILE",
     "EntropyObserver",
     "HistogramSummary",
     "MinMaxObserver",
@@ -35,6 +39,7 @@ __all__ = [
     "Observer",
     "PercentileObserver",
     "RangesFile",
+    "RobustMagnitude",
     "TensorCalibration",
     "collect_ranges",
     "make_observer",

@@ -1,35 +1,49 @@
 """Run a float model in onnxruntime over calibration data and fold activations into observers.
 
-The requested tensors are exposed as extra graph outputs (name and, when known, element
-type; no shape, so dynamic batch/sequence/spatial sizes work) of a copy of the model, run
-with graph optimizations disabled so every intermediate name survives.  Each batch's
-outputs are folded into the observers immediately and then dropped: memory is one batch's
-activations plus the observers' bounded state, independent of the number of samples.
+Two paths, one result (:func:`collect_ranges` picks):
 
-Because the histograms are batching-invariant and re-gridded exactly as ranges grow
-(:mod:`qgraph.calibrate.histogram`), every method needs a **single pass** over the data.
+* **In-graph** (plain per-tensor ``minmax``, the default method): onnxruntime reduces every tensor to
+  its min, max, size and a NaN/Inf sentinel inside the graph and returns a few small vectors per run
+  (:mod:`qgraph.calibrate.reduce`); ranges of Relu/Clip/reshape outputs of calibrated tensors are
+  derived exactly from their inputs'.  Python work per run is O(1) numpy calls.
+* **Fetch** (histogram methods, per-channel, moving average): the requested tensors become extra graph
+  outputs (name and, when known, element type; no shape, so dynamic batch/sequence/spatial sizes work)
+  and each batch's values are folded into the observers immediately and then dropped.
 
-Models whose protobuf would exceed 2 GB are written to a temporary folder with their
-initializers as external data (one tensor in memory at a time) and loaded from there.
+Either way memory is one batch's activations plus the observers' bounded state, independent of the
+number of samples, and every method needs a **single pass** over the data (histograms are
+batching-invariant and re-gridded exactly as ranges grow, :mod:`qgraph.calibrate.histogram`).
+Graphs too long for one onnxruntime session run in segments (:mod:`qgraph.calibrate.segments`).
+
+Sessions use onnxruntime's full graph optimizations (``optimize=True``): the graph being measured is
+the one a float deployment runs, and calibration costs about what inference costs.  Requested tensors
+are graph outputs or reduction inputs, so no fusion removes them; kernels may round differently from
+the unoptimized graph (ranges move by ~1e-7 relative).  ``optimize=False`` reproduces onnxruntime's own
+calibrators, which disable optimizations, bit for bit.
 """
 
 from __future__ import annotations
 
-import math
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import onnx
-import onnxruntime as ort
-from onnx import TensorProto
 
-from qgraph.calibrate.observers import HistogramSummary, Observer, make_observer
+from qgraph.calibrate.observers import HistogramSummary, MinMaxObserver, Observer, make_observer
+from qgraph.calibrate.reduce import MIN_OPSET, InGraphMinMax, MinMaxState, plan_derivations
+from qgraph.calibrate.robust import PER_UPDATE, RobustMagnitude
+from qgraph.calibrate.segments import observe_segmented, segmentable
+from qgraph.calibrate.session import (
+    LARGE_MODEL_BYTES,
+    Additions,
+    calibration_session,
+    fetch_outputs,
+    session_options,
+)
 from qgraph.errors import DataError, ModelError
 from qgraph.quant import ActivationRange
 
@@ -37,8 +51,7 @@ Feed = Mapping[str, npt.NDArray[Any]]
 DataLike = Iterable[Feed] | Callable[[], Iterable[Feed]]
 ProgressCallback = Callable[[int, int | None], None]
 
-#: Serialized size above which the augmented model goes through external data (2 GB - 64 MB).
-LARGE_MODEL_BYTES = 2**31 - 1 - (64 << 20)
+__all__ = ["LARGE_MODEL_BYTES", "TensorCalibration", "collect_ranges", "observe"]
 
 
 class Updatable(Protocol):
@@ -68,6 +81,8 @@ class TensorCalibration:
         num_updates: number of batches observed.
         histogram: compact histogram (per-tensor histogram methods only).
         options: observer options.
+        robust_absmax: the ``robust_percentile`` of ``|x|`` (:mod:`qgraph.calibrate.robust`), when asked for;
+            ``max|x| / robust_absmax`` is the tensor's outlier ratio.
     """
 
     name: str
@@ -80,10 +95,11 @@ class TensorCalibration:
     num_updates: int
     histogram: HistogramSummary | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    robust_absmax: float | None = None
 
     @classmethod
-    def from_observer(cls, obs: Observer) -> TensorCalibration:
-        """Summarize a fed observer."""
+    def from_observer(cls, obs: Observer, robust: RobustMagnitude | None = None) -> TensorCalibration:
+        """Summarize a fed observer (and its robust magnitude estimate)."""
         return cls(
             name=obs.name,
             method=obs.method,
@@ -95,7 +111,19 @@ class TensorCalibration:
             num_updates=obs.num_updates,
             histogram=obs.histogram_summary(),
             options=obs.options(),
+            robust_absmax=robust.value() if robust is not None else None,
         )
+
+
+class _Tee:
+    """Feeds an observer and its robust magnitude from one onnxruntime run."""
+
+    def __init__(self, main: Observer, aux: RobustMagnitude) -> None:
+        self.main, self.aux = main, aux
+
+    def update(self, x: npt.NDArray[Any], sample_index: int | None = None) -> None:
+        self.main.update(x, sample_index)
+        self.aux.update(x, sample_index)
 
 
 def collect_ranges(
@@ -110,6 +138,8 @@ def collect_ranges(
     providers: Sequence[str] | None = None,
     data_hasher: Hasher | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
+    robust_percentile: float | None = None,
+    optimize: bool = True,
 ) -> dict[str, TensorCalibration]:
     """Calibrate ``tensor_names`` of ``model`` on ``data`` with one observer per tensor.
 
@@ -126,6 +156,8 @@ def collect_ranges(
         data_hasher: updated with every feed (names, dtypes, shapes, bytes -- the same scheme
             as ``qgraph.data.DataSource.fingerprint``) to fingerprint the data in the same pass.
         large_model_bytes: serialized size above which external data is used.
+        robust_percentile: also estimate this percentile of ``|x|`` per tensor (outlier ratio).
+        optimize: run with onnxruntime's graph optimizations (module docstring).
 
     Raises:
         ModelError: unknown tensor, initializer, or tensor inside a subgraph.
@@ -133,31 +165,116 @@ def collect_ranges(
         ValueError: unknown method or option.
     """
     axes = dict(per_channel_axes or {})
-    observers = {name: make_observer(method, name, axes.get(name), **dict(options or {})) for name in tensor_names}
-    if method == "minmax" and not axes and not dict(options or {}).get("moving_average"):
-        # Reduce inside onnxruntime (three scalars per tensor instead of whole activations), as fast as
-        # plain inference; the observer sees [min, max] and so keeps its NaN/Inf checks and formulas.
-        inits = {t.name for t in model.graph.initializer}
-        _check_tensors(model, list(observers), inits, {vi.name for vi in model.graph.input if vi.name not in inits})
-        reduced, feeders = _in_graph_minmax(model, observers)
-        # Optimizations stay off: ORT_ENABLE_ALL swaps kernels and moves ranges by ~1e-6 (measured) for no
-        # measurable speed-up here.
-        observe(reduced, feeders, data, progress=progress, providers=providers, data_hasher=data_hasher,
-                large_model_bytes=large_model_bytes)
-        for feeder in feeders.values():
-            if isinstance(feeder, _FoldMinMax):
-                feeder.finish()
-        return {name: TensorCalibration.from_observer(obs) for name, obs in observers.items()}
-    observe(
-        model,
-        observers,
-        data,
-        progress=progress,
-        providers=providers,
-        data_hasher=data_hasher,
-        large_model_bytes=large_model_bytes,
+    opts = dict(options or {})
+    observers = {name: make_observer(method, name, axes.get(name), **opts) for name in tensor_names}
+    robust = {name: RobustMagnitude(robust_percentile) for name in observers} if robust_percentile else {}
+    _check_tensors(model, list(observers))
+    run = _Run(progress, providers, data_hasher, large_model_bytes, optimize)
+    if method == "minmax" and not axes and not opts.get("moving_average") and _in_graph_ok(model):
+        minmax = {k: v for k, v in observers.items() if isinstance(v, MinMaxObserver)}
+        if _collect_in_graph(model, minmax, robust, data, run):
+            return {n: TensorCalibration.from_observer(o, robust.get(n)) for n, o in observers.items()}
+    feeders = {n: _Tee(o, robust[n]) if n in robust else o for n, o in observers.items()}
+    observe(model, feeders, data, progress=progress, providers=providers, data_hasher=data_hasher,
+            large_model_bytes=large_model_bytes, optimize=optimize)
+    return {n: TensorCalibration.from_observer(o, robust.get(n)) for n, o in observers.items()}
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How to run: progress callback, providers, data hasher, external-data threshold, optimizations."""
+
+    progress: ProgressCallback | None
+    providers: Sequence[str] | None
+    data_hasher: Hasher | None
+    large_model_bytes: int
+    optimize: bool
+
+
+def _in_graph_ok(model: onnx.ModelProto) -> bool:
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return opset >= MIN_OPSET and not segmentable(model)
+
+
+def _collect_in_graph(
+    model: onnx.ModelProto,
+    observers: Mapping[str, MinMaxObserver],
+    robust: Mapping[str, RobustMagnitude],
+    data: DataLike,
+    run: _Run,
+) -> bool:
+    """The in-graph path (module docstring); False, having read no data, when onnxruntime cannot load the
+    reductions (an op or dtype it lacks a kernel for): the caller then takes the fetch path."""
+    names = list(observers)
+    derived = plan_derivations(model, names, keep_order=bool(robust))
+    sources = [n for n in names if n not in derived]
+    position = {s: i for i, s in enumerate(sources)}
+    derived_subs = [(d, n) for n, d in derived.items() if n in robust]
+    state = MinMaxState(len(sources))
+    zeroed: frozenset[str] = frozenset()
+    source, total = _open(data)
+    feeds: Iterator[tuple[int, dict[str, Any]]] | None = None
+    while True:  # one session; rebuilt (rarely) when a tensor's sentinel sum overflows
+        reduction = InGraphMinMax(model, sources, subsample=PER_UPDATE if robust else None, zeroed=zeroed)
+        additions = Additions(reduction.nodes, reduction.initializers, reduction.output_infos())
+        with ExitStack() as stack:
+            try:
+                sess = stack.enter_context(calibration_session(
+                    model, additions, optimize=run.optimize, providers=run.providers,
+                    large_model_bytes=run.large_model_bytes,
+                ))
+            except ModelError:
+                if feeds is not None:
+                    raise
+                return False
+            if feeds is None:
+                feeds = _feeds(source, _session_inputs(sess), run.data_hasher)
+            overflowing: list[str] = []
+            for index, arrays in feeds:
+                r = reduction.split(_run(sess, reduction.outputs, arrays, index))
+                certain, maybe = r.suspects()
+                if certain:
+                    _non_finite([sources[i] for i in certain], index)
+                overflowing = _confirm(model, [sources[i] for i in maybe], arrays, index, run)
+                state.fold(r)
+                for src, sub in zip(sources, r.subsamples, strict=False):
+                    robust[src].add_subsample(sub)
+                for d, name in derived_subs:
+                    robust[name].add_subsample(d.apply_values(r.subsamples[position[d.source]]))
+                if run.progress is not None:
+                    run.progress(index + 1, total)
+                if overflowing:
+                    zeroed = zeroed | frozenset(overflowing)
+                    break
+        if not overflowing:
+            break
+    measured = {s: (float(state.lo[i]), float(state.hi[i]), int(state.num_values[i])) for i, s in enumerate(sources)}
+    for src, (lo, hi, n) in measured.items():
+        observers[src].fold_range(lo, hi, n, state.num_updates)
+    for name, d in derived.items():
+        observers[name].fold_range(*d.apply(measured), state.num_updates)
+    return True
+
+
+def _non_finite(names: list[str], index: int) -> None:
+    shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+    raise DataError(
+        f"tensor {shown} contains NaN or Inf values in sample {index}: calibration needs finite activations; "
+        "check that sample's input data and the ops producing the tensor"
     )
-    return {name: TensorCalibration.from_observer(obs) for name, obs in observers.items()}
+
+
+def _confirm(model: onnx.ModelProto, names: list[str], arrays: Mapping[str, Any], index: int, run: _Run) -> list[str]:
+    """Tell NaN from an overflowing sentinel sum by fetching ``names`` for this feed; returns the overflowing."""
+    if not names:
+        return []
+    with calibration_session(model, Additions(outputs=fetch_outputs(model, names)), optimize=run.optimize,
+                             providers=run.providers, large_model_bytes=run.large_model_bytes) as sess:
+        values = _run(sess, names, arrays, index)
+    nan = [n for n, v in zip(names, values, strict=True) if not np.isfinite(np.asarray(v)).all()]
+    if nan:
+        _non_finite(nan, index)
+    return names
 
 
 def observe(
@@ -169,33 +286,30 @@ def observe(
     providers: Sequence[str] | None = None,
     data_hasher: Hasher | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
-    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    optimize: bool = True,
 ) -> int:
     """Feed every tensor named in ``observers`` (any mix of observer types, or anything with
-    ``update(x, sample_index)``) for all of ``data``.
+    ``update(x, sample_index)``) for all of ``data``; returns the number of feeds processed.
 
-    Lower-level form of :func:`collect_ranges`; returns the number of feeds processed.
+    Lower-level form of :func:`collect_ranges` (always the fetch path).  Graphs longer than
+    :data:`qgraph.calibrate.segments.SEGMENT_THRESHOLD` nodes run in segments.
     """
+    _check_tensors(model, list(observers))
     inits = {t.name for t in model.graph.initializer}
     graph_inputs = [vi.name for vi in model.graph.input if vi.name not in inits]
-    _check_tensors(model, list(observers), inits, set(graph_inputs))
+    source, total = _open(data)
+    if segmentable(model):
+        validated = (arrays for _, arrays in _feeds(source, set(graph_inputs), data_hasher))
+        after = (lambda i: progress(i + 1, total)) if progress is not None else None
+        return observe_segmented(model, observers, validated, optimization=session_options(optimize)
+                                 .graph_optimization_level, providers=providers, after_feed=after)
     from_feed = [n for n in observers if n in graph_inputs]
     fetch = [n for n in observers if n not in graph_inputs]
-    source = data() if callable(data) else data
-    total = len(source) if isinstance(source, Sized) else None
     done = 0
-    with _session(model, fetch, providers, large_model_bytes, optimization) as sess:
-        expected = {i.name for i in sess.get_inputs()}
-        for index, feed in enumerate(_iterate(source)):
-            arrays = _validate_feed(feed, expected, index)
-            if data_hasher is not None:
-                _hash_feed(data_hasher, arrays)
-            outputs: list[Any] = []
-            if fetch:
-                try:
-                    outputs = sess.run(fetch, arrays)
-                except Exception as exc:  # onnxruntime raises its own exception classes
-                    raise DataError(f"calibration sample {index}: onnxruntime failed to run the model: {exc}") from exc
+    with calibration_session(model, Additions(outputs=fetch_outputs(model, fetch)), optimize=optimize,
+                             providers=providers, large_model_bytes=large_model_bytes) as sess:
+        for index, arrays in _feeds(source, _session_inputs(sess), data_hasher):
+            outputs = _run(sess, fetch, arrays, index) if fetch else []
             for name in from_feed:
                 observers[name].update(arrays[name], index)
             for name, value in zip(fetch, outputs, strict=True):
@@ -204,9 +318,36 @@ def observe(
             done = index + 1
             if progress is not None:
                 progress(done, total)
-    if done == 0:
-        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     return done
+
+
+def _open(data: DataLike) -> tuple[Iterable[Feed], int | None]:
+    """The feeds to read (calling ``data`` if it is a callable) and their number when known."""
+    source = data() if callable(data) else data
+    return source, len(source) if isinstance(source, Sized) else None
+
+
+def _session_inputs(sess: Any) -> set[str]:
+    return {i.name for i in sess.get_inputs()}
+
+
+def _feeds(
+    source: Iterable[Feed], expected: set[str], data_hasher: Hasher | None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Validated feeds with their index; raises DataError when there are none."""
+    count = 0
+    for index, feed in enumerate(_iterate(source)):
+        yield index, _validated(feed, expected, index, data_hasher)
+        count += 1
+    if count == 0:
+        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
+
+
+def _run(sess: Any, outputs: Sequence[str], arrays: Mapping[str, Any], index: int) -> list[Any]:
+    try:
+        return list(sess.run(list(outputs), arrays))
+    except Exception as exc:  # onnxruntime raises its own exception classes
+        raise DataError(f"calibration sample {index}: onnxruntime failed to run the model: {exc}") from exc
 
 
 def _iterate(source: Iterable[Feed]) -> Iterator[Feed]:
@@ -216,7 +357,11 @@ def _iterate(source: Iterable[Feed]) -> Iterator[Feed]:
         raise DataError(f"calibration data is not iterable: {exc}") from exc
 
 
-def _validate_feed(feed: Any, expected: set[str], index: int) -> dict[str, npt.NDArray[Any]]:
+def _validated(feed: Any, expected: set[str], index: int, hasher: Hasher | None) -> dict[str, npt.NDArray[Any]]:
+    if type(feed) is dict and hasher is None and feed.keys() == expected and all(
+        type(v) is np.ndarray for v in feed.values()
+    ):
+        return feed  # the common case, checked with as few calls as possible (it runs once per sample)
     if not isinstance(feed, Mapping):
         raise DataError(
             f"calibration sample {index}: expected a dict of input name -> array, got {type(feed).__name__}"
@@ -228,17 +373,18 @@ def _validate_feed(feed: Any, expected: set[str], index: int) -> dict[str, npt.N
             f"calibration sample {index}: input names do not match the model (missing: {missing or 'none'}, "
             f"unknown: {extra or 'none'}); the model's inputs are {sorted(expected)}"
         )
-    return {k: np.asarray(v) for k, v in feed.items()}
+    arrays = {k: np.asarray(v) for k, v in feed.items()}
+    if hasher is not None:
+        for name in sorted(arrays):
+            arr = np.ascontiguousarray(arrays[name])
+            hasher.update(f"{name}:{arr.dtype}:{arr.shape};".encode())
+            hasher.update(arr.tobytes())
+    return arrays
 
 
-def _hash_feed(h: Hasher, feed: Mapping[str, npt.NDArray[Any]]) -> None:
-    for name in sorted(feed):
-        arr = np.ascontiguousarray(feed[name])
-        h.update(f"{name}:{arr.dtype}:{arr.shape};".encode())
-        h.update(arr.tobytes())
-
-
-def _check_tensors(model: onnx.ModelProto, names: list[str], inits: set[str], inputs: set[str]) -> None:
+def _check_tensors(model: onnx.ModelProto, names: list[str]) -> None:
+    inits = {t.name for t in model.graph.initializer}
+    inputs = {vi.name for vi in model.graph.input if vi.name not in inits}
     produced = {o for node in model.graph.node for o in node.output if o}
     bad_init = [n for n in names if n in inits]
     if bad_init:
@@ -252,178 +398,3 @@ def _check_tensors(model: onnx.ModelProto, names: list[str], inits: set[str], in
             f"tensor(s) {unknown} are neither graph inputs nor outputs of a top-level node of the model "
             "(tensors inside If/Loop/Scan bodies cannot be calibrated); check the names with `qgraph inspect`"
         )
-
-
-def _known_types(model: onnx.ModelProto) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            out[vi.name] = vi.type.tensor_type.elem_type
-    return out
-
-
-def _output_infos(model: onnx.ModelProto, fetch: Sequence[str]) -> list[onnx.ValueInfoProto]:
-    """Value infos for the tensors to expose: element type when known, never a shape."""
-    types = _known_types(model)
-    existing = {o.name for o in model.graph.output}
-    infos = []
-    for name in fetch:
-        if name in existing:
-            continue
-        vi = onnx.ValueInfoProto()
-        vi.name = name
-        if name in types:
-            vi.type.tensor_type.elem_type = types[name]
-        infos.append(vi)
-    return infos
-
-
-def _serialized_size(model: onnx.ModelProto) -> int:
-    try:
-        return int(model.ByteSize())
-    except Exception:  # protobuf may refuse to size > 2 GB messages
-        return 2**63 - 1
-
-
-@contextmanager
-def _session(
-    model: onnx.ModelProto,
-    fetch: Sequence[str],
-    providers: Sequence[str] | None,
-    large_model_bytes: int,
-    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-) -> Iterator[ort.InferenceSession]:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = optimization
-    provs = list(providers) if providers else ["CPUExecutionProvider"]
-    infos = _output_infos(model, fetch)
-    if _serialized_size(model) <= large_model_bytes:
-        aug = onnx.ModelProto()
-        aug.CopyFrom(model)
-        aug.graph.output.extend(infos)
-        yield _create_session(aug.SerializeToString(), opts, provs)
-        return
-    with tempfile.TemporaryDirectory(prefix="qgraph-calib-") as tmp:
-        path = _write_with_external_data(model, infos, Path(tmp))
-        yield _create_session(str(path), opts, provs)
-
-
-def _create_session(src: str | bytes, opts: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
-    try:
-        return ort.InferenceSession(src, opts, providers=providers)
-    except Exception as exc:  # onnxruntime raises its own exception classes
-        raise ModelError(f"onnxruntime cannot load the model for calibration: {exc}") from exc
-
-
-def _write_with_external_data(model: onnx.ModelProto, extra_outputs: list[onnx.ValueInfoProto], folder: Path) -> Path:
-    """Write ``model`` + outputs to ``folder`` with top-level initializers in one external file.
-
-    The model passed in is not modified and never copied whole: the graph is rebuilt from its
-    parts and each initializer's bytes are streamed to ``weights.bin``.
-    """
-    aug = onnx.ModelProto()
-    aug.ir_version = model.ir_version
-    aug.producer_name = model.producer_name
-    aug.domain = model.domain
-    aug.opset_import.extend(model.opset_import)
-    aug.functions.extend(model.functions)
-    src = model.graph
-    g = aug.graph
-    g.name = src.name
-    g.node.extend(src.node)
-    g.input.extend(src.input)
-    g.output.extend(src.output)
-    g.output.extend(extra_outputs)
-    g.value_info.extend(src.value_info)
-    g.sparse_initializer.extend(src.sparse_initializer)
-    weights = folder / "weights.bin"
-    offset = 0
-    with weights.open("wb") as f:
-        for t in src.initializer:
-            if t.data_location == TensorProto.EXTERNAL:
-                raise ModelError(
-                    f"initializer {t.name!r} refers to external data that is not loaded; load the model with "
-                    "qgraph.load_model (or onnx.load with its external data) before calibrating"
-                )
-            if t.data_type == TensorProto.STRING:
-                g.initializer.append(t)
-                continue
-            raw = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
-            f.write(raw)
-            header = TensorProto()
-            header.name = t.name
-            header.dims.extend(t.dims)
-            header.data_type = t.data_type
-            for key, value in (
-                ("location", "weights.bin"),
-                ("offset", str(offset)),
-                ("length", str(len(raw))),
-            ):
-                entry = header.external_data.add()
-                entry.key, entry.value = key, value
-            header.data_location = TensorProto.EXTERNAL
-            g.initializer.append(header)
-            offset += len(raw)
-            del raw
-    path = folder / "model.onnx"
-    path.write_bytes(aug.SerializeToString())
-    return path
-
-
-class _Held:
-    """Holds one reduced scalar until the last one of its tensor arrives."""
-
-    def __init__(self) -> None:
-        self.value: npt.NDArray[Any] = np.zeros((), np.float32)
-
-    def update(self, x: npt.ArrayLike, sample_index: int | None = None) -> None:
-        self.value = np.asarray(x).reshape(())
-
-
-class _FoldMinMax:
-    """Receives a tensor's element count last: keeps the running [min, max] as two floats (no per-sample
-    numpy work) and folds them into the real observer once, in `finish`."""
-
-    def __init__(self, observer: Observer, lo: _Held, hi: _Held) -> None:
-        self.observer, self.lo, self.hi = observer, lo, hi
-        self.vmin, self.vmax = math.inf, -math.inf
-        self.values = 0
-        self.updates = 0
-
-    def update(self, x: npt.ArrayLike, sample_index: int | None = None) -> None:
-        size = int(np.asarray(x))
-        self.updates += 1
-        if size == 0:
-            return
-        lo, hi = float(self.lo.value), float(self.hi.value)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            where = "" if sample_index is None else f" in sample {sample_index}"
-            raise DataError(f"tensor {self.observer.name!r} contains NaN or Inf values{where}")
-        self.vmin, self.vmax = min(self.vmin, lo), max(self.vmax, hi)
-        self.values += size
-
-    def finish(self) -> None:
-        """Fold the accumulated range into the observer, with its true value and update counts."""
-        if self.values == 0:
-            return
-        self.observer.update(np.array([self.vmin, self.vmax], dtype=np.float64))
-        self.observer.num_values += self.values - 2
-        self.observer.num_updates += self.updates - 1
-
-
-def _in_graph_minmax(
-    model: onnx.ModelProto, observers: Mapping[str, Observer]
-) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """A copy of ``model`` with ReduceMin/ReduceMax/Size of every observed tensor, and their feeders."""
-    reduced = onnx.ModelProto()
-    reduced.CopyFrom(model)
-    feeders: dict[str, Any] = {}
-    for name, obs in observers.items():
-        lo, hi = _Held(), _Held()
-        outs = [f"{name}/qgraph_min", f"{name}/qgraph_max", f"{name}/qgraph_size"]
-        reduced.graph.node.append(onnx.helper.make_node("ReduceMin", [name], [outs[0]], keepdims=0))
-        reduced.graph.node.append(onnx.helper.make_node("ReduceMax", [name], [outs[1]], keepdims=0))
-        reduced.graph.node.append(onnx.helper.make_node("Size", [name], [outs[2]]))
-        feeders.update({outs[0]: lo, outs[1]: hi, outs[2]: _FoldMinMax(obs, lo, hi)})
-    return reduced, feeders

@@ -15,8 +15,9 @@ from typing import Any
 
 import onnx
 
-from qgraph.calibrate.collector import collect_ranges
+from qgraph.calibrate.collector import TensorCalibration, collect_ranges
 from qgraph.calibrate.ranges_file import write_ranges
+from qgraph.calibrate.robust import ROBUST_PERCENTILE
 from qgraph.data import DataSource, batched, open_data_source
 from qgraph.errors import RecipeError
 from qgraph.model_io import model_fingerprint
@@ -66,8 +67,11 @@ def calibrate_recipe(
     method: str | None = None,
     options: dict[str, Any] | None = None,
     progress: Callable[[int, int | None], None] | None = None,
+    on_result: Callable[[dict[str, TensorCalibration]], None] | None = None,
 ) -> Path:
-    """Calibrate the recipe's quantized graph on ``data`` and write a ranges file to ``output``."""
+    """Calibrate the recipe's quantized graph on ``data`` and write a ranges file to ``output``.
+
+    Every tensor also gets its robust magnitude (outlier ratio); ``on_result`` receives the calibrations."""
     spec = data if data is not None else recipe.calibration.data
     if spec is None:
         raise RecipeError("no calibration data: pass --calibration-data or set calibration.data in the recipe.")
@@ -81,8 +85,10 @@ def calibrate_recipe(
     batch = recipe.calibration.batch_size
     calibrations = collect_ranges(
         graph, names, lambda: batched(source, batch), method, options=options, progress=progress,
-        data_hasher=hasher,
+        data_hasher=hasher, robust_percentile=ROBUST_PERCENTILE,
     )
+    if on_result is not None:
+        on_result(calibrations)
     return write_ranges(
         output, calibrations, model_fingerprint=model_fingerprint(graph), data_fingerprint=hasher.hexdigest(),
         method=method, options=options,

@@ -21,6 +21,10 @@ mode (used for histograms of ``|x|``) the span always starts at 0, so bin 0 is `
 
 Each histogram holds ``C`` independent rows (channels); state is ``O(C * num_bins)``,
 independent of the number of values observed.
+
+Exact zeros are also counted per row (``zeros``, inside the bin that holds 0): quantization
+represents 0 exactly at any scale, so the range searches leave them out (a ReLU output's spike
+at 0 would otherwise drag the entropy and MSE thresholds down, see :mod:`qgraph.calibrate.search`).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class HistogramRow:
     """One channel of a histogram: ``counts[j]`` counts ``[(first + j) * width, (first + j + 1) * width)``.
 
     ``lo``/``hi`` are the exact extremes of the histogrammed values (``lo`` is 0 in
-    ``include_zero`` mode when all values are positive).
+    ``include_zero`` mode when all values are positive); ``zeros`` is how many of the values are
+    exactly 0 (they are also counted in the bin holding 0).
     """
 
     counts: npt.NDArray[np.int64]
@@ -72,6 +77,15 @@ class HistogramRow:
     width: float
     lo: float
     hi: float
+    zeros: int = 0
+
+    def without_zeros(self) -> HistogramRow:
+        """The same row with the exact zeros taken out of the bin holding 0 (``zeros`` becomes 0)."""
+        if self.zeros == 0:
+            return self
+        counts = self.counts.copy()
+        counts[-self.first] -= self.zeros  # 0 lies in bin -first: rows holding a zero always span it
+        return HistogramRow(counts, self.first, self.width, self.lo, self.hi)
 
     @property
     def total(self) -> int:
@@ -117,6 +131,7 @@ class AlignedHistogram:
         self.first = np.zeros(channels, dtype=np.int64)
         self.lo = np.full(channels, np.inf)
         self.hi = np.full(channels, -np.inf)
+        self.zeros = np.zeros(channels, dtype=np.int64)
 
     @property
     def empty(self) -> npt.NDArray[np.bool_]:
@@ -157,6 +172,7 @@ class AlignedHistogram:
         out.counts = self.counts.copy()
         out.k, out.first = self.k.copy(), self.first.copy()
         out.lo, out.hi = self.lo.copy(), self.hi.copy()
+        out.zeros = self.zeros.copy()
         return out
 
     def update(
@@ -199,6 +215,7 @@ class AlignedHistogram:
             idx -= (self.first - np.arange(self.channels, dtype=np.int64) * self.num_bins)[:, None]
         add = np.bincount(idx.ravel(), minlength=self.channels * self.num_bins)
         self.counts += add.reshape(self.channels, self.num_bins)
+        self.zeros += np.count_nonzero(values == 0, axis=1)
 
     def merge(self, other: AlignedHistogram) -> None:
         """Add the counts of ``other`` (same channels, bins and mode).
@@ -218,6 +235,7 @@ class AlignedHistogram:
         self._regrid(lo, hi)
         theirs._regrid(lo, hi)
         self.counts += theirs.counts
+        self.zeros += theirs.zeros
 
     def row(self, c: int = 0) -> HistogramRow:
         """Channel ``c`` trimmed to its occupied bins (empty rows give one zero bin at 0)."""
@@ -233,4 +251,5 @@ class AlignedHistogram:
             width=float(np.ldexp(1.0, int(self.k[c]))),
             lo=float(self.lo[c]),
             hi=float(self.hi[c]),
+            zeros=int(self.zeros[c]),
         )

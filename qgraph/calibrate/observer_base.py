@@ -22,13 +22,15 @@ F64 = npt.NDArray[np.float64]
 class HistogramSummary:
     """Compact histogram of a per-tensor observer: bin ``j`` is ``[(first + j) * width, ...)``.
 
-    ``kind`` is ``"abs"`` (histogram of ``|x|``) or ``"signed"``.
+    ``kind`` is ``"abs"`` (histogram of ``|x|``) or ``"signed"``; ``zeros`` counts the values that
+    are exactly 0 (also counted in their bin).
     """
 
     kind: str
     width: float
     first: int
     counts: tuple[int, ...]
+    zeros: int = 0
 
 
 def _scalar_or_array(v: F64) -> float | F64:

@@ -109,6 +109,22 @@ class MinMaxObserver(Observer):
             self.ema_min = np.where(first, smin[s], self.ema_min + c * (smin[s] - self.ema_min))
             self.ema_max = np.where(first, smax[s], self.ema_max + c * (smax[s] - self.ema_max))
 
+    def fold_range(self, lo: float, hi: float, num_values: int, num_updates: int) -> None:
+        """Fold extremes measured elsewhere (the in-graph collector) over ``num_values`` values in
+        ``num_updates`` batches; per tensor, without ``moving_average`` only.
+
+        Raises:
+            DataError: ``lo``/``hi`` not finite.
+        """
+        if self.axis is not None or self.moving_average:
+            raise ValueError("fold_range needs a per-tensor observer without moving_average")
+        if num_values == 0:
+            self.num_updates += num_updates
+            return
+        self.update(np.array([lo, hi], dtype=np.float64))
+        self.num_values += num_values - 2
+        self.num_updates += num_updates - 1
+
     def merge(self, other: Observer) -> None:
         """Fold ``other`` in; not possible with ``moving_average`` (order dependent)."""
         if self.moving_average:
@@ -190,7 +206,7 @@ class HistogramObserver(Observer):
             return None
         r = self.hist.row(0)
         kind = "abs" if self.absolute else "signed"
-        return HistogramSummary(kind, r.width, r.first, tuple(r.counts.tolist()))
+        return HistogramSummary(kind, r.width, r.first, tuple(r.counts.tolist()), r.zeros)
 
 
 class PercentileObserver(HistogramObserver):

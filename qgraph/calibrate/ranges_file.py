@@ -18,11 +18,14 @@ Schema, format version 1 (``//`` comments are explanations, not part of the file
           "range": {"min": -3.0, "max": 3.0},  // chosen range (what the quantizer uses)
           "clip_fraction": 0.0004,         // fraction of observed values outside "range"
           "num_values": 1048576, "num_updates": 128,
+          "robust_absmax": 2.9 | null,     // optional: 99.99th percentile of |x| (strided subsample);
+                                           // max(|min|, |max|) / robust_absmax is the outlier ratio
           "histogram": null | {            // optional, per-tensor histogram methods only
             "kind": "abs" | "signed",      // histogram of |x| or of x
             "bin_width": 0.0078125,        // power of two
             "first_bin": 0,                // bin j covers [(first_bin+j)*w, (first_bin+j+1)*w)
-            "counts": [12, 40, ...]        // occupied bins only
+            "counts": [12, 40, ...],       // occupied bins only
+            "zeros": 5120                  // optional: values exactly 0 (also counted in their bin)
           }
         }
       },
@@ -83,6 +86,7 @@ class _Histogram(BaseModel):
     bin_width: float
     first_bin: int
     counts: list[int]
+    zeros: int = 0
 
 
 class _Tensor(BaseModel):
@@ -95,6 +99,7 @@ class _Tensor(BaseModel):
     clip_fraction: float = 0.0
     num_values: int = 0
     num_updates: int = 0
+    robust_absmax: float | None = None
     histogram: _Histogram | None = None
 
 
@@ -149,9 +154,10 @@ def _tensor_json(t: TensorCalibration, include_histogram: bool) -> dict[str, Any
         "clip_fraction": float(t.clip_fraction),
         "num_values": int(t.num_values),
         "num_updates": int(t.num_updates),
+        "robust_absmax": t.robust_absmax,
         "histogram": None
         if h is None or not include_histogram
-        else {"kind": h.kind, "bin_width": h.width, "first_bin": h.first, "counts": list(h.counts)},
+        else {"kind": h.kind, "bin_width": h.width, "first_bin": h.first, "counts": list(h.counts), "zeros": h.zeros},
     }
 
 
@@ -257,5 +263,6 @@ def _calibration(name: str, t: _Tensor) -> TensorCalibration:
         clip_fraction=t.clip_fraction,
         num_values=t.num_values,
         num_updates=t.num_updates,
-        histogram=None if h is None else HistogramSummary(h.kind, h.bin_width, h.first_bin, tuple(h.counts)),
+        histogram=None if h is None else HistogramSummary(h.kind, h.bin_width, h.first_bin, tuple(h.counts), h.zeros),
+        robust_absmax=t.robust_absmax,
     )

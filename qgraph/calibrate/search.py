@@ -1,6 +1,16 @@
 """Range searches on a single histogram row (percentile, KL entropy, MSE).
 
 All functions are vectorized over candidate thresholds; none loops over bins in Python.
+
+Exact zeros: 0 is exactly representable at any scale (the zero point is an integer), so it
+contributes no quantization error and carries no information about where to clip.  The
+entropy and MSE searches therefore run on :meth:`HistogramRow.without_zeros`.  This matters
+for ReLU outputs, about half of whose values are exactly 0: kept in, that spike sits in the
+first quantization level, whose mass ``Q`` spreads evenly over ``i / num_levels`` bins, which
+costs about ``p_0 * log(i / num_levels)`` of KL for threshold bin ``i``.  That term grows with
+the threshold and outweighs the clipping cost: the search then stops at a small multiple of
+``num_levels`` bins (a ReLU of N(0, 1) was clipped at 2.0, cutting 2.3% of its values).
+Adding any number of exact zeros to the data never changes an entropy or MSE threshold.
 """
 
 from __future__ import annotations
@@ -38,11 +48,13 @@ def percentile_value(row: HistogramRow, q: float) -> float:
     return float(min(max(value, row.lo), row.hi))
 
 
-def kl_divergences(hist: npt.NDArray[np.int64], num_levels: int) -> tuple[npt.NDArray[np.int64], F64]:
+def kl_divergences(
+    hist: npt.NDArray[np.int64], num_levels: int, start: int | None = None
+) -> tuple[npt.NDArray[np.int64], F64]:
     """TensorRT-style KL divergence of every clipping threshold, vectorized.
 
     ``hist`` is a histogram of ``|x|`` starting at 0.  For each candidate ``i`` (bins kept,
-    ``num_levels <= i <= len(hist)``):
+    ``start <= i <= len(hist)``, ``start`` defaulting to ``num_levels`` as in TensorRT):
 
     * reference ``P``: ``P_j = h_j`` for ``j < i - 1`` and ``P_{i-1} = h_{i-1} + O_i`` with the
       outliers ``O_i = sum_{j >= i} h_j``;
@@ -61,7 +73,7 @@ def kl_divergences(hist: npt.NDArray[np.int64], num_levels: int) -> tuple[npt.ND
     h = hist.astype(np.float64)
     n = h.size
     L = num_levels
-    cand = np.arange(L, n + 1, dtype=np.int64)
+    cand = np.arange(max(L, start or L), n + 1, dtype=np.int64)
     if cand.size == 0:
         return cand, np.zeros(0)
     total = h.sum()
@@ -97,12 +109,22 @@ def entropy_threshold(row: HistogramRow, num_levels: int = 128) -> float:
     """Threshold ``t`` minimizing the KL divergence (see :func:`kl_divergences`) on a ``|x|`` row.
 
     ``t = i* * width`` for the minimizing ``i*`` (first minimum), capped at the exact maximum
-    ``row.hi``.  If the data occupy fewer than ``num_levels`` bins no clipping can help and
-    ``t = row.hi``.
+    ``row.hi``.  Exact zeros are left out (module docstring).
+
+    Candidates start ``num_levels`` bins past the first occupied bin ``f`` (TensorRT starts at
+    ``num_levels``, the same when data reach down to 0).  Data bounded away from 0 (a pooled
+    ReLU output in [0.3, 3.6]) otherwise has candidates keeping a single occupied bin: ``P`` (all
+    the clipped mass folded into that bin) and ``Q`` are then the same one-bin distribution,
+    ``KL = 0`` whatever fraction is clipped, and the search picks it (measured: 100% of a resnet50
+    pooling output clipped).  With at least ``num_levels`` bins of the data's own support kept,
+    heavy clipping leaves a spike in ``P``'s last bin that ``Q`` cannot follow, and KL sees it.
+    If the data occupy fewer than ``f + num_levels`` bins no clipping can help and ``t = row.hi``.
     """
-    if row.total == 0:
-        return 0.0
-    cand, kl = kl_divergences(row.counts, num_levels)
+    nonzero = row.without_zeros()
+    if nonzero.total == 0:
+        return row.hi
+    occupied = np.flatnonzero(nonzero.counts)
+    cand, kl = kl_divergences(nonzero.counts, num_levels, start=int(occupied[0]) + num_levels)
     if cand.size == 0 or not np.any(np.isfinite(kl)):
         return row.hi
     best = int(cand[int(np.argmin(kl))])
@@ -116,17 +138,19 @@ def mse_symmetric(row: HistogramRow, levels: float, num_candidates: int = 1024) 
     observed ``[lo, hi]``), counts ``h_j``
     and step ``s = t / levels`` (``levels`` = positive integer levels, e.g. 127 for int8):
     ``MSE(t) = [ s**2 / 12 * sum_{c_j <= t} h_j + sum_{c_j > t} h_j (c_j - t)**2 ] / N``,
-    i.e. uniform rounding noise inside the range plus squared clipping distance outside.
-    A single-valued row (``lo == hi``) returns ``t = hi``: the value is then exactly
-    representable, which the uniform-noise model cannot see.
+    i.e. uniform rounding noise inside the range plus squared clipping distance outside.  The
+    sums run over the row without its exact zeros (they quantize without error); ``N`` counts
+    every value.  A single-valued row (``lo == hi``) returns ``t = hi``: the value is then
+    exactly representable, which the uniform-noise model cannot see.
     Returns ``(t, MSE of every candidate)``.
     """
     if row.total == 0 or row.hi <= 0:
         return 0.0, np.zeros(0)
-    if row.lo == row.hi:
+    nz = row.without_zeros()
+    if row.lo == row.hi or nz.total == 0:
         return row.hi, np.zeros(0)
     t = row.hi * np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
-    err = _clip_error_above(row, t) + (t / levels) ** 2 / 12.0 * _count_at_or_below(row, t)
+    err = _clip_error_above(nz, t) + (t / levels) ** 2 / 12.0 * _count_at_or_below(nz, t)
     mse = err / row.total
     return float(t[int(np.argmin(mse))]), mse
 
@@ -138,18 +162,20 @@ def mse_asymmetric(row: HistogramRow, num_steps: int, num_candidates: int = 1024
     uniformly: ``(a, b) = alpha_k * (lo0, hi0)``, ``alpha_k = k / K``.  With step
     ``s = (b - a) / num_steps`` (``num_steps = qmax - qmin``):
     ``MSE = [ s**2/12 * #{a <= c_j <= b} + sum_{c_j < a} h_j (a - c_j)**2``
-    ``+ sum_{c_j > b} h_j (c_j - b)**2 ] / N``.
+    ``+ sum_{c_j > b} h_j (c_j - b)**2 ] / N``, the sums without exact zeros (see
+    :func:`mse_symmetric`; every candidate range contains 0).
     A single-valued row returns the full range (see :func:`mse_symmetric`).
     Returns ``((a, b), MSE of every candidate)``.
     """
     lo0, hi0 = min(row.lo, 0.0), max(row.hi, 0.0)
     if row.total == 0 or hi0 - lo0 <= 0 or row.lo == row.hi:
         return (lo0, hi0), np.zeros(0)
+    nz = row.without_zeros()
     alpha = np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
     a, b = alpha * lo0, alpha * hi0
-    above = _clip_error_above(row, b)
-    below = _clip_error_below(row, a)
-    inside = row.total - _count_above(row, b) - _count_below(row, a)
+    above = _clip_error_above(nz, b)
+    below = _clip_error_below(nz, a)
+    inside = nz.total - _count_above(nz, b) - _count_below(nz, a)
     err = above + below + ((b - a) / num_steps) ** 2 / 12.0 * inside
     mse = err / row.total
     k = int(np.argmin(mse))

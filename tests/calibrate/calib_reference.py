@@ -50,11 +50,11 @@ def ref_percentile(counts: np.ndarray, first: int, width: float, lo: float, hi: 
     return hi
 
 
-def ref_kl(hist: np.ndarray, num_levels: int) -> tuple[list[int], list[float]]:
-    """TensorRT / pytorch-quantization style KL search, one candidate at a time."""
+def ref_kl(hist: np.ndarray, num_levels: int, start: int | None = None) -> tuple[list[int], list[float]]:
+    """TensorRT / pytorch-quantization style KL search, one candidate at a time, from bin ``start``."""
     hist = np.asarray(hist, dtype=np.float64)
     cands, kls = [], []
-    for i in range(num_levels, hist.size + 1):
+    for i in range(max(num_levels, start or num_levels), hist.size + 1):
         p = hist[:i].copy()
         p[i - 1] += hist[i:].sum()
         group = np.arange(i) * num_levels // i

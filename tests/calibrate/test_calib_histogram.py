@@ -73,7 +73,8 @@ def test_required_exponent_is_minimal() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(values=values_st, cut=st.integers(1, 7), include_zero=st.booleans())
+@given(values=st.one_of(values_st, st.lists(st.sampled_from([0.0, -1.5, 2.25]), min_size=1, max_size=50)),
+       cut=st.integers(1, 7), include_zero=st.booleans())
 def test_batching_and_merge_invariance(values: list[float], cut: int, include_zero: bool) -> None:
     x = np.array(values, dtype=np.float32)
     if include_zero:
@@ -91,7 +92,9 @@ def test_batching_and_merge_invariance(values: list[float], cut: int, include_ze
         a.update(np.stack([x[:half], -2 * x[:half]]).astype(np.float64))
     b.update(np.stack([x[half:], -2 * x[half:]]).astype(np.float64))
     a.merge(b)
+    assert whole.zeros.tolist() == [int(np.count_nonzero(x == 0))] * 2
     for other in (batched, a):
+        np.testing.assert_array_equal(other.zeros, whole.zeros)
         np.testing.assert_array_equal(other.k, whole.k)
         np.testing.assert_array_equal(other.first, whole.first)
         np.testing.assert_array_equal(other.counts, whole.counts)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qgraph.calibrate import TensorCalibration, make_observer, read_ranges, write_ranges
+from qgraph.calibrate import RobustMagnitude, TensorCalibration, make_observer, read_ranges, write_ranges
 from qgraph.errors import DataError
 from qgraph.quant import ActivationRange
 
@@ -18,10 +18,13 @@ FP = "a" * 64
 def _calibrations() -> dict[str, TensorCalibration]:
     rng = np.random.default_rng(0)
     ent = make_observer("entropy", "act", num_bins=256, num_levels=32)
-    ent.update(rng.standard_normal(5000).astype(np.float32), 0)
+    values = np.maximum(rng.standard_normal(5000), 0).astype(np.float32)  # ReLU: ~2,500 exact zeros
+    ent.update(values, 0)
+    robust = RobustMagnitude()
+    robust.update(values)
     pc = make_observer("minmax", "pc", 1)
     pc.update(rng.standard_normal((4, 3)).astype(np.float32), 0)
-    return {o.name: TensorCalibration.from_observer(o) for o in (ent, pc)}
+    return {"act": TensorCalibration.from_observer(ent, robust), "pc": TensorCalibration.from_observer(pc)}
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -32,6 +35,9 @@ def test_round_trip(tmp_path: Path) -> None:
     assert doc["format"] == "qgraph-ranges" and doc["version"] == 1 and doc["method"] == "mixed"
     assert doc["tensors"]["pc"]["histogram"] is None
     assert sum(doc["tensors"]["act"]["histogram"]["counts"]) == 5000
+    assert 2300 < doc["tensors"]["act"]["histogram"]["zeros"] < 2700
+    assert doc["tensors"]["act"]["robust_absmax"] == cal["act"].robust_absmax > 0
+    assert doc["tensors"]["pc"]["robust_absmax"] is None
     rf = read_ranges(path, expected_model_fingerprint=FP)
     assert rf.data_fingerprint == "d" * 64
     for name, c in cal.items():
@@ -42,6 +48,7 @@ def test_round_trip(tmp_path: Path) -> None:
         assert got.clip_fraction == c.clip_fraction and got.num_values == c.num_values
         assert got.axis == c.axis and got.method == c.method
     assert rf.tensors["act"].histogram == cal["act"].histogram
+    assert rf.tensors["act"].robust_absmax == cal["act"].robust_absmax
     assert isinstance(rf.ranges()["pc"].rmin, np.ndarray)
 
 

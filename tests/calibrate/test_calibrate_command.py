@@ -57,3 +57,20 @@ def test_recipe_reuses_ranges_file_and_refuses_a_foreign_one(tmp_path: Path) -> 
     foreign = Recipe.from_text(text.replace("  - pass: fuse_batchnorm\n", ""), "foreign.yaml")
     with pytest.raises(QGraphError, match=r"fingerprint|different model|computed for"):
         foreign.pipeline().run(DIGITS / "model.onnx")
+
+
+def test_calibrate_reports_where_calibration_is_fragile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rich.console import Console
+
+    monkeypatch.setattr("qgraph.cli.out", Console(width=250))  # whole tensor names on one line
+    out = tmp_path / "ranges.json"
+    assert main(["calibrate", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(out),
+                 "--calibration-data", str(DIGITS / "calibration.npz"), "--method", "percentile"]) == 0
+    printed = capsys.readouterr().out
+    assert "most values clipped" in printed and "largest max|x| / p99.99" in printed
+    tensors = read_ranges(out).tensors
+    assert all(t.robust_absmax is not None and t.robust_absmax >= 0 for t in tensors.values())
+    worst = max(tensors.values(), key=lambda t: t.clip_fraction)
+    assert worst.clip_fraction > 0 and worst.name in printed

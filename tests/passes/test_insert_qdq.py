@@ -60,6 +60,9 @@ def test_details_report_what_happened() -> None:
     assert [len(q["absorbed"]) for q in d["quantized"]] == [1, 0, 1, 0, 0]  # Relu after conv1 and after the Add
     assert d["reduce_range"].startswith("reduce_range: false") and "VPDPBUSD" in d["why"]
     assert res.skipped == [] and res.rewritten == 7
+    cal = d["calibration"]  # where calibration is fragile, for reports: minmax clips nothing
+    assert cal["method"] == "minmax" and cal["most_clipped"] == []
+    assert len(cal["largest_outlier_ratio"]) == 5 and all(r["outlier_ratio"] >= 1 for r in cal["largest_outlier_ratio"])
 
 
 def test_onnxruntime_fuses_everything(vnni: onnx.ModelProto) -> None:
@@ -229,6 +232,26 @@ def test_constant_masks_and_outliers_are_not_quantized() -> None:
     assert "masking" in " ".join(reasons.values())
     assert "big" in r.details["excluded_tensors"] or "s" in r.details["excluded_tensors"]
     assert r.details["quantized_ops"].get("MatMul") == 1  # the first MatMul; the one reading s stays float
+
+
+def test_extreme_outlier_tensor_stays_float() -> None:
+    """One value 1,000x the bulk (below the masking magnitude): the outlier ratio, measured in the same in-graph
+    calibration run, keeps that tensor float."""
+    text = """
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1,256] x) => (float[1,16] y) {
+      h = MatMul(x, w)
+      y = MatMul(h, w2)
+    }
+    """
+    rng = np.random.default_rng(1)
+    m = with_weights(text, {"w": np.eye(256, dtype=np.float32), "w2": rng.normal(0, 0.1, (256, 16)).astype(np.float32)})
+    feeds = [{"x": rng.standard_normal((1, 256)).astype(np.float32)} for _ in range(64)]
+    feeds[5]["x"][0, 7] = 3000.0
+    r = quantize(m, feeds, preset="ort-x86-vnni").records[0].result
+    assert "extreme outliers" in r.details["excluded_tensors"].get("h", "")
+    worst = r.details["calibration"]["largest_outlier_ratio"][0]
+    assert worst["tensor"] in ("x", "h") and worst["outlier_ratio"] > 100
 
 
 def test_calibration_uses_the_current_graph_ranges() -> None:

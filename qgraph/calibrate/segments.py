@@ -8,11 +8,12 @@ whose outputs are the tensors later slices read plus the tensors being calibrate
 the slices in order; a value is dropped as soon as no later slice reads it, so memory stays bounded by the
 widest cut. Sessions are built on the first sample (input element types are taken from the actual values).
 Graphs with If/Loop/Scan nodes are not segmented (their bodies read outer-scope tensors implicitly).
+:func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +49,11 @@ def segmentable(model: onnx.ModelProto) -> bool:
 
 
 def plan_segments(
-    model: onnx.ModelProto, targets: Iterable[str], size: int = SEGMENT_NODES
+    model: onnx.ModelProto, targets: Iterable[str], size: int | None = None
 ) -> tuple[list[_Segment], dict[str, int]]:
     """Cut the (topologically sorted) node list into slices with their boundary tensors (O(N)); also returns
     the index of the last node reading each tensor."""
+    size = size or SEGMENT_NODES
     nodes = list(model.graph.node)
     inits = {t.name for t in model.graph.initializer}
     wanted = set(targets)
@@ -107,15 +109,21 @@ def observe_segmented(
     model: onnx.ModelProto,
     observers: Mapping[str, Any],
     data: Iterable[Mapping[str, npt.NDArray[Any]]],
-    size: int = SEGMENT_NODES,
+    size: int | None = None,
+    *,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    providers: Sequence[str] | None = None,
+    after_feed: Callable[[int], None] | None = None,
 ) -> int:
     """Feed ``observers`` (tensor name -> object with ``update(x, sample_index)``) for every sample of ``data``,
-    running the graph slice by slice; returns the number of samples."""
+    running the graph slice by slice; returns the number of samples.  ``after_feed(index)`` is called once
+    each sample has gone through every slice (progress)."""
     segments, last_use = plan_segments(model, observers, size)
     inits = {t.name: t for t in model.graph.initializer}
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.graph_optimization_level = optimization
     opts.log_severity_level = 3
+    provs = list(providers) if providers else ["CPUExecutionProvider"]
     count = 0
     for index, feed in enumerate(data):
         values: dict[str, Any] = {k: np.asarray(v) for k, v in feed.items()}
@@ -126,9 +134,7 @@ def observe_segmented(
             if seg.session is None:
                 proto = _segment_model(model, seg, inits, values)
                 try:
-                    seg.session = ort.InferenceSession(
-                        proto.SerializeToString(), opts, providers=["CPUExecutionProvider"]
-                    )
+                    seg.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=provs)
                 except Exception as exc:  # onnxruntime raises its own exception classes
                     raise ModelError(f"onnxruntime cannot load a calibration segment: {exc}") from exc
             try:
@@ -142,6 +148,8 @@ def observe_segmented(
             for name in [t for t in values if last_use.get(t, -1) < seg.end]:
                 del values[name]
         count = index + 1
+        if after_feed is not None:
+            after_feed(index)
     if count == 0:
         raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     return count
