@@ -4,13 +4,12 @@ Plain per-tensor ``minmax`` (the default method) needs four numbers per tensor a
 fetching whole activations out of onnxruntime to reduce them in numpy costs more than the inference
 itself.  For each *source* tensor ``x`` a copy of the graph gets::
 
-    flat = Reshape(x, [-1])
-    lo = ReduceMin(flat)        hi = ReduceMax(flat)        n = Shape(flat)
-    sentinel = ReduceSum(flat)
+    lo = ReduceMin(x)        hi = ReduceMax(x)        sentinel = ReduceSum(x)
+    n = Shape(Reshape(x, [-1]))                        # only if x's shape is not static
 
-and the results are concatenated across tensors into two outputs (``[lo..., hi..., sentinel...]`` and
-the sizes): a run returns two small vectors whatever the number of tensors, and folding them is a few
-vectorized numpy calls.
+and the scalars are stacked across tensors into one output ``[lo..., hi..., sentinel...]`` (plus the
+dynamic sizes): a run returns one or two small vectors whatever the number of tensors, and folding them
+is a few vectorized numpy calls.
 
 The sentinel is needed because onnxruntime's ReduceMin/ReduceMax skip NaN (measured: a NaN anywhere
 but in the first element is missed, for every dtype and optimization level), while any NaN or Inf makes
@@ -51,8 +50,8 @@ REORDERED = frozenset({"Transpose"})
 #: Monotone element-wise ops whose range maps exactly (clamps).
 CLAMPS = frozenset({"Relu", "Clip"})
 
-#: Default-domain opset the augmentation needs (Slice with steps).
-MIN_OPSET = 10
+#: Default-domain opset the augmentation needs (Slice with steps, ConcatFromSequence).
+MIN_OPSET = 11
 _PREFIX = "qgraph_calib"
 
 
@@ -163,20 +162,32 @@ def plan_derivations(model: onnx.ModelProto, names: Sequence[str], *, keep_order
     return derived
 
 
-def _elem_types(model: onnx.ModelProto, names: Sequence[str]) -> dict[str, int]:
+def _tensor_info(model: onnx.ModelProto, names: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Element types and static sizes (every dim known and positive) of ``names``, inferring what the model
+    does not declare.  Declared graph outputs are not trusted for sizes (onnxruntime only warns when a run
+    disagrees with them); graph inputs are (onnxruntime rejects feeds that contradict a static dim)."""
     types: dict[str, int] = {}
-    for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
-    if any(n not in types for n in names) and model.ByteSize() < 2**31 - (64 << 20):
+    sizes: dict[str, int] = {}
+    outputs = {o.name for o in model.graph.output}
+
+    def read(infos: Sequence[onnx.ValueInfoProto]) -> None:
+        for vi in infos:
+            if not vi.type.HasField("tensor_type"):
+                continue
+            tt = vi.type.tensor_type
+            if tt.elem_type:
+                types.setdefault(vi.name, tt.elem_type)
+            dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tt.shape.dim]
+            if tt.HasField("shape") and all(d > 0 for d in dims) and vi.name not in outputs:
+                sizes.setdefault(vi.name, math.prod(dims))
+
+    read([*model.graph.value_info, *model.graph.input, *model.graph.output])
+    if any(n not in types or n not in sizes for n in names) and model.ByteSize() < 2**31 - (64 << 20):
         try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        except Exception:  # inference is a best effort here: unknown types are assumed float32
-            return types
-        for vi in inferred.graph.value_info:
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                types.setdefault(vi.name, vi.type.tensor_type.elem_type)
-    return types
+            read(onnx.shape_inference.infer_shapes(model, strict_mode=False).graph.value_info)
+        except Exception:  # inference is a best effort here: unknown types are assumed float32, sizes measured
+            pass
+    return types, sizes
 
 
 class InGraphMinMax:
@@ -184,7 +195,12 @@ class InGraphMinMax:
 
     Append :attr:`nodes`/:attr:`initializers`/:meth:`output_infos` to a copy of the model, run it for
     :attr:`outputs`, and :meth:`split` each run's results.  Sources in ``zeroed`` get the overflow-proof
-    sentinel ``ReduceSum(Mul(flat, 0))``, the others ``ReduceSum(flat)`` (one read, no write; module docstring).
+    sentinel ``ReduceSum(Mul(x, 0))``, the others ``ReduceSum(x)`` (one read, no write; module docstring).
+
+    onnxruntime's session setup grows with the node count, so a tensor of static shape costs three nodes
+    (its reductions; five with a subsample: ``Reshape`` and ``Slice`` with a constant step) and its size is a
+    constant; a tensor of dynamic shape adds ``Shape`` (and the subsample's step arithmetic).  The scalars of
+    every tensor are stacked by one ``SequenceConstruct`` + ``ConcatFromSequence``.
     """
 
     def __init__(
@@ -201,86 +217,123 @@ class InGraphMinMax:
         prefix = _PREFIX
         while any(name.startswith(prefix + "/") for name in existing):
             prefix += "_"
-        types = _elem_types(model, self.sources)
+        self._prefix = prefix
+        types, static = _tensor_info(model, self.sources)
         wide = any(types.get(s) == TensorProto.DOUBLE for s in self.sources)
         self.result_type = TensorProto.DOUBLE if wide else TensorProto.FLOAT
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers = [numpy_helper.from_array(np.array([-1], np.int64), f"{prefix}/flat_shape")]
-        if zeroed:
-            zero = np.array(0, helper.tensor_dtype_to_np_dtype(self.result_type))
-            self.initializers.append(numpy_helper.from_array(zero, f"{prefix}/zero"))
-        if subsample:
-            self.initializers += [
-                numpy_helper.from_array(np.array([subsample], np.int64), f"{prefix}/per_sample"),
-                numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/one"),
-                numpy_helper.from_array(np.array([0], np.int64), f"{prefix}/start"),
-                numpy_helper.from_array(np.array([2**62], np.int64), f"{prefix}/end"),
-            ]
-        mins, maxs, sums, sizes, subs, sub_sizes = [], [], [], [], [], []
+        self.initializers: list[onnx.TensorProto] = []
+        self._constants: set[str] = set()
+        n = len(self.sources)
+        #: Sizes known before running (0 where measured per run), and the positions measured per run.
+        self.static_sizes = np.array([static.get(s, 0) for s in self.sources], dtype=np.int64)
+        self.dynamic = np.flatnonzero(self.static_sizes == 0)
+        self.static_sub_sizes = np.zeros(n, dtype=np.int64)
+        scalars: list[list[str]] = [[], [], []]
+        sizes, subs, sub_sizes = [], [], []
         for i, src in enumerate(self.sources):
             t = f"{prefix}/{i}"
-            flat = self._add("Reshape", [src, f"{prefix}/flat_shape"], f"{t}/flat")
+            x = src
             if types.get(src, TensorProto.FLOAT) != self.result_type:
-                flat = self._add("Cast", [flat], f"{t}/cast", to=self.result_type)  # exact: fp16/bf16 -> fp32 -> fp64
-            mins.append(self._add("ReduceMin", [flat], f"{t}/min", keepdims=1))
-            maxs.append(self._add("ReduceMax", [flat], f"{t}/max", keepdims=1))
-            summed = self._add("Mul", [flat, f"{prefix}/zero"], f"{t}/zeroed") if src in zeroed else flat
-            sums.append(self._add("ReduceSum", [summed], f"{t}/sum", keepdims=1))
-            sizes.append(self._add("Shape", [flat], f"{t}/size"))
+                x = self._add("Cast", [x], f"{t}/cast", to=self.result_type)  # exact: fp16/bf16 -> fp32 -> fp64
+            size = int(self.static_sizes[i])
+            flat = x
+            if subsample or not size:
+                flat = self._add("Reshape", [x, self._constant("flat_shape", [-1])], f"{t}/flat")
+            if not size:
+                sizes.append(self._add("Shape", [flat], f"{t}/size"))
+            summed = flat
+            if src in zeroed:
+                summed = self._add("Mul", [flat, self._constant("zero", 0, self.result_type)], f"{t}/zeroed")
+            for kind, (op, arg) in enumerate((("ReduceMin", flat), ("ReduceMax", flat), ("ReduceSum", summed))):
+                scalars[kind].append(self._add(op, [arg], f"{t}/{op}", keepdims=0))
             if subsample:
-                step = self._add("Div", [f"{t}/size", f"{prefix}/per_sample"], f"{t}/div")
-                step = self._add("Max", [step, f"{prefix}/one"], f"{t}/step")
-                bounds = [f"{prefix}/start", f"{prefix}/end", f"{prefix}/start"]  # starts, ends, axes
-                sub = self._add("Slice", [flat, *bounds, step], f"{t}/sub")
-                subs.append(sub)
-                sub_sizes.append(self._add("Shape", [sub], f"{t}/sub_size"))
-        self.outputs = [
-            self._add("Concat", [*mins, *maxs, *sums], f"{prefix}/extremes", axis=0),
-            self._add("Concat", sizes, f"{prefix}/sizes", axis=0),
-        ]
+                bounds = [self._constant("start", [0]), self._constant("end", [2**62]), self._constant("start", [0])]
+                if size:
+                    step = max(1, size // subsample)
+                    subs.append(self._add("Slice", [flat, *bounds, self._constant(f"step{step}", [step])], f"{t}/sub"))
+                    self.static_sub_sizes[i] = -(-size // step)
+                else:
+                    div = self._add("Div", [f"{t}/size", self._constant("per_sample", [subsample])], f"{t}/div")
+                    step_t = self._add("Max", [div, self._constant("one", [1])], f"{t}/step")
+                    subs.append(self._add("Slice", [flat, *bounds, step_t], f"{t}/sub"))
+                    sub_sizes.append(self._add("Shape", [subs[-1]], f"{t}/sub_size"))
+        stacked = self._add("SequenceConstruct", [name for kind in scalars for name in kind], f"{prefix}/scalars")
+        self.outputs = [self._add("ConcatFromSequence", [stacked], f"{prefix}/extremes", axis=0, new_axis=1)]
+        self._kinds = [self.result_type]
+        if sizes:
+            self.outputs.append(self._add("Concat", sizes, f"{prefix}/sizes", axis=0))
+            self._kinds.append(TensorProto.INT64)
         if subsample:
-            self.outputs += [
-                self._add("Concat", subs, f"{prefix}/subsamples", axis=0),
-                self._add("Concat", sub_sizes, f"{prefix}/subsample_sizes", axis=0),
-            ]
+            self.outputs.append(self._add("Concat", subs, f"{prefix}/subsamples", axis=0))
+            self._kinds.append(self.result_type)
+            if sub_sizes:
+                self.outputs.append(self._add("Concat", sub_sizes, f"{prefix}/subsample_sizes", axis=0))
+                self._kinds.append(TensorProto.INT64)
 
     def _add(self, op: str, inputs: list[str], output: str, **attrs: Any) -> str:
         self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
         return output
 
+    def _constant(self, key: str, value: Any, dtype: int = TensorProto.INT64) -> str:
+        """A shared constant initializer."""
+        name = f"{self._prefix}/{key}"
+        if name not in self._constants:
+            self._constants.add(name)
+            array = np.array(value, helper.tensor_dtype_to_np_dtype(dtype))
+            self.initializers.append(numpy_helper.from_array(array, name))
+        return name
+
     def output_infos(self) -> list[onnx.ValueInfoProto]:
         """Graph outputs to declare (element type, no shape)."""
-        types = [self.result_type, TensorProto.INT64, self.result_type, TensorProto.INT64]
-        return [helper.make_tensor_value_info(o, t, None) for o, t in zip(self.outputs, types, strict=False)]
+        return [helper.make_tensor_value_info(o, t, None) for o, t in zip(self.outputs, self._kinds, strict=True)]
 
     def split(self, outputs: Sequence[Any]) -> Reduced:
         """One run's outputs (in :attr:`outputs` order) by kind."""
-        n = len(self.sources)
-        ext = np.asarray(outputs[0])
+        k = 1
+        sizes = self.static_sizes
+        if self.dynamic.size:
+            sizes = sizes.copy()
+            sizes[self.dynamic] = outputs[k]
+            k += 1
         subs: list[npt.NDArray[np.floating]] = []
         if self.subsample:
-            subs = np.split(np.asarray(outputs[2]), np.cumsum(np.asarray(outputs[3]))[:-1])
-        return Reduced(ext[:n], ext[n : 2 * n], ext[2 * n :], np.asarray(outputs[1]), subs, ext)
+            sub_sizes = self.static_sub_sizes
+            if k + 1 < len(outputs):
+                sub_sizes = sub_sizes.copy()
+                sub_sizes[self.dynamic] = outputs[k + 1]
+            subs = np.split(outputs[k], np.cumsum(sub_sizes)[:-1])
+        return Reduced(len(self.sources), outputs[0], sizes, subs)
 
 
-@dataclass(frozen=True)
 class Reduced:
-    """One run's reductions: per-source min, max, sentinel sum and size, and the strided subsamples."""
+    """One run's reductions: per-source min, max, sentinel sum (views of one vector) and size, and the strided
+    subsamples.  Runs once per sample after onnxruntime has evicted the caches: few numpy calls on purpose."""
 
-    mins: npt.NDArray[np.floating]
-    maxs: npt.NDArray[np.floating]
-    sums: npt.NDArray[np.floating]
-    sizes: npt.NDArray[np.int64]
-    subsamples: list[npt.NDArray[np.floating]]
-    extremes: npt.NDArray[np.floating]  # mins, maxs and sums in one vector
+    __slots__ = ("extremes", "n", "sizes", "subsamples")
 
+    def __init__(self, n: int, extremes: Any, sizes: Any, subsamples: list[npt.NDArray[np.floating]]) -> None:
+        self.n, self.extremes, self.sizes, self.subsamples = n, extremes, sizes, subsamples
+
+    @property
+    def mins(self) -> npt.NDArray[np.floating]:
+        """Per-source minima."""
+        return self.extremes[: self.n]  # type: ignore[no-any-return]
+
+    @property
+    def maxs(self) -> npt.NDArray[np.floating]:
+        """Per-source maxima."""
+        return self.extremes[self.n : 2 * self.n]  # type: ignore[no-any-return]
+
+    @property
+    def sums(self) -> npt.NDArray[np.floating]:
+        """Per-source sentinel sums."""
+        return self.extremes[2 * self.n :]  # type: ignore[no-any-return]
 
     def suspects(self) -> tuple[list[int], list[int]]:
         """``(non_finite, overflow_or_nan)``: sources whose min or max is not finite (NaN or Inf, certain), and
         sources whose only non-finite number is the sentinel sum (NaN, or a sum of huge finite values)."""
-        with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: the slow path below sorts it out
-            total = float(self.extremes.sum(dtype=np.float64))  # float32 inputs cannot overflow a float64 sum
-        if math.isfinite(total) or not self.sizes.size:
+        if np.isfinite(self.extremes).all():
             return [], []
         present = self.sizes > 0
         extremes_ok = np.isfinite(self.mins) & np.isfinite(self.maxs)
