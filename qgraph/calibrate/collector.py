@@ -34,7 +34,7 @@ import numpy.typing as npt
 import onnx
 
 from qgraph.calibrate.observers import HistogramSummary, MinMaxObserver, Observer, make_observer
-from qgraph.calibrate.reduce import MIN_OPSET, InGraphMinMax, MinMaxState, plan_derivations
+from qgraph.calibrate.reduce import MIN_OPSET, InGraphMinMax, MinMaxState, plan_derivations, resolve_ranges
 from qgraph.calibrate.robust import PER_UPDATE, RobustMagnitude
 from qgraph.calibrate.segments import observe_segmented, segmentable
 from qgraph.calibrate.session import (
@@ -209,7 +209,7 @@ def _collect_in_graph(
     derived = plan_derivations(model, names, keep_order=bool(robust))
     sources = [n for n in names if n not in derived]
     position = {s: i for i, s in enumerate(sources)}
-    derived_subs = [(d, n) for n, d in derived.items() if n in robust]
+    derived_subs = [(d, n, d.root) for n, d in derived.items() if n in robust and d.root is not None and d.same_order]
     state = MinMaxState(len(sources))
     zeroed: frozenset[str] = frozenset()
     source, total = _open(data)
@@ -239,8 +239,8 @@ def _collect_in_graph(
                 state.fold(r)
                 for src, sub in zip(sources, r.subsamples, strict=False):
                     robust[src].add_subsample(sub)
-                for d, name in derived_subs:
-                    robust[name].add_subsample(d.apply_values(r.subsamples[position[d.source]]))
+                for d, name, root in derived_subs:
+                    robust[name].add_subsample(d.apply_values(r.subsamples[position[root]]))
                 if run.progress is not None:
                     run.progress(index + 1, total)
                 if overflowing:
@@ -251,8 +251,8 @@ def _collect_in_graph(
     measured = {s: (float(state.lo[i]), float(state.hi[i]), int(state.num_values[i])) for i, s in enumerate(sources)}
     for src, (lo, hi, n) in measured.items():
         observers[src].fold_range(lo, hi, n, state.num_updates)
-    for name, d in derived.items():
-        observers[name].fold_range(*d.apply(measured), state.num_updates)
+    for name, (lo, hi, n) in resolve_ranges(derived, measured).items():
+        observers[name].fold_range(lo, hi, n, state.num_updates)
     return True
 
 

@@ -58,45 +58,52 @@ _PREFIX = "qgraph_calib"
 
 @dataclass(frozen=True)
 class Derivation:
-    """A tensor's range from its sources': the union over ``parts`` of each source's range through its clamps.
+    """A tensor's range from others': ``clamp`` applied to the union of its ``inputs``' ranges.
 
-    ``parts`` is ``((source, ((a, b), ...)), ...)``: one part per source occurrence (a Concat of two tensors
-    has two).  Clamps are monotone, so a clamp after a union equals the union of the clamped parts, which
-    is how chains compose.  The tensor's size is the sum of its parts' sizes.
+    A single-input chain (Relu, Clip, reshapes) is composed when it is planned: ``inputs`` is then its reduced
+    ``root`` and ``clamp`` the composition of the chain's clamps (a composition of clamps is the clamp
+    ``[f(-inf), f(+inf)]``).  A Concat keeps its direct inputs, which are resolved once, in graph order, at the
+    end (:func:`resolve_ranges`): planning and resolving are linear in the graph even for concat-of-concat
+    chains.
     """
 
-    parts: tuple[tuple[str, tuple[tuple[float, float], ...]], ...]
-    same_order: bool
+    inputs: tuple[str, ...]
+    clamp: tuple[float, float] = (-math.inf, math.inf)
+    same_order: bool = True
+    #: The reduced tensor a single-input chain starts from (None after a Concat): subsamples derive from it.
+    root: str | None = None
 
-    @property
-    def source(self) -> str:
-        """The single source of a one-part derivation (subsamples are taken from it)."""
-        if len(self.parts) != 1:
-            raise ValueError("a derivation from several tensors has no single source")
-        return self.parts[0][0]
-
-    def clamped(self, clamp: tuple[float, float] | None, same_order: bool) -> Derivation:
-        """This derivation followed by one more op (a clamp, or a value-preserving op)."""
-        extra = (clamp,) if clamp else ()
-        return Derivation(tuple((s, c + extra) for s, c in self.parts), self.same_order and same_order)
-
-    def apply(self, ranges: Mapping[str, tuple[float, float, int]]) -> tuple[float, float, int]:
-        """``(lo, hi, size)`` from each source's ``(lo, hi, size)``; parts with no values are left out."""
-        lo, hi, size = math.inf, -math.inf, 0
-        for source, clamps in self.parts:
-            a, b, n = ranges[source]
-            if n == 0:
-                continue
-            for c0, c1 in clamps:  # + 0.0 turns -0.0 into 0.0
-                a, b = min(max(a, c0), c1) + 0.0, min(max(b, c0), c1) + 0.0
-            lo, hi, size = min(lo, a), max(hi, b), size + n
-        return lo, hi, size
+    def apply(self, lo: float, hi: float) -> tuple[float, float]:
+        """The clamp applied to ``[lo, hi]`` (``+ 0.0`` turns ``-0.0`` into ``0.0``)."""
+        a, b = self.clamp
+        return min(max(lo, a), b) + 0.0, min(max(hi, a), b) + 0.0
 
     def apply_values(self, x: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
-        """Map the single source's values (a subsample) elementwise."""
-        for a, b in self.parts[0][1]:
-            x = np.minimum(np.maximum(x, x.dtype.type(a)), x.dtype.type(b))
-        return x
+        """The clamp applied to the root's values (a subsample)."""
+        a, b = self.clamp
+        if a == -math.inf and b == math.inf:
+            return x
+        clamped: npt.NDArray[np.floating] = np.minimum(np.maximum(x, x.dtype.type(a)), x.dtype.type(b))
+        return clamped
+
+
+def resolve_ranges(
+    derived: Mapping[str, Derivation], measured: Mapping[str, tuple[float, float, int]]
+) -> dict[str, tuple[float, float, int]]:
+    """``(lo, hi, size)`` of every derived tensor from the measured ones, in planning (graph) order.
+
+    Inputs with no values (``size == 0``) are left out of the union; a tensor all of whose inputs are empty is
+    ``(inf, -inf, 0)``.
+    """
+    out: dict[str, tuple[float, float, int]] = {}
+    for name, d in derived.items():
+        lo, hi, size = math.inf, -math.inf, 0
+        for t in d.inputs:
+            a, b, n = out[t] if t in out else measured[t]
+            if n:
+                lo, hi, size = min(lo, a), max(hi, b), size + n
+        out[name] = (*d.apply(lo, hi), size) if size else (math.inf, -math.inf, 0)
+    return out
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
@@ -125,18 +132,14 @@ def _clamp(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> t
 
 
 def plan_derivations(model: onnx.ModelProto, names: Sequence[str], *, keep_order: bool) -> dict[str, Derivation]:
-    """Which of ``names`` get their range from others of ``names`` (see module docstring); O(N).
+    """Which of ``names`` get their range from others of ``names`` (see module docstring); O(N), in graph order.
 
     ``keep_order``: only derivations whose values keep their source's flat order (for strided subsamples).
     """
     wanted = set(names)
     constants: dict[str, onnx.TensorProto] | None = None
     derived: dict[str, Derivation] = {}
-
-    def of(tensor: str) -> Derivation:
-        return derived.get(tensor) or Derivation(((tensor, ()),), True)
-
-    for node in model.graph.node:  # topological order: a node's inputs are resolved before it
+    for node in model.graph.node:  # topological order: a node's inputs are planned before it
         op = node.op_type
         if node.domain not in ("", "ai.onnx") or not node.input or len([o for o in node.output if o]) != 1:
             continue
@@ -144,23 +147,32 @@ def plan_derivations(model: onnx.ModelProto, names: Sequence[str], *, keep_order
         if out not in wanted or out in derived:
             continue
         if op == "Concat" and not keep_order:
-            inputs = [t for t in node.input if t]
+            inputs = tuple(t for t in node.input if t)
             if inputs and all(t in wanted and t != out for t in inputs):
-                derived[out] = Derivation(tuple(p for t in inputs for p in of(t).parts), False)
+                derived[out] = Derivation(inputs, same_order=False)
             continue
         if op not in SAME_ORDER and op not in CLAMPS and (keep_order or op not in REORDERED):
             continue
         src = node.input[0]
         if src not in wanted or src == out:
             continue
-        clamp = None
+        clamp = (-math.inf, math.inf)
         if op in CLAMPS:
             if constants is None:
                 constants = _constants(model)
-            clamp = _clamp(node, constants)
-            if clamp is None:
+            found = _clamp(node, constants)
+            if found is None:
                 continue
-        derived[out] = of(src).clamped(clamp, op not in REORDERED)
+            clamp = found
+        ordered = op not in REORDERED
+        base = derived.get(src)
+        if base is None:
+            derived[out] = Derivation((src,), clamp, ordered, src)
+        elif base.root is not None:  # compose the chain: one clamp from the root
+            lo, hi = (min(max(v, clamp[0]), clamp[1]) for v in base.clamp)
+            derived[out] = Derivation((base.root,), (lo, hi), base.same_order and ordered, base.root)
+        else:
+            derived[out] = Derivation((src,), clamp, False)
     return derived
 
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 import qgraph.calibrate.collector as collector
 from qgraph.calibrate import RobustMagnitude, collect_ranges, make_observer, observe
 from qgraph.calibrate.command import float_activations
-from qgraph.calibrate.reduce import plan_derivations
+from qgraph.calibrate.reduce import plan_derivations, resolve_ranges
 from qgraph.errors import DataError, ModelError
 from qgraph.testing.models import cached_light_model
 
@@ -67,25 +67,51 @@ def test_derivation_plan() -> None:
     model = onnx.parser.parse_model(CHAIN)
     plan = plan_derivations(model, CHAIN_NAMES, keep_order=False)
     assert sorted(plan) == ["c", "cc", "d", "e", "t"]  # k clips to a non-constant bound: reduced itself
-    relu, clip = ((0.0, np.inf),), ((-0.5, 1.5),)
-    assert {n: d.parts for n, d in plan.items()} == {
-        "c": (("b", relu),),
-        "d": (("b", clip),),
-        "e": (("b", clip),),
-        "t": (("b", clip),),
-        "cc": (("b", relu), ("k", ()), ("b", relu)),  # one part per input, duplicates counted
+    relu, clip, none = (0.0, np.inf), (-0.5, 1.5), (-np.inf, np.inf)
+    assert {n: (d.inputs, d.clamp, d.root) for n, d in plan.items()} == {
+        "c": (("b",), relu, "b"),
+        "d": (("b",), clip, "b"),
+        "e": (("b",), clip, "b"),  # Reshape(d): the chain is composed back to its reduced root
+        "t": (("b",), clip, "b"),
+        "cc": (("c", "k", "c"), none, None),  # a Concat keeps its direct inputs (duplicates counted)
     }
     assert sorted(n for n, d in plan.items() if not d.same_order) == ["cc", "t"]
     assert sorted(plan_derivations(model, CHAIN_NAMES, keep_order=True)) == ["c", "d", "e"]  # t, cc reorder
     # only between calibrated tensors: without b, c and d are reduced and e derives from d
-    assert {n: d.parts for n, d in plan_derivations(model, ["x", "c", "d", "e"], keep_order=False).items()} == {
-        "e": (("d", ()),)
+    assert {n: d.inputs for n, d in plan_derivations(model, ["x", "c", "d", "e"], keep_order=False).items()} == {
+        "e": ("d",)
     }
     old = onnx.parser.parse_model("""
     <ir_version: 7, opset_import: ["" : 6]>
     g (float[4] x) => (float[4] y) { y = Clip<min = -1.0, max = 3.0>(x) }
     """)
-    assert plan_derivations(old, ["x", "y"], keep_order=True)["y"].parts == (("x", ((-1.0, 3.0),)),)
+    assert plan_derivations(old, ["x", "y"], keep_order=True)["y"].clamp == (-1.0, 3.0)
+
+
+def test_clip_chains_compose_and_concat_chains_stay_linear() -> None:
+    """Clip(Relu(Clip(x))) is one clamp from x; a 1,000-deep concat-of-concat chain keeps direct inputs only and
+    resolves in one pass (a flattened representation would hold 500,000 parts)."""
+    chained = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[4] x) => (float[4] z) <float[1] a = {-2.0}, float[1] b = {0.5}, float[1] c = {0.25}, float[1] d = {9.0}> {
+      y1 = Clip(x, a, d)
+      y2 = Relu(y1)
+      z = Clip(y2, c, b)
+    }
+    """)
+    assert plan_derivations(chained, ["x", "y1", "y2", "z"], keep_order=True)["z"].clamp == (0.25, 0.5)
+    depth = 1000
+    nodes = [helper.make_node("Concat", ["x", "x"], ["c0"], axis=0)]
+    nodes += [helper.make_node("Concat", [f"c{i - 1}", "x"], [f"c{i}"], axis=0) for i in range(1, depth)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info(f"c{depth - 1}", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    names = ["x", *(f"c{i}" for i in range(depth))]
+    plan = plan_derivations(model, names, keep_order=False)
+    assert len(plan) == depth and max(len(d.inputs) for d in plan.values()) == 2
+    ranges = resolve_ranges(plan, {"x": (-1.5, 2.0, 3)})
+    assert ranges[f"c{depth - 1}"] == (-1.5, 2.0, 3 * (depth + 1))
+    assert resolve_ranges(plan, {"x": (np.inf, -np.inf, 0)})["c7"] == (np.inf, -np.inf, 0)  # nothing observed
 
 
 @pytest.mark.parametrize("optimize", [False, True])
