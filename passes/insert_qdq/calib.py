@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from qgraph import GraphHandle, PassContext, PassError
-from qgraph.calibrate import ROBUST_PERCENTILE, TensorCalibration, collect_ranges, read_ranges
-from qgraph.calibrate.summary import most_fragile
+from qgraph.calibrate import ROBUST_PERCENTILE, TensorCalibration, collect_ranges, most_fragile, read_ranges
 from qgraph.data import batched
 from qgraph.model_io import model_fingerprint
 

@@ -28,6 +28,7 @@ from qgraph.calibrate.observers import (
 )
 from qgraph.calibrate.ranges_file import RangesFile, read_ranges, write_ranges
 from qgraph.calibrate.robust import ROBUST_PERCENTILE, RobustMagnitude
+from qgraph.calibrate.summary import TensorFragility, fragility, most_fragile
 
 __all__ = [
     "OBSERVERS",
@@ -41,8 +42,11 @@ __all__ = [
     "RangesFile",
     "RobustMagnitude",
     "TensorCalibration",
+    "TensorFragility",
     "collect_ranges",
+    "fragility",
     "make_observer",
+    "most_fragile",
     "observe",
     "read_ranges",
     "write_ranges",
