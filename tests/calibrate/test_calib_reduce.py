@@ -253,3 +253,42 @@ def test_unloadable_reductions_fall_back_to_fetching(monkeypatch: pytest.MonkeyP
     got = _summary(collect_ranges(model, CHAIN_NAMES, iter(feeds), robust_percentile=99.99))  # one-shot data
     assert calls[0] > 0 and calls[1] == 0
     assert got == expected
+
+
+def test_overflowing_sentinel_is_confirmed_once_then_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Legitimate huge values (a finfo.min mask): the sentinel sum overflows while min/max stay finite.  The tensor is
+    fetched once to rule out NaN, the session is rebuilt with the x*0 sentinel for it, and the ranges stay exact."""
+    real = collector.calibration_session
+    sessions: list[str] = []
+
+    @contextmanager
+    def spy(model, additions, **kwargs):
+        ops = {n.op_type for n in additions.nodes}
+        sessions.append("fetch" if not additions.nodes else ("zeroed" if "Mul" in ops else "sum"))
+        with real(model, additions, **kwargs) as sess:
+            yield sess
+
+    monkeypatch.setattr(collector, "calibration_session", spy)
+    big = np.finfo(np.float32).max * 0.75  # two of them overflow a float32 sum
+    feeds = [{"x": np.array([[v, -1.0, big, big]], np.float32)} for v in (0.5, -3.0, 2.0, 7.0)]
+    cal = collect_ranges(_add_one(), ["x", "y"], feeds)
+    assert sessions == ["sum", "fetch", "zeroed"]  # no second confirmation for the later samples
+    x = np.concatenate([f["x"] for f in feeds]).astype(np.float64)
+    y = (np.concatenate([f["x"] for f in feeds]) + np.float32(1)).astype(np.float64)
+    assert (cal["x"].range.rmin, cal["x"].range.rmax) == (x.min(), x.max())
+    assert (cal["y"].range.rmin, cal["y"].range.rmax) == (y.min(), y.max())
+    assert cal["x"].num_values == 16 and cal["x"].num_updates == 4
+    feeds[3]["x"][0, 1] = np.nan  # and NaN after the rebuild is still caught by the zeroed sentinel
+    with pytest.raises(DataError, match=r"'x'.*sample 3"):
+        collect_ranges(_add_one(), ["x", "y"], feeds)
+
+
+def test_models_below_opset_11_take_the_fetch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _add_one()
+    model.opset_import[0].version = 10
+    monkeypatch.setattr(collector, "_collect_in_graph", lambda *a, **k: pytest.fail("reductions need opset 11"))
+    feeds = [{"x": np.array([[-2.0, 3.5]], np.float32)}, {"x": np.array([[0.25, -4.0]], np.float32)}]
+    cal = collect_ranges(model, ["x", "y", "r"], feeds)
+    assert {n: (c.range.rmin, c.range.rmax) for n, c in cal.items()} == {
+        "x": (-4.0, 3.5), "y": (-3.0, 4.5), "r": (0.0, 4.5)
+    }
