@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 
 from qgraph.data import Feed, model_inputs
-from qgraph.errors import ModelError
+from qgraph.errors import DataError, ModelError
 from qgraph.model_io import PROTOBUF_LIMIT, save_model
 
 
@@ -54,10 +54,19 @@ def make_session(
 
 
 def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-    """Run ``session`` on ``feed``; returns output name -> array."""
+    """Run ``session`` on ``feed``; returns output name -> array (bfloat16 inputs are passed as OrtValues)."""
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
-    values = session.run(names, feed)
+    values = session.run(names, {k: _ort_input(v) for k, v in feed.items()})
     return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
+
+
+def _ort_input(value: np.ndarray) -> Any:
+    # onnxruntime's Python binding has no numpy dtype for bfloat16: hand it the bits with the ONNX type.
+    if value.dtype.name == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(value).view(np.uint16), onnx.TensorProto.BFLOAT16
+        )
+    return value
 
 
 def random_feeds(
@@ -81,18 +90,22 @@ def random_feeds(
     for _ in range(n):
         feed: Feed = {}
         for spec in specs:
+            # No declared shape: a 1-element vector is the smallest guess (the error says what to give if wrong).
             shape = tuple(
-                d if isinstance(d, int) and d > 0
+                d if isinstance(d, int) and d >= 0
                 else int(dims[d]) if isinstance(d, str) and dims is not None and d in dims
                 else dynamic_dim
-                for d in spec.shape
+                for d in (spec.shape if spec.shape is not None else (None,))
             )
-            if spec.dtype.kind == "f":
+            kind = spec.dtype.kind
+            if kind == "f" or spec.dtype.name == "bfloat16":
                 feed[spec.name] = rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
-            elif spec.dtype.kind in "iu":
+            elif kind in "iu":
                 feed[spec.name] = rng.integers(0, int_high, size=shape).astype(spec.dtype)
-            elif spec.dtype.kind == "b":
-                feed[spec.name] = rng.random(shape) < 0.5
+            elif kind == "b":
+                feed[spec.name] = np.asarray(rng.random(shape) < 0.5)
+            elif kind in "US":
+                feed[spec.name] = np.full(shape, "a", dtype=object)
             else:
                 feed[spec.name] = np.zeros(shape, dtype=spec.dtype)
         feeds.append(feed)
@@ -108,11 +121,31 @@ class TensorDiff:
     scale: float  # max|reference|
     cosine: float
     sqnr_db: float
+    #: Elements that are NaN or infinite in the reference / the candidate: never "no error".
+    nonfinite_reference: int = 0
+    nonfinite_candidate: int = 0
+    #: Samples compared (0 means nothing was measured: not a perfect match).
+    samples: int = 1
+
+    @property
+    def finite(self) -> bool:
+        """Whether both models produced only finite values for this tensor."""
+        return not (self.nonfinite_reference or self.nonfinite_candidate)
 
     @property
     def relative(self) -> float:
-        """``max_abs / max|reference|`` (max_abs itself when the reference is all zeros)."""
+        """``max_abs / max|reference|`` (max_abs itself when the reference is all zeros; inf with non-finite
+        values)."""
+        if not self.finite:
+            return math.inf
         return self.max_abs / self.scale if self.scale > 0 else self.max_abs
+
+    def problem(self) -> str | None:
+        """A sentence naming non-finite values, or None."""
+        if self.finite:
+            return None
+        return (f"output {self.name!r} holds non-finite values (NaN/Inf): {self.nonfinite_reference} in the "
+                f"reference, {self.nonfinite_candidate} in the candidate")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -123,6 +156,9 @@ class TensorDiff:
             "relative": self.relative,
             "cosine": self.cosine,
             "sqnr_db": self.sqnr_db,
+            "nonfinite_reference": self.nonfinite_reference,
+            "nonfinite_candidate": self.nonfinite_candidate,
+            "samples": self.samples,
         }
 
 
@@ -137,6 +173,9 @@ class DiffAccumulator:
         self.ref_sq = 0.0
         self.cand_sq = 0.0
         self.err_sq = 0.0
+        self.bad_ref = 0
+        self.bad_cand = 0
+        self.samples = 0
 
     def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
         """Fold one pair of arrays (same shape) into the metrics."""
@@ -144,8 +183,18 @@ class DiffAccumulator:
         c = np.asarray(candidate, dtype=np.float64)
         if r.shape != c.shape:
             raise ValueError(f"{self.name}: shapes differ {r.shape} vs {c.shape}")
+        self.samples += 1
         if r.size == 0:
             return
+        ok_r, ok_c = np.isfinite(r), np.isfinite(c)
+        if not (ok_r.all() and ok_c.all()):
+            # Count them, and measure the rest: max(0.0, nan) is 0.0, so NaN must never reach the reductions.
+            self.bad_ref += int(r.size - np.count_nonzero(ok_r))
+            self.bad_cand += int(c.size - np.count_nonzero(ok_c))
+            both = ok_r & ok_c
+            r, c = r[both], c[both]
+            if r.size == 0:
+                return
         err = c - r
         self.max_abs = max(self.max_abs, float(np.max(np.abs(err))))
         self.scale = max(self.scale, float(np.max(np.abs(r))))
@@ -164,7 +213,9 @@ class DiffAccumulator:
             sqnr = -math.inf
         else:
             sqnr = 10.0 * math.log10(self.ref_sq / self.err_sq)
-        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr)
+        if self.bad_ref or self.bad_cand:
+            cosine, sqnr = math.nan, math.nan
+        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr, self.bad_ref, self.bad_cand, self.samples)
 
 
 def compare_models(
@@ -180,9 +231,13 @@ def compare_models(
     if len(ref_names) != len(cand_names):
         raise ModelError(f"the models have {len(ref_names)} and {len(cand_names)} outputs; cannot compare.")
     accs = [DiffAccumulator(n) for n in ref_names]
+    count = 0
     for feed in feeds:
         ref = run(ref_sess, feed)
         cand = run(cand_sess, feed)
         for acc, rn, cn in zip(accs, ref_names, cand_names, strict=True):
             acc.add(ref[rn], cand[cn])
+        count += 1
+    if count == 0:
+        raise DataError("no samples to compare: the data is empty. Give at least one sample.")
     return [a.result() for a in accs]

@@ -38,3 +38,17 @@ class PassError(QGraphError):
 
 class VerificationError(PassError):
     """Numeric verification after a float-preserving pass found outputs that differ beyond tolerance."""
+
+
+class OutputError(QGraphError):
+    """An output path cannot be used: empty, a directory or device, one of the command's inputs, not writable."""
+
+
+class WriteError(QGraphError):
+    """Writing an output failed part-way (disk full, I/O error); nothing was written."""
+
+    exit_code = 1
+
+
+class UsageError(QGraphError):
+    """A command-line option has a value the command cannot use (checked before any work)."""

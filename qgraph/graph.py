@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +20,20 @@ import networkx
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import logger as _gs_logger_module
 
 from qgraph.errors import ModelError
 from qgraph.model_io import normalize_ir_version
+
+
+def _log_to_stderr(*args: Any, **kwargs: Any) -> None:
+    kwargs.pop("file", None)
+    print(*args, file=sys.stderr, **kwargs)
+
+
+# onnx-graphsurgeon prints its warnings with print() to stdout, which would corrupt machine-readable output
+# (`qgraph inspect --json`, `diff --json -`): its logger module resolves `print` in its own namespace first.
+_gs_logger_module.print = _log_to_stderr  # type: ignore[attr-defined]
 
 #: Prefix of NodeProto.doc_string values that record which pass created a node.
 TAG_PREFIX = "qgraph:"
@@ -374,6 +386,32 @@ def check_acyclic(model: onnx.ModelProto) -> None:
         f"the graph has a cycle ({' -> '.join(cycle[:8])}); ONNX graphs must be acyclic. Fix the exporter or "
         "the graph surgery that produced it."
     )
+
+
+def check_unique_names(model: onnx.ModelProto) -> None:
+    """Raise `ModelError` when two initializers, or two node outputs, or an initializer and a node output share a
+    name in the top graph: onnxruntime then silently uses one of them, so the model computes something else."""
+    seen: dict[str, str] = {}
+    for t in model.graph.initializer:
+        if t.name in seen:
+            raise ModelError(f"the model has two initializers named {t.name!r}; onnxruntime would silently use one "
+                             "of them. Rename or remove the duplicate (names must be unique in a graph).")
+        seen[t.name] = "initializer"
+    for node in model.graph.node:
+        for name in node.output:
+            if not name:
+                continue
+            if name in seen:
+                other = seen[name]
+                raise ModelError(f"tensor {name!r} is produced twice (by node {node.name or node.op_type!r} and by "
+                                 f"{other}); every tensor must have exactly one producer. Rename one of them.")
+            seen[name] = f"node {node.name or node.op_type!r}"
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """The structural checks every input model gets before any work: unique names, no cycle."""
+    check_unique_names(model)
+    check_acyclic(model)
 
 
 def describe(value: Any) -> str:

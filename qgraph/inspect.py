@@ -32,8 +32,8 @@ from qgraph.diff.numeric import FLOAT_TYPES, estimate_bytes, plan_chunks, reiter
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.qdq import qdq_coverage, saturation_risks
 from qgraph.errors import RecipeError
-from qgraph.graph import GraphHandle, check_acyclic
-from qgraph.model_io import load_model
+from qgraph.graph import GraphHandle, check_model
+from qgraph.model_io import external_data_files, load_model
 
 #: Ops with an int8 kernel or a QDQ fusion, and data-movement ops that pass int8 through, per runtime family.
 #: A conservative approximation for planning; anything else runs in float between DequantizeLinear/QuantizeLinear.
@@ -87,18 +87,9 @@ def inspect_model(
     samples: int = 8,
 ) -> dict[str, Any]:
     """A JSON-ready summary and analysis of the model at ``path`` (see module docs)."""
-    raw = onnx.load(str(path), load_external_data=False)
-    external = sorted(
-        {
-            e.value
-            for t in raw.graph.initializer
-            if t.data_location == onnx.TensorProto.EXTERNAL
-            for e in t.external_data
-            if e.key == "location"
-        }
-    )
-    model = load_model(path)
-    check_acyclic(model)
+    model = load_model(path)  # every unreadable/missing/foreign file becomes a ModelError here
+    check_model(model)
+    external = sorted(external_data_files(path))
     ops: list[str] = []
     subgraphs: list[str] = []
     _walk(model.graph, "", ops, subgraphs)

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import onnx
 from google.protobuf.message import DecodeError
 
-from qgraph.errors import ModelError
+from qgraph.errors import ModelError, WriteError
+from qgraph.outputs import temporary_file, write_atomic
 
 #: Highest IR version qgraph writes unless the opsets need more. onnxruntime 1.31 loads up to 13; 10 is what
 #: opsets up to 22 need and what older runtimes (TensorRT, ORT 1.16+) also load.
@@ -48,6 +49,10 @@ def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
         raise ModelError(f"{p} parsed as an empty ONNX model (no nodes, no outputs): it is probably not ONNX.")
     if not model.opset_import:
         raise ModelError(f"{p} declares no opset_import: it is not a valid ONNX model.")
+    from qgraph.graph import check_unique_names  # graph imports this module
+
+    check_unique_names(model)
+    _check_external_locations(model, p)
     try:
         # External data paths are relative to the model's folder, never the current directory.
         onnx.load_external_data_for_model(model, str(p.parent))
@@ -56,6 +61,43 @@ def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
             f"{p}: cannot read its external data ({exc}). Keep the .data file(s) beside the model."
         ) from exc
     return model
+
+
+def _external_entries(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, str]]:
+    out = []
+    for t in _all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            out.append((t, location))
+    return out
+
+
+def _check_external_locations(model: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file must be a regular file inside the model's folder (no ``..``, absolute paths or
+    symlinks leading out): a model file must not make qgraph read arbitrary files."""
+    folder = path.parent.resolve()
+    for tensor, location in _external_entries(model):
+        where = f"{path}: tensor {tensor.name!r} stores its data in {location!r}"
+        if not location:
+            raise ModelError(f"{where}: the location is empty. Re-save the model with its external data.")
+        if Path(location).is_absolute() or location.startswith(("/", "\\")):
+            raise ModelError(f"{where}: an absolute path. External data must sit in the model's folder; re-save "
+                             "the model (onnx.save_model(..., location='model.onnx.data')).")
+        target = (path.parent / location).resolve()
+        if folder not in target.parents:
+            raise ModelError(f"{where}: outside the model's folder {folder} (through '..' or a symlink). Move the "
+                             "file beside the model and re-save it with a relative location.")
+        if not target.exists():
+            raise ModelError(f"{where}: that file does not exist beside the model. Copy the .data file next to "
+                             f"{path.name}.")
+        if not target.is_file():
+            raise ModelError(f"{where}: that is not a regular file.")
+
+
+def external_data_files(path: str | os.PathLike[str]) -> list[str]:
+    """The external-data locations a model file references (read without loading the data)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return sorted({location for _, location in _external_entries(model)})
 
 
 def file_fingerprint(path: str | os.PathLike[str]) -> str:
@@ -136,35 +178,68 @@ def save_model(
     """Write ``model`` to ``path`` atomically.
 
     ``external_data=None`` chooses automatically: tensors go to ``<name>.data`` beside the model when the
-    model would exceed the 2 GB protobuf limit. The model passed in is not modified.
+    model would exceed the 2 GB protobuf limit. An existing ``<name>.data`` is replaced atomically too. The
+    model passed in is not modified (tensors are streamed to the data file one at a time, never copied whole).
     """
     target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
     use_external = external_data if external_data is not None else _too_large(model)
+    if not use_external:
+        return write_atomic(target, lambda f: f.write(model.SerializeToString(deterministic=True)))
+    folder = target.parent if str(target.parent) else Path(".")
     data_name = target.name + ".data"
-    tmp_dir = Path(tempfile.mkdtemp(prefix=".qgraph-", dir=folder))
-    try:
-        tmp_model = tmp_dir / target.name
-        if use_external:
-            to_write = onnx.ModelProto()
-            to_write.CopyFrom(model)
-            onnx.save_model(
-                to_write,
-                str(tmp_model),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=data_name,
-                size_threshold=EXTERNAL_DATA_THRESHOLD,
-            )
-            os.replace(tmp_dir / data_name, folder / data_name)
-        else:
-            with tmp_model.open("wb") as f:
-                f.write(model.SerializeToString(deterministic=True))
-        os.replace(tmp_model, target)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with temporary_file(folder, data_name) as tmp_data:
+        try:
+            with open(tmp_data, "wb") as f:
+                restore = _externalize(model, f, data_name)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                proto = model.SerializeToString(deterministic=True)
+            finally:
+                restore()
+            os.replace(tmp_data, folder / data_name)
+        except OSError as exc:
+            raise WriteError(f"cannot write {folder / data_name}: {exc.strerror or exc}. Nothing was written.") from exc
+    return write_atomic(target, proto)
+
+
+def _externalize(model: onnx.ModelProto, f: IO[bytes], location: str) -> Callable[[], None]:
+    """Move every tensor of at least `EXTERNAL_DATA_THRESHOLD` bytes to ``f`` (4 KiB aligned) and point it at
+    ``location``; returns the function that puts the original tensors back (the caller's model is unchanged)."""
+    saved: list[tuple[onnx.TensorProto, onnx.TensorProto]] = []
+    for t in _all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        raw = t.raw_data if t.HasField("raw_data") else None
+        if raw is None:
+            if t.ByteSize() < EXTERNAL_DATA_THRESHOLD or t.data_type in (onnx.TensorProto.STRING, 0):
+                continue
+            raw = onnx.numpy_helper.to_array(t).tobytes()
+        if len(raw) < EXTERNAL_DATA_THRESHOLD:
+            continue
+        original = onnx.TensorProto()
+        original.CopyFrom(t)
+        saved.append((t, original))
+        offset = f.seek(0, os.SEEK_END)
+        pad = (-offset) % 4096
+        if pad:
+            f.write(b"\0" * pad)
+            offset += pad
+        f.write(raw)
+        dims, name, dtype = list(t.dims), t.name, t.data_type
+        t.Clear()
+        t.name, t.data_type = name, dtype
+        t.dims.extend(dims)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
+            t.external_data.add(key=key, value=value)
+
+    def restore() -> None:
+        for tensor, original in saved:
+            tensor.CopyFrom(original)
+
+    return restore
 
 
 def _too_large(model: onnx.ModelProto) -> bool:

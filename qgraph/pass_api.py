@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from qgraph.errors import RecipeError
 from qgraph.graph import GraphHandle
+from qgraph.target import TargetSpec
 
 if TYPE_CHECKING:
     from qgraph.data import DataSource
@@ -67,6 +68,11 @@ class PassResult:
     nodes_removed: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Choices the pass made that change the output (raised opsets, per-tensor fallbacks, host-dependent
+    #: settings): shown in the run summary and the report, and recorded in the output model's provenance.
+    decisions: list[str] = field(default_factory=list)
+    #: Selector criteria that matched no node (a typo in a recipe is reported, never silently ignored).
+    unmatched: list[str] = field(default_factory=list)
 
     def skip(self, node: str, reason: str) -> None:
         """Record that ``node`` was left alone because of ``reason``."""
@@ -87,6 +93,8 @@ class PassResult:
             "nodes_removed": self.nodes_removed,
             "details": self.details,
             "notes": self.notes,
+            "decisions": self.decisions,
+            "unmatched": self.unmatched,
         }
 
 
@@ -97,8 +105,7 @@ class PassContext:
         self,
         *,
         calibration_data: DataSource | None = None,
-        target_opset: int | None = None,
-        target_runtime: str = "onnxruntime",
+        target: TargetSpec | None = None,
         options: dict[str, Any] | None = None,
         input_model: onnx.ModelProto | None = None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
@@ -107,11 +114,21 @@ class PassContext:
         self._on_progress = on_progress
         #: The pipeline's input model as loaded (read-only: the float reference for accuracy-driven passes).
         self.input_model = input_model
-        self.target_opset = target_opset
-        self.target_runtime = target_runtime
+        #: What the recipe declares about the deployment target (runtime, opset, CPU).
+        self.target: TargetSpec = target or TargetSpec()
         self.options: dict[str, Any] = dict(options or {})
         #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
         self.cache: dict[str, Any] = {}
+
+    @property
+    def target_opset(self) -> int | None:
+        """The opset the recipe's target asks for (None: keep the model's)."""
+        return self.target.opset
+
+    @property
+    def target_runtime(self) -> str:
+        """The runtime the recipe's target names."""
+        return self.target.runtime
 
     def progress(self, task: str) -> Callable[[int, int | None], None] | None:
         """A ``(done, total or None)`` callback reporting the progress of a long step (``task`` names it,

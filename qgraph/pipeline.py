@@ -9,6 +9,7 @@ a byte-identical file.
 from __future__ import annotations
 
 import gc
+import math
 import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,9 +21,9 @@ import onnx
 
 from qgraph import __version__
 from qgraph.compare import TensorDiff, compare_models, random_feeds
-from qgraph.data import DataSource, Feed, open_data_source
-from qgraph.errors import VerificationError
-from qgraph.graph import GraphHandle, check_acyclic, describe
+from qgraph.data import DataLayout, DataSource, Feed, open_data_source
+from qgraph.errors import UsageError, VerificationError
+from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.recipe import CalibrationSpec, Recipe, TargetSpec
@@ -121,12 +122,19 @@ class Pipeline:
         verify_samples: int = 2,
         on_event: Callable[[PipelineEvent], None] | None = None,
         keep_stages: bool = False,
+        samples: int | None = None,
+        data_layout: DataLayout = "auto",
     ) -> PipelineResult:
         """Run every pass on a copy of ``model`` and return the result (the input is never modified).
 
         ``keep_stages`` keeps the exported model after every pass in ``result.stages`` (for reports: per-pass
         structural diffs and per-stage fidelity); it costs one export per pass and memory for each stage.
+        ``samples`` caps the calibration samples read (default: the recipe's ``calibration.samples``);
+        ``data_layout`` says how stacked arrays map to samples (`qgraph.data`). When the recipe's target names an
+        opset, the model is converted to it after the last pass (a recorded step of its own).
         """
+        if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
+            raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
         listeners = [*self._subscribers, *([on_event] if on_event else [])]
 
         def emit(event: PipelineEvent) -> None:
@@ -140,7 +148,7 @@ class Pipeline:
             source.CopyFrom(model)
         # Content hash: the same model gives the same provenance whether given as a path or in memory.
         input_hash = model_fingerprint(source)
-        check_acyclic(source)
+        check_model(source)
         recipe = self.to_recipe()
         total = len(self.passes)
         running: list[tuple[int, str]] = []  # the running pass, for progress events
@@ -149,18 +157,23 @@ class Pipeline:
             index, name = running[-1] if running else (None, None)
             emit(PipelineEvent("pass_progress", total, index, name, task=task, done=done, of=of))
 
-        ctx = self._context(recipe, source, calibration_data, on_progress)
+        ctx = self._context(recipe, source, calibration_data, on_progress, samples, data_layout)
         handle = GraphHandle(source)
         emit(PipelineEvent("pipeline_start", total))
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
         stages: list[onnx.ModelProto] = []
-        for i, p in enumerate(self.passes):
+        for i, p in enumerate(self._with_target_opset(recipe)):
             emit(PipelineEvent("pass_start", total, i, p.name))
             running.append((i, p.name))
             nodes_before = len(handle.graph.nodes)
             start = time.perf_counter()
+            if isinstance(p, _ToTargetOpset):
+                p = p.resolve(handle)
+                if p is None:
+                    running.pop()
+                    continue
             p.check(handle, ctx)
             # The cyclic GC rescans every live graph object on each collection: with ~100k gs objects alive
             # that makes passes super-linear. Graph objects are freed by refcount; collect once afterwards.
@@ -200,22 +213,30 @@ class Pipeline:
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
         return PipelineResult(out, records, source, stages, ctx.calibration_data)
 
+    def _with_target_opset(self, recipe: Recipe) -> list[Pass[Any]]:
+        if recipe.target.opset is None:
+            return list(self.passes)
+        return [*self.passes, _ToTargetOpset(recipe.target.opset)]
+
     def _context(
         self,
         recipe: Recipe,
         model: onnx.ModelProto,
         calibration_data: DataSource | str | Path | None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
+        samples: int | None = None,
+        layout: DataLayout = "auto",
     ) -> PassContext:
         spec: CalibrationSpec = recipe.calibration
         target: TargetSpec = recipe.target
         data_spec = calibration_data if calibration_data is not None else spec.data
-        data = open_data_source(data_spec, samples=spec.samples).bind(model) if data_spec is not None else None
+        cap = samples if samples is not None else spec.samples
+        data = (open_data_source(data_spec, samples=cap, layout=layout).bind(model)
+                if data_spec is not None else None)
         return PassContext(
             input_model=model,
             calibration_data=data,
-            target_opset=target.opset,
-            target_runtime=target.runtime,
+            target=target,
             options={"batch_size": spec.batch_size, "ranges_file": spec.ranges},
             on_progress=on_progress,
         )
@@ -242,6 +263,15 @@ class Pipeline:
         tolerance: float,
     ) -> list[TensorDiff]:
         diffs = compare_models(before, after, feeds)
+        broken = [d for d in diffs if not d.finite]
+        if broken:
+            before_bad = [d for d in broken if d.nonfinite_reference]
+            whose = ("the model before it already produces NaN/Inf on the verification inputs, so results cannot be "
+                     "compared: fix the model or the data" if before_bad else
+                     "this is a bug in the pass or an unsupported pattern (e.g. a BatchNorm with negative variance "
+                     "folded into weights): exclude the affected nodes or fix the model")
+            raise VerificationError(f"pass #{index} {p.name!r}: {'; '.join(d.problem() or '' for d in broken)}; "
+                                    f"{whose}.")
         worst = max(diffs, key=lambda d: d.relative, default=None)
         if worst is not None and worst.max_abs > tolerance * max(worst.scale, 1e-12):
             raise VerificationError(
@@ -264,6 +294,7 @@ def _write_provenance(model: onnx.ModelProto, recipe: Recipe, input_hash: str, r
             "skipped_nodes": [s.to_dict() for s in r.result.skipped[:MAX_SKIPPED_IN_PROVENANCE]],
             "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after,
+            **({"decisions": r.result.decisions} if r.result.decisions else {}),
         }
         for r in records
     ]
@@ -281,3 +312,21 @@ def _write_provenance(model: onnx.ModelProto, recipe: Recipe, input_hash: str, r
     for key in sorted(entries):
         model.metadata_props.add(key=key, value=entries[key])
 
+
+
+class _ToTargetOpset(Pass[Any]):
+    """Placeholder for the step that brings the model to ``target.opset`` (resolved once the opset is known)."""
+
+    name = "target_opset"
+
+    def __init__(self, opset: int) -> None:
+        self.opset = opset
+
+    def resolve(self, handle: GraphHandle) -> Pass[Any] | None:
+        """The lower_opset/raise_opset pass that reaches the target, or None when the model is already there."""
+        from qgraph.pass_api import get_pass
+
+        if handle.opset == self.opset:
+            return None
+        name = "lower_opset" if self.opset < handle.opset else "raise_opset"
+        return get_pass(name)(opset=self.opset)

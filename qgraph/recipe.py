@@ -23,7 +23,6 @@ import difflib
 import hashlib
 import io
 import json
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
@@ -32,63 +31,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_core import ErrorDetails
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.error import MarkedYAMLError
 
-from qgraph.errors import RecipeError
 from qgraph.pass_api import Pass, PassClass, PassConfig, discover
+from qgraph.recipe_yaml import RecipeIssue, RecipeValidationError, load_yaml, read_yaml_text
+from qgraph.target import CalibrationSpec, TargetSpec
 
 if TYPE_CHECKING:
     from qgraph.pipeline import Pipeline
 
 RECIPE_FORMAT = 1
-
-
-class TargetSpec(BaseModel):
-    """Where the model will run: used by presets, ``reduce_range: auto`` and opset checks."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    runtime: Literal["onnxruntime", "tensorrt", "generic"] = Field(
-        default="onnxruntime", description="Runtime the output model is tuned for."
-    )
-    opset: int | None = Field(default=None, ge=7, le=30, description="Opset the output model must use.")
-
-
-class CalibrationSpec(BaseModel):
-    """Where calibration data comes from (``qgraph run --calibration-data`` overrides ``data``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    data: str | None = Field(default=None, description=".npz file, folder of .npz/.npy, or module:function.")
-    samples: int | None = Field(default=None, ge=1, description="Use at most this many samples.")
-    batch_size: int = Field(default=1, ge=1, description="Samples per onnxruntime call during calibration.")
-    ranges: str | None = Field(default=None, description="Reuse a ranges JSON file written by qgraph calibrate.")
-
-
-@dataclass(frozen=True)
-class RecipeIssue:
-    """One problem in a recipe, located in its file."""
-
-    file: str
-    line: int | None
-    column: int | None
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        where = self.file
-        if self.line is not None:
-            where += f":{self.line}:{self.column or 1}"
-        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
-
-
-class RecipeValidationError(RecipeError):
-    """A recipe with one or more problems; ``issues`` lists each with its location."""
-
-    def __init__(self, issues: list[RecipeIssue]) -> None:
-        self.issues = issues
-        count = f"{len(issues)} problem{'s' if len(issues) != 1 else ''}"
-        super().__init__(f"invalid recipe ({count}):\n" + "\n".join(f"  {i}" for i in issues))
 
 
 def _step_model(cls: PassClass) -> type[PassConfig]:
@@ -157,27 +108,12 @@ class Recipe:
     @classmethod
     def from_yaml(cls, path: str | Path) -> Recipe:
         """Load and validate a recipe file."""
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError as exc:
-            raise RecipeError(f"recipe file not found: {p}") from exc
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RecipeError(f"{p}: cannot read recipe ({exc}).") from exc
-        return cls.from_text(text, str(p))
+        return cls.from_text(read_yaml_text(path, "recipe"), str(path))
 
     @classmethod
     def from_text(cls, text: str, filename: str = "<recipe>") -> Recipe:
         """Validate recipe YAML ``text``; errors are located in ``filename``."""
-        yaml = YAML(typ="rt")
-        try:
-            data = yaml.load(text)
-        except MarkedYAMLError as exc:
-            mark = exc.problem_mark
-            line = mark.line + 1 if mark is not None else None
-            col = mark.column + 1 if mark is not None else None
-            issue = RecipeIssue(filename, line, col, "", f"YAML syntax error: {exc.problem}")
-            raise RecipeValidationError([issue]) from exc
+        data = load_yaml(text, filename)
         if data is None:
             raise RecipeValidationError(
                 [RecipeIssue(filename, 1, 1, "", "the recipe is empty; expected a mapping with `name` and `passes`.")]
@@ -212,6 +148,20 @@ class Recipe:
             calibration=spec.calibration,  # type: ignore[attr-defined]
             source=filename,
         )
+
+    def apply_patch(self, patch: str | Path) -> Recipe:
+        """This recipe with the passes of a patch file (YAML with a ``passes:`` list, ``name`` optional) appended;
+        target and calibration stay this recipe's."""
+        filename = str(patch)
+        data = load_yaml(read_yaml_text(patch, "patch"), filename)
+        if not isinstance(data, dict) or "passes" not in data:
+            raise RecipeValidationError([RecipeIssue(filename, 1, 1, "", "a patch is a mapping with a `passes:` list "
+                                                     "(e.g. written by `qgraph sensitivity --patch`).")])
+        if "name" not in data:
+            data["name"] = "patch"
+        patch_recipe = Recipe.from_dict(data, filename)
+        return Recipe(self.name, [*self.passes, *patch_recipe.passes], description=self.description,
+                      target=self.target, calibration=self.calibration, source=self.source)
 
     # ---------------------------------------------------------------- output
     def to_dict(self) -> dict[str, Any]:

@@ -16,8 +16,6 @@ reproduce the same graph.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ import onnx
 
 from qgraph import ModelError, NodeSelector, Pipeline, Recipe
 from qgraph.data import DataSource, model_inputs
+from qgraph.outputs import write_atomic
 
 from .evaluate import Evaluator, Progress, concat_outputs, load_feeds, reference_outputs
 from .sensitivity import SensitivityReport, candidate_nodes, sensitivity_report
@@ -108,7 +107,7 @@ class AutoResult:
         text = self.patch_yaml()
         if text is None:
             return False
-        write_text_atomic(Path(path), text)
+        write_atomic(path, text)
         return True
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,20 +130,6 @@ class AutoResult:
             "seconds": round(self.seconds, 3),
             "sensitivity": self.sensitivity.to_dict() if self.sensitivity else None,
         }
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder (never a partial file)."""
-    folder = path.parent if str(path.parent) else Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qgraph-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def build_model(qdq: onnx.ModelProto, nodes: Sequence[str]) -> onnx.ModelProto:

@@ -17,8 +17,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from qgraph import RecipeError, load_model, save_model
+from qgraph.outputs import write_atomic
 
-from .auto import auto_fallback, write_text_atomic
+from .auto import auto_fallback
 from .sensitivity import SensitivityReport
 from .stats import matmul_flops
 from .targets import Target, parse_target
@@ -93,7 +94,7 @@ def write_plot(path: Path, report: SensitivityReport, top: int = 40) -> None:
         parts.append(f'<rect x="{label_w + pad}" y="{y + 2}" width="{w:.1f}" height="{bar_h - 4}" fill="{color}"/>')
         parts.append(f'<text x="{label_w + 2 * pad + w:.1f}" y="{y + 12}">{r.sensitivity:+.4g}</text>')
     parts.append("</svg>")
-    write_text_atomic(path, "\n".join(parts) + "\n")
+    write_atomic(path, "\n".join(parts) + "\n")
 
 
 def _title(report: SensitivityReport) -> str:
@@ -117,8 +118,6 @@ def check_plot_path(path: Path) -> None:
 
 
 def _write_png(path: Path, rows: list[Any], report: SensitivityReport) -> None:
-    import os
-    import tempfile
 
     import matplotlib
 
@@ -129,15 +128,10 @@ def _write_png(path: Path, rows: list[Any], report: SensitivityReport) -> None:
     ax.barh([f"{r.name} ({r.op})" for r in rows][::-1], [r.sensitivity for r in rows][::-1], color="#d62728")
     ax.set_title(_title(report))
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=".qgraph-", suffix=".png", dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
+        write_atomic(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".").lower() or "png"))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def flops_summary(model: Any, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[int, int]:
@@ -205,7 +199,7 @@ def run_command(
         payload = (
             result.to_dict() if target is not None else (result.sensitivity.to_dict() if result.sensitivity else {})
         )
-        write_text_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
+        write_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
     if plot is not None and result.sensitivity is not None:
         write_plot(plot, result.sensitivity)
     if target is None:

@@ -95,7 +95,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             reduce_range=reduce_range,
         )
         selection = select(graph, cfg.nodes)
-        res.notes += [f"nodes selector: {u}" for u in selection.unmatched]
+        res.unmatched += selection.unmatched
         ops = set(cfg.op_types)
         selected = {id(n) for n in selection.nodes if n.op in ops}
         res.matched = len(selected)

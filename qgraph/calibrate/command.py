@@ -68,6 +68,7 @@ def calibrate_recipe(
     options: dict[str, Any] | None = None,
     progress: Callable[[int, int | None], None] | None = None,
     on_result: Callable[[dict[str, TensorCalibration]], None] | None = None,
+    samples: int | None = None,
 ) -> Path:
     """Calibrate the recipe's quantized graph on ``data`` and write a ranges file to ``output``.
 
@@ -79,7 +80,7 @@ def calibrate_recipe(
     chosen_method, chosen_options = _method_from_recipe(recipe)
     method = method or chosen_method
     options = {**chosen_options, **(options or {})} if method == chosen_method else dict(options or {})
-    source = open_data_source(spec, samples=recipe.calibration.samples).bind(graph)
+    source = open_data_source(spec, samples=samples or recipe.calibration.samples).bind(graph)
     names = float_activations(graph)
     hasher = hashlib.sha256()
     batch = recipe.calibration.batch_size

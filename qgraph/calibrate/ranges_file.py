@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from qgraph.calibrate.collector import TensorCalibration
 from qgraph.calibrate.observers import HistogramSummary
 from qgraph.errors import DataError
+from qgraph.outputs import write_atomic
 from qgraph.quant import ActivationRange
 
 FORMAT = "qgraph-ranges"
@@ -192,21 +192,7 @@ def write_ranges(
         "tensors": {name: _tensor_json(t, include_histograms) for name, t in calibrations.items()},
         "overrides": {n: {"min": _num(r.rmin), "max": _num(r.rmax)} for n, r in (overrides or {}).items()},
     }
-    target = Path(path)
-    folder = target.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomic(path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
 
 
 def read_ranges(path: str | os.PathLike[str], expected_model_fingerprint: str | None = None) -> RangesFile:

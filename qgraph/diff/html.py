@@ -9,10 +9,11 @@ from __future__ import annotations
 import html
 import math
 import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from qgraph.outputs import write_atomic
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em auto;max-width:1200px;color:#1d232a;
@@ -190,16 +191,5 @@ def histogram_chart(
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # usual permissions (umask applies)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return target
+    """Write ``text`` to ``path`` atomically (see `qgraph.outputs.write_atomic`)."""
+    return write_atomic(path, text)

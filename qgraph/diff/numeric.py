@@ -31,7 +31,7 @@ import onnx
 from qgraph.compare import DiffAccumulator, make_session
 from qgraph.data import DataSource, Feed
 from qgraph.diff.protos import ModelIndex
-from qgraph.errors import ModelError
+from qgraph.errors import DataError, ModelError
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 _SMALL_CONSTANT = 64  # initializers up to this many elements keep their data for shape inference
@@ -57,6 +57,8 @@ class LayerDiff:
     node_b: str | None = None  # producer in model B when it is another node (e.g. a fused one)
     op_b: str | None = None  # its op, when it differs from ``op``
     pass_name: str | None = None  # the qgraph pass that created the producer in B (from its tag)
+    nonfinite_a: int = 0  # NaN/Inf elements in model A's tensor (never counted as "no error")
+    nonfinite_b: int = 0
 
     @property
     def op_label(self) -> str:
@@ -72,7 +74,9 @@ class LayerDiff:
 
     @property
     def relative(self) -> float:
-        """``max_abs / max|reference|``."""
+        """``max_abs / max|reference|`` (inf when either model gave NaN/Inf)."""
+        if self.nonfinite_a or self.nonfinite_b:
+            return math.inf
         return self.max_abs / self.scale if self.scale > 0 else self.max_abs
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +84,8 @@ class LayerDiff:
         keys = ("tensor", "node", "op", "order", "max_abs", "scale", "cosine", "sqnr_db", "rel_l2")
         out = {k: json_number(getattr(self, k)) for k in keys}
         out.update(relative=json_number(self.relative), input_sqnr_db=json_number(self.input_sqnr_db),
-                   drop_db=json_number(self.drop_db), layer_sqnr_db=json_number(self.layer_sqnr_db))
+                   drop_db=json_number(self.drop_db), layer_sqnr_db=json_number(self.layer_sqnr_db),
+                   nonfinite_a=self.nonfinite_a, nonfinite_b=self.nonfinite_b)
         for key in ("candidate", "node_b", "op_b", "pass_name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -105,6 +110,26 @@ class NumericDiff:
     runs: int = 0
     noise_floor_db: float = 80.0
     jump_db: float = 6.0
+
+    def nonfinite(self) -> list[LayerDiff]:
+        """Tensors holding NaN/Inf in either model, in graph order (outputs first)."""
+        seen: set[str] = set()
+        out = []
+        for d in [*self.outputs, *self.layers]:
+            if (d.nonfinite_a or d.nonfinite_b) and d.tensor not in seen:
+                seen.add(d.tensor)
+                out.append(d)
+        return out
+
+    def problem(self) -> str | None:
+        """A sentence naming non-finite outputs (an error: NaN is never "no difference"), or None."""
+        bad = [d for d in self.outputs if d.nonfinite_a or d.nonfinite_b]
+        if not bad:
+            return None
+        first_layer = next((d for d in self.layers if d.nonfinite_a or d.nonfinite_b), None)
+        where = f"; first non-finite tensor: {first_layer.tensor} ({first_layer.label})" if first_layer else ""
+        names = ", ".join(f"{d.tensor} ({d.nonfinite_a} in A, {d.nonfinite_b} in B)" for d in bad)
+        return f"non-finite values (NaN/Inf) in the outputs: {names}{where}."
 
     def worst(self, n: int = 10) -> list[LayerDiff]:
         """The ``n`` tensors with the lowest SQNR (ties: earliest first)."""
@@ -135,6 +160,8 @@ class NumericDiff:
             "worst": [d.to_dict() for d in self.worst(top)],
             "layers": [d.to_dict() for d in self.layers],
             "skipped": self.skipped,
+            "nonfinite": [d.to_dict() for d in self.nonfinite()],
+            "problem": self.problem(),
         }
 
 
@@ -328,6 +355,8 @@ def numeric_diff(
             else:
                 accs[i].add(v[0], v[1])
         del values  # do not keep this sample's activations alive while the next one is computed
+    if n_samples == 0:
+        raise DataError("the numeric diff got no samples: the data is empty. Give at least one sample.")
     layers: dict[str, LayerDiff] = {}
     results: list[LayerDiff] = []
     for (na, nb), (node, op, order), acc in zip(pairs, where, accs, strict=True):
@@ -336,7 +365,8 @@ def numeric_diff(
         r = acc.result()
         rel = math.sqrt(acc.err_sq / acc.ref_sq) if acc.ref_sq > 0 else (0.0 if acc.err_sq == 0 else math.inf)
         d = LayerDiff(na, node, op, order, r.max_abs, r.scale, r.cosine, r.sqnr_db, rel,
-                      candidate=nb if nb != na else None)
+                      candidate=nb if nb != na else None, nonfinite_a=r.nonfinite_reference,
+                      nonfinite_b=r.nonfinite_candidate)
         prod_b = ib.producer.get(nb)
         if prod_b is not None and prod_b.key != node:
             d.node_b, d.pass_name = prod_b.key, prod_b.pass_name

@@ -135,6 +135,10 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
     console.print(f"[bold]numeric diff[/] on {n.samples} sample(s), {len(n.layers)} tensors compared "
                   f"in {n.runs} run(s); {len(n.skipped)} skipped")
     console.print(_rich_table("outputs", _OUT_HEAD, _output_rows(n.outputs)))
+    problem = n.problem()
+    if problem is not None:
+        console.print("error:", style="bold red", end=" ")
+        console.print(problem, markup=False, highlight=False)
     first = n.first_jump
     if first is None:
         console.print(f"no layer drops SQNR by ≥ {n.jump_db:g} dB with its own error above the "

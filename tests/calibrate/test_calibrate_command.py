@@ -64,7 +64,7 @@ def test_calibrate_reports_where_calibration_is_fragile(
 ) -> None:
     from rich.console import Console
 
-    monkeypatch.setattr("qgraph.cli.out", Console(width=250))  # whole tensor names on one line
+    monkeypatch.setattr("qgraph.cli._app.out", Console(width=250))  # whole tensor names on one line
     out = tmp_path / "ranges.json"
     assert main(["calibrate", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(out),
                  "--calibration-data", str(DIGITS / "calibration.npz"), "--method", "percentile"]) == 0

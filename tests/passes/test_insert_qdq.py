@@ -174,7 +174,7 @@ def test_selector_and_op_types_limit_what_is_quantized() -> None:
     d = res.records[0].result.details
     assert d["quantized_ops"] == {"Conv": 2}
     res = quantize(tiny_cnn(), FEEDS, nodes={"names": ["does_not_exist"]})
-    assert any("does_not_exist" in n for n in res.records[0].result.notes)
+    assert any("does_not_exist" in n for n in res.records[0].result.unmatched)
 
 
 def test_unsupported_error_mode_lists_nodes() -> None:

@@ -1,0 +1,97 @@
+"""The ``qgraph`` command line.
+
+Exit codes: 0 ok; 1 a run failed (a pass refused, verification failed, a write failed part-way); 2 bad input
+(usage, recipe, model, data, output path), printed as one paragraph without a traceback unless ``--debug``;
+130 interrupted by Ctrl-C, 143 by SIGTERM (no partial output is left: every output is written atomically).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from qgraph import __version__
+from qgraph.cli import calibration, models, recipes, run  # noqa: F401  (registers the commands)
+from qgraph.cli._app import STATE, app, console, out
+from qgraph.errors import QGraphError
+from qgraph.outputs import Terminated
+
+__all__ = ["app", "console", "main", "out"]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"qgraph {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for input errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    STATE["debug"] = debug
+
+
+def _is_click_exception(exc: BaseException) -> bool:
+    # typer >= 0.29 vendors click (typer._click) and no longer installs it: recognise its usage errors by class
+    # name, so the CLI works with either.
+    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI, mapping errors to exit codes and one-paragraph messages without tracebacks."""
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        code = app(args=argv, standalone_mode=False, prog_name="qgraph")
+    except QGraphError as exc:
+        if STATE["debug"]:
+            raise
+        console.print("error:", style="bold red", end=" ")
+        console.print(exc.message, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        return exc.exit_code
+    except (KeyboardInterrupt, Terminated) as exc:
+        console.print("interrupted: nothing was written.", markup=False)
+        return 143 if isinstance(exc, Terminated) else 130
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:  # click turns Ctrl-C during a command into Abort
+        console.print("interrupted: nothing was written.", markup=False)
+        return 130
+    except SystemExit as exc:  # a user's module (data, metric) called sys.exit: still one of our codes
+        if exc.code in (0, None):
+            return 0
+        console.print(f"error: code qgraph imported called sys.exit({exc.code!r}); nothing was written.",
+                      markup=False, highlight=False)
+        return 2
+    except Exception as exc:
+        if _is_click_exception(exc):
+            exc.show()  # type: ignore[attr-defined]  # usage text and the problem
+            return 2
+        raise
+    return int(code) if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The Typer application and the two consoles every command prints to (results on stdout, progress on stderr)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from qgraph.errors import UsageError
+
+app = typer.Typer(
+    name="qgraph",
+    help="Declarative ONNX graph transformations: float model → deployable INT8 model, checked at every step.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+#: Progress, notes and errors. Emoji and markup codes are never interpreted in text that may hold user data.
+console = Console(stderr=True, emoji=False)
+#: Results (tables, JSON).
+out = Console(emoji=False)
+STATE: dict[str, bool] = {"debug": False}
+
+
+def say(text: str) -> None:
+    """Print plain text (a path, a name, a message) on the progress console, never interpreting markup."""
+    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+
+def need_positive(value: float | None, option: str) -> None:
+    """`UsageError` unless ``value`` is None or a finite number > 0 (NaN and inf are not tolerances)."""
+    if value is None:
+        return
+    if not (value == value and abs(value) != float("inf") and value > 0):  # NaN != NaN
+        raise UsageError(f"{option} {value}: give a finite number greater than 0.")
+
+
+def data_path(spec: str | None) -> Path | None:
+    """The file behind a data option (for the output guard), None for module:function or nothing."""
+    if spec is None:
+        return None
+    if not spec.strip():
+        raise UsageError("--calibration-data/--inputs/--data is empty: give an .npz, a folder or module:function.")
+    p = Path(spec)
+    return p if p.exists() else None

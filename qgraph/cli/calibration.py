@@ -1,0 +1,115 @@
+"""Data-driven commands: ``calibrate`` (ranges files) and ``sensitivity`` (per-node ranking, auto fallback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from qgraph.cli import _app
+from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.errors import UsageError
+from qgraph.outputs import check_output, check_outputs
+
+#: Calibration methods `qgraph calibrate --method` accepts.
+METHODS = ("minmax", "percentile", "entropy", "mse")
+
+
+@app.command()
+def calibrate(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file (its preparation passes run first).")],
+    model: Annotated[Path, typer.Argument(help="Float ONNX model.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Ranges JSON file to write.")],
+    calibration_data: Annotated[
+        str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
+    ] = None,
+    method: Annotated[str | None, typer.Option(help="minmax | percentile | entropy | mse (default: the recipe's).")
+                      ] = None,
+    samples: Annotated[int | None, typer.Option("--samples", min=1, help="Read at most N samples "
+                                                "(default: the recipe's calibration.samples, 1024 unless set).")
+                       ] = None,
+) -> None:
+    """Measure activation ranges of the graph RECIPE quantizes and write them to a reusable ranges file."""
+    from qgraph.calibrate.command import calibrate_recipe
+    from qgraph.recipe import Recipe
+
+    if method is not None and method not in METHODS:
+        raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}.")
+    check_output(output, inputs=[recipe, model, data_path(calibration_data)])
+    rec = Recipe.from_yaml(recipe)
+    with Progress(SpinnerColumn(), TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("batches"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console) as progress:
+        task = progress.add_task("calibrate", total=None)
+
+        def on_progress(done: int, total: int | None) -> None:
+            progress.update(task, completed=done, total=total)
+
+        seen: list[Any] = []
+        path = calibrate_recipe(rec, model, calibration_data, output, method=method, progress=on_progress,
+                                on_result=seen.append, samples=samples)
+    _print_fragile(seen[0] if seen else {})
+    say(f"wrote {path}")
+
+
+def _print_fragile(calibrations: Any) -> None:
+    """Where calibration is fragile: the tensors clipping most values and those with the largest outlier ratio."""
+    from qgraph.calibrate.summary import most_fragile
+
+    worst = most_fragile(calibrations, top=5)
+    for kind, title in (("most_clipped", "most values clipped"), ("largest_outlier_ratio", "largest max|x| / p99.99")):
+        rows = worst[kind]
+        if not rows:
+            continue
+        table = Table(title=f"calibration: {title}", title_justify="left")
+        table.add_column("tensor", overflow="fold")  # names are what users search for: never truncated
+        for col in ("range", "observed", "clipped", "outlier ratio"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in rows:
+            ratio = "" if r.outlier_ratio is None else f"{r.outlier_ratio:.3g}"
+            table.add_row(r.tensor, f"[{r.range_min:.4g}, {r.range_max:.4g}]",
+                          f"[{r.observed_min:.4g}, {r.observed_max:.4g}]", f"{100 * r.clip_fraction:.3g}%", ratio)
+        _app.out.print(table)
+
+
+@app.command()
+def sensitivity(
+    model_float: Annotated[Path, typer.Argument(help="Float ONNX model (the reference).")],
+    model_qdq: Annotated[Path, typer.Argument(help="QDQ model of it (from qgraph or any other tool).")],
+    data: Annotated[str, typer.Option("--data", help="Evaluation data: .npz, folder, or module:function.")],
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the table (and search) as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart (.svg, or .png).")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Worker processes measuring nodes.")] = 1,
+    target: Annotated[
+        str | None, typer.Option("--target", help="Fall back until met: cosine:0.99 | sqnr:30 | mod:fn>=float-1%.")
+    ] = None,
+    patch: Annotated[Path | None, typer.Option("--patch", help="Write the decision as a recipe patch.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the best model found.")] = None,
+    max_nodes: Annotated[int | None, typer.Option("--max-nodes", min=0, help="Keep at most N nodes in float.")
+                         ] = None,
+    max_time: Annotated[float | None, typer.Option("--max-time", help="Search budget in seconds.")] = None,
+    samples: Annotated[int | None, typer.Option("--samples", min=1, help="Use at most N samples of --data.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+) -> None:
+    """Rank quantized nodes by how much returning each one alone to float helps; with --target, fall back
+    the most sensitive nodes until the target is met (exit 1 when it cannot be: the best model is still written)."""
+    from qgraph.passes.float_fallback.report import run_command
+
+    need_positive(max_time, "--max-time")
+    check_outputs({"--json": json_path, "--plot": plot, "--patch": patch, "-o": output},
+                  inputs=[model_float, model_qdq, data_path(data)])
+    code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs, target=target,
+                       patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
+                       quiet=quiet, out=_app.out, console=_app.console)
+    if code:
+        raise typer.Exit(code)

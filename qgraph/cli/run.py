@@ -1,0 +1,118 @@
+"""``qgraph run``: a recipe on a model, with progress, a summary of every decision, and the outputs checked first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from qgraph.cli import _app
+from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.data import DataLayout
+from qgraph.outputs import check_outputs
+from qgraph.pass_api import PassResult
+
+#: Items of each kind (skipped nodes, unmatched criteria, decisions) shown per pass in the terminal.
+SHOWN_PER_PASS = 3
+
+
+@app.command()
+def run(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
+    model: Annotated[Path, typer.Argument(help="Input ONNX model (never modified).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output ONNX model.")],
+    calibration_data: Annotated[
+        str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
+    ] = None,
+    samples: Annotated[
+        int | None, typer.Option("--samples", min=1, help="Read at most N calibration samples (default: the "
+                                 "recipe's calibration.samples, 1024 unless set).")
+    ] = None,
+    data_layout: Annotated[
+        DataLayout, typer.Option("--data-layout", help="How arrays in an .npz map to samples: auto, samples "
+                                 "(axis 0 indexes samples) or batched (each row is a batch of one).")
+    ] = "auto",
+    verify: Annotated[bool, typer.Option("--verify", help="Check float-preserving passes numerically.")] = False,
+    tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
+    report: Annotated[Path | None, typer.Option("--report", help="Write a report (.json or .html).")] = None,
+    patch: Annotated[
+        list[Path] | None, typer.Option("--patch", help="Recipe patch(es) to append (e.g. from fallback).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display and no per-pass lines.")] = False,
+) -> None:
+    """Run RECIPE on MODEL and write the transformed model to OUTPUT."""
+    from qgraph.pipeline import PipelineEvent
+    from qgraph.recipe import Recipe
+
+    need_positive(tolerance, "--tolerance")
+    if report is not None and report.suffix.lower() not in (".html", ".json"):
+        from qgraph.errors import UsageError
+
+        raise UsageError(f"--report {report}: give a .html or .json file name.")
+    check_outputs({"-o": output, "--report": report},
+                  inputs=[recipe, model, data_path(calibration_data), *(patch or [])])
+    rec = Recipe.from_yaml(recipe)
+    for p in patch or []:
+        rec = rec.apply_patch(p)
+    pipeline = rec.pipeline()
+    progress = Progress(
+        SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=_app.console, disable=quiet,
+    )
+    task = progress.add_task(rec.name, total=len(pipeline.passes))
+    steps: dict[str, Any] = {}  # sub-task per long step of a pass (calibration), with its own bar and ETA
+
+    def on_event(ev: PipelineEvent) -> None:
+        if ev.kind == "pass_start":
+            progress.update(task, description=f"{rec.name}: {ev.pass_name}")
+        elif ev.kind == "pass_progress" and ev.task is not None:
+            key = f"{ev.pass_name}: {ev.task}"
+            if key not in steps:
+                steps[key] = progress.add_task(f"  {key}", total=ev.of)
+            progress.update(steps[key], completed=ev.done, total=ev.of)
+        elif ev.kind == "pass_end" and ev.result is not None:
+            for key in [k for k in steps if k.startswith(f"{ev.pass_name}: ")]:
+                progress.remove_task(steps.pop(key))
+            progress.advance(task)
+            if not quiet:
+                print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb)
+        elif ev.kind == "verify" and ev.verify and not quiet:
+            worst = max(ev.verify, key=lambda d: d.relative)
+            progress.console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}",
+                                   markup=False, highlight=False)
+
+    with progress:
+        result = pipeline.run(model, calibration_data=calibration_data, verify=verify, verify_tolerance=tolerance,
+                              on_event=on_event, keep_stages=report is not None, samples=samples,
+                              data_layout=data_layout)
+    if not quiet and result.calibration_data is not None:
+        for note in result.calibration_data.notes():
+            say(f"  data: {note}")
+    result.save(output)
+    say(f"wrote {output}")
+    if report is not None:
+        from qgraph.report import write_report
+
+        write_report(report, rec, result)
+        say(f"wrote report {report}")
+
+
+def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None) -> None:
+    """One line per pass plus its decisions, unmatched selector criteria and skipped nodes (first few of each)."""
+    peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
+    console.print(
+        f"  [green]✓[/] {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
+        f"+{r.nodes_added}/-{r.nodes_removed} nodes [dim]({seconds:.2f}s{peak})[/]"
+    )
+    for label, items in (("decision", r.decisions), ("matched nothing", r.unmatched)):
+        for text in items[:SHOWN_PER_PASS]:
+            console.print(f"    {label}: {text}", markup=False, highlight=False)
+        if len(items) > SHOWN_PER_PASS:
+            console.print(f"    ... {len(items) - SHOWN_PER_PASS} more ({label}); see --report", highlight=False)
+    if r.skipped:
+        reasons = "; ".join(f"{s.node}: {s.reason}" for s in r.skipped[:SHOWN_PER_PASS])
+        more = f" (+{len(r.skipped) - SHOWN_PER_PASS} more in --report)" if len(r.skipped) > SHOWN_PER_PASS else ""
+        console.print(f"    skipped {len(r.skipped)}: {reasons}{more}", markup=False, highlight=False)
