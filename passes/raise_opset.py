@@ -23,6 +23,7 @@ from qgraph.passes.lower_opset.schemas import DEFAULT_DOMAINS, attr_default, sch
 from qgraph.passes.lower_opset.types import MAX_IR, collect_types, fix_ir_version, opset_of
 
 from qgraph.errors import PassError
+from qgraph.opsets import MIN_OPSET, max_opset
 
 
 @dataclass
@@ -138,7 +139,10 @@ def _pass_classes() -> tuple[type, type]:
     class RaiseOpsetConfig(PassConfig):
         """Options of `RaiseOpset`."""
 
-        opset: int = Field(ge=7, description="Target default-domain opset (higher than or equal to the model's).")
+        opset: int = Field(
+            ge=MIN_OPSET, le=max_opset(),
+            description="Target default-domain opset (higher than or equal to the model's).",
+        )
 
     @register
     class RaiseOpset(Pass[RaiseOpsetConfig]):

@@ -371,7 +371,8 @@ class CallableSource(DataSource):
     """``module:function`` returning an iterable of feed dicts; called again for each pass over the data."""
 
     def __init__(self, fn: Callable[[], Iterable[Feed]], description: str, samples: int | None = None) -> None:
-        super().__init__(samples)
+        # A generator may never end: without an explicit cap, read at most DEFAULT_MAX_SAMPLES (and say so).
+        super().__init__(samples if samples is not None else DEFAULT_MAX_SAMPLES)
         self.fn = fn
         self.description = description
 

@@ -150,7 +150,7 @@ class Pipeline:
         input_hash = model_fingerprint(source)
         check_model(source)
         recipe = self.to_recipe()
-        total = len(self.passes)
+        total = len(self.passes) + (recipe.target.opset is not None)
         running: list[tuple[int, str]] = []  # the running pass, for progress events
 
         def on_progress(task: str, done: int, of: int | None) -> None:
@@ -164,16 +164,15 @@ class Pipeline:
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
         stages: list[onnx.ModelProto] = []
-        for i, p in enumerate(self._with_target_opset(recipe)):
+        for i, step in enumerate(self._with_target_opset(recipe)):
+            target_step = isinstance(step, _ToTargetOpset)
+            p = step.resolve(handle) if isinstance(step, _ToTargetOpset) else step
+            if p is None:
+                continue
             emit(PipelineEvent("pass_start", total, i, p.name))
             running.append((i, p.name))
-            nodes_before = len(handle.graph.nodes)
+            nodes_before, opset_before = len(handle.graph.nodes), handle.opset
             start = time.perf_counter()
-            if isinstance(p, _ToTargetOpset):
-                p = p.resolve(handle)
-                if p is None:
-                    running.pop()
-                    continue
             p.check(handle, ctx)
             # The cyclic GC rescans every live graph object on each collection: with ~100k gs objects alive
             # that makes passes super-linear. Graph objects are freed by refcount; collect once afterwards.
@@ -185,6 +184,9 @@ class Pipeline:
                 if gc_was_enabled:
                     gc.enable()
             handle.changed()
+            if target_step:
+                result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} "
+                                        "after the last pass, as the recipe's target asks")
             seconds = time.perf_counter() - start
             record = PassRecord(
                 index=i,

@@ -97,11 +97,32 @@ def load_yaml(text: str, filename: str) -> Any:
         raise fail("the document is too deeply nested or too large to read.") from None
     except Exception as exc:  # ruamel's ReaderError and friends: unreadable characters
         raise fail(f"not readable as YAML ({type(exc).__name__}: {exc}).") from None
+    tagged = _first_tag(data, {})
+    if tagged is not None:
+        raise fail(f"YAML tags such as {tagged} are not used in recipes (nothing is ever constructed from them): "
+                   "remove the tag and write the plain value.")
     size = _expanded_size(data, {})
     if size > MAX_YAML_NODES:
         raise fail(f"the document expands to more than {MAX_YAML_NODES} nodes once its aliases (*refs) are "
                    "followed; recipes do not need that many. Remove the repeated anchors/aliases.")
     return data
+
+
+def _first_tag(value: Any, seen: dict[int, bool]) -> str | None:
+    """The first explicit tag (``!foo``, ``!!str``) in the document, visiting each shared node once."""
+    if id(value) in seen:
+        return None
+    seen[id(value)] = True
+    tag = getattr(getattr(value, "tag", None), "value", None)
+    if tag is not None:
+        return str(tag).replace("tag:yaml.org,2002:", "!!")
+    children = list(value.keys()) + list(value.values()) if isinstance(value, dict) else \
+        value if isinstance(value, list) else []
+    for child in children:
+        found = _first_tag(child, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def _max_depth(text: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
+from qgraph.opsets import MIN_OPSET, max_opset
 
 from .engine import lower_model
 
@@ -12,7 +13,9 @@ from .engine import lower_model
 class LowerOpsetConfig(PassConfig):
     """Options of `LowerOpset`."""
 
-    opset: int = Field(ge=7, description="Target default-domain opset (lower than or equal to the model's).")
+    opset: int = Field(
+        ge=MIN_OPSET, le=max_opset(), description="Target default-domain opset (lower than or equal to the model's)."
+    )
 
 
 @register
