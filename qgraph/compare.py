@@ -56,8 +56,13 @@ def make_session(
 def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
     """Run ``session`` on ``feed``; returns output name -> array (bfloat16 inputs are passed as OrtValues)."""
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
-    values = session.run(names, {k: _ort_input(v) for k, v in feed.items()})
-    return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
+    return dict(zip(names, session_run(session, names, feed), strict=True))
+
+
+def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Feed) -> list[np.ndarray]:
+    """``session.run(names, feed)`` for every input dtype numpy can hold (bfloat16 included), as arrays."""
+    values = session.run(list(names), {k: _ort_input(v) for k, v in feed.items()})
+    return [np.asarray(v) for v in values]
 
 
 def _ort_input(value: np.ndarray) -> Any:

@@ -274,7 +274,11 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
                 raise DataError(f"{path}: is a single .npy array, not an .npz archive. Save it with numpy.savez.")
             arrays = {}
             for key in npz.files:
-                arrays[key] = npz[key]
+                value = npz[key]
+                if not isinstance(value, np.ndarray):  # numpy hands non-.npy members back as raw bytes
+                    raise DataError(f"{path}: member {key!r} is not a .npy array; an .npz holds one array per "
+                                    "model input (numpy.savez writes it).")
+                arrays[key] = value
             return arrays
     except DataError:
         raise
@@ -314,7 +318,7 @@ class NpzSource(DataSource):
 
     def _raw(self) -> Iterator[Feed]:
         for i in range(self._count()):
-            yield {k: np.ascontiguousarray(self._per_sample(a, self._spec(k), i)) for k, a in self.arrays.items()}
+            yield {k: np.asarray(self._per_sample(a, self._spec(k), i), order="C") for k, a in self.arrays.items()}
 
     def _validate_upfront(self) -> None:
         # Extra arrays (labels, ids) are allowed beside a complete set of inputs; they are not fed.

@@ -38,6 +38,9 @@ def check_output(path: PathLike | None, *, inputs: Iterable[PathLike | None] = (
     """
     if path is None or not str(path).strip():
         raise OutputError(f"{option}: the output path is empty; give a file name such as model.int8.onnx.")
+    if str(path) == ".":  # what an empty argument becomes once parsed as a path
+        raise OutputError(f"{option} .: the output path is empty or a directory; give a file name such as "
+                          "model.int8.onnx.")
     target = Path(path)
     if target.exists() or target.is_symlink():
         if target.is_dir():

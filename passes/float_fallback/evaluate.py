@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 
 from qgraph import DataError, GraphHandle, ModelError, NodeSelector, select
-from qgraph.compare import DiffAccumulator, TensorDiff, make_session
+from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 
 from .qdq_edit import fall_back
@@ -69,7 +69,7 @@ def load_feeds(
 def run_batches(session: ort.InferenceSession, batches: Sequence[Feed]) -> list[list[np.ndarray]]:
     """Outputs per batch (by output position) of ``session`` on ``batches``."""
     names = [o.name for o in session.get_outputs()]
-    return [[np.asarray(v) for v in session.run(names, feed)] for feed in batches]
+    return [session_run(session, names, feed) for feed in batches]
 
 
 def concat_outputs(per_batch: list[list[np.ndarray]]) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 
 from qgraph import GraphHandle
-from qgraph.compare import make_session
+from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 
 from .qdq_edit import fake_quantize, float_source, is_dq, qparams
@@ -58,7 +58,7 @@ def range_stats(qdq: onnx.ModelProto, batches: Sequence[Feed], names: Sequence[s
         n: {"min": math.inf, "max": -math.inf, "clipped": 0, "count": 0, "sig": 0.0, "err": 0.0} for n in per_tensor
     }
     for feed in batches:
-        values = {**feed, **dict(zip(out_names, session.run(out_names, feed), strict=True))}
+        values = {**feed, **dict(zip(out_names, session_run(session, out_names, feed), strict=True))}
         for name, (_, params, relu) in per_tensor.items():
             x = np.asarray(values[name], dtype=np.float64)
             if relu:  # the quantizer folded a Relu into this pair: its clamp at 0 is not clipping

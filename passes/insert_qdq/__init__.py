@@ -18,7 +18,7 @@ from .emit import ActParams, insert_activation_qdq
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
-from .weights import Emitter, WeightQuantizer
+from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
 
@@ -101,6 +101,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.matched = len(selected)
         floats = float32_tensors(graph.index.nodes, graph.graph.inputs)
         plan = Planner(graph, cfg, selected, floats).plan()
+        check_finite_weights(graph, plan.units)  # before calibration, which would only see NaN activations
         params: dict[str, ActParams] = {}
         ranges: dict[str, RangeInfo] = {}
         forbidden: dict[str, str] = {}

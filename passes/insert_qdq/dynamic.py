@@ -20,7 +20,7 @@ import onnx_graphsurgeon as gs
 from qgraph.quant import QuantSpec, quantize
 
 from .placement import Unit
-from .weights import Emitter, quantize_weight_values
+from .weights import Emitter, finite_constant, quantize_weight_values
 from .wmath import lopsided
 
 
@@ -55,6 +55,7 @@ class DynamicQuantizer:
         w_t = node.inputs[1]
         w = em.g.constant_value(w_t)
         assert w is not None
+        finite_constant(w, w_t.name, node.name)
         w = w.astype(np.float32)
         alpha = 1.0
         bias: gs.Tensor | None = None

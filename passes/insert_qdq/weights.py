@@ -17,7 +17,7 @@ import numpy.typing as npt
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
-from qgraph import GraphHandle
+from qgraph import GraphHandle, PassError
 from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point, quantize
 
 from .placement import Unit, label
@@ -130,6 +130,29 @@ class Emitter:
         return out
 
 
+def finite_constant(value: npt.NDArray[Any], tensor: str, node: str) -> None:
+    """`PassError` naming ``tensor`` and ``node`` when a float constant holds NaN/Inf (no scale exists for it)."""
+    if value.dtype.kind in "fc" and not np.isfinite(value).all():
+        bad = int(value.size - np.count_nonzero(np.isfinite(value)))
+        raise PassError(
+            f"insert_qdq: constant {tensor!r} (input of node {node!r}) holds {bad} NaN/Inf value(s), so it has no "
+            "quantization scale. Fix the model (a BatchNorm with negative variance folds into NaN weights) or keep "
+            f"the node float: `nodes: {{exclude: {{names: [{node}]}}}}`."
+        )
+
+
+def check_finite_weights(graph: GraphHandle, units: list[Unit]) -> None:
+    """`finite_constant` on the weight and bias of every weighted unit."""
+    for unit in units:
+        node = unit.node
+        refs = [(node, unit.weight_index)] if unit.weight_index is not None else []
+        refs += [unit.bias] if unit.bias is not None else []
+        for owner, index in refs:
+            value = graph.constant_value(owner.inputs[index])
+            if value is not None:
+                finite_constant(value, owner.inputs[index].name, owner.name)
+
+
 def quantize_weight_values(
     w: npt.NDArray[np.float32], spec: QuantSpec
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[Any]]:
@@ -168,6 +191,7 @@ class WeightQuantizer:
         assert unit.weight_index is not None
         w = self.em.g.constant_value(node.inputs[unit.weight_index])
         assert w is not None
+        finite_constant(w, node.inputs[unit.weight_index].name, node.name)
         axis = unit.weight_axis
         w = w.astype(np.float32, copy=False)
         symmetric = not lopsided(w, axis, self.asym_gain) if self.auto_symmetric else self.spec.symmetric
@@ -180,6 +204,7 @@ class WeightQuantizer:
             bnode, bidx = unit.bias
             b = self.em.g.constant_value(bnode.inputs[bidx])
             assert b is not None
+            finite_constant(b, bnode.inputs[bidx].name, bnode.name)
             beta = float(bnode.attrs.get("beta", 1.0)) if bnode.op == "Gemm" else 1.0
             bias = b.astype(np.float32) if beta == 1.0 else (b.astype(np.float64) * beta).astype(np.float32)
         return w, spec, bias
@@ -279,6 +304,7 @@ class WeightQuantizer:
         t = node.inputs[index]
         v = self.em.g.constant_value(t)
         assert v is not None
+        finite_constant(v, t.name, node.name)
         spec = QuantSpec(dtype=self.act_dtype, symmetric=False)
         lo = float(v.min()) if v.size else 0.0
         hi = float(v.max()) if v.size else 0.0

@@ -44,6 +44,7 @@ from qgraph.calibrate.session import (
     fetch_outputs,
     session_options,
 )
+from qgraph.compare import session_run
 from qgraph.errors import DataError, ModelError
 from qgraph.quant import ActivationRange
 
@@ -345,7 +346,7 @@ def _feeds(
 
 def _run(sess: Any, outputs: Sequence[str], arrays: Mapping[str, Any], index: int) -> list[Any]:
     try:
-        return list(sess.run(list(outputs), arrays))
+        return session_run(sess, outputs, arrays)
     except Exception as exc:  # onnxruntime raises its own exception classes
         raise DataError(f"calibration sample {index}: onnxruntime failed to run the model: {exc}") from exc
 

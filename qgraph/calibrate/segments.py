@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from qgraph.compare import session_run
 from qgraph.errors import DataError, ModelError
 
 SEGMENT_THRESHOLD = 8000
@@ -138,7 +139,7 @@ def observe_segmented(
                 except Exception as exc:  # onnxruntime raises its own exception classes
                     raise ModelError(f"onnxruntime cannot load a calibration segment: {exc}") from exc
             try:
-                outs = seg.session.run(seg.outputs, {t: values[t] for t in seg.inputs})
+                outs = session_run(seg.session, seg.outputs, {t: values[t] for t in seg.inputs})
             except Exception as exc:
                 raise DataError(f"calibration sample {index}: onnxruntime failed to run the model: {exc}") from exc
             for name, arr in zip(seg.outputs, outs, strict=True):

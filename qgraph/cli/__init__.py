@@ -40,10 +40,10 @@ def _root(
     STATE["debug"] = debug
 
 
-def _is_click_exception(exc: BaseException) -> bool:
-    # typer >= 0.29 vendors click (typer._click) and no longer installs it: recognise its usage errors by class
+def _is_click_class(exc: BaseException, name: str) -> bool:
+    # typer >= 0.29 vendors click (typer._click) and no longer installs it: recognise its exceptions by class
     # name, so the CLI works with either.
-    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -76,9 +76,6 @@ def _main(argv: list[str] | None) -> int:
         return 143 if isinstance(exc, Terminated) else 130
     except typer.Exit as exc:
         return int(exc.exit_code)
-    except typer.Abort:  # click turns Ctrl-C during a command into Abort
-        console.print("interrupted: nothing was written.", markup=False)
-        return 130
     except SystemExit as exc:  # a user's module (data, metric) called sys.exit: still one of our codes
         if exc.code in (0, None):
             return 0
@@ -86,10 +83,17 @@ def _main(argv: list[str] | None) -> int:
                       markup=False, highlight=False)
         return 2
     except Exception as exc:
-        if _is_click_exception(exc):
+        if _is_click_class(exc, "Abort"):  # click turns Ctrl-C during a command into Abort
+            console.print("interrupted: nothing was written.", markup=False)
+            return 130
+        if _is_click_class(exc, "Exit"):
+            return int(getattr(exc, "exit_code", 0))
+        if _is_click_class(exc, "ClickException"):
             exc.show()  # type: ignore[attr-defined]  # usage text and the problem
             return 2
         raise
+    if code == 130:  # typer turns Ctrl-C inside a command into exit code 130
+        console.print("interrupted: nothing was written.", markup=False)
     return int(code) if isinstance(code, int) else 0
 
 

@@ -41,7 +41,7 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to
             _app.out.print(exc.message, markup=False, highlight=False, soft_wrap=True)
             continue
         _app.out.print(f"{path}: ok ({len(rec.passes)} passes: {', '.join(p.name for p in rec.passes)})",
-                       markup=False, highlight=False)
+                       markup=False, highlight=False, soft_wrap=True)
     if failed:
         raise typer.Exit(2)
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.compare import DiffAccumulator, make_session
+from qgraph.compare import DiffAccumulator, make_session, session_run
 from qgraph.data import DataSource, Feed
 from qgraph.diff.protos import ModelIndex
 from qgraph.errors import DataError, ModelError
@@ -259,7 +259,7 @@ def stream_tensors(
     for ci, names in enumerate(chunks):
         session = make_session(_set_outputs(work, list(names)))
         for feed in _limited(feeds, samples):
-            yield ci, dict(zip(names, (np.asarray(v) for v in session.run(list(names), feed)), strict=True))
+            yield ci, dict(zip(names, session_run(session, names, feed), strict=True))
 
 
 def stream_pairs(
