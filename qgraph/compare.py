@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 
 from qgraph.data import Feed, model_inputs
-from qgraph.errors import DataError, ModelError
+from qgraph.errors import DataError, ModelError, VerificationError
 from qgraph.model_io import PROTOBUF_LIMIT, save_model
 
 
@@ -59,15 +59,16 @@ def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None
     return dict(zip(names, session_run(session, names, feed), strict=True))
 
 
-def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Feed) -> list[np.ndarray]:
+def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Mapping[str, Any]) -> list[Any]:
     """``session.run(names, feed)`` for every input dtype numpy can hold (bfloat16 included), as arrays."""
     values = session.run(list(names), {k: _ort_input(v) for k, v in feed.items()})
-    return [np.asarray(v) for v in values]
+    # Sequence outputs come back as lists and empty optionals as None: keep them as they are.
+    return [v if v is None or isinstance(v, list) else np.asarray(v) for v in values]
 
 
 def _ort_input(value: np.ndarray) -> Any:
     # onnxruntime's Python binding has no numpy dtype for bfloat16: hand it the bits with the ONNX type.
-    if value.dtype.name == "bfloat16":
+    if getattr(value, "dtype", None) is not None and value.dtype.name == "bfloat16":
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
             np.ascontiguousarray(value).view(np.uint16), onnx.TensorProto.BFLOAT16
         )
@@ -104,15 +105,17 @@ def random_feeds(
             )
             kind = spec.dtype.kind
             if kind == "f" or spec.dtype.name == "bfloat16":
-                feed[spec.name] = rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
+                value = rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
             elif kind in "iu":
-                feed[spec.name] = rng.integers(0, int_high, size=shape).astype(spec.dtype)
+                value = rng.integers(0, int_high, size=shape).astype(spec.dtype)
             elif kind == "b":
-                feed[spec.name] = np.asarray(rng.random(shape) < 0.5)
+                value = np.asarray(rng.random(shape) < 0.5)
             elif kind in "US":
-                feed[spec.name] = np.full(shape, "a", dtype=object)
+                value = np.full(shape, "a", dtype=object)
             else:
-                feed[spec.name] = np.zeros(shape, dtype=spec.dtype)
+                value = np.zeros(shape, dtype=spec.dtype)
+            # A sequence gets one element; a present optional holds its value (onnxruntime takes both as is).
+            feed[spec.name] = [value] if "sequence" in spec.containers else value  # type: ignore[assignment]
         feeds.append(feed)
     return feeds
 
@@ -167,6 +170,19 @@ class TensorDiff:
         }
 
 
+def _flat_output(value: Any, name: str) -> np.ndarray:
+    """An output as one float64 array: a sequence's elements raveled end to end, an empty optional as size 0."""
+    if value is None:
+        return np.zeros(0)
+    if isinstance(value, list):
+        parts = [np.ravel(np.asarray(v, dtype=np.float64)) for v in value]
+        return np.concatenate(parts) if parts else np.zeros(0)
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):  # strings and other non-numeric outputs: equal or not
+        return np.zeros(0)
+
+
 class DiffAccumulator:
     """Streams (reference, candidate) pairs of one tensor into the metrics above in O(1) memory."""
 
@@ -182,10 +198,11 @@ class DiffAccumulator:
         self.bad_cand = 0
         self.samples = 0
 
-    def add(self, reference: np.ndarray, candidate: np.ndarray) -> None:
-        """Fold one pair of arrays (same shape) into the metrics."""
-        r = np.asarray(reference, dtype=np.float64)
-        c = np.asarray(candidate, dtype=np.float64)
+    def add(self, reference: Any, candidate: Any) -> None:
+        """Fold one pair of outputs (arrays of the same shape; sequences and optionals are flattened) into the
+        metrics."""
+        r = _flat_output(reference, self.name)
+        c = _flat_output(candidate, self.name)
         if r.shape != c.shape:
             raise ValueError(f"{self.name}: shapes differ {r.shape} vs {c.shape}")
         self.samples += 1
@@ -241,7 +258,10 @@ def compare_models(
         ref = run(ref_sess, feed)
         cand = run(cand_sess, feed)
         for acc, rn, cn in zip(accs, ref_names, cand_names, strict=True):
-            acc.add(ref[rn], cand[cn])
+            try:
+                acc.add(ref[rn], cand[cn])
+            except ValueError as exc:  # the two models disagree on an output's shape: a result, not a crash
+                raise VerificationError(f"the models' outputs do not have the same shape: {exc}") from None
         count += 1
     if count == 0:
         raise DataError("no samples to compare: the data is empty. Give at least one sample.")

@@ -55,13 +55,19 @@ class InputSpec:
     name: str
     dtype: np.dtype[Any]
     shape: tuple[int | str | None, ...] | None
+    #: Wrappers around the tensor, outermost first: () for a plain tensor, ("optional", "sequence") for
+    #: ``optional(seq(tensor))``. dtype/shape describe the innermost tensor.
+    containers: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """``name: float32[N,3,224,224]`` (``[?...]`` when the rank is unknown)."""
         if self.shape is None:
-            return f"{self.name}: {self.dtype}[shape not declared]"
-        dims = ",".join("?" if d is None else str(d) for d in self.shape)
-        return f"{self.name}: {self.dtype}[{dims}]"
+            inner = f"{self.dtype}[shape not declared]"
+        else:
+            inner = f"{self.dtype}[{','.join('?' if d is None else str(d) for d in self.shape)}]"
+        for wrapper in reversed(self.containers):
+            inner = f"{wrapper}({inner})"
+        return f"{self.name}: {inner}"
 
     def batch_axis(self) -> int | None:
         """Where a left-out batch axis goes: the first axis of symbolic size or size 1 (None if there is none)."""
@@ -78,13 +84,18 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
     for vi in model.graph.input:
         if vi.name in inits:
             continue
-        tt = vi.type.tensor_type
+        tp, containers = vi.type, []
+        while tp.WhichOneof("value") in ("optional_type", "sequence_type"):
+            kind = tp.WhichOneof("value")
+            containers.append("optional" if kind == "optional_type" else "sequence")
+            tp = tp.optional_type.elem_type if kind == "optional_type" else tp.sequence_type.elem_type
+        tt = tp.tensor_type
         dtype = _np_dtype(tt.elem_type) if tt.elem_type else np.dtype("f4")
         shape: tuple[int | str | None, ...] | None = (
             tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
             if tt.HasField("shape") else None
         )
-        specs.append(InputSpec(vi.name, dtype, shape))
+        specs.append(InputSpec(vi.name, dtype, shape, tuple(containers)))
     return specs
 
 
@@ -92,7 +103,7 @@ def _np_dtype(elem_type: int) -> np.dtype[Any]:
     if elem_type == onnx.TensorProto.BFLOAT16:
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
     try:
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
     except (KeyError, TypeError, ValueError):
@@ -191,7 +202,8 @@ class DataSource:
                 f"{', '.join(s.describe() for s in self.inputs)}. Rename the arrays to the model's input names."
             )
         for name, spec in expected.items():
-            _check_array(feed[name], spec, f"{where}, input {name!r}")
+            if not spec.containers:  # sequences/optionals come from module:function as the user builds them
+                _check_array(feed[name], spec, f"{where}, input {name!r}")
 
     def _per_sample(self, arr: np.ndarray, spec: InputSpec | None, i: int) -> np.ndarray:
         """Sample ``i`` of a stacked array, as the layout rule says (see the module docs)."""

@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import logger as _gs_logger_module
 
 from qgraph.errors import ModelError
+from qgraph.gs_compat import TypeKeeper
 from qgraph.model_io import normalize_ir_version
 
 
@@ -33,7 +34,7 @@ def _log_to_stderr(*args: Any, **kwargs: Any) -> None:
 
 # onnx-graphsurgeon prints its warnings with print() to stdout, which would corrupt machine-readable output
 # (`qgraph inspect --json`, `diff --json -`): its logger module resolves `print` in its own namespace first.
-_gs_logger_module.print = _log_to_stderr  # type: ignore[attr-defined]
+_gs_logger_module.print = _log_to_stderr
 
 #: Prefix of NodeProto.doc_string values that record which pass created a node.
 TAG_PREFIX = "qgraph:"
@@ -75,6 +76,7 @@ class GraphHandle:
             self.graph: gs.Graph = gs.import_onnx(model)
         except Exception as exc:  # graphsurgeon raises bare exceptions on malformed graphs
             raise ModelError(f"the model's graph cannot be imported: {type(exc).__name__}: {exc}") from exc
+        self._types = TypeKeeper(model, self.graph)
         # graphsurgeon shares these protos with the input model: copy so passes never edit the caller's model.
         self.graph.import_domains = [
             onnx.helper.make_opsetid(d.domain, d.version) for d in self.graph.import_domains or []
@@ -256,7 +258,7 @@ class GraphHandle:
         """Export to a ModelProto with model-level fields, tags and metadata restored and a sane IR."""
         self.walks["export"] += 1
         try:
-            model: onnx.ModelProto = gs.export_onnx(self.graph, do_type_check=False)
+            model = self._types.export(self.graph)
         except Exception as exc:
             raise ModelError(f"the rewritten graph cannot be exported: {type(exc).__name__}: {exc}") from exc
         model.ir_version = self._model_fields.ir_version

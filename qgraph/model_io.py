@@ -184,7 +184,7 @@ def save_model(
     target = Path(path)
     use_external = external_data if external_data is not None else _too_large(model)
     if not use_external:
-        return write_atomic(target, lambda f: f.write(model.SerializeToString(deterministic=True)))
+        return write_atomic(target, model.SerializeToString(deterministic=True))
     folder = target.parent if str(target.parent) else Path(".")
     data_name = target.name + ".data"
     folder.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
-from qgraph.recipe import CalibrationSpec, Recipe, TargetSpec
+from qgraph.recipe import Recipe
+from qgraph.target import CalibrationSpec, TargetSpec
 
 #: At most this many skipped nodes (with reasons) per pass are written into the output model's metadata.
 MAX_SKIPPED_IN_PROVENANCE = 500

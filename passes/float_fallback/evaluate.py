@@ -62,7 +62,8 @@ def load_feeds(
     if not feeds:
         raise DataError(f"{source.description}: no evaluation samples.")
     specs = [s for m in (model, *others) for s in model_inputs(m)]
-    dynamic = all(len(s.shape) > 0 and not (isinstance(s.shape[0], int) and s.shape[0] > 0) for s in specs)
+    dynamic = all(bool(s.shape) and not (isinstance(s.shape[0], int) and s.shape[0] > 0)  # type: ignore[index]
+                  for s in specs)
     return list(batched(feeds, batch_size)) if dynamic and batch_size > 1 else feeds
 
 

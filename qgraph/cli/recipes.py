@@ -25,7 +25,8 @@ from qgraph.pass_api import PassClass, discover, get_pass
 @app.command()
 def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to check.")]) -> None:
     """Validate recipes; print every problem with file:line:column and a suggestion (every file is checked)."""
-    from qgraph.recipe import Recipe, RecipeValidationError
+    from qgraph.recipe import Recipe
+    from qgraph.recipe_yaml import RecipeValidationError
 
     failed = 0
     for path in recipes:
