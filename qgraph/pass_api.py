@@ -44,6 +44,11 @@ class PassConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
+    def recipe_options(self) -> dict[str, Any]:
+        """The options as a recipe writes them (JSON values, defaults left out). Configs that expand shorthands
+        (presets) override this to give back what the user wrote."""
+        return self.model_dump(mode="json", exclude_defaults=True, by_alias=True)
+
 
 @dataclass
 class Skipped:

@@ -192,7 +192,7 @@ class Pipeline:
             record = PassRecord(
                 index=i,
                 name=p.name,
-                config=p.config.model_dump(mode="json", exclude_defaults=True, by_alias=True),
+                config=p.config.recipe_options(),
                 result=result,
                 seconds=seconds,
                 peak_rss_mb=_peak_rss_mb(),

@@ -129,17 +129,18 @@ class Recipe:
     def from_dict(cls, data: dict[str, Any], filename: str = "<recipe>") -> Recipe:
         """Validate a recipe given as a (possibly ruamel-annotated) mapping."""
         model = recipe_model()
+        plain = _plain(data)
         try:
-            spec = model.model_validate(_plain(data))
+            spec = model.model_validate(plain)
         except ValidationError as exc:
             issues = [_issue(err, data, filename, model) for err in exc.errors()]
             raise RecipeValidationError(issues) from None
         passes = discover()
         instances: list[Pass[Any]] = []
-        for step in spec.passes:  # type: ignore[attr-defined]
-            pass_cls = passes[step.pass_]
-            config = pass_cls.config_class(**step.model_dump(exclude={"pass_"}, exclude_unset=True))
-            instances.append(pass_cls(config))
+        for step, raw in zip(spec.passes, plain["passes"], strict=True):  # type: ignore[attr-defined]
+            # Built from what the user wrote (not the validated step), so configs know which options were set.
+            options = {k: v for k, v in raw.items() if k != "pass"}
+            instances.append(passes[step.pass_](passes[step.pass_].config_class(**options)))
         return cls(
             spec.name,  # type: ignore[attr-defined]
             instances,
@@ -176,7 +177,7 @@ class Recipe:
         if calibration:
             out["calibration"] = calibration
         out["passes"] = [
-            {"pass": p.name, **p.config.model_dump(mode="json", exclude_defaults=True, by_alias=True)}
+            {"pass": p.name, **p.config.recipe_options()}
             for p in self.passes
         ]
         return out

@@ -5,6 +5,11 @@ Kept apart from `qgraph.recipe` so the pass context can carry a typed target wit
 
 from __future__ import annotations
 
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +38,14 @@ class TargetSpec(BaseModel):
         "CPU explicitly (QGRAPH_CPU_FLAGS overrides what is read), and the output records what was found.",
     )
 
+    def cpu_info(self) -> CpuInfo | None:
+        """The CPU the recipe declares (None for ``any``); ``host`` reads this machine (see `host_cpu`)."""
+        if self.cpu == "any":
+            return None
+        if self.cpu == "host":
+            return host_cpu()
+        return DECLARED_CPUS[self.cpu]
+
 
 class CalibrationSpec(BaseModel):
     """Where calibration data comes from (``qgraph run --calibration-data`` overrides ``data``)."""
@@ -46,3 +59,72 @@ class CalibrationSpec(BaseModel):
     )
     batch_size: int = Field(default=1, ge=1, description="Samples per onnxruntime call during calibration.")
     ranges: str | None = Field(default=None, description="Reuse a ranges JSON file written by qgraph calibrate.")
+
+
+
+#: Environment variable that replaces the flags read from /proc/cpuinfo for ``target.cpu: host`` (tests, and
+#: users preparing a model on one machine for another).
+CPU_FLAGS_ENV = "QGRAPH_CPU_FLAGS"
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What matters about a CPU for integer kernels, and where that knowledge came from."""
+
+    arch: Literal["x86", "arm", "other"]
+    vnni: bool
+    avx2: bool
+    #: ``declared`` (the recipe's target), ``/proc/cpuinfo`` or ``$QGRAPH_CPU_FLAGS``.
+    source: str = "declared"
+    #: The flags a host reading found that matter here (empty when declared).
+    flags: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``x86 (AVX2, VNNI)``, plus where it came from for a host reading."""
+        feats = [f for f, on in (("AVX2", self.avx2), ("VNNI", self.vnni)) if on]
+        text = f"{self.arch} ({', '.join(feats) or 'no AVX2/VNNI'})"
+        if self.source != "declared":
+            text += f", read from {self.source}: flags [{' '.join(self.flags)}]"
+        return text
+
+
+DECLARED_CPUS: dict[str, CpuInfo] = {
+    "x86-vnni": CpuInfo("x86", vnni=True, avx2=True),
+    "x86-avx2": CpuInfo("x86", vnni=False, avx2=True),
+    "arm": CpuInfo("arm", vnni=False, avx2=False),
+}
+
+_RELEVANT_FLAGS = ("avx2", "avx512_vnni", "avx_vnni")
+
+
+def parse_cpuinfo(text: str, machine: str, source: str = "/proc/cpuinfo") -> CpuInfo:
+    """Parse ``/proc/cpuinfo`` text (the first ``flags`` line) for ``avx2`` and ``avx512_vnni``/``avx_vnni``."""
+    m = machine.lower()
+    arch: Literal["x86", "arm", "other"] = (
+        "x86" if m in ("x86_64", "amd64", "i686", "i386") else "arm" if m.startswith(("arm", "aarch64")) else "other"
+    )
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            flags.update(line.split(":", 1)[1].split())
+            break
+    found = tuple(f for f in _RELEVANT_FLAGS if f in flags)
+    return CpuInfo(arch, vnni=bool(flags & {"avx512_vnni", "avx_vnni"}), avx2="avx2" in flags, source=source,
+                   flags=found)
+
+
+def host_cpu() -> CpuInfo:
+    """This machine's CPU: ``$QGRAPH_CPU_FLAGS`` (space-separated flags) when set, else /proc/cpuinfo."""
+    override = os.environ.get(CPU_FLAGS_ENV)
+    if override is not None:
+        return parse_cpuinfo(f"flags : {override}", platform.machine(), source=f"${CPU_FLAGS_ENV}")
+    return _proc_cpuinfo()
+
+
+@lru_cache(maxsize=1)
+def _proc_cpuinfo() -> CpuInfo:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    return parse_cpuinfo(text, platform.machine())

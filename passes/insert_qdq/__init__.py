@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
+from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
+from qgraph.target import CpuInfo
 
 from .calib import RangeInfo, calibrate, screen
-from .config import InsertQDQConfig, local_cpu, resolve_reduce_range, saturation_wanted
+from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
@@ -43,20 +44,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
     def check(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Opset rules and data availability, before anything is written."""
         cfg, opset = self.config, graph.opset
-
-        def need(version: int, what: str) -> None:
-            if opset < version:
-                raise PassError(
-                    f"insert_qdq: {what} needs opset >= {version} but the model has opset {opset}. Add "
-                    f"`- pass: raise_opset` with `opset: {max(version, 13)}` before insert_qdq in the recipe."
-                )
-
-        need(11 if cfg.mode == "dynamic" else 10, "QuantizeLinear/DequantizeLinear")
-        if cfg.weights.per_channel and cfg.mode == "static":
-            need(13, "per-channel weight quantization (the DequantizeLinear axis attribute)")
-        wide = {d.value for d in (cfg.weights.dtype, cfg.activations.dtype) if d in _WIDE}
-        if wide:
-            need(21, f"{'/'.join(sorted(wide))} quantization")
+        need, what = required_opset(cfg)
+        if opset < need and cfg.opset == "keep":
+            raise PassError(
+                f"insert_qdq: {what} needs opset >= {need} but the model has opset {opset} and the recipe says "
+                f"`opset: keep`. Remove it (insert_qdq then raises the opset itself) or add `- pass: raise_opset` "
+                f"with `opset: {need}` before insert_qdq."
+            )
         if cfg.mode == "dynamic" and cfg.activations.dtype != QuantDtype.UINT8:
             raise PassError(
                 "insert_qdq: dynamic mode quantizes activations to uint8 (DynamicQuantizeLinear); "
@@ -84,10 +78,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 gc.enable()
 
     def _run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
-        cfg = self.config
         res = PassResult()
+        cfg = self._reach_opset(graph, ctx, res)
         graph.toposort()
-        reduce_range, rr_why = resolve_reduce_range(cfg)
+        cpu = ctx.target.cpu_info()
+        reduce_range, rr_why = resolve_reduce_range(cfg, cpu)
+        if cfg.weights.reduce_range == "auto":
+            res.decisions.append(rr_why)
         wspec = QuantSpec(
             dtype=cfg.weights.dtype,
             symmetric=cfg.weights.symmetric is not False,
@@ -150,14 +147,38 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.rewritten = len(plan.units) + len(plan.movement) + sub_units
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
-        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units)
+        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
         if fragile:
             res.details["calibration"] = {"method": cfg.activations.method, **fragile}
         if wq.adjusted:
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
-        if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg):
+        if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg, cpu):
             res.details["saturation"] = self._saturation(plan, params, ranges, wq)
         return res
+
+    def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:
+        """Raise the model's opset when the options need it (a decision), or fall back to per-tensor weights
+        where raising is impossible; returns the config to run with."""
+        cfg = self.config
+        need, what = required_opset(cfg)
+        before = graph.opset
+        if before >= need:
+            return cfg
+        try:
+            get_pass("raise_opset")(opset=need).run(graph, ctx)
+        except PassError as exc:
+            reason = exc.message.splitlines()[0]
+            per_tensor = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"per_channel": False})})
+            if required_opset(per_tensor)[0] > max(before, 10) or need != 13:
+                raise PassError(f"insert_qdq: {what} needs opset >= {need}, and the model cannot be raised from opset "
+                                f"{before}: {reason}") from exc
+            res.decisions.append(f"per-tensor weights: per-channel needs opset 13 and raising opset {before} -> 13 is "
+                                 f"impossible ({reason})")
+            return per_tensor
+        graph.changed()
+        res.decisions.append(f"opset raised {before} -> {need}: {what} needs opset >= {need} (set `opset: keep` "
+                             "to refuse instead)")
+        return cfg
 
     def _params(self, plan: Plan, ranges: dict[str, RangeInfo]) -> dict[str, ActParams]:
         spec = QuantSpec(dtype=self.config.activations.dtype, symmetric=self.config.activations.symmetric)
@@ -218,6 +239,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         rr_why: str,
         wq: WeightQuantizer,
         sub_units: int,
+        ctx_cpu: CpuInfo | None,
     ) -> dict[str, Any]:
         cfg = self.config
         quantized = [
@@ -232,10 +254,10 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         ]
         return {
             "preset": cfg.preset,
-            "why": cfg.why,
+            "why": PRESETS[cfg.preset].why if cfg.preset else "",
             "mode": cfg.mode,
             "reduce_range": rr_why,
-            "cpu": local_cpu().describe(),
+            "cpu": "not declared (target.cpu: any)" if ctx_cpu is None else ctx_cpu.describe(),
             "quantized": quantized,
             "quantized_ops": dict(Counter(u.node.op for u in plan.units)),
             "integer_data_movement": [label(n) for n in plan.movement],
@@ -266,3 +288,15 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             "layers_at_risk": risky,
             "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
         }
+
+
+def required_opset(cfg: InsertQDQConfig) -> tuple[int, str]:
+    """The lowest default-domain opset the options need, and which option needs it."""
+    if any(d in _WIDE for d in (cfg.weights.dtype, cfg.activations.dtype)):
+        wide = sorted({d.value for d in (cfg.weights.dtype, cfg.activations.dtype) if d in _WIDE})
+        return 21, f"{'/'.join(wide)} quantization"
+    if cfg.weights.per_channel and cfg.mode == "static":
+        return 13, "per-channel weight quantization (the DequantizeLinear axis attribute)"
+    if cfg.mode == "dynamic":
+        return 11, "dynamic quantization (DynamicQuantizeLinear)"
+    return 10, "QuantizeLinear/DequantizeLinear"

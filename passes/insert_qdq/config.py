@@ -1,23 +1,26 @@
 """Configuration of ``insert_qdq``: explicit, validated choices plus target presets stored as data.
 
-A preset is a partial config (a plain mapping) merged *under* what the recipe says: every key the recipe sets
-wins, every key it leaves out comes from the preset, and the rest from the defaults. The expanded values are
-what the pass runs with and what provenance records, so a recipe that says ``preset: ort-x86-avx2`` and one
-that spells out the same options are the same recipe.
+A preset is a named partial config merged *under* what the recipe says: every key the recipe sets wins, every
+key it leaves out comes from the preset, and the rest from the defaults. Presets are validated when this module
+loads (each must expand into a valid config). A config remembers which options the user set, so a recipe is
+written back (``Recipe.to_yaml``, provenance, reports) as ``preset:`` plus exactly those options: editing the
+preset name in that text changes everything the preset decides.
+
+Choices that depend on the CPU (``reduce_range: auto``, ``saturation: auto``) are made from the recipe's declared
+``target.cpu``, never from the machine that runs qgraph (`qgraph.target`).
 """
 
 from __future__ import annotations
 
-import platform
+import difflib
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, field_validator, model_validator
 
 from qgraph import NodeSelector, PassConfig
 from qgraph.quant import QuantDtype
+from qgraph.target import CpuInfo
 
 #: Op types whose QDQ form onnxruntime's CPU graph optimizer fuses into an integer kernel (or drops).
 ORT_CPU_OPS: tuple[str, ...] = (
@@ -50,10 +53,8 @@ ORT_CPU_OPS: tuple[str, ...] = (
     "Identity",
 )
 
-PresetName = Literal["ort-x86-vnni", "ort-x86-avx2", "ort-arm", "tensorrt", "transformer-ort-x86-vnni"]
-
-#: Presets as data: each expands into a full spec; ``why`` is reported in the PassResult.
-PRESETS: dict[str, dict[str, Any]] = {
+#: Presets as data (name -> why + options); validated at import into `PRESETS` (`Preset` objects).
+_PRESET_DATA: dict[str, dict[str, Any]] = {
     "ort-x86-vnni": {
         "why": (
             "x86 with AVX512-VNNI/AVX-VNNI: VPDPBUSD multiplies u8 activations by s8 weights and accumulates "
@@ -119,6 +120,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "activations": {"dtype": "uint8", "symmetric": False},
     },
 }
+#: The preset names, in the order the catalogue shows them.
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESET_DATA)
 
 
 class WeightOptions(PassConfig):
@@ -144,8 +147,8 @@ class WeightOptions(PassConfig):
     narrow_range: bool = Field(default=False, description="Drop the most negative code, e.g. int8 [-127, 127].")
     reduce_range: Literal["auto"] | bool = Field(
         default="auto",
-        description="Use one bit less (int8 [-64, 63]) against u8s8 int16 saturation; auto: only on local x86 "
-        "CPUs without VNNI when activations are u8 and weights s8.",
+        description="Use one bit less (int8 [-64, 63]) against u8s8 int16 saturation; auto: when the recipe's "
+        "target.cpu is x86 without VNNI (x86-avx2, or host on such a CPU) and activations are u8, weights s8.",
     )
     format: Literal["int", "float_qdq"] = Field(
         default="int",
@@ -184,8 +187,18 @@ class OutlierOptions(PassConfig):
 class InsertQDQConfig(PassConfig):
     """Options of ``insert_qdq`` (a ``preset`` fills in whatever the recipe leaves out)."""
 
-    preset: PresetName | None = Field(default=None, description="Target preset expanded into the options below.")
-    why: str = Field(default="", description="Why the preset chose these options (filled by the preset).")
+    preset: str | None = Field(
+        default=None,
+        description="Target preset filling in every option the recipe leaves out: "
+        + " | ".join(_PRESET_DATA) + " (`qgraph passes insert_qdq` explains each).",
+        json_schema_extra={"enum": list(_PRESET_DATA)},
+    )
+    opset: Literal["raise", "keep"] = Field(
+        default="raise",
+        description="When the options need a newer opset than the model's (per-channel weights: 13; 4/16-bit "
+        "types: 21): raise the model's opset first (reported as a decision), falling back to per-tensor weights "
+        "where raising is impossible; keep: refuse instead.",
+    )
     mode: Literal["static", "dynamic"] = Field(
         default="static",
         description="static: calibrated Q/DQ; dynamic: MatMul/Gemm activations quantized at run time.",
@@ -213,15 +226,51 @@ class InsertQDQConfig(PassConfig):
         default="float", description="What a selected node that cannot be quantized gets: left float or an error."
     )
 
-    @model_validator(mode="before")
+    _explicit: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @field_validator("preset")
     @classmethod
-    def _expand_preset(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("preset") is None:
-            return data
-        name = data["preset"]
-        if name not in PRESETS:
-            return data  # the Literal check reports the valid names
-        return merge_preset(PRESETS[name], data)
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESET_NAMES:
+            close = difflib.get_close_matches(value, PRESET_NAMES, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown preset {value!r}.{hint} Presets: {', '.join(PRESET_NAMES)}")
+        return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _expand_preset(cls, data: Any, handler: ModelWrapValidatorHandler[InsertQDQConfig]) -> InsertQDQConfig:
+        if not isinstance(data, dict) or data.get("preset") not in _PRESET_DATA:
+            return handler(data)
+        config = handler(merge_preset(_preset_options(data["preset"]), data))
+        # What the user wrote, so the recipe is written back as `preset:` + these (see module docs).
+        config._explicit = {k: (v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v)
+                            for k, v in data.items()}
+        return config
+
+    def recipe_options(self) -> dict[str, Any]:
+        """The options as the recipe states them: ``preset`` plus what the user set, or every non-default."""
+        full = super().recipe_options()
+        if self._explicit is None:
+            return full
+        return {"preset": self.preset, **{k: _pick(full.get(k), v) for k, v in self._explicit.items()
+                                          if k != "preset" and k in full}}
+
+
+def _pick(full: Any, explicit: Any) -> Any:
+    """The part of ``full`` (JSON-normalized) whose keys ``explicit`` names, recursively."""
+    if isinstance(full, dict) and isinstance(explicit, dict):
+        return {k: _pick(full[k], v) for k, v in explicit.items() if k in full}
+    return full
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named target preset: why it chooses what it does, and the options it fills in."""
+
+    name: str
+    why: str
+    options: dict[str, Any]
 
 
 def merge_preset(preset: dict[str, Any], explicit: dict[str, Any]) -> dict[str, Any]:
@@ -238,63 +287,41 @@ def merge_preset(preset: dict[str, Any], explicit: dict[str, Any]) -> dict[str, 
     return out
 
 
-# ---------------------------------------------------------------------------------------------- CPU detection
-@dataclass(frozen=True)
-class CpuInfo:
-    """What matters about the local CPU for integer kernels."""
-
-    arch: Literal["x86", "arm", "other"]
-    vnni: bool
-    avx2: bool
-
-    def describe(self) -> str:
-        """``x86 (AVX2, VNNI)``."""
-        feats = [f for f, on in (("AVX2", self.avx2), ("VNNI", self.vnni)) if on]
-        return f"{self.arch} ({', '.join(feats) or 'no AVX2/VNNI'})"
-
-
-def parse_cpuinfo(text: str, machine: str) -> CpuInfo:
-    """Parse ``/proc/cpuinfo`` text (``flags`` lines) for ``avx2`` and ``avx512_vnni``/``avx_vnni``."""
-    m = machine.lower()
-    arch: Literal["x86", "arm", "other"] = (
-        "x86" if m in ("x86_64", "amd64", "i686", "i386") else "arm" if m.startswith(("arm", "aarch64")) else "other"
-    )
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags") and ":" in line:
-            flags.update(line.split(":", 1)[1].split())
-            break
-    return CpuInfo(arch, vnni=bool(flags & {"avx512_vnni", "avx_vnni"}), avx2="avx2" in flags)
-
-
-@lru_cache(maxsize=1)
-def local_cpu() -> CpuInfo:
-    """The machine qgraph runs on (read once)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    return parse_cpuinfo(text, platform.machine())
-
-
-def resolve_reduce_range(config: InsertQDQConfig, cpu: CpuInfo | None = None) -> tuple[bool, str]:
-    """The effective ``reduce_range`` and the reason (``auto`` looks at the local CPU)."""
+# ---------------------------------------------------------------------------------------------- CPU decisions
+def resolve_reduce_range(config: InsertQDQConfig, cpu: CpuInfo | None) -> tuple[bool, str]:
+    """The effective ``reduce_range`` and the reason (``auto`` decides from the declared target CPU)."""
     setting = config.weights.reduce_range
     if setting != "auto":
         return bool(setting), f"reduce_range: {str(setting).lower()} (explicit)"
-    cpu = cpu or local_cpu()
     u8s8 = config.activations.dtype == QuantDtype.UINT8 and config.weights.dtype == QuantDtype.INT8
+    if cpu is None:
+        return False, ("reduce_range: auto -> false: the recipe declares no target.cpu (declare x86-avx2 for 7-bit "
+                       "weights against int16 saturation on CPUs without VNNI)")
     if cpu.arch == "x86" and not cpu.vnni and u8s8:
-        return True, f"reduce_range: auto -> true: local CPU is {cpu.describe()}, u8s8 pair sums can saturate int16"
-    why = "activations/weights are not u8/s8" if not u8s8 else f"local CPU is {cpu.describe()}"
+        return True, f"reduce_range: auto -> true: target CPU {cpu.describe()}: u8s8 pair sums can saturate int16"
+    why = "activations/weights are not u8/s8" if not u8s8 else f"target CPU {cpu.describe()}"
     return False, f"reduce_range: auto -> false: {why}"
 
 
-def saturation_wanted(config: InsertQDQConfig, cpu: CpuInfo | None = None) -> bool:
-    """Whether to run the u8s8 saturation analysis: ``report``, or ``auto`` for static u8s8 on a local x86
-    CPU without VNNI (the presets for VNNI, ARM and TensorRT targets turn it off: no int16 intermediate)."""
+def saturation_wanted(config: InsertQDQConfig, cpu: CpuInfo | None) -> bool:
+    """Whether to run the u8s8 saturation analysis: ``report``, or ``auto`` for static u8s8 when the target CPU
+    is x86 without VNNI (the presets for VNNI, ARM and TensorRT targets turn it off: no int16 intermediate)."""
     if config.saturation != "auto":
         return config.saturation == "report"
     u8s8 = config.activations.dtype == QuantDtype.UINT8 and config.weights.dtype == QuantDtype.INT8
-    cpu = cpu or local_cpu()
-    return config.mode == "static" and u8s8 and cpu.arch == "x86" and not cpu.vnni
+    return config.mode == "static" and u8s8 and cpu is not None and cpu.arch == "x86" and not cpu.vnni
+
+
+def _preset_options(name: str) -> dict[str, Any]:
+    return {k: v for k, v in _PRESET_DATA[name].items() if k != "why"}
+
+
+def _validated_presets() -> dict[str, Preset]:
+    presets = {}
+    for name, data in _PRESET_DATA.items():
+        InsertQDQConfig(preset=name)  # a preset that does not expand into a valid config fails at import
+        presets[name] = Preset(name, data["why"], _preset_options(name))
+    return presets
+
+
+PRESETS: dict[str, Preset] = _validated_presets()

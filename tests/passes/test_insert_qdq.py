@@ -7,6 +7,7 @@ import onnx
 import pytest
 from insert_qdq_helpers import cosine, feeds_for, initializer, nodes_by_name, quantize, run, tiny_cnn, with_weights
 from qgraph.passes.insert_qdq import InsertQDQ, InsertQDQConfig
+from qgraph.passes.insert_qdq.config import PRESETS
 
 from qgraph import GraphHandle, PassContext, PassError, Pipeline, Recipe
 from qgraph.errors import RecipeError
@@ -142,13 +143,21 @@ def test_auto_symmetry_gives_lopsided_layers_a_zero_point() -> None:
     assert cosine([run(m, f)[0] for f in feeds], [run(q, f)[0] for f in feeds]) > 0.999
 
 
-def test_opset_rules_point_to_raise_opset() -> None:
+def test_old_opsets_are_raised_when_the_options_need_it() -> None:
     old = tiny_cnn(opset=11)
-    with pytest.raises(PassError, match=r"per-channel .* opset >= 13 .* raise_opset"):
-        quantize(old, FEEDS, preset="ort-x86-vnni")
-    quantize(old, FEEDS, weights={"per_channel": False})  # per-tensor is fine at opset 11
+    res = quantize(old, FEEDS, preset="ort-x86-vnni")
+    assert {o.domain: o.version for o in res.model.opset_import}[""] == 13
+    decisions = res.records[0].result.decisions
+    assert any(d.startswith("opset raised 11 -> 13: per-channel weight quantization") for d in decisions)
+    assert "opset raised 11 -> 13" in {p.key: p.value for p in res.model.metadata_props}["qgraph.passes"]
+    dq = [n for n in res.model.graph.node if n.op_type == "DequantizeLinear" and n.attribute]
+    assert dq  # per-channel weights (axis attribute) after the raise
+    kept = quantize(old, FEEDS, weights={"per_channel": False})  # per-tensor is fine at opset 11: nothing raised
+    assert {o.domain: o.version for o in kept.model.opset_import}[""] == 11
+    with pytest.raises(PassError, match=r"per-channel .* opset >= 13 .* `opset: keep`"):
+        quantize(old, FEEDS, preset="ort-x86-vnni", opset="keep")
     with pytest.raises(PassError, match=r"int4 quantization needs opset >= 21"):
-        quantize(tiny_cnn(), FEEDS, weights={"dtype": "int4"})
+        quantize(tiny_cnn(), FEEDS, weights={"dtype": "int4"}, opset="keep")
 
 
 def test_static_without_data_says_how_to_pass_it() -> None:
@@ -159,10 +168,18 @@ def test_static_without_data_says_how_to_pass_it() -> None:
 def test_presets_expand_and_explicit_keys_win() -> None:
     cfg = InsertQDQConfig(preset="ort-x86-avx2", weights={"per_channel": False})
     assert cfg.weights.reduce_range is True and cfg.weights.per_channel is False
-    assert cfg.activations.dtype.value == "uint8" and cfg.saturation == "report" and "VPMADDUBSW" in cfg.why
+    assert cfg.activations.dtype.value == "uint8" and cfg.saturation == "report"
+    assert "VPMADDUBSW" in PRESETS["ort-x86-avx2"].why
     assert InsertQDQConfig(preset="tensorrt").weights.format == "float_qdq"
-    again = Recipe.from_text(Pipeline([InsertQDQ(cfg)]).to_yaml())  # expanded values round-trip
+    text = Pipeline([InsertQDQ(cfg)]).to_yaml()
+    assert "preset: ort-x86-avx2" in text and "per_channel: false" in text and "reduce_range" not in text
+    again = Recipe.from_text(text)  # preset + the user's options round-trip
     assert again.passes[0].config == cfg
+    # Editing the preset in the written recipe switches everything the preset decides (issue #12 item 7).
+    vnni = Recipe.from_text(text.replace("ort-x86-avx2", "ort-x86-vnni")).passes[0].config
+    assert vnni.weights.reduce_range is False and vnni.saturation == "off" and vnni.weights.per_channel is False
+    with pytest.raises(RecipeError, match="why"):
+        Recipe.from_text("name: r\npasses:\n  - pass: insert_qdq\n    preset: tensorrt\n    why: because\n")
     with pytest.raises(RecipeError):
         InsertQDQ(preset="ort-x86-sse")
     with pytest.raises(RecipeError, match="preset"):

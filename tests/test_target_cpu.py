@@ -1,0 +1,68 @@
+"""CPU-dependent choices come from the recipe's declared target, never from the machine running qgraph; asking
+for the host explicitly records what was read (issue #12 item 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qgraph import Recipe
+from qgraph.target import CPU_FLAGS_ENV, TargetSpec
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+VNNI, AVX2 = "fpu sse4_2 avx2 avx512f avx512_vnni", "fpu sse4_2 avx2 fma"
+
+
+def _run(recipe: Recipe, example: tuple[Path, Path]) -> bytes:
+    model, data = example
+    return recipe.pipeline().run(model, calibration_data=data).model.SerializeToString(deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def example() -> tuple[Path, Path]:
+    root = Path(__file__).resolve().parents[1] / "examples" / "digits"
+    return root / "model.onnx", root / "calibration.npz"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_ready_recipes_are_byte_identical_on_any_host(recipe: str, example: tuple[Path, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recipe.from_yaml(RECIPES / recipe)
+    monkeypatch.setenv(CPU_FLAGS_ENV, VNNI)
+    on_vnni = _run(rec, example)
+    monkeypatch.setenv(CPU_FLAGS_ENV, AVX2)
+    assert _run(rec, example) == on_vnni
+
+
+def test_reduce_range_auto_decides_from_the_declared_cpu(example: tuple[Path, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    base = "name: r\ntarget: {cpu: %s}\npasses:\n  - pass: insert_qdq\n    weights: {reduce_range: auto}\n"
+    monkeypatch.setenv(CPU_FLAGS_ENV, VNNI)  # the host must not matter for declared CPUs
+    avx2 = Recipe.from_text(base % "x86-avx2").pipeline().run(example[0], calibration_data=example[1])
+    vnni = Recipe.from_text(base % "x86-vnni").pipeline().run(example[0], calibration_data=example[1])
+    anycpu = Recipe.from_text(base % "any").pipeline().run(example[0], calibration_data=example[1])
+    assert avx2.records[0].result.decisions[0].startswith("reduce_range: auto -> true: target CPU x86 (AVX2)")
+    assert vnni.records[0].result.decisions[0].startswith("reduce_range: auto -> false: target CPU x86 (AVX2, VNNI)")
+    assert "declares no target.cpu" in anycpu.records[0].result.decisions[0]
+    assert avx2.model.SerializeToString() != vnni.model.SerializeToString()
+
+
+def test_host_detection_is_explicit_and_recorded(example: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "name: r\ntarget: {cpu: host}\npasses:\n  - pass: insert_qdq\n    weights: {reduce_range: auto}\n"
+    outputs = {}
+    for flags in (VNNI, AVX2):
+        monkeypatch.setenv(CPU_FLAGS_ENV, flags)
+        res = Recipe.from_text(text).pipeline().run(example[0], calibration_data=example[1])
+        provenance = {p.key: p.value for p in res.model.metadata_props}["qgraph.passes"]
+        assert f"read from ${CPU_FLAGS_ENV}" in provenance
+        outputs[flags] = (res.model.SerializeToString(), provenance)
+    assert "avx512_vnni" in outputs[VNNI][1] and "reduce_range: auto -> false" in outputs[VNNI][1]
+    assert "flags [avx2]" in outputs[AVX2][1] and "reduce_range: auto -> true" in outputs[AVX2][1]
+    assert outputs[VNNI][0] != outputs[AVX2][0]
+
+
+def test_declared_cpus() -> None:
+    assert TargetSpec().cpu_info() is None
+    info = TargetSpec(cpu="x86-avx2").cpu_info()
+    assert info is not None and info.avx2 and not info.vnni and info.source == "declared"
