@@ -31,7 +31,7 @@ from qgraph.data import Feed
 from qgraph.diff.numeric import FLOAT_TYPES, estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.qdq import qdq_coverage, saturation_risks
-from qgraph.errors import RecipeError
+from qgraph.errors import QGraphError, RecipeError
 from qgraph.graph import GraphHandle, check_model
 from qgraph.model_io import external_data_files, load_model
 
@@ -146,7 +146,8 @@ def analyze_model(
         "opset": opset_support(model, ops, opset),
         "target": target_support(ops, target) if target else None,
         "extreme_ranges": extreme_weights(idx) + (extreme_activations(model, feeds) if feeds is not None else []),
-        "saturation": [r.to_dict() for r in saturation_risks(idx)],
+        # int16 saturation is a property of x86 u8xs8 kernels without VNNI only: not asked for other targets.
+        "saturation": [r.to_dict() for r in saturation_risks(idx)] if target in (None, "ort-x86-avx2") else None,
     }
 
 
@@ -201,8 +202,24 @@ def opset_support(model: onnx.ModelProto, ops: Counter[str], target_opset: int |
                                 "reason": f"deprecated since opset {there.since_version}"})
         elif here is not None and here.since_version != there.since_version:
             changes.append({"op": op, "count": ops[op], "from": here.since_version, "to": there.since_version})
+    blockers = conversion_blockers(model, wanted) if wanted != model_opset else []
     return {"model_opset": model_opset, "target_opset": wanted, "unsupported": unsupported,
-            "version_changes": changes, "custom_domain_ops": custom}
+            "blockers": blockers, "version_changes": changes, "custom_domain_ops": custom}
+
+
+def conversion_blockers(model: onnx.ModelProto, opset: int) -> list[str]:
+    """The nodes that stop ``model`` from being rewritten for ``opset`` with the same results (empty when it
+    converts), found by running the registered lower_opset/raise_opset pass on a copy."""
+    from qgraph.pass_api import PassContext, get_pass
+
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    step = get_pass("lower_opset" if opset < current else "raise_opset")(opset=opset)
+    try:
+        step.run(GraphHandle(model), PassContext())
+    except QGraphError as exc:
+        lines = [ln.strip()[2:] for ln in exc.message.splitlines() if ln.strip().startswith("- ")]
+        return lines or [exc.message]
+    return []
 
 
 def _schema(op: str, version: int) -> onnx.defs.OpSchema | None:

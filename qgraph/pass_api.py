@@ -21,6 +21,7 @@ passes are discovered the same way, through the ``qgraph.passes`` entry-point gr
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -175,6 +176,12 @@ class Pass(Generic[C]):
 
     def check(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Validate the config against the model before any pass runs (raise `RecipeError`/`PassError`)."""
+
+    @classmethod
+    def help_text(cls) -> str:
+        """What `qgraph passes NAME` shows above the options: the docstring (paragraphs separated by blank lines).
+        Passes with named presets or modes override this to explain them."""
+        return inspect.cleandoc(cls.__doc__ or "")
 
     @classmethod
     def summary(cls) -> str:

@@ -64,6 +64,9 @@ class RunReport:
     layers: NumericDiff | None = None
     skipped: list[dict[str, str]] = field(default_factory=list)
     fallback: list[dict[str, Any]] = field(default_factory=list)
+    #: What every pass decided (raised opsets, fallbacks, host-dependent choices) and selector criteria that
+    #: matched nothing: {"pass", "kind": "decision" | "matched nothing", "text"}.
+    decisions: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -72,6 +75,7 @@ class RunReport:
             "passes": self.passes, "fidelity": self.fidelity,
             "layers": self.layers.to_dict() if self.layers is not None else None,
             "coverage": self.coverage.to_dict(), "skipped": self.skipped, "fallback": self.fallback,
+            "decisions": self.decisions,
         }
 
 
@@ -174,6 +178,9 @@ def build_report(recipe: Recipe, result: PipelineResult) -> RunReport:
                  for s in r.result.skipped],
         fallback=[{"pass": r.name, "details": r.result.details, "notes": r.result.notes}
                   for r in result.records if _is_fallback(r.name, r.result.details)],
+        decisions=[{"pass": r.name, "kind": kind, "text": text} for r in result.records
+                   for kind, items in (("decision", r.result.decisions), ("matched nothing", r.result.unmatched))
+                   for text in items],
     )
     if source is None:
         report.notes.append("no input model in the result: no fidelity or per-layer data.")
@@ -254,6 +261,10 @@ def report_html(report: RunReport) -> str:
                  + "".join(f"<p>{esc(n)}</p>" for n in f["notes"]) for f in report.fallback)
     sections.append(section("Fallback decisions", fb or '<p class="muted">no fallback pass in this recipe.</p>',
                             "fallback-section"))
+    sections.append(section("Decisions and selectors that matched nothing", table(
+        ["pass", "kind", "what"], [[d["pass"], d["kind"], d["text"]] for d in report.decisions],
+        table_id="decisions") if report.decisions else '<p class="muted">no pass made a decision worth noting.</p>',
+        "decisions-section"))
     sections.append(section("Nodes left alone", table(["pass", "node", "reason"],
                                                       [[k["pass"], k["node"], k["reason"]] for k in report.skipped],
                                                       table_id="skipped"), "skipped-section"))

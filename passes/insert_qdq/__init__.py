@@ -40,6 +40,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
     config_class = InsertQDQConfig
     preserves_float = False
 
+    @classmethod
+    def help_text(cls) -> str:
+        """The docstring plus every preset and why it chooses what it does."""
+        presets = "\n\n".join(f"preset {p.name}: {p.why}" for p in PRESETS.values())
+        return super().help_text() + "\n\n" + presets
+
     # ------------------------------------------------------------------ validation
     def check(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Opset rules and data availability, before anything is written."""

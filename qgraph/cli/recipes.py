@@ -68,7 +68,8 @@ def list_passes(
 ) -> None:
     """List the available passes with their options; `qgraph passes NAME` shows one in full."""
     if name is not None:
-        _app.out.print(describe_pass(get_pass(name)), markup=False, highlight=False)
+        width = max(60, min(_app.out.width, 120))
+        _app.out.print(describe_pass(get_pass(name), width), markup=False, highlight=False, soft_wrap=True)
         return
     width = max(60, min(_app.out.width, 120))
     blocks = []
@@ -78,7 +79,7 @@ def list_passes(
         for row in option_rows(cls.config_class, nested=False):
             lines += _wrap(f"{row.name} = {row.default}", width, "    ", "        ")
         blocks.append("\n".join(lines))
-    _app.out.print("\n\n".join(blocks), markup=False, highlight=False)
+    _app.out.print("\n\n".join(blocks), markup=False, highlight=False, soft_wrap=True)
     _app.out.print(f"\n{len(blocks)} passes. `qgraph passes NAME` shows one with types, descriptions and an example.",
                    markup=False, highlight=False)
 
@@ -107,17 +108,22 @@ def option_rows(config: type[BaseModel], *, nested: bool = True, prefix: str = "
     return rows
 
 
-def describe_pass(cls: PassClass) -> str:
-    """The full catalogue entry of one pass: docstring, options with types and defaults, an example."""
-    doc = textwrap.dedent((cls.__doc__ or "").strip("\n"))
+def describe_pass(cls: PassClass, width: int = 100) -> str:
+    """The full catalogue entry of one pass: its help text, options with types and defaults, an example."""
     kind = "keeps float results (checked by --verify)" if cls.preserves_float else "changes float results"
-    lines = [f"{cls.name}  ({kind})", "", doc, "", "options:"]
+    lines = [f"{cls.name}  ({kind})", ""]
+    for paragraph in cls.help_text().split("\n\n"):
+        lines += [*_wrap(" ".join(paragraph.split()), width, "  "), ""]
+    lines.append("options:")
     for row in option_rows(cls.config_class):
         head = f"  {row.name}: {row.type}" + (f" = {row.default}" if row.default else "")
-        lines.append(head)
-        lines += _wrap(row.description, 100, "      ")
+        lines += _wrap(head, width, "", "      ")
+        lines += _wrap(row.description, width, "      ")
     lines += ["", "example:", "  passes:", f"    - pass: {cls.name}"]
-    lines += ["      " + line for line in _example_lines(cls.config_class)]
+    for line in _example_lines(cls.config_class):
+        # Flow collections may continue on lines indented deeper than their key: still valid YAML.
+        indent = "      " + " " * (len(line) - len(line.lstrip()))
+        lines += _wrap(line.strip(), width, indent, indent + "    ")
     return "\n".join(lines)
 
 

@@ -168,13 +168,20 @@ def print_analysis(console: Console, a: dict[str, Any], top: int = 10) -> None:
         if rows:
             console.print(_rich_table("BatchNormalization not foldable", ["node", "reason"], rows))
     op = a["opset"]
-    if op["unsupported"] or op["version_changes"]:
+    if op["unsupported"]:
         console.print(_rich_table(
             f"ops vs opset {op['target_opset']} (model opset {op['model_opset']})", ["op", "nodes", "issue"],
-            [[u["op"], u["count"], u["reason"]] for u in op["unsupported"]]
-            + [[c["op"], c["count"], f"definition changes: opset {c['from']} → {c['to']}"]
-               for c in op["version_changes"]]))
-    else:
+            [[u["op"], u["count"], u["reason"]] for u in op["unsupported"]]))
+    if op["target_opset"] != op["model_opset"]:
+        rows, more = _clip([[b] for b in op.get("blockers", [])], top)
+        if rows:
+            console.print(_rich_table(f"what blocks opset {op['target_opset']} (model opset {op['model_opset']})"
+                                      + (f", {more} more" if more else ""), ["node and reason"], rows))
+        else:
+            changed = sum(c["count"] for c in op["version_changes"])
+            console.print(f"converts to opset {op['target_opset']} with the same results ({changed} nodes whose op "
+                          "definition changes are rewritten by `qgraph lower`)", highlight=False)
+    elif not op["unsupported"]:
         console.print(f"every op is defined at opset {op['target_opset']}", highlight=False)
     if a.get("target"):
         t = a["target"]
@@ -189,6 +196,8 @@ def print_analysis(console: Console, a: dict[str, Any], top: int = 10) -> None:
     if rows:
         console.print(_rich_table("extreme ranges" + (f" (first {top}, {more} more)" if more else ""),
                                   ["tensor", "kind", "min", "max", "spread", "why"], rows))
+    if a["saturation"] is None:  # not a question for this target
+        return
     rows, more = _clip([[r["node"], r["op"], r["overflowing_pairs"], r["pairs"], r["worst_pair_sum"],
                          r["max_weight_code"]] for r in a["saturation"]], top)
     if not rows and cov["dequantize_nodes"]:

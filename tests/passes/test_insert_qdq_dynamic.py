@@ -8,9 +8,9 @@ import pytest
 from insert_qdq_helpers import cosine, feeds_for, initializer, nodes_by_name, quantize, run, with_weights
 from qgraph.passes.insert_qdq import InsertQDQConfig
 from qgraph.passes.insert_qdq.config import resolve_reduce_range
-from qgraph.target import CpuInfo, parse_cpuinfo
 
 from qgraph.qdq import ort_fusion_report
+from qgraph.target import CpuInfo, parse_cpuinfo
 
 MLP = """
 <ir_version: 8, opset_import: ["" : 17]>

@@ -1,0 +1,79 @@
+"""What the README promises is visible in the terminal: the pass catalogue reads well at 80 columns, the run
+summary shows decisions, unmatched selectors and skips, the report lists them, inspect names real blockers
+(issue #12 items 5 and 8)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from qgraph import Recipe
+from qgraph.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "examples" / "digits"
+
+
+@pytest.fixture
+def narrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("qgraph.cli._app.out", Console(width=80, emoji=False))
+
+
+def test_pass_catalogue_at_80_columns(narrow: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["passes"]) == 0
+    text = capsys.readouterr().out
+    assert "PydanticUndefined" not in text and "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert re.search(r"^    remove_identity = true$", text, re.M)  # one option a line, real defaults
+    assert "    nodes = {names: [], regex: [], op_types: [], ranges: [], exclude: null}" in text or "nodes =" in text
+
+
+def test_one_pass_in_full_with_a_working_example(narrow: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["passes", "insert_qdq"]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "  weights.reduce_range: auto | bool = auto" in text
+    assert "preset ort-x86-avx2: x86 AVX2 without VNNI" in text
+    example = text.split("example:\n", 1)[1]
+    recipe = Recipe.from_text("name: example\n" + "\n".join(line[2:] for line in example.splitlines()))
+    assert recipe.passes[0].name == "insert_qdq"
+    assert main(["passes", "fuse_batchnrom"]) == 2
+    assert "Did you mean 'fuse_batchnorm'" in capsys.readouterr().err
+
+
+def test_run_summary_shows_decisions_unmatched_and_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\npasses:\n  - pass: insert_qdq\n    preset: ort-x86-vnni\n"
+                      "    nodes: {names: [does_not_exist]}\n    weights: {reduce_range: auto}\n")
+    report = tmp_path / "r.html"
+    args = ["run", str(recipe), str(DIGITS / "model.onnx"), "-o", str(tmp_path / "o.onnx"),
+            "--calibration-data", str(DIGITS / "calibration.npz")]
+    assert main([*args, "--report", str(report)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "matched nothing: names: 'does_not_exist' matched no node" in err
+    assert "decision: reduce_range: auto -> false: the recipe declares no target.cpu" in err
+    assert f"wrote report {report}" in err
+    html = report.read_text()
+    assert 'id="decisions"' in html and "does_not_exist" in html
+    assert main([*args, "-q"]) == 0
+    quiet = capsys.readouterr().err
+    assert "✓" not in quiet and "decision:" not in quiet
+
+
+def test_inspect_names_real_blockers_and_target_relevant_checks(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    int8 = tmp_path / "int8.onnx"
+    assert main(["run", str(ROOT / "recipes" / "ort-x86-vnni.yaml"), str(DIGITS / "model.onnx"), "-o", str(int8),
+                 "--calibration-data", str(DIGITS / "calibration.npz"), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(int8), "--opset", "11", "--target", "tensorrt"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "what blocks opset 11" in text
+    assert "DequantizeLinear node" in text and "per-axis" in text
+    assert "definition changes" not in text
+    assert "saturation" not in text
+    assert main(["inspect", str(DIGITS / "model.onnx"), "--opset", "13"]) == 0
+    assert "converts to opset 13 with the same results" in " ".join(capsys.readouterr().out.split())
