@@ -79,6 +79,9 @@ class PassResult:
     decisions: list[str] = field(default_factory=list)
     #: Selector criteria that matched no node (a typo in a recipe is reported, never silently ignored).
     unmatched: list[str] = field(default_factory=list)
+    #: A goal the pass could not reach (e.g. an accuracy target within its time budget), in one sentence. The
+    #: model keeps the best the pass found and is still written; `qgraph run` then exits 1.
+    unmet: str | None = None
 
     def skip(self, node: str, reason: str) -> None:
         """Record that ``node`` was left alone because of ``reason``."""
@@ -101,6 +104,7 @@ class PassResult:
             "notes": self.notes,
             "decisions": self.decisions,
             "unmatched": self.unmatched,
+            "unmet": self.unmet,
         }
 
 

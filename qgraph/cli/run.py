@@ -98,6 +98,11 @@ def run(
 
         write_report(report, rec, result)
         say(f"wrote report {report}")
+    unmet = [f"pass #{r.index} {r.name}: {r.result.unmet}" for r in result.records if r.result.unmet]
+    if unmet:
+        from qgraph.errors import PassError
+
+        raise PassError("; ".join(unmet) + ". Exit 1: a goal of the recipe was not reached.")
 
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None) -> None:

@@ -272,3 +272,25 @@ def test_on_insert_qdq_output_inside_a_recipe(tmp_path: Path) -> None:
     before = compare_models(ref, quantized, feeds)[0].sqnr_db
     after = compare_models(ref, result.model, feeds)[0].sqnr_db
     assert before < 40 <= after
+
+
+@pytest.mark.skipif(not (DIGITS / "model.onnx").exists(), reason="examples/digits not built")
+def test_run_exits_1_and_keeps_the_best_model_when_the_target_is_not_met(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with np.load(DIGITS / "calibration.npz") as z:
+        np.savez(tmp_path / "calib.npz", input=z["input"][:16])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: unreachable\npasses:\n  - pass: insert_qdq\n    preset: ort-x86-vnni\n  - pass: float_fallback\n"
+        f"    auto: {{target: 'sqnr:300', reference: {str(DIGITS / 'model.onnx')!r}, samples: 16, max_nodes: 1}}\n"
+    )
+    out = tmp_path / "o.onnx"
+    code = main(["run", str(recipe), str(DIGITS / "model.onnx"), "-o", str(out), "--calibration-data",
+                 str(tmp_path / "calib.npz")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1
+    assert out.exists()  # the best model found is kept
+    assert "not met (search stopped: max_nodes" in err
+    assert "decision: auto: target NOT met" in err
+    assert "Traceback" not in err
