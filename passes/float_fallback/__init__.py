@@ -167,9 +167,10 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         res.decisions.append("auto: " + result.message())
         res.notes.extend(f"auto: {n}" for n in result.notes)
         if not result.target_met:
-            res.unmet = (f"float_fallback auto: {result.target.describe()} not met (search stopped: {result.stop_reason}); "
-                         f"the best model found ({len(result.nodes)} node(s) in float, score {result.score:.6g}) was "
-                         "kept")
+            res.unmet = (
+                f"float_fallback auto: {result.target.describe()} not met (search stopped: {result.stop_reason}); "
+                f"the best model found ({len(result.nodes)} node(s) in float, score {result.score:.6g}) was kept"
+            )
         if result.nodes:
             _record(res, fall_back(graph, select(graph, NodeSelector(names=tuple(result.nodes))).nodes))
             res.matched += len(result.nodes)

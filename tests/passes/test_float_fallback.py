@@ -272,7 +272,8 @@ def test_auto_mode_inside_the_pass_defaults_to_the_stripped_model(ort_encoder, t
     assert any("every Q/DQ removed" in n for n in res.notes)
     assert res.details["auto"]["target_met"] is False and len(res.details["auto"]["nodes"]) == 2
     assert res.details["fallen_back"] == res.details["auto"]["nodes"] and res.rewritten == 2
-    assert any(n.startswith("auto: target NOT met") for n in res.notes)
+    assert any(n.startswith("auto: target NOT met") for n in res.decisions)
+    assert res.unmet is not None and "not met" in res.unmet
 
 
 def test_float_and_qdq_models_must_match(ort_encoder, shared: onnx.ModelProto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
