@@ -14,11 +14,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, PassResult
-
-from . import _bn_math as bnm
-from ._graphutil import (
+from qgraph.graph import (
     Inferred,
-    NameRegistry,
     const_dtype,
     const_value,
     consumers,
@@ -26,10 +23,11 @@ from ._graphutil import (
     onnx_type_name,
     producer,
     set_const,
-    static_shapes,
     tensor_dtype,
     tensor_shape,
 )
+
+from . import _bn_math as bnm
 
 if TYPE_CHECKING:
     from .fuse_batchnorm import FuseBatchNormConfig
@@ -60,19 +58,16 @@ class BNMatcher:
         self.result = PassResult()
         self.scopes = graph_scopes(handle.graph, config.recurse_subgraphs)
         self.counts: Counter[str] = Counter()
-        self._names: NameRegistry | None = None
         self._inferred: Inferred | None = None
         self._graph_outputs: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
     def name(self, base: str) -> str:
-        if self._names is None:
-            self._names = NameRegistry(self.handle, self.scopes)
-        return self._names(base)
+        return self.handle.unique_name(base)
 
     def inferred(self) -> Inferred:
         if self._inferred is None:
-            self._inferred = static_shapes(self.handle)
+            self._inferred = self.handle.shapes()
         return self._inferred
 
     def new_node(self, op: str, name: str, inputs: list[gs.Tensor], outputs: list[gs.Tensor]) -> gs.Node:

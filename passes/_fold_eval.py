@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from ._graphutil import const_value
+from qgraph.graph import const_value
 
 DEFAULT_DOMAINS = ("", "ai.onnx", None)
 #: ``static_shape(tensor)``: the tensor's fully known shape, or None.

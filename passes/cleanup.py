@@ -26,15 +26,14 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, ModelError, Pass, PassConfig, PassContext, PassResult, register
-
-from ._graphutil import (
+from qgraph.graph import (
     const_value,
     graph_scopes,
     is_topological,
     producer,
     rebuild,
     redirect,
-    topological,
+    topological_order,
 )
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", None)
@@ -245,7 +244,7 @@ def _toposort(handle: GraphHandle, scopes: list[gs.Graph]) -> int:
         if g is handle.graph:
             handle.toposort()
         else:
-            order = topological(g.nodes)
+            order = topological_order(g.nodes)
             if order is None:
                 raise ModelError(f"subgraph {g.name!r} has a cycle; ONNX graphs must be acyclic.")
             g.nodes = order

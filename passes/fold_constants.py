@@ -29,19 +29,17 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
-from qgraph.graph import constant_node_value
-
-from ._fold_eval import evaluation_model, generator_size, run_model, shape_value
-from ._graphutil import (
+from qgraph.graph import (
     Inferred,
-    NameRegistry,
     const_value,
+    constant_node_value,
     graph_scopes,
     node_subgraphs,
     rebuild,
-    static_shapes,
     tensor_shape,
 )
+
+from ._fold_eval import evaluation_model, generator_size, run_model, shape_value
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", None)
 _QDQ = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
@@ -119,18 +117,15 @@ class _Folder:
         self.inferred: Inferred | None = None
         self.stats = {"constant_nodes": 0, "shape_nodes": 0, "evaluated_nodes": 0, "initializers": 0, "bytes": 0}
         self.sessions = 0
-        self._names: NameRegistry | None = None
 
     def name(self, base: str) -> str:
-        if self._names is None:
-            self._names = NameRegistry(self.handle, self.scopes)
-        return self._names(base)
+        return self.handle.unique_name(base)
 
     def run(self) -> PassResult:
         for g in self.scopes:
             self.constant_nodes(g)
         if self.cfg.fold_shapes and any(self.shape_unknown(n) for g in self.scopes for n in g.nodes):
-            self.inferred = static_shapes(self.handle)
+            self.inferred = self.handle.shapes()
         for g in self.scopes:
             self.fold(g)
         res = self.result

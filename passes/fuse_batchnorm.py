@@ -28,10 +28,10 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
+from qgraph.graph import const_value, consumers, producer, rebuild, redirect, set_const, tensor_dtype, unlink
 
 from . import _bn_math as bnm
 from ._bn_match import BNMatcher, Refusal
-from ._graphutil import const_value, consumers, producer, rebuild, redirect, set_const, tensor_dtype, unlink
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", None)
 

@@ -20,11 +20,9 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from qgraph.errors import ModelError, WriteError
+from qgraph.graph.checks import check_unique_names
 from qgraph.outputs import temporary_file, write_atomic
 
-#: Highest IR version qgraph writes unless the opsets need more. onnxruntime 1.31 loads up to 13; 10 is what
-#: opsets up to 22 need and what older runtimes (TensorRT, ORT 1.16+) also load.
-MAX_RUNTIME_IR_VERSION = 10
 #: Protobuf's hard limit; beyond it tensors must live in external data.
 PROTOBUF_LIMIT = 2**31 - 1
 #: Tensors at least this large go to external data when a model is saved with external data.
@@ -49,8 +47,6 @@ def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
         raise ModelError(f"{p} parsed as an empty ONNX model (no nodes, no outputs): it is probably not ONNX.")
     if not model.opset_import:
         raise ModelError(f"{p} declares no opset_import: it is not a valid ONNX model.")
-    from qgraph.graph import check_unique_names  # graph imports this module
-
     check_unique_names(model)
     _check_external_locations(model, p)
     try:
@@ -151,22 +147,6 @@ def _all_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     from onnx.external_data_helper import _get_all_tensors
 
     return list(_get_all_tensors(model))
-
-
-def required_ir_version(model: onnx.ModelProto) -> int:
-    """The lowest IR version valid for the model's opsets, at least 4 (initializers need not be inputs)."""
-    opsets = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
-    try:
-        needed = int(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True))
-    except (ValueError, TypeError):
-        needed = 7
-    return max(needed, 4)
-
-
-def normalize_ir_version(model: onnx.ModelProto, max_ir: int = MAX_RUNTIME_IR_VERSION) -> None:
-    """Set an IR version that the opsets need and the runtime loads (in place)."""
-    needed = required_ir_version(model)
-    model.ir_version = max(min(max(model.ir_version, needed), max_ir), needed)
 
 
 def save_model(

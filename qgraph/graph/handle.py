@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +23,12 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import logger as _gs_logger_module
 
 from qgraph.errors import ModelError
-from qgraph.gs_compat import TypeKeeper
-from qgraph.model_io import normalize_ir_version
+from qgraph.ir_version import normalize_ir_version
+
+from .checks import gs_cycle_message
+from .gs_compat import TypeKeeper
+from .ops import Inferred, const_value, graph_scopes, topological_order
+from .shapes import static_shapes
 
 
 def _log_to_stderr(*args: Any, **kwargs: Any) -> None:
@@ -89,7 +93,12 @@ class GraphHandle:
         self.metadata: dict[str, str] = {p.key: p.value for p in model.metadata_props}
         self.walks: collections.Counter[str] = collections.Counter()
         self._index: GraphIndex | None = None
+        self._index_of: list[gs.Node] | None = None
         self._nx: networkx.DiGraph | None = None
+        self._shapes: Inferred | None = None
+        self._scope_names: set[str] | None = None
+        #: Names handed out by `unique_name` since the last `changed()` (nodes may not be inserted yet).
+        self._taken: set[str] = set()
 
     # ------------------------------------------------------------------ model-level facts
     @property
@@ -108,16 +117,36 @@ class GraphHandle:
 
     # ------------------------------------------------------------------ cached analyses
     def changed(self) -> None:
-        """Invalidate the cached index and networkx view; call after mutating ``graph``."""
+        """Invalidate the cached index, networkx view, shapes and names; call after mutating ``graph``.
+
+        The engine's graph operations and the pipeline (after every pass) call it; the index also rebuilds
+        itself when the node list was replaced or changed length since it was built."""
+        self._drop_caches()
+        self._taken = set()
+
+    def _drop_caches(self) -> None:
         self._index = None
         self._nx = None
+        self._shapes = None
+        self._scope_names = None
 
     @property
     def index(self) -> GraphIndex:
         """Producers, consumers, nodes and tensors by name (built once per change)."""
+        nodes: list[gs.Node] = self.graph.nodes
+        if self._index is not None and (self._index_of is not nodes or len(self._index.nodes) != len(nodes)):
+            self._drop_caches()  # stale: the node list was replaced or edited without `changed()`
         if self._index is None:
             self._index = self._build_index()
+            self._index_of = nodes
         return self._index
+
+    def shapes(self) -> Inferred:
+        """Shape and element type of every tensor in every scope after ONNX shape inference (run once per change
+        on a weight-free export; what inference cannot find is absent)."""
+        if self._shapes is None:
+            self._shapes = static_shapes(self.to_onnx())
+        return self._shapes
 
     def _build_index(self) -> GraphIndex:
         self.walks["index"] += 1
@@ -190,52 +219,40 @@ class GraphHandle:
         return name in self.index.graph_outputs
 
     def constant_value(self, tensor: gs.Tensor) -> np.ndarray | None:
-        """The value of ``tensor`` if it is an initializer or the output of a ``Constant`` node, else None."""
-        if isinstance(tensor, gs.Constant):
-            return np.asarray(tensor.values)
-        prod = self.producer(tensor)
-        if prod is None or prod.op != "Constant":
-            return None
-        return constant_node_value(prod)
+        """The value of ``tensor`` if it is an initializer or the output of a ``Constant`` node (any scope)."""
+        return const_value(tensor)
 
     def tag(self, node: gs.Node | str, pass_name: str) -> None:
         """Record that ``pass_name`` created ``node`` (written to the node's doc_string on export)."""
         self.tags[node if isinstance(node, str) else node.name] = pass_name
 
     def unique_name(self, base: str) -> str:
-        """``base`` if no node or tensor uses it yet, else ``base_1``, ``base_2``... (O(1) amortised)."""
+        """``base`` if no node or tensor in any scope uses it yet, else ``base_1``, ``base_2``... (O(1) amortised
+        after one walk of the subgraphs per change)."""
         idx = self.index
-        taken = self._taken_names
+        taken = self._taken
+        if self._scope_names is None:
+            self._scope_names = set()
+            for g in graph_scopes(self.graph)[1:]:
+                self._scope_names.update(t.name for t in g.inputs)
+                for node in g.nodes:
+                    self._scope_names.add(node.name)
+                    self._scope_names.update(t.name for t in (*node.inputs, *node.outputs))
+        scoped = self._scope_names
         name, k = base, 0
-        while name in idx.by_name or name in idx.tensors or name in taken:
+        while name in idx.by_name or name in idx.tensors or name in taken or name in scoped:
             k += 1
             name = f"{base}_{k}"
         taken.add(name)
         return name
 
-    @property
-    def _taken_names(self) -> set[str]:
-        # Names handed out since the last index build (the index does not see them yet).
-        if getattr(self, "_taken_for", None) is not self._index:
-            self._taken: set[str] = set()
-            self._taken_for = self._index
-        return self._taken
-
     def subgraphs(self) -> Iterator[gs.Graph]:
-        """Every nested graph (If/Loop/Scan bodies), recursively."""
-        stack: list[gs.Graph] = [self.graph]
-        while stack:
-            g = stack.pop()
-            for node in g.nodes:
-                for value in node.attrs.values():
-                    if isinstance(value, gs.Graph):
-                        yield value
-                        stack.append(value)
-                    elif isinstance(value, list):
-                        for v in value:
-                            if isinstance(v, gs.Graph):
-                                yield v
-                                stack.append(v)
+        """Every nested graph (If/Loop/Scan bodies), recursively, outermost first."""
+        yield from graph_scopes(self.graph)[1:]
+
+    def scopes(self) -> list[gs.Graph]:
+        """The top graph and every nested graph, outermost first."""
+        return graph_scopes(self.graph)
 
     def cleanup(self, remove_unused_graph_inputs: bool = False) -> None:
         """Remove dead nodes and tensors (one graphsurgeon walk) and invalidate caches."""
@@ -249,7 +266,7 @@ class GraphHandle:
         self.walks["toposort"] += 1
         order = topological_order(self.graph.nodes)
         if order is None:
-            raise ModelError(_cycle_message(self.graph.nodes))
+            raise ModelError(gs_cycle_message(self.graph.nodes))
         self.graph.nodes = order
         self.changed()
 
@@ -290,130 +307,11 @@ class GraphHandle:
         self.walks = walks
 
 
-def constant_node_value(node: gs.Node) -> np.ndarray | None:
-    """The value of a ``Constant`` node (``value``, ``value_float(s)``, ``value_int(s)``), else None."""
-    for key, value in node.attrs.items():
-        if key == "value" and isinstance(value, gs.Constant):
-            return np.asarray(value.values)
-        if key in ("value_float", "value_floats"):
-            return np.asarray(value, dtype=np.float32)
-        if key in ("value_int", "value_ints"):
-            return np.asarray(value, dtype=np.int64)
-    return None
-
-
 def _merge_opsets(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
     have = {o.domain for o in model.opset_import}
     for o in original.opset_import:
         if o.domain not in have and o.domain not in ("", "ai.onnx"):
             model.opset_import.add(domain=o.domain, version=o.version)
-
-
-def topological_order(nodes: Sequence[gs.Node]) -> list[gs.Node] | None:
-    """Kahn's algorithm over tensor names (iterative, stable w.r.t. the given order); None if cyclic."""
-    producer: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for t in node.outputs:
-            producer[t.name] = i
-    indegree = [0] * len(nodes)
-    successors: list[list[int]] = [[] for _ in nodes]
-    for j, node in enumerate(nodes):
-        deps = {producer[t.name] for t in _inputs_with_outer_scope(node) if t.name in producer}
-        deps.discard(j)
-        indegree[j] = len(deps)
-        for i in deps:
-            successors[i].append(j)
-    ready = collections.deque(i for i, d in enumerate(indegree) if d == 0)
-    # A heap would give the smallest-index-first order; a deque keeps it O(N) and is stable enough.
-    out: list[int] = []
-    while ready:
-        i = ready.popleft()
-        out.append(i)
-        for j in successors[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                ready.append(j)
-    if len(out) != len(nodes):
-        return None
-    return [nodes[i] for i in out]
-
-
-def _inputs_with_outer_scope(node: gs.Node) -> Iterable[gs.Tensor]:
-    yield from node.inputs
-    for value in node.attrs.values():
-        graphs = [value] if isinstance(value, gs.Graph) else value if isinstance(value, list) else []
-        for g in graphs:
-            if isinstance(g, gs.Graph):
-                local = {t.name for n in g.nodes for t in n.outputs} | {t.name for t in g.inputs}
-                for n in g.nodes:
-                    for t in _inputs_with_outer_scope(n):
-                        if t.name not in local and not isinstance(t, gs.Constant):
-                            yield t
-
-
-def _cycle_message(nodes: Sequence[gs.Node]) -> str:
-    g = networkx.DiGraph()
-    producer = {t.name: n.name or n.op for n in nodes for t in n.outputs}
-    for n in nodes:
-        for t in n.inputs:
-            if t.name in producer:
-                g.add_edge(producer[t.name], n.name or n.op)
-    try:
-        cycle = [edge[0] for edge in networkx.find_cycle(g)]
-    except networkx.NetworkXNoCycle:
-        cycle = []
-    shown = " -> ".join(cycle[:8]) + (" -> ..." if len(cycle) > 8 else "")
-    return (
-        f"the graph has a cycle ({shown}); ONNX graphs must be acyclic. Fix the exporter or the graph "
-        "surgery that produced it."
-    )
-
-
-def check_acyclic(model: onnx.ModelProto) -> None:
-    """Raise `ModelError` naming the nodes of a cycle if the model's top graph is cyclic."""
-    producer: dict[str, int] = {}
-    for i, node in enumerate(model.graph.node):
-        for t in node.output:
-            producer[t] = i
-    g = networkx.DiGraph()
-    g.add_nodes_from(range(len(model.graph.node)))
-    for j, node in enumerate(model.graph.node):
-        for t in node.input:
-            if t in producer and producer[t] != j:
-                g.add_edge(producer[t], j)
-    if networkx.is_directed_acyclic_graph(g):
-        return
-    cycle = [model.graph.node[e[0]].name or model.graph.node[e[0]].op_type for e in networkx.find_cycle(g)]
-    raise ModelError(
-        f"the graph has a cycle ({' -> '.join(cycle[:8])}); ONNX graphs must be acyclic. Fix the exporter or "
-        "the graph surgery that produced it."
-    )
-
-
-def check_unique_names(model: onnx.ModelProto) -> None:
-    """Raise `ModelError` when two initializers, or two node outputs, or an initializer and a node output share a
-    name in the top graph: onnxruntime then silently uses one of them, so the model computes something else."""
-    seen: dict[str, str] = {}
-    for t in model.graph.initializer:
-        if t.name in seen:
-            raise ModelError(f"the model has two initializers named {t.name!r}; onnxruntime would silently use one "
-                             "of them. Rename or remove the duplicate (names must be unique in a graph).")
-        seen[t.name] = "initializer"
-    for node in model.graph.node:
-        for name in node.output:
-            if not name:
-                continue
-            if name in seen:
-                other = seen[name]
-                raise ModelError(f"tensor {name!r} is produced twice (by node {node.name or node.op_type!r} and by "
-                                 f"{other}); every tensor must have exactly one producer. Rename one of them.")
-            seen[name] = f"node {node.name or node.op_type!r}"
-
-
-def check_model(model: onnx.ModelProto) -> None:
-    """The structural checks every input model gets before any work: unique names, no cycle."""
-    check_unique_names(model)
-    check_acyclic(model)
 
 
 def describe(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""Graph helpers shared by the preparation passes (``fold_constants``, ``fuse_batchnorm``, ``cleanup``).
+"""Graph operations for passes: reading constants, rewiring uses, dropping and inserting nodes, ordering.
 
 Everything here works on onnx-graphsurgeon objects through their own producer/consumer links
 (``tensor.inputs`` / ``tensor.outputs``), so it works the same in the top graph and in If/Loop/Scan bodies
@@ -9,26 +9,31 @@ Everything here works on onnx-graphsurgeon objects through their own producer/co
 - `redirect` moves every consumer of one tensor to another in O(fan-out) (graphsurgeon's own list
   bookkeeping is O(fan-out) per consumer, O(fan-out²) for a whole fan-out);
 - `detach` and `rebuild` drop and insert nodes in one pass over the node list;
-- `static_shapes` runs ONNX shape inference once on a weight-free export when a pass needs ranks.
+- `topological_order` is Kahn's algorithm (iterative: graphsurgeon's recursive sort overflows on long chains).
+
+Shapes and dtypes after shape inference come from `GraphHandle.shapes` (cached until the graph changes).
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from qgraph import GraphHandle
-from qgraph.graph import constant_node_value, topological_order
-
 Shape = tuple[int | None, ...]
 #: What shape inference found for a tensor: its shape (None if unknown) and its ONNX element type (0 if unknown).
 Inferred = dict[str, tuple[Shape | None, int]]
 
-#: Initializers at most this large stay in the model given to shape inference (Reshape targets etc.).
-_SHAPE_INFERENCE_KEEP_BYTES = 4096
+#: The spellings of ONNX's default operator domain (graphsurgeon reports None for a node without one).
+DEFAULT_DOMAINS: tuple[str | None, ...] = ("", "ai.onnx", None)
+
+
+def is_default_domain(domain: str | None) -> bool:
+    """Whether ``domain`` names ONNX's default operator set."""
+    return domain in DEFAULT_DOMAINS
 
 
 def node_subgraphs(node: gs.Node) -> list[gs.Graph]:
@@ -85,12 +90,24 @@ def onnx_type_name(dtype: object) -> str:
     return str(dtype)
 
 
+def constant_node_value(node: gs.Node) -> np.ndarray | None:
+    """The value of a ``Constant`` node (``value``, ``value_float(s)``, ``value_int(s)``), else None."""
+    for key, value in node.attrs.items():
+        if key == "value" and isinstance(value, gs.Constant):
+            return np.asarray(value.values)
+        if key in ("value_float", "value_floats"):
+            return np.asarray(value, dtype=np.float32)
+        if key in ("value_int", "value_ints"):
+            return np.asarray(value, dtype=np.int64)
+    return None
+
+
 def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     """Value of an initializer or of a ``Constant`` node's output (any scope), else None."""
     if isinstance(tensor, gs.Constant):
         return np.asarray(tensor.values)
     prod = producer(tensor)
-    if prod is not None and prod.op == "Constant" and prod.domain in ("", "ai.onnx", None):
+    if prod is not None and prod.op == "Constant" and is_default_domain(prod.domain):
         return constant_node_value(prod)
     return None
 
@@ -246,9 +263,33 @@ def is_topological(nodes: Sequence[gs.Node]) -> bool:
     return True
 
 
-def topological(nodes: Sequence[gs.Node]) -> list[gs.Node] | None:
-    """Kahn's algorithm (iterative, stable); None if the nodes form a cycle (the core's implementation)."""
-    return topological_order(nodes)
+def topological_order(nodes: Sequence[gs.Node]) -> list[gs.Node] | None:
+    """Kahn's algorithm over tensor names (iterative, stable w.r.t. the given order); None if cyclic."""
+    producer: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for t in node.outputs:
+            producer[t.name] = i
+    indegree = [0] * len(nodes)
+    successors: list[list[int]] = [[] for _ in nodes]
+    for j, node in enumerate(nodes):
+        deps = {producer[t.name] for t in dependencies(node) if t.name in producer}
+        deps.discard(j)
+        indegree[j] = len(deps)
+        for i in deps:
+            successors[i].append(j)
+    ready = collections.deque(i for i, d in enumerate(indegree) if d == 0)
+    # A heap would give the smallest-index-first order; a deque keeps it O(N) and is stable enough.
+    out: list[int] = []
+    while ready:
+        i = ready.popleft()
+        out.append(i)
+        for j in successors[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    if len(out) != len(nodes):
+        return None
+    return [nodes[i] for i in out]
 
 
 def tensor_shape(tensor: gs.Tensor, inferred: Inferred | None = None) -> Shape | None:
@@ -277,74 +318,3 @@ def tensor_dtype(tensor: gs.Tensor, inferred: Inferred | None = None) -> np.dtyp
         except KeyError:
             return None
     return None
-
-
-def static_shapes(handle: GraphHandle) -> Inferred:
-    """Shapes and types of every tensor of the model (all scopes) after ONNX shape inference (data propagation on).
-
-    Runs on an export whose large initializers are turned into typed graph inputs, so inference costs
-    O(nodes) and copies no weights. Returns what inference could find; never raises.
-    """
-    model = handle.to_onnx()
-    graph = model.graph
-    big = [t for t in graph.initializer if _proto_bytes(t) > _SHAPE_INFERENCE_KEEP_BYTES]
-    if big:
-        small = [t for t in graph.initializer if _proto_bytes(t) <= _SHAPE_INFERENCE_KEEP_BYTES]
-        for t in big:
-            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-        del graph.initializer[:]
-        graph.initializer.extend(small)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception:
-        return {}
-    shapes: Inferred = {}
-    stack = [inferred.graph]
-    while stack:
-        g = stack.pop()
-        for info in [*g.input, *g.output, *g.value_info]:
-            if not info.type.HasField("tensor_type"):
-                continue
-            tt = info.type.tensor_type
-            shape: Shape | None = None
-            if tt.HasField("shape"):
-                shape = tuple(int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim)
-            shapes[info.name] = (shape, int(tt.elem_type))
-        for init in g.initializer:
-            shapes[init.name] = (tuple(int(d) for d in init.dims), int(init.data_type))
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
-    return shapes
-
-
-def _proto_bytes(t: onnx.TensorProto) -> int:
-    return len(t.raw_data) if t.HasField("raw_data") else t.ByteSize()
-
-
-class NameRegistry:
-    """Unique names for new tensors and nodes across every scope (the handle's index sees the top graph only)."""
-
-    def __init__(self, handle: GraphHandle, scopes: Sequence[gs.Graph]) -> None:
-        self._handle = handle
-        self._taken: set[str] = set()
-        for g in scopes[1:]:
-            for t in g.inputs:
-                self._taken.add(t.name)
-            for node in g.nodes:
-                self._taken.add(node.name)
-                self._taken.update(t.name for t in node.inputs)
-                self._taken.update(t.name for t in node.outputs)
-
-    def __call__(self, base: str) -> str:
-        """A name not used by any node or tensor: ``base`` or ``base_<k>``."""
-        name = self._handle.unique_name(base)
-        k = 0
-        while name in self._taken:
-            k += 1
-            name = self._handle.unique_name(f"{base}_{k}")
-        self._taken.add(name)
-        return name

@@ -1,0 +1,81 @@
+"""The graph layer every pass uses: one handle on the model, graph operations, checks.
+
+- `GraphHandle` (``handle``): the onnx-graphsurgeon graph to rewrite (``handle.graph``), a name index over the top
+  graph (``handle.index``: producers, consumers, nodes, tensors) and a networkx view (``handle.nx``), both built
+  once per change in O(N) and rebuilt when stale; shapes after inference (``handle.shapes()``, cached); unique
+  names across every scope (``handle.unique_name``); scopes (``handle.scopes()``); Kahn toposort; export with
+  provenance tags. The pipeline tags every node a pass creates with the pass's name.
+- Graph operations (``ops``), O(what they touch) and valid in any scope: `const_value`, `set_const`,
+  `producer`, `consumers`, `redirect` (replace every use of a tensor), `detach`, `unlink`, `rebuild`,
+  `graph_scopes`, `node_subgraphs`, `dependencies`, `topological_order`, `tensor_shape`, `tensor_dtype`.
+- Checks (``checks``): `check_model` on every input model, `check_structure` after every pass.
+- `MatchResult` (``match``): how a pass says "this pattern does not apply here, because ...".
+"""
+
+from __future__ import annotations
+
+from .checks import check_acyclic, check_model, check_structure, check_unique_names, cycle_message
+from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
+from .match import MatchResult, NoMatch
+from .ops import (
+    DEFAULT_DOMAINS,
+    Inferred,
+    Shape,
+    const_dtype,
+    const_value,
+    constant_node_value,
+    consumers,
+    dependencies,
+    detach,
+    graph_scopes,
+    is_default_domain,
+    is_topological,
+    node_subgraphs,
+    onnx_type_name,
+    outer_inputs,
+    producer,
+    rebuild,
+    redirect,
+    set_const,
+    tensor_dtype,
+    tensor_shape,
+    topological_order,
+    unlink,
+)
+
+__all__ = [
+    "DEFAULT_DOMAINS",
+    "TAG_PREFIX",
+    "GraphHandle",
+    "GraphIndex",
+    "Inferred",
+    "MatchResult",
+    "NoMatch",
+    "Shape",
+    "check_acyclic",
+    "check_model",
+    "check_structure",
+    "check_unique_names",
+    "const_dtype",
+    "const_value",
+    "constant_node_value",
+    "consumers",
+    "cycle_message",
+    "dependencies",
+    "describe",
+    "detach",
+    "graph_scopes",
+    "is_default_domain",
+    "is_topological",
+    "node_subgraphs",
+    "onnx_type_name",
+    "outer_inputs",
+    "producer",
+    "rebuild",
+    "redirect",
+    "set_const",
+    "tensor_dtype",
+    "tensor_shape",
+    "topological_order",
+    "unlink",
+]

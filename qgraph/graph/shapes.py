@@ -1,0 +1,57 @@
+"""Shape inference once per graph change, on an export without the weights (see `GraphHandle.shapes`)."""
+
+from __future__ import annotations
+
+import onnx
+
+from .ops import Inferred, Shape
+
+#: Initializers at most this large stay in the model given to shape inference (Reshape targets etc.).
+_SHAPE_INFERENCE_KEEP_BYTES = 4096
+
+
+def static_shapes(model: onnx.ModelProto) -> Inferred:
+    """Shapes and types of every tensor of the model (all scopes) after ONNX shape inference (data propagation on).
+
+    Runs on an export whose large initializers are turned into typed graph inputs, so inference costs
+    O(nodes) and copies no weights. Returns what inference could find; never raises.
+    """
+    graph = model.graph
+    big = [t for t in graph.initializer if _proto_bytes(t) > _SHAPE_INFERENCE_KEEP_BYTES]
+    if big:
+        small = [t for t in graph.initializer if _proto_bytes(t) <= _SHAPE_INFERENCE_KEEP_BYTES]
+        for t in big:
+            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        del graph.initializer[:]
+        graph.initializer.extend(small)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:
+        return {}
+    shapes: Inferred = {}
+    stack = [inferred.graph]
+    while stack:
+        g = stack.pop()
+        for info in [*g.input, *g.output, *g.value_info]:
+            if not info.type.HasField("tensor_type"):
+                continue
+            tt = info.type.tensor_type
+            shape: Shape | None = None
+            if tt.HasField("shape"):
+                shape = tuple(int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim)
+            shapes[info.name] = (shape, int(tt.elem_type))
+        for init in g.initializer:
+            shapes[init.name] = (tuple(int(d) for d in init.dims), int(init.data_type))
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attr.graphs)
+    return shapes
+
+
+def _proto_bytes(t: onnx.TensorProto) -> int:
+    return len(t.raw_data) if t.HasField("raw_data") else t.ByteSize()
+
+
