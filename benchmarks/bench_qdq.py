@@ -64,7 +64,7 @@ def prepare(name: str, folder: Path) -> dict[str, str]:
         cal = stack(transformer_encoder_inputs(32, seq=128, d_model=256, seed=1))
         ev = stack(transformer_encoder_inputs(16, seq=128, d_model=256, seed=2))
     else:
-        from qgraph.passes.raise_opset import raise_model
+        from qgraph.passes.lower_opset.raising import raise_model
 
         from qgraph.testing import materialize_light_model
 

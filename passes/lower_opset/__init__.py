@@ -31,7 +31,6 @@ def load_adapters() -> None:
     )
 
 
-from .context import Refused  # noqa: E402
 from .engine import MIN_TARGET, LoweringError, LoweringResult, lower_model  # noqa: E402
 from .wrapper import LowerOpset, LowerOpsetConfig  # noqa: E402
 
@@ -41,7 +40,6 @@ __all__ = [
     "LowerOpsetConfig",
     "LoweringError",
     "LoweringResult",
-    "Refused",
     "load_adapters",
     "lower_model",
 ]

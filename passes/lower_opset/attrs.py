@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import onnx
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, copy_node, del_attr, get_attr, input_at, set_attr, trim_inputs
+from .context import LowerContext, copy_node, del_attr, get_attr, input_at, set_attr, trim_inputs
 from .reduce_dynamic import reduce_runtime_axes
 from .registry import step
 
@@ -82,11 +84,11 @@ def squeeze_axes_to_attr(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -
     trim_inputs(out, 1)
     if not axes_name:
         if node.op_type == "Unsqueeze":
-            raise Refusal("Unsqueeze without axes")
+            raise NoMatch("Unsqueeze without axes")
         return [out]
     axes = ctx.const(axes_name)
     if axes is None:
-        raise Refusal(f"axes input {axes_name!r} is not a constant; {node.op_type}-11 needs an attribute")
+        raise NoMatch(f"axes input {axes_name!r} is not a constant; {node.op_type}-11 needs an attribute")
     vals = [int(a) for a in axes.reshape(-1)]
     if vals or node.op_type == "Unsqueeze":
         set_attr(out, "axes", vals)

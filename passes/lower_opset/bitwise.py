@@ -17,8 +17,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, get_attr
+from .context import LowerContext, get_attr
 from .registry import decomposition
 
 _WIDTH: dict[int, tuple[int, bool]] = {
@@ -39,7 +41,7 @@ def bitwise_not(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onn
     """``~x`` as ``-1 - x`` (signed) or ``(2^w - 1) - x`` (unsigned), computed in int64."""
     dt = ctx.dtype(node.input[0])
     if dt not in _WIDTH:
-        raise Refusal(f"BitwiseNot on dtype {dt} is not supported")
+        raise NoMatch(f"BitwiseNot on dtype {dt} is not supported")
     w, signed = _WIDTH[dt]
     b = Builder(ctx, node.name or "BitwiseNot")
     x = node.input[0] if dt == _I64 else b.cast(node.input[0], _I64)
@@ -57,7 +59,7 @@ def bitwise_binary(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[
     """Bit-by-bit And/Or/Xor in int64 arithmetic (see module docstring)."""
     dt = ctx.dtype(node.input[0])
     if dt not in _WIDTH:
-        raise Refusal(f"{node.op_type} on dtype {dt} is not supported")
+        raise NoMatch(f"{node.op_type} on dtype {dt} is not supported")
     w, signed = _WIDTH[dt]
     b = Builder(ctx, node.name or node.op_type)
     two, one = b.const(2, "int64"), b.const(1, "int64")
@@ -95,10 +97,10 @@ def cumprod(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx.No
     x = node.input[0]
     shape = ctx.shape(x)
     if shape is None:
-        raise Refusal(f"shape of {x!r} is unknown")
+        raise NoMatch(f"shape of {x!r} is unknown")
     dt = ctx.dtype(x)
     if dt is None:
-        raise Refusal(f"dtype of {x!r} is unknown")
+        raise NoMatch(f"dtype of {x!r} is unknown")
     exclusive = int(get_attr(node, "exclusive", 0))
     reverse = int(get_attr(node, "reverse", 0))
     r = len(shape)
@@ -143,7 +145,7 @@ def cumprod(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx.No
 
 def _unrolled(b: Builder, x: str, axis: int, n: int | None, dt: int, exclusive: int, reverse: int, out: str) -> None:
     if n is None or n > 256 or n == 0:
-        raise Refusal(f"CumProd needs a static length along axis {axis} (1..256), got {n}")
+        raise NoMatch(f"CumProd needs a static length along axis {axis} (1..256), got {n}")
     ax = b.const([axis], "int64")
     slices = [b.op("Slice", [x, b.const([i], "int64"), b.const([i + 1], "int64"), ax], dtype=dt) for i in range(n)]
     order = list(range(n - 1, -1, -1)) if reverse else list(range(n))

@@ -7,34 +7,15 @@ so adapters can answer "what dtype/rank/constant value is this input" in O(1).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qgraph.graph import NoMatch
+
 from .schemas import type_str
-
-
-class Refusal(Exception):
-    """Raised by an adapter when a node cannot be rewritten exactly; ``reason`` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Refused:
-    """One node the engine refused to rewrite, and why."""
-
-    node: str
-    op_type: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.op_type} node {self.node!r}: {self.reason}"
 
 
 def iter_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
@@ -124,10 +105,10 @@ class LowerContext:
         return None if s is None else len(s)
 
     def require_rank(self, name: str, why: str) -> int:
-        """Rank of ``name``; `Refusal` naming ``why`` when unknown."""
+        """Rank of ``name``; `NoMatch` naming ``why`` when unknown."""
         r = self.rank(name)
         if r is None:
-            raise Refusal(f"rank of {name!r} is unknown ({why})")
+            raise NoMatch(f"rank of {name!r} is unknown ({why})")
         return r
 
     def set_type(self, name: str, elem: int | None, shape: list[int | None] | None = None) -> None:

@@ -11,8 +11,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, get_attr, input_at
+from .context import LowerContext, get_attr, input_at
 from .registry import decomposition
 
 
@@ -22,7 +24,7 @@ def trilu(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx.Node
     x = node.input[0]
     dt = ctx.dtype(x)
     if dt is None:
-        raise Refusal(f"dtype of {x!r} is unknown")
+        raise NoMatch(f"dtype of {x!r} is unknown")
     upper = int(get_attr(node, "upper", 1))
     b = Builder(ctx, node.name or "Trilu")
     i64, bl = TensorProto.INT64, TensorProto.BOOL
@@ -64,7 +66,7 @@ def castlike(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx.N
     """``CastLike(x, like) → Cast(x; to=dtype(like))``."""
     to = ctx.dtype(node.input[1])
     if to is None:
-        raise Refusal(f"dtype of {node.input[1]!r} is unknown")
+        raise NoMatch(f"dtype of {node.input[1]!r} is unknown")
     n = helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=to)
     sat = get_attr(node, "saturate")
     if sat is not None and int(sat) == 0:

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import onnx
 
 from qgraph.errors import PassError
+from qgraph.graph import MatchResult, NoMatch
 
 from . import load_adapters
-from .context import LowerContext, Refusal, Refused, iter_graphs
+from .context import LowerContext, iter_graphs
 from .functions import expand_function
 from .registry import DECOMPOSITIONS, STEPS
 from .schemas import DEFAULT_DOMAINS, allowed_types, formal_index, has_function, schema, version_at
@@ -43,7 +44,7 @@ class LoweringResult:
     adapters: dict[str, int] = field(default_factory=dict)
     #: op type -> how many nodes of that op (at any depth) were rewritten
     ops: dict[str, int] = field(default_factory=dict)
-    refusals: list[Refused] = field(default_factory=list)
+    refusals: list[MatchResult] = field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0
 
@@ -56,7 +57,7 @@ class LoweringResult:
 class LoweringError(PassError):
     """Lowering is impossible without changing results; ``refusals`` lists every offending node."""
 
-    def __init__(self, message: str, refusals: list[Refused]) -> None:
+    def __init__(self, message: str, refusals: list[MatchResult]) -> None:
         super().__init__(message)
         self.refusals = refusals
 
@@ -66,7 +67,7 @@ class _Engine:
         self.ctx = ctx
         self.op_counts: Counter[str] = Counter()
 
-    def lower_graph(self, graph: onnx.GraphProto, opset: int, refusals: list[Refused]) -> None:
+    def lower_graph(self, graph: onnx.GraphProto, opset: int, refusals: list[MatchResult]) -> None:
         out: list[onnx.NodeProto] = []
         for node in graph.node:
             for a in node.attribute:
@@ -77,8 +78,9 @@ class _Engine:
                         self.lower_graph(g, opset, refusals)
             try:
                 new = self.lower_node(node, opset, original=True)
-            except Refusal as r:
-                refusals.append(Refused(node.name or (node.output[0] if node.output else "?"), node.op_type, r.reason))
+            except NoMatch as r:
+                name = node.name or (node.output[0] if node.output else "?")
+                refusals.append(MatchResult.fail(r.reason, name, node.op_type))
                 out.append(node)
                 continue
             if len(new) != 1 or new[0] is not node:
@@ -99,7 +101,7 @@ class _Engine:
             self.lower_subgraphs(node, opset)
         v = version_at(op, opset)
         if v is None:
-            raise Refusal(f"{op} does not exist at opset {opset}")
+            raise NoMatch(f"{op} does not exist at opset {opset}")
         t = version_at(op, ctx.target)
         if t == v:
             if not original:
@@ -111,16 +113,16 @@ class _Engine:
             entry = STEPS.get((op, v))
             try:
                 if entry is None:
-                    raise Refusal(f"no exact rewrite from {op}-{v} to an earlier version")
+                    raise NoMatch(f"no exact rewrite from {op}-{v} to an earlier version")
                 emitted, level = entry[1](node, ctx, v), v - 1
                 ctx.counts[f"{op}-{v}: {entry[0]}"] += 1
-            except Refusal as first:
+            except NoMatch as first:
                 if not has_function(schema(op, v)):
                     raise
                 try:
                     emitted, level = expand_function(node, ctx, opset), v
-                except Refusal as second:
-                    raise Refusal(f"{first.reason}; function expansion: {second.reason}") from None
+                except NoMatch as second:
+                    raise NoMatch(f"{first.reason}; function expansion: {second.reason}") from None
                 ctx.counts[f"{op}-{v}: function_body"] += 1
         result: list[onnx.NodeProto] = []
         for e in emitted:
@@ -132,10 +134,10 @@ class _Engine:
         """Lower the bodies of an emitted If/Loop/Scan (first refusal inside is raised)."""
         for a in node.attribute:
             for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
-                inner: list[Refused] = []
+                inner: list[MatchResult] = []
                 self.lower_graph(g, opset, inner)
                 if inner:
-                    raise Refusal(f"in the body of {node.op_type}: {inner[0]}")
+                    raise NoMatch(f"in the body of {node.op_type}: {inner[0]}")
 
     def decompose(self, node: onnx.NodeProto, opset: int, v: int) -> list[onnx.NodeProto]:
         ctx = self.ctx
@@ -147,30 +149,30 @@ class _Engine:
                 out = entry[1](node, ctx, opset)
                 ctx.counts[f"{op}-{v}: {entry[0]}"] += 1
                 return out
-            except Refusal as r:
+            except NoMatch as r:
                 reasons.append(r.reason)
         if has_function(schema(op, v)):
             try:
                 out = expand_function(node, ctx, opset)
                 ctx.counts[f"{op}-{v}: function_body"] += 1
                 return out
-            except Refusal as r:
+            except NoMatch as r:
                 reasons.append(f"function expansion: {r.reason}")
         why = "; ".join(reasons) if reasons else "no decomposition and no function body"
-        raise Refusal(f"{op} (since opset {v}) does not exist at opset {ctx.target}: {why}")
+        raise NoMatch(f"{op} (since opset {v}) does not exist at opset {ctx.target}: {why}")
 
     def validate(self, node: onnx.NodeProto, strict: bool) -> None:
         """Check a rewritten node against the target schema (arity, attributes, dtypes)."""
         ctx = self.ctx
         t = version_at(node.op_type, ctx.target)
         if t is None:
-            raise Refusal(f"internal: emitted {node.op_type} which does not exist at opset {ctx.target}")
+            raise NoMatch(f"internal: emitted {node.op_type} which does not exist at opset {ctx.target}")
         s = schema(node.op_type, t)
         if len(node.input) > s.max_input or len(node.output) > s.max_output:
-            raise Refusal(f"{node.op_type}-{t} takes at most {s.max_input} inputs / {s.max_output} outputs")
+            raise NoMatch(f"{node.op_type}-{t} takes at most {s.max_input} inputs / {s.max_output} outputs")
         for a in node.attribute:
             if a.name not in s.attributes:
-                raise Refusal(f"attribute {a.name!r} does not exist in {node.op_type}-{t}")
+                raise NoMatch(f"attribute {a.name!r} does not exist in {node.op_type}-{t}")
         bound: dict[str, str] = {}
         for names, params in ((node.input, s.inputs), (node.output, s.outputs)):
             for i, name in enumerate(names):
@@ -178,18 +180,18 @@ class _Engine:
                     continue
                 fi = formal_index(list(params), i)
                 if fi is None:
-                    raise Refusal(f"{node.op_type}-{t} has no parameter #{i}")
+                    raise NoMatch(f"{node.op_type}-{t} has no parameter #{i}")
                 p = params[fi]
                 ts = ctx.type_str(name)
                 if ts is None:
                     if strict and name not in ctx.trusted:
-                        raise Refusal(f"dtype of {name!r} is unknown, cannot check it against {node.op_type}-{t}")
+                        raise NoMatch(f"dtype of {name!r} is unknown, cannot check it against {node.op_type}-{t}")
                     continue
                 allowed = allowed_types(s, p)
                 if ts not in allowed:
-                    raise Refusal(f"{node.op_type}-{t} does not accept {ts} for {p.name!r} ({name!r})")
+                    raise NoMatch(f"{node.op_type}-{t} does not accept {ts} for {p.name!r} ({name!r})")
                 if p.type_str in bound and bound[p.type_str] != ts and p.option != p.option.Variadic:
-                    raise Refusal(f"{node.op_type}-{t} needs the same type for all {p.type_str} parameters")
+                    raise NoMatch(f"{node.op_type}-{t} needs the same type for all {p.type_str} parameters")
                 bound.setdefault(p.type_str, ts)
         for a in node.attribute:
             for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
@@ -222,7 +224,7 @@ def lower_model(model: onnx.ModelProto, target_opset: int) -> LoweringResult:
     types = collect_types(work)
     ctx = LowerContext(work, target_opset, types)
     engine = _Engine(ctx)
-    refusals: list[Refused] = []
+    refusals: list[MatchResult] = []
     engine.lower_graph(work.graph, src, refusals)
     if refusals:
         lines = "\n".join(f"  - {r}" for r in refusals)

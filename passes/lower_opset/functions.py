@@ -12,7 +12,9 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from .context import LowerContext, Refusal, constant_value
+from qgraph.graph import NoMatch
+
+from .context import LowerContext, constant_value
 from .schemas import DEFAULT_DOMAINS, schema, version_at
 
 
@@ -25,7 +27,7 @@ def function_proto(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> tuple
     """The FunctionProto defining ``node`` at ``opset`` and the node with schema defaults filled in."""
     v = version_at(node.op_type, opset)
     if v is None:
-        raise Refusal(f"{node.op_type} does not exist at opset {opset}")
+        raise NoMatch(f"{node.op_type} does not exist at opset {opset}")
     s = schema(node.op_type, v)
     plain: list[int] = list(getattr(s, "function_opset_versions", [])) if getattr(s, "has_function", False) else []
     dep: list[int] = (
@@ -34,7 +36,7 @@ def function_proto(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> tuple
         else []
     )
     if not plain and not dep:
-        raise Refusal(f"{node.op_type}-{v} has no function body")
+        raise NoMatch(f"{node.op_type}-{v} has no function body")
     full = onnx.NodeProto()
     full.CopyFrom(node)
     present = {a.name for a in full.attribute}
@@ -54,19 +56,19 @@ def function_proto(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> tuple
                     continue
                 tp = ctx.types.get(name)
                 if tp is None:
-                    raise Refusal(f"type of {name!r} is unknown, needed to build the {node.op_type} body")
+                    raise NoMatch(f"type of {name!r} is unknown, needed to build the {node.op_type} body")
                 types.append(tp.SerializeToString())
             fp.ParseFromString(
                 getattr(s, "get_context_dependent_function_with_opset_version")(  # noqa: B009
                     f, full.SerializeToString(), types
                 )
             )
-    except Refusal:
+    except NoMatch:
         raise
     except Exception as exc:
-        raise Refusal(f"ONNX cannot build the {node.op_type}-{v} function body: {exc}") from None
+        raise NoMatch(f"ONNX cannot build the {node.op_type}-{v} function body: {exc}") from None
     if not fp.node:
-        raise Refusal(f"{node.op_type}-{v} function body is empty for these inputs")
+        raise NoMatch(f"{node.op_type}-{v} function body is empty for these inputs")
     return fp, full
 
 

@@ -18,10 +18,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
 from .context import (
     LowerContext,
-    Refusal,
     constant_value,
     copy_node,
     del_attr,
@@ -76,7 +77,7 @@ def reshape_14(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onn
     if int(get_attr(node, "allowzero", 0)):
         shape = ctx.const(node.input[1])
         if shape is None or bool(np.any(shape == 0)):
-            raise Refusal("allowzero=1 with a shape that may contain 0 has no equivalent before opset 14")
+            raise NoMatch("allowzero=1 with a shape that may contain 0 has no equivalent before opset 14")
     del_attr(out, "allowzero")
     return [out]
 
@@ -89,7 +90,7 @@ def gemm_11(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.N
         return [out]
     dt = ctx.dtype(node.input[0])
     if dt is None:
-        raise Refusal("dtype of A is unknown")
+        raise NoMatch("dtype of A is unknown")
     zero = ctx.add_const(np.zeros((), dtype=helper.tensor_dtype_to_np_dtype(dt)), "gemm_c")
     trim_inputs(out, 2)
     out.input.append(zero)
@@ -101,7 +102,7 @@ def scatter_18(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onn
     """Refuse ``reduction='max'/'min'`` (new in 18), re-stamp otherwise."""
     red = get_attr(node, "reduction", b"none")
     if red in (b"max", b"min"):
-        raise Refusal(f"reduction={red.decode()!r} does not exist before opset 18")
+        raise NoMatch(f"reduction={red.decode()!r} does not exist before opset 18")
     return [copy_node(node)]
 
 
@@ -109,7 +110,7 @@ def scatter_18(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onn
 def gridsample_20(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.NodeProto]:
     """Rename modes to their opset-16 names; only 4-D inputs existed in 16."""
     if ctx.rank(node.input[0]) != 4:
-        raise Refusal("GridSample-16 supports 4-D inputs only (or the rank is unknown)")
+        raise NoMatch("GridSample-16 supports 4-D inputs only (or the rank is unknown)")
     out = copy_node(node)
     mode = get_attr(node, "mode", b"linear")
     set_attr(out, "mode", {b"linear": "bilinear", b"cubic": "bicubic"}.get(mode, mode.decode()))
@@ -120,12 +121,12 @@ def gridsample_20(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[
 def constant_12(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.NodeProto]:
     """``Constant(value_*) → Constant(value=tensor)``; sparse values are refused below 11."""
     if get_attr(node, "sparse_value") is not None:
-        raise Refusal("sparse_value does not exist before opset 11")
+        raise NoMatch("sparse_value does not exist before opset 11")
     if get_attr(node, "value") is not None:
         return [copy_node(node)]
     val = constant_value(node)
     if val is None:
-        raise Refusal("constant value cannot be read")
+        raise NoMatch("constant value cannot be read")
     if val.dtype.kind in "UO":
         val = np.asarray(val.astype(object))
     out = copy_node(node)
@@ -138,7 +139,7 @@ def constant_12(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[on
 def qdq_13(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.NodeProto]:
     """Opset 10 (De)QuantizeLinear is per-tensor: the scale must be a scalar."""
     if ctx.rank(node.input[1]) != 0:
-        raise Refusal("per-axis (1-D scale) quantization does not exist before opset 13")
+        raise NoMatch("per-axis (1-D scale) quantization does not exist before opset 13")
     out = copy_node(node)
     del_attr(out, "axis")
     return restamp_node(out, ctx, from_v)
@@ -150,18 +151,18 @@ def dropout_12(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onn
     out = copy_node(node)
     del_attr(out, "seed")
     if len(node.output) > 1 and node.output[1]:
-        raise Refusal("the mask output of Dropout-12 has no reliable equivalent in Dropout-10")
+        raise NoMatch("the mask output of Dropout-12 has no reliable equivalent in Dropout-10")
     mode = input_at(node, 2)
     if mode:
         v = ctx.const(mode)
         if v is None or bool(v.reshape(-1)[0]):
-            raise Refusal("training_mode is not a constant False")
+            raise NoMatch("training_mode is not a constant False")
     ratio = input_at(node, 1)
     trim_inputs(out, 1)
     if ratio:
         v = ctx.const(ratio)
         if v is None:
-            raise Refusal("ratio is not a constant")
+            raise NoMatch("ratio is not a constant")
         set_attr(out, "ratio", float(v.reshape(-1)[0]))
     return [out]
 
@@ -174,5 +175,5 @@ def mod_28(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.No
     """Refuse float Mod with ``fmod=0`` (opset 13 requires fmod=1 for floats); re-stamp otherwise."""
     dt = ctx.dtype(node.input[0])
     if int(get_attr(node, "fmod", 0)) == 0 and (dt is None or dt in _FLOATS):
-        raise Refusal("floating-point Mod with fmod=0 does not exist before opset 28")
+        raise NoMatch("floating-point Mod with fmod=0 does not exist before opset 28")
     return restamp_node(node, ctx, from_v)

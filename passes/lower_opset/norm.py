@@ -19,8 +19,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, get_attr, input_at
+from .context import LowerContext, get_attr, input_at
 from .registry import decomposition, step
 from .restamp import restamp_node
 
@@ -31,7 +33,7 @@ def layer_norm(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx
     x, scale, bias = node.input[0], node.input[1], input_at(node, 2)
     dt = ctx.dtype(x)
     if dt is None:
-        raise Refusal(f"dtype of {x!r} is unknown")
+        raise NoMatch(f"dtype of {x!r} is unknown")
     axis = int(get_attr(node, "axis", -1))
     eps = float(get_attr(node, "epsilon", 1e-5))
     stash = int(get_attr(node, "stash_type", 1))
@@ -73,9 +75,9 @@ def layer_norm(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx
 def batchnorm_14(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.NodeProto]:
     """``BatchNormalization-14(training_mode=0) → BatchNormalization-9`` (statistics outputs refused)."""
     if int(get_attr(node, "training_mode", 0)):
-        raise Refusal("training_mode=1 has different outputs before opset 14")
+        raise NoMatch("training_mode=1 has different outputs before opset 14")
     if any(o for o in list(node.output)[1:]):
-        raise Refusal("running statistics outputs have a different meaning before opset 14")
+        raise NoMatch("running statistics outputs have a different meaning before opset 14")
     out = restamp_node(node, ctx, from_v)[0]
     del out.output[1:]
     return [out]

@@ -17,8 +17,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, copy_node, del_attr, get_attr, input_at, set_attr, trim_inputs
+from .context import LowerContext, copy_node, del_attr, get_attr, input_at, set_attr, trim_inputs
 from .registry import step
 
 
@@ -26,7 +28,7 @@ from .registry import step
 def pad_19(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.NodeProto]:
     """Re-stamp unless ``mode='wrap'``."""
     if get_attr(node, "mode", b"constant") == b"wrap":
-        raise Refusal("mode='wrap' does not exist before opset 19")
+        raise NoMatch("mode='wrap' does not exist before opset 19")
     return [copy_node(node)]
 
 
@@ -71,12 +73,12 @@ def pad_11(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.No
     """``Pad-11(x, pads, value) → Pad-2(x; pads, value)`` for constant pads/value."""
     pads = ctx.const(node.input[1])
     if pads is None:
-        raise Refusal("pads input is not a constant; Pad-2 needs an attribute")
+        raise NoMatch("pads input is not a constant; Pad-2 needs an attribute")
     value = 0.0
     if input_at(node, 2):
         v = ctx.const(node.input[2])
         if v is None:
-            raise Refusal("constant_value input is not a constant")
+            raise NoMatch("constant_value input is not a constant")
         value = float(v.reshape(-1)[0])
     out = copy_node(node)
     trim_inputs(out, 1)
@@ -96,7 +98,7 @@ def clip_11(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.N
             continue
         v = ctx.const(src)
         if v is None:
-            raise Refusal(f"{name} input {src!r} is not a constant; Clip-6 needs an attribute")
+            raise NoMatch(f"{name} input {src!r} is not a constant; Clip-6 needs an attribute")
         set_attr(out, name, float(v.reshape(-1)[0]))
     return [out]
 

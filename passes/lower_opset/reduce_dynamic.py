@@ -19,8 +19,10 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, get_attr
+from .context import LowerContext, get_attr
 
 #: op -> (pre, per-axis reduction, post)
 _PLAN: dict[str, tuple[str | None, str, str | None]] = {
@@ -42,18 +44,18 @@ def reduce_runtime_axes(node: onnx.NodeProto, ctx: LowerContext, from_v: int) ->
     x, axes = node.input[0], node.input[1]
     r = ctx.rank(x)
     if r is None:
-        raise Refusal(f"axes input {axes!r} is not a constant and the rank of {x!r} is unknown")
+        raise NoMatch(f"axes input {axes!r} is not a constant and the rank of {x!r} is unknown")
     if r == 0:
-        raise Refusal("runtime axes on a scalar")
+        raise NoMatch("runtime axes on a scalar")
     keepdims = int(get_attr(node, "keepdims", 1))
     noop = int(get_attr(node, "noop_with_empty_axes", 0))
     shp = ctx.shape(x) or []
     if not keepdims and ctx.target < 13 and any(d is None or d == 0 for d in shp):
-        raise Refusal("runtime axes with keepdims=0 below opset 13 need a fully known, non-empty input shape")
+        raise NoMatch("runtime axes with keepdims=0 below opset 13 need a fully known, non-empty input shape")
     pre, red, post = _PLAN[node.op_type]
     dt = ctx.dtype(x)
     if dt is None:
-        raise Refusal(f"dtype of {x!r} is unknown")
+        raise NoMatch(f"dtype of {x!r} is unknown")
     b = Builder(ctx, node.name or node.op_type)
     i64, bl = TensorProto.INT64, TensorProto.BOOL
     ax = b.op("Reshape", [axes, b.const([-1], "int64")], dtype=i64, shape=[None])

@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, copy_node, del_attr, get_attr, input_at
+from .context import LowerContext, copy_node, del_attr, get_attr, input_at
 from .registry import step
 
 
@@ -23,7 +25,7 @@ def resize_19(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx
     """Re-stamp; ``half_pixel_symmetric`` does not exist before opset 19."""
     mode = get_attr(node, "coordinate_transformation_mode", b"half_pixel")
     if mode == b"half_pixel_symmetric":
-        raise Refusal("coordinate_transformation_mode='half_pixel_symmetric' does not exist before opset 19")
+        raise NoMatch("coordinate_transformation_mode='half_pixel_symmetric' does not exist before opset 19")
     return [copy_node(node)]
 
 
@@ -37,14 +39,14 @@ def resize_18(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx
     if int(get_attr(node, "antialias", 0)):
         upsample_only = scales is not None and bool(np.all(scales >= 1.0))
         if mode != b"nearest" and not upsample_only:
-            raise Refusal("antialias=1 with linear/cubic downsampling has no equivalent before opset 18")
+            raise NoMatch("antialias=1 with linear/cubic downsampling has no equivalent before opset 18")
     del_attr(out, "antialias")
     policy = get_attr(node, "keep_aspect_ratio_policy", b"stretch")
     if policy != b"stretch":
         if not sizes_name:
             del_attr(out, "keep_aspect_ratio_policy")
         else:
-            raise Refusal(f"keep_aspect_ratio_policy={policy.decode()!r} has no equivalent before opset 18")
+            raise NoMatch(f"keep_aspect_ratio_policy={policy.decode()!r} has no equivalent before opset 18")
     del_attr(out, "keep_aspect_ratio_policy")
     axes = get_attr(node, "axes")
     if axes is None:

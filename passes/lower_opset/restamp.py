@@ -19,7 +19,9 @@ import numpy as np
 import onnx
 from onnx import defs, helper
 
-from .context import LowerContext, Refusal, copy_node, get_attr, set_attr
+from qgraph.graph import NoMatch
+
+from .context import LowerContext, copy_node, get_attr, set_attr
 from .registry import step
 from .schemas import attr_default, previous_version, schema
 
@@ -200,7 +202,7 @@ def restamp_node(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[o
     op = node.op_type
     prev = previous_version(op, from_v)
     if prev is None:
-        raise Refusal(f"{op}-{from_v} has no earlier version")
+        raise NoMatch(f"{op}-{from_v} has no earlier version")
     new, old = schema(op, from_v), schema(op, prev)
     out = copy_node(node)
     keep = []
@@ -215,23 +217,23 @@ def restamp_node(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[o
             continue
         if default is not None and _equal(val, default):
             continue
-        raise Refusal(f"attribute {a.name}={val!r} of {op}-{from_v} has no equivalent in {op}-{prev}")
+        raise NoMatch(f"attribute {a.name}={val!r} of {op}-{from_v} has no equivalent in {op}-{prev}")
     del out.attribute[:]
     out.attribute.extend(keep)
     ins = list(out.input)
     while len(ins) > old.max_input:
         if ins[-1]:
-            raise Refusal(f"input #{len(ins) - 1} ({ins[-1]!r}) of {op}-{from_v} does not exist in {op}-{prev}")
+            raise NoMatch(f"input #{len(ins) - 1} ({ins[-1]!r}) of {op}-{from_v} does not exist in {op}-{prev}")
         ins.pop()
     for i, p in enumerate(old.inputs):
         if p.option == defs.OpSchema.FormalParameterOption.Single and (i >= len(ins) or not ins[i]):
-            raise Refusal(f"input {p.name!r} is optional in {op}-{from_v} but required in {op}-{prev}")
+            raise NoMatch(f"input {p.name!r} is optional in {op}-{from_v} but required in {op}-{prev}")
     del out.input[:]
     out.input.extend(ins)
     outs = list(out.output)
     while len(outs) > old.max_output:
         if outs[-1]:
-            raise Refusal(f"output #{len(outs) - 1} of {op}-{from_v} does not exist in {op}-{prev}")
+            raise NoMatch(f"output #{len(outs) - 1} of {op}-{from_v} does not exist in {op}-{prev}")
         outs.pop()
     del out.output[:]
     out.output.extend(outs)
@@ -278,7 +280,7 @@ def negative_axes_11(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> li
         else:
             r = ctx.rank(node.input[0])
         if r is None:
-            raise Refusal("negative axis needs the input rank, which is unknown")
+            raise NoMatch("negative axis needs the input rank, which is unknown")
         if node.op_type == "Unsqueeze":
             r += len(vals)
         if node.op_type == "Flatten":

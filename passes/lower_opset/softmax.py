@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import onnx
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, copy_node, get_attr, set_attr
+from .context import LowerContext, copy_node, get_attr, set_attr
 from .registry import raise_step, step
 
 SOFTMAX_OPS = ("Softmax", "LogSoftmax", "Hardmax")
@@ -33,7 +35,7 @@ def softmax_13_to_11(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> li
         set_attr(out, "axis", axis)
         return [out]
     if r is None:
-        raise Refusal(f"axis={axis} is not the last axis and the rank of {x!r} is unknown")
+        raise NoMatch(f"axis={axis} is not the last axis and the rank of {x!r} is unknown")
     a = axis + r if axis < 0 else axis
     if a == r - 1:
         out = copy_node(node)

@@ -14,8 +14,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from qgraph.graph import NoMatch
+
 from .build import Builder
-from .context import LowerContext, Refusal, copy_node, del_attr, get_attr, input_at
+from .context import LowerContext, copy_node, del_attr, get_attr, input_at
 from .registry import step
 from .restamp import restamp_node
 from .schemas import allowed_types, previous_version, schema
@@ -62,7 +64,7 @@ def maxmin_12(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx
         return restamp_node(node, ctx, from_v)
     dt = ctx.dtype(node.input[0])
     if dt not in _WHERE_AS:
-        raise Refusal(f"{node.op_type}-8 does not accept dtype {dt} and there is no exact stand-in")
+        raise NoMatch(f"{node.op_type}-8 does not accept dtype {dt} and there is no exact stand-in")
     wt = _WHERE_AS[dt]
     b = Builder(ctx, node.name or node.op_type)
     ins = [x if wt == dt else b.cast(x, wt) for x in node.input]
@@ -84,7 +86,7 @@ def clip_12(node: onnx.NodeProto, ctx: LowerContext, from_v: int) -> list[onnx.N
         return restamp_node(node, ctx, from_v)
     dt = ctx.dtype(node.input[0])
     if dt not in _WHERE_AS:
-        raise Refusal(f"Clip-11 does not accept dtype {dt} and there is no exact stand-in")
+        raise NoMatch(f"Clip-11 does not accept dtype {dt} and there is no exact stand-in")
     wt = _WHERE_AS[dt]
     b = Builder(ctx, node.name or "Clip")
     y = node.input[0] if wt == dt else b.cast(node.input[0], wt)

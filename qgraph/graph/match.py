@@ -28,9 +28,15 @@ class MatchResult:
 
     node: str = ""
     reason: str | None = None
+    #: The node's op type, when the caller knows it (shown as "Op node 'name': reason").
+    op: str = ""
 
     def __bool__(self) -> bool:
         return self.reason is None
+
+    def __str__(self) -> str:
+        where = f"{self.op} node {self.node!r}" if self.op else self.node
+        return f"{where}: {self.reason}" if self.reason is not None else f"{where}: matched"
 
     @classmethod
     def ok(cls, node: str = "") -> MatchResult:
@@ -38,9 +44,9 @@ class MatchResult:
         return cls(node)
 
     @classmethod
-    def fail(cls, reason: str, node: str = "") -> MatchResult:
-        """The pattern does not apply at ``node`` because of ``reason``."""
-        return cls(node, reason)
+    def fail(cls, reason: str, node: str = "", op: str = "") -> MatchResult:
+        """The pattern does not apply at ``node`` (an ``op`` node) because of ``reason``."""
+        return cls(node, reason, op)
 
     @staticmethod
     def attempt(fn: Callable[[], T], node: str = "") -> T | MatchResult:

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
-from qgraph.passes._bn_math import BNAffine
 from qgraph.passes.fuse_batchnorm import FuseBatchNorm
+from qgraph.passes.fuse_batchnorm.bn_math import BNAffine
 
 from qgraph import Pipeline, get_pass
 from qgraph.testing.models import conv_bn_net, conv_bn_relu_chain, random_feeds

@@ -50,7 +50,7 @@ def test_trained_cnn_keeps_top1_within_half_a_percent(digits: object, preset: st
 
 def test_light_model_fuses_every_conv_and_concat(light_model: Callable[[str], onnx.ModelProto]) -> None:
     model = light_model("squeezenet")
-    from qgraph.passes.raise_opset import raise_model
+    from qgraph.passes.lower_opset.raising import raise_model
 
     model = raise_model(model, 13).model
     rng = np.random.default_rng(0)

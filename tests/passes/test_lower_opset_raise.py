@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import parser
 from qgraph.passes.lower_opset import LowerOpset, lower_model
-from qgraph.passes.raise_opset import RaiseOpset, raise_model
+from qgraph.passes.lower_opset.raising import RaiseOpset, raise_model
 
 from qgraph import GraphHandle, PassContext
 from qgraph.errors import PassError

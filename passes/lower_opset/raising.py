@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 
 import onnx
 from onnx import helper
-from qgraph.passes.lower_opset import load_adapters
-from qgraph.passes.lower_opset.context import LowerContext, Refusal, iter_graphs
-from qgraph.passes.lower_opset.registry import RAISE_STEPS
-from qgraph.passes.lower_opset.schemas import DEFAULT_DOMAINS, attr_default, schema, version_at
-from qgraph.passes.lower_opset.types import MAX_IR, collect_types, fix_ir_version, opset_of
 
 from qgraph.errors import PassError
+from qgraph.graph import NoMatch
 from qgraph.opsets import MIN_OPSET, max_opset
+
+from . import load_adapters
+from .context import LowerContext, iter_graphs
+from .registry import RAISE_STEPS
+from .schemas import DEFAULT_DOMAINS, attr_default, schema, version_at
+from .types import MAX_IR, collect_types, fix_ir_version, opset_of
 
 
 @dataclass
@@ -62,7 +64,7 @@ def _pre_rewrite(model: onnx.ModelProto, target: int) -> dict[str, int]:
                 continue
             try:
                 new = entry[1][1](node, ctx, entry[0][1])
-            except Refusal as r:
+            except NoMatch as r:
                 raise PassError(f"cannot raise {node.op_type} node {node.name!r}: {r.reason}") from None
             counts[entry[1][0]] = counts.get(entry[1][0], 0) + 1
             out.extend(new)

@@ -25,33 +25,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
-from qgraph.graph import const_value, consumers, producer, rebuild, redirect, set_const, tensor_dtype, unlink
+from qgraph import GraphHandle, Pass, PassContext, PassResult, register
+from qgraph.graph import NoMatch, const_value, consumers, producer, rebuild, redirect, set_const, tensor_dtype, unlink
 
-from . import _bn_math as bnm
-from ._bn_match import BNMatcher, Refusal
+from . import bn_math as bnm
+from .config import FuseBatchNormConfig
+from .match import BNMatcher
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", None)
-
-
-class FuseBatchNormConfig(PassConfig):
-    """Options of `FuseBatchNorm`."""
-
-    into_preceding: bool = Field(
-        default=True, description="Fold a BN into the Conv/ConvTranspose/Gemm/MatMul that produces its input."
-    )
-    include_matmul: bool = Field(
-        default=True, description="Also fold into MatMul with a constant 2-D weight (adds a bias Add if needed)."
-    )
-    into_following: bool = Field(
-        default=True, description="Fold a BN into the unpadded Conv / Gemm consuming its output."
-    )
-    standalone_to_mul_add: bool = Field(
-        default=True, description="Rewrite an inference BN that cannot be folded into Mul + Add."
-    )
-    recurse_subgraphs: bool = Field(default=True, description="Also process If/Loop/Scan bodies.")
 
 
 @register
@@ -101,14 +83,14 @@ class _Fuser(BNMatcher):
             self.result.matched += 1
             try:
                 affine = self.params(bn)
-            except Refusal as refusal:
+            except NoMatch as refusal:
                 self.keep(bn, str(refusal))
                 continue
             reason = "not preceded by Conv/ConvTranspose/Gemm/MatMul"
             if self.cfg.into_preceding:
                 try:
                     extra = self.fold_preceding(bn, affine)
-                except Refusal as refusal:
+                except NoMatch as refusal:
                     reason = str(refusal)
                 else:
                     self.fused(bn, extra, removed, replaced)
@@ -120,7 +102,7 @@ class _Fuser(BNMatcher):
             if self.cfg.into_following:
                 try:
                     self.fold_following(bn, affine)
-                except Refusal as err:
+                except NoMatch as err:
                     why_next = str(err)
                 else:
                     self.fused(bn, [], removed, replaced)
@@ -129,7 +111,7 @@ class _Fuser(BNMatcher):
             if self.cfg.standalone_to_mul_add:
                 try:
                     nodes = self.to_mul_add(bn, affine)
-                except Refusal as err:
+                except NoMatch as err:
                     self.keep(bn, f"{why}; not rewritten to Mul+Add: {err}")
                     continue
                 self.counts["mul_add"] += 1
@@ -158,9 +140,9 @@ class _Fuser(BNMatcher):
         y, z = bn.inputs[0], bn.outputs[0]
         op = producer(y)
         if op is None:
-            raise Refusal("its input is not produced by a node")
+            raise NoMatch("its input is not produced by a node")
         if op.domain not in _DEFAULT_DOMAINS:
-            raise Refusal(f"preceded by {op.domain}.{op.op}")
+            raise NoMatch(f"preceded by {op.domain}.{op.op}")
         if op.op in ("Conv", "ConvTranspose"):
             self.sole_consumer(y, bn, f"{op.op} output {y.name!r}")
             w = self.weight(op.inputs[1], "weight")
@@ -169,7 +151,7 @@ class _Fuser(BNMatcher):
             transpose = op.op == "ConvTranspose"
             channels = w.shape[1] * group if transpose else w.shape[0]
             if w.ndim < 3 or channels != bn_aff.channels:
-                raise Refusal(f"{op.op} has {channels} output channels, BN has {bn_aff.channels}")
+                raise NoMatch(f"{op.op} has {channels} output channels, BN has {bn_aff.channels}")
             w_new, b_new = bnm.conv_then_bn(w, b, bn_aff, group=group, transpose=transpose)
             set_const(op.inputs[1], w_new)
             self.put_const(op, 2, b_new, f"{op.name}/bias")
@@ -179,7 +161,7 @@ class _Fuser(BNMatcher):
             c = self.optional_const(op, 2, "bias C")
             trans_b = bool(op.attrs.get("transB", 0))
             if b_mat.shape[0 if trans_b else 1] != bn_aff.channels:
-                raise Refusal(f"Gemm has {b_mat.shape[0 if trans_b else 1]} outputs, BN has {bn_aff.channels}")
+                raise NoMatch(f"Gemm has {b_mat.shape[0 if trans_b else 1]} outputs, BN has {bn_aff.channels}")
             beta = float(op.attrs.get("beta", 1.0))
             b_new, c_new = bnm.gemm_then_bn(b_mat, c, bn_aff, beta=beta, trans_b=trans_b)
             set_const(op.inputs[1], b_new)
@@ -188,7 +170,7 @@ class _Fuser(BNMatcher):
         elif op.op in ("MatMul", "Add") and self.cfg.include_matmul:
             return self.fold_matmul(bn, op, bn_aff)
         else:
-            raise Refusal(f"preceded by {op.op}")
+            raise NoMatch(f"preceded by {op.op}")
         self.counts[f"prev:{op.op}"] += 1
         unlink(bn)
         op.outputs[0] = z
@@ -204,30 +186,30 @@ class _Fuser(BNMatcher):
             kinds = [(const_value(t), t) for t in add.inputs]
             consts = [i for i, (v, _) in enumerate(kinds) if v is not None]
             if len(add.inputs) != 2 or len(consts) != 1:
-                raise Refusal("preceded by an Add that is not MatMul + constant bias")
+                raise NoMatch("preceded by an Add that is not MatMul + constant bias")
             bias_index = consts[0]
             bias = kinds[bias_index][0]
             mm_out = add.inputs[1 - bias_index]
             matmul = producer(mm_out)
             if matmul is None or matmul.op != "MatMul" or matmul.domain not in _DEFAULT_DOMAINS:
-                raise Refusal("preceded by an Add that does not follow a MatMul")
+                raise NoMatch("preceded by an Add that does not follow a MatMul")
             self.sole_consumer(mm_out, add, f"MatMul output {mm_out.name!r}")
         else:
             matmul = op
         w = self.weight(matmul.inputs[1], "weight", ndim=2)
         if w.shape[1] != bn_aff.channels:
-            raise Refusal(f"MatMul has {w.shape[1]} outputs, BN has {bn_aff.channels}")
+            raise NoMatch(f"MatMul has {w.shape[1]} outputs, BN has {bn_aff.channels}")
         rank = self.rank(matmul.inputs[0])
         if rank != 2:
-            raise Refusal(
+            raise NoMatch(
                 f"MatMul input has rank {rank if rank is not None else 'unknown'}; BN normalizes axis 1, which "
                 "is the MatMul's output features only for 2-D inputs"
             )
         if bias is not None:
             if bias.dtype not in bnm.FLOAT_DTYPES or bias.size not in (1, bn_aff.channels) or bias.ndim > 2:
-                raise Refusal(f"bias of shape {bias.shape} is not per output feature")
+                raise NoMatch(f"bias of shape {bias.shape} is not per output feature")
             if bias.ndim == 2 and bias.shape[0] != 1:
-                raise Refusal(f"bias of shape {bias.shape} is not per output feature")
+                raise NoMatch(f"bias of shape {bias.shape} is not per output feature")
         w_new, b_new = bnm.matmul_then_bn(w, bias, bn_aff)
         set_const(matmul.inputs[1], w_new)
         unlink(bn)
@@ -243,35 +225,35 @@ class _Fuser(BNMatcher):
     def fold_following(self, bn: gs.Node, bn_aff: bnm.BNAffine) -> None:
         x, z = bn.inputs[0], bn.outputs[0]
         if id(z) in self._graph_outputs:
-            raise Refusal(f"its output {z.name!r} is a graph output")
+            raise NoMatch(f"its output {z.name!r} is a graph output")
         users = consumers(z)
         if not users:
-            raise Refusal("its output has no consumer")
+            raise NoMatch("its output has no consumer")
         plans = []
         for user in users:
             if user.op not in ("Conv", "Gemm") or user.domain not in _DEFAULT_DOMAINS:
-                raise Refusal(f"followed by {user.op} {user.name!r}")
+                raise NoMatch(f"followed by {user.op} {user.name!r}")
             if sum(1 for t in user.inputs if t is z) != 1 or user.inputs[0] is not z:
-                raise Refusal(f"{user.name!r} reads it other than as its data input")
+                raise NoMatch(f"{user.name!r} reads it other than as its data input")
             w = self.weight(user.inputs[1], "weight", ndim=2 if user.op == "Gemm" else None)
             b = self.optional_const(user, 2, "bias")
             if user.op == "Conv":
                 pads = [int(p) for p in user.attrs.get("pads", [])]
                 auto_pad = str(user.attrs.get("auto_pad", "NOTSET"))
                 if any(pads) or auto_pad not in ("NOTSET", "VALID", ""):
-                    raise Refusal(
+                    raise NoMatch(
                         f"following Conv {user.name!r} pads its input (padding BN(x) with 0 is not exact in x)"
                     )
                 group = int(user.attrs.get("group", 1))
                 if w.ndim < 3 or w.shape[1] * group != bn_aff.channels:
-                    raise Refusal(f"Conv {user.name!r} has {w.shape[1] * group} input channels")
+                    raise NoMatch(f"Conv {user.name!r} has {w.shape[1] * group} input channels")
                 plans.append((user, bnm.bn_then_conv(w, b, bn_aff, group=group)))
             else:
                 if int(user.attrs.get("transA", 0)):
-                    raise Refusal(f"Gemm {user.name!r} has transA=1 (BN axis is not its K axis)")
+                    raise NoMatch(f"Gemm {user.name!r} has transA=1 (BN axis is not its K axis)")
                 trans_b = bool(user.attrs.get("transB", 0))
                 if w.shape[1 if trans_b else 0] != bn_aff.channels:
-                    raise Refusal(f"Gemm {user.name!r} has K={w.shape[1 if trans_b else 0]}")
+                    raise NoMatch(f"Gemm {user.name!r} has K={w.shape[1 if trans_b else 0]}")
                 alpha = float(user.attrs.get("alpha", 1.0))
                 beta = float(user.attrs.get("beta", 1.0))
                 plans.append((user, bnm.bn_then_gemm(w, b, bn_aff, alpha=alpha, beta=beta, trans_b=trans_b)))
@@ -291,7 +273,7 @@ class _Fuser(BNMatcher):
         if rank is None:
             rank = self.rank(z)
         if rank is None or rank < 2:
-            raise Refusal(f"the input rank is {'unknown' if rank is None else rank}")
+            raise NoMatch(f"the input rank is {'unknown' if rank is None else rank}")
         dtype = tensor_dtype(x) or tensor_dtype(x, self._inferred)
         if dtype is None:
             scale = const_value(bn.inputs[1])

@@ -39,7 +39,7 @@ from qgraph.graph import (
     tensor_shape,
 )
 
-from ._fold_eval import evaluation_model, generator_size, run_model, shape_value
+from .evaluate import evaluation_model, generator_size, run_model, shape_value
 
 _DEFAULT_DOMAINS = ("", "ai.onnx", None)
 _QDQ = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})

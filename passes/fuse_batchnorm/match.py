@@ -1,14 +1,14 @@
 """Matching helpers of ``fuse_batchnorm``: reading BN parameters, checking weights, ranks and names.
 
 `BNMatcher` holds the per-run state (handle, config, result, lazily built name registry and inferred shapes)
-and every check that can refuse a rewrite; a refusal is a `Refusal` whose message is the reason reported in
+and every check that can refuse a rewrite; a refusal is a `NoMatch` whose message is the reason reported in
 the `PassResult`. The rewrites themselves live in ``fuse_batchnorm``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle, PassResult
 from qgraph.graph import (
     Inferred,
+    NoMatch,
     const_dtype,
     const_value,
     consumers,
@@ -27,25 +28,19 @@ from qgraph.graph import (
     tensor_shape,
 )
 
-from . import _bn_math as bnm
-
-if TYPE_CHECKING:
-    from .fuse_batchnorm import FuseBatchNormConfig
-
-
-class Refusal(Exception):
-    """A pattern does not apply; the message is the reason shown to the user."""
+from . import bn_math as bnm
+from .config import FuseBatchNormConfig
 
 
 def float_constant(tensor: gs.Tensor, what: str) -> None:
     """Refuse unless ``tensor`` is a float16/32/64 constant (checked without loading exotic dtypes)."""
     if not isinstance(tensor, gs.Constant) and const_value(tensor) is None:
-        raise Refusal(f"{what} {tensor.name!r} is not a constant")
+        raise NoMatch(f"{what} {tensor.name!r} is not a constant")
     dtype = const_dtype(tensor)
     if dtype not in bnm.FLOAT_DTYPES:
         raw = getattr(tensor, "dtype", None)
         shown = dtype if dtype is not None else onnx_type_name(raw)
-        raise Refusal(f"{what} {tensor.name!r} has non-float dtype {shown}")
+        raise NoMatch(f"{what} {tensor.name!r} has non-float dtype {shown}")
 
 
 class BNMatcher:
@@ -116,10 +111,10 @@ class BNMatcher:
 
     def sole_consumer(self, tensor: gs.Tensor, node: gs.Node, what: str) -> None:
         if id(tensor) in self._graph_outputs:
-            raise Refusal(f"{what} is a graph output")
+            raise NoMatch(f"{what} is a graph output")
         users = consumers(tensor)
         if len(users) != 1 or users[0] is not node:
-            raise Refusal(f"{what} also feeds {len(users) - 1} other node(s)")
+            raise NoMatch(f"{what} also feeds {len(users) - 1} other node(s)")
 
     @staticmethod
     def weight(tensor: gs.Tensor, what: str, ndim: int | None = None) -> np.ndarray:
@@ -127,9 +122,9 @@ class BNMatcher:
         value = const_value(tensor)
         assert value is not None
         if len(consumers(tensor)) > 1 or sum(1 for _ in tensor.outputs) > 1:
-            raise Refusal(f"{what} {tensor.name!r} is shared with other consumers")
+            raise NoMatch(f"{what} {tensor.name!r} is shared with other consumers")
         if ndim is not None and value.ndim != ndim:
-            raise Refusal(f"{what} {tensor.name!r} is {value.ndim}-D, expected {ndim}-D")
+            raise NoMatch(f"{what} {tensor.name!r} is {value.ndim}-D, expected {ndim}-D")
         return value
 
     @staticmethod
@@ -155,16 +150,16 @@ class BNMatcher:
     def params(self, bn: gs.Node) -> bnm.BNAffine:
         attrs: dict[str, Any] = bn.attrs
         if len(bn.inputs) != 5 or not all(t.name for t in bn.inputs):
-            raise Refusal(f"expected 5 inputs, got {len(bn.inputs)}")
+            raise NoMatch(f"expected 5 inputs, got {len(bn.inputs)}")
         if int(attrs.get("training_mode", 0)) != 0:
-            raise Refusal("training_mode=1 (batch statistics): only inference BatchNormalization is folded")
+            raise NoMatch("training_mode=1 (batch statistics): only inference BatchNormalization is folded")
         if self.handle.opset < 7 and int(attrs.get("is_test", 0)) == 0:
-            raise Refusal("is_test=0 declares training mode (opset < 7)")
+            raise NoMatch("is_test=0 declares training mode (opset < 7)")
         if int(attrs.get("spatial", 1)) == 0:
-            raise Refusal("spatial=0 (per-activation statistics) is not supported")
+            raise NoMatch("spatial=0 (per-activation statistics) is not supported")
         for extra in bn.outputs[1:]:
             if extra.name and (extra.outputs or id(extra) in self._graph_outputs):
-                raise Refusal(f"its training output {extra.name!r} is used")
+                raise NoMatch(f"its training output {extra.name!r} is used")
         values = []
         for tensor, what in zip(bn.inputs[1:], ("scale", "bias", "mean", "var"), strict=True):
             float_constant(tensor, what)
@@ -172,9 +167,9 @@ class BNMatcher:
             assert value is not None
             values.append(value)
         if len({v.shape for v in values}) != 1 or values[0].ndim != 1:
-            raise Refusal(f"parameters must all be 1-D of one length, got {[v.shape for v in values]}")
+            raise NoMatch(f"parameters must all be 1-D of one length, got {[v.shape for v in values]}")
         x_dtype = tensor_dtype(bn.inputs[0])
         if x_dtype is not None and x_dtype not in bnm.FLOAT_DTYPES:
-            raise Refusal(f"input has non-float dtype {x_dtype}")
+            raise NoMatch(f"input has non-float dtype {x_dtype}")
         scale, bias, mean, var = values
         return bnm.BNAffine.from_params(scale, bias, mean, var, float(attrs.get("epsilon", 1e-5)))
