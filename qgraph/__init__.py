@@ -6,8 +6,7 @@ Public API (what passes, plug-ins and scripts import)::
     from qgraph import NodeSelector, select, load_model, save_model
 """
 
-__version__ = "0.1.0"
-
+from qgraph._version import __version__
 from qgraph.errors import DataError, ModelError, PassError, QGraphError, RecipeError, VerificationError
 from qgraph.graph import GraphHandle, GraphIndex
 from qgraph.model_io import load_model, save_model

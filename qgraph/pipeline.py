@@ -15,22 +15,31 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import onnx
 
-from qgraph import __version__
+from qgraph._version import __version__
 from qgraph.compare import TensorDiff, compare_models, random_feeds
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
-from qgraph.recipe import Recipe
+from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
 from qgraph.target import CalibrationSpec, TargetSpec
 
 #: At most this many skipped nodes (with reasons) per pass are written into the output model's metadata.
 MAX_SKIPPED_IN_PROVENANCE = 500
+
+class RecipeLike(Protocol):
+    """What a pipeline takes from a recipe (`qgraph.Recipe` has it)."""
+
+    name: str
+    description: str
+    target: TargetSpec
+    calibration: CalibrationSpec
+
 
 EventKind = Literal["pipeline_start", "pass_start", "pass_progress", "pass_end", "verify", "pipeline_end"]
 
@@ -93,25 +102,35 @@ def _peak_rss_mb() -> float:
 class Pipeline:
     """An ordered list of passes; build it in Python or from a `Recipe`."""
 
-    def __init__(self, passes: Sequence[Pass[Any]], *, name: str = "pipeline", recipe: Recipe | None = None) -> None:
+    def __init__(
+        self,
+        passes: Sequence[Pass[Any]],
+        *,
+        name: str = "pipeline",
+        description: str = "",
+        target: TargetSpec | None = None,
+        calibration: CalibrationSpec | None = None,
+        recipe: RecipeLike | None = None,
+    ) -> None:
         self.passes = list(passes)
-        self.name = name
-        self.recipe = recipe
+        self.name = recipe.name if recipe is not None and name == "pipeline" else name
+        self.description = recipe.description if recipe is not None else description
+        self.target = recipe.target if recipe is not None else (target or TargetSpec())
+        self.calibration = recipe.calibration if recipe is not None else (calibration or CalibrationSpec())
         self._subscribers: list[Callable[[PipelineEvent], None]] = []
 
     def subscribe(self, callback: Callable[[PipelineEvent], None]) -> None:
         """Call ``callback`` with every `PipelineEvent` of later runs."""
         self._subscribers.append(callback)
 
-    def to_recipe(self, name: str | None = None) -> Recipe:
-        """The equivalent recipe (round-trips through YAML)."""
-        if self.recipe is not None and name is None:
-            return self.recipe
-        return Recipe(name or self.name, self.passes)
+    def to_dict(self) -> dict[str, Any]:
+        """The equivalent recipe as a canonical mapping (`qgraph.recipe_text`)."""
+        return recipe_dict(self.name, self.passes, description=self.description, target=self.target,
+                           calibration=self.calibration)
 
     def to_yaml(self) -> str:
-        """The equivalent recipe as YAML."""
-        return self.to_recipe().to_yaml()
+        """The equivalent recipe as YAML (``Recipe.from_text`` loads it back)."""
+        return recipe_yaml(self.to_dict())
 
     def run(
         self,
@@ -150,22 +169,21 @@ class Pipeline:
         # Content hash: the same model gives the same provenance whether given as a path or in memory.
         input_hash = model_fingerprint(source)
         check_model(source)
-        recipe = self.to_recipe()
-        total = len(self.passes) + (recipe.target.opset is not None)
+        total = len(self.passes) + (self.target.opset is not None)
         running: list[tuple[int, str]] = []  # the running pass, for progress events
 
         def on_progress(task: str, done: int, of: int | None) -> None:
             index, name = running[-1] if running else (None, None)
             emit(PipelineEvent("pass_progress", total, index, name, task=task, done=done, of=of))
 
-        ctx = self._context(recipe, source, calibration_data, on_progress, samples, data_layout)
+        ctx = self._context(source, calibration_data, on_progress, samples, data_layout)
         handle = GraphHandle(source)
         emit(PipelineEvent("pipeline_start", total))
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
         stages: list[onnx.ModelProto] = []
-        for i, step in enumerate(self._with_target_opset(recipe)):
+        for i, step in enumerate(self._with_target_opset()):
             target_step = isinstance(step, _ToTargetOpset)
             p = step.resolve(handle) if isinstance(step, _ToTargetOpset) else step
             if p is None:
@@ -212,26 +230,25 @@ class Pipeline:
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
                 previous = current
         out = handle.to_onnx()
-        _write_provenance(out, recipe, input_hash, records)
+        _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
         return PipelineResult(out, records, source, stages, ctx.calibration_data)
 
-    def _with_target_opset(self, recipe: Recipe) -> list[Pass[Any]]:
-        if recipe.target.opset is None:
+    def _with_target_opset(self) -> list[Pass[Any]]:
+        if self.target.opset is None:
             return list(self.passes)
-        return [*self.passes, _ToTargetOpset(recipe.target.opset)]
+        return [*self.passes, _ToTargetOpset(self.target.opset)]
 
     def _context(
         self,
-        recipe: Recipe,
         model: onnx.ModelProto,
         calibration_data: DataSource | str | Path | None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
         samples: int | None = None,
         layout: DataLayout = "auto",
     ) -> PassContext:
-        spec: CalibrationSpec = recipe.calibration
-        target: TargetSpec = recipe.target
+        spec: CalibrationSpec = self.calibration
+        target: TargetSpec = self.target
         data_spec = calibration_data if calibration_data is not None else spec.data
         cap = samples if samples is not None else spec.samples
         data = (open_data_source(data_spec, samples=cap, layout=layout).bind(model)
@@ -286,7 +303,8 @@ class Pipeline:
         return diffs
 
 
-def _write_provenance(model: onnx.ModelProto, recipe: Recipe, input_hash: str, records: list[PassRecord]) -> None:
+def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash: str,
+                      records: list[PassRecord]) -> None:
     stats = [
         {
             "pass": r.name,
@@ -303,8 +321,8 @@ def _write_provenance(model: onnx.ModelProto, recipe: Recipe, input_hash: str, r
     ]
     entries = {
         "qgraph.version": __version__,
-        "qgraph.recipe": recipe.canonical_text(),
-        "qgraph.recipe_sha256": recipe.sha256(),
+        "qgraph.recipe": canonical_text(recipe),
+        "qgraph.recipe_sha256": text_sha256(recipe),
         "qgraph.input_sha256": input_hash,
         "qgraph.passes": describe(stats),
     }

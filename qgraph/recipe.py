@@ -20,19 +20,16 @@ suggests the closest valid key or pass name. Unknown keys are errors, never warn
 from __future__ import annotations
 
 import difflib
-import hashlib
-import io
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_core import ErrorDetails
-from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
 from qgraph.pass_api import Pass, PassClass, PassConfig, discover
+from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
 from qgraph.recipe_yaml import RecipeIssue, RecipeValidationError, load_yaml, read_yaml_text
 from qgraph.target import CalibrationSpec, TargetSpec
 
@@ -167,37 +164,20 @@ class Recipe:
     # ---------------------------------------------------------------- output
     def to_dict(self) -> dict[str, Any]:
         """Canonical mapping: defaults omitted, keys in schema order."""
-        out: dict[str, Any] = {"name": self.name}
-        if self.description:
-            out["description"] = self.description
-        target = self.target.model_dump(mode="json", exclude_defaults=True)
-        if target:
-            out["target"] = target
-        calibration = self.calibration.model_dump(mode="json", exclude_defaults=True)
-        if calibration:
-            out["calibration"] = calibration
-        out["passes"] = [
-            {"pass": p.name, **p.config.recipe_options()}
-            for p in self.passes
-        ]
-        return out
+        return recipe_dict(self.name, self.passes, description=self.description, target=self.target,
+                           calibration=self.calibration)
 
     def to_yaml(self) -> str:
         """The recipe as YAML; loading it gives an equivalent recipe."""
-        yaml = YAML(typ="safe", pure=True)
-        yaml.default_flow_style = False
-        yaml.sort_base_mapping_type_on_output = False  # type: ignore[assignment]
-        buf = io.StringIO()
-        yaml.dump(self.to_dict(), buf)
-        return buf.getvalue()
+        return recipe_yaml(self.to_dict())
 
     def canonical_text(self) -> str:
         """Deterministic JSON used for provenance and hashing."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return canonical_text(self.to_dict())
 
     def sha256(self) -> str:
         """Hash of `canonical_text`."""
-        return hashlib.sha256(self.canonical_text().encode()).hexdigest()
+        return text_sha256(self.to_dict())
 
     def pipeline(self) -> Pipeline:
         """A `Pipeline` running this recipe's passes in order."""

@@ -67,7 +67,7 @@ def test_yaml_round_trip_keeps_passes_and_options(toy_passes) -> None:  # type: 
     assert [p.name for p in again.passes] == ["toy_drop_identity", "toy_scale_output", "toy_drop_identity"]
     assert again.passes[0].config.keep_graph_outputs is False  # type: ignore[attr-defined]
     assert again.passes[1].config.factor == 2.5  # type: ignore[attr-defined]
-    assert again.canonical_text() == pipeline.to_recipe().canonical_text()
+    assert again.to_dict() == pipeline.to_dict()
     assert again.to_yaml() == text
 
 

@@ -6,33 +6,9 @@ results, or raises a `LoweringError` listing every node that has no exact form t
 
 from __future__ import annotations
 
-_LOADED = False
-
-
-def load_adapters() -> None:
-    """Import every adapter family so the registry is complete (idempotent)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from . import (  # noqa: F401
-        attrs,
-        bitwise,
-        decompose,
-        dtypes,
-        misc,
-        norm,
-        pad_clip_split,
-        reduce_dynamic,
-        resize,
-        restamp,
-        softmax,
-        widen,
-    )
-
-
-from .engine import MIN_TARGET, LoweringError, LoweringResult, lower_model  # noqa: E402
-from .wrapper import LowerOpset, LowerOpsetConfig  # noqa: E402
+from .adapters import load_adapters
+from .engine import MIN_TARGET, LoweringError, LoweringResult, lower_model
+from .wrapper import LowerOpset, LowerOpsetConfig
 
 __all__ = [
     "MIN_TARGET",

@@ -22,7 +22,7 @@ import onnx
 from qgraph.errors import PassError
 from qgraph.graph import MatchResult, NoMatch
 
-from . import load_adapters
+from .adapters import load_adapters
 from .context import LowerContext, iter_graphs
 from .functions import expand_function
 from .registry import DECOMPOSITIONS, STEPS

@@ -21,7 +21,7 @@ from qgraph.errors import PassError
 from qgraph.graph import NoMatch
 from qgraph.opsets import MIN_OPSET, max_opset
 
-from . import load_adapters
+from .adapters import load_adapters
 from .context import LowerContext, iter_graphs
 from .registry import RAISE_STEPS
 from .schemas import DEFAULT_DOMAINS, attr_default, schema, version_at

@@ -17,7 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qgraph.cli import _app
+import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
 from qgraph.errors import UsageError
 from qgraph.outputs import check_output, check_outputs

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from qgraph.cli import _app
+import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
 from qgraph.outputs import check_output, check_outputs
 

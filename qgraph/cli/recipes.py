@@ -15,7 +15,7 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from qgraph.cli import _app
+import qgraph.cli._app as _app
 from qgraph.cli._app import app, say
 from qgraph.errors import RecipeError
 from qgraph.outputs import check_output, write_atomic

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from qgraph.cli import _app
+import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
 from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
