@@ -29,6 +29,7 @@ from qgraph import GraphHandle, ModelError, Pass, PassConfig, PassContext, PassR
 from qgraph.graph import (
     const_value,
     graph_scopes,
+    is_default_domain,
     is_topological,
     producer,
     rebuild,
@@ -36,7 +37,6 @@ from qgraph.graph import (
     topological_order,
 )
 
-_DEFAULT_DOMAINS = ("", "ai.onnx", None)
 #: Everything cleanup counts (each is a rewrite: a second run reports all zeros).
 _COUNTS = (
     "identity",
@@ -131,7 +131,7 @@ def _bypass_noops(g: gs.Graph, cfg: CleanupConfig, opset: int, stats: Counter[st
     local = {id(n) for n in g.nodes}
     removed: list[gs.Node] = []
     for node in g.nodes:
-        if node.domain not in _DEFAULT_DOMAINS or not node.inputs or not node.outputs:
+        if not is_default_domain(node.domain) or not node.inputs or not node.outputs:
             continue
         if node.op == "Identity" and cfg.remove_identity:
             kind = "identity"

@@ -33,7 +33,9 @@ from qgraph.diff.protos import ModelIndex
 from qgraph.diff.qdq import qdq_coverage, saturation_risks
 from qgraph.errors import QGraphError, RecipeError
 from qgraph.graph import GraphHandle, check_model
+from qgraph.graph.ops import is_default_domain
 from qgraph.model_io import external_data_files, load_model
+from qgraph.opsets import model_opset
 
 #: Ops with an int8 kernel or a QDQ fusion, and data-movement ops that pass int8 through, per runtime family.
 #: A conservative approximation for planning; anything else runs in float between DequantizeLinear/QuantizeLinear.
@@ -70,7 +72,7 @@ def _value_info(vi: onnx.ValueInfoProto) -> dict[str, Any]:
 
 def _walk(graph: onnx.GraphProto, path: str, ops: list[str], subgraphs: list[str]) -> None:
     for node in graph.node:
-        ops.append(node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}")
+        ops.append(node.op_type if is_default_domain(node.domain) else f"{node.domain}.{node.op_type}")
         for attr in node.attribute:
             for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
                 sub = f"{path}/{node.name or node.op_type}.{attr.name}"
@@ -160,7 +162,7 @@ def foldable_batchnorms(handle: GraphHandle) -> dict[str, Any]:
     foldable: list[str] = []
     blocked: list[dict[str, str]] = []
     for node in idx.nodes:
-        if node.op != "BatchNormalization" or node.domain not in (None, "", "ai.onnx"):
+        if node.op != "BatchNormalization" or not is_default_domain(node.domain):
             continue
         reason = ""
         x = node.inputs[0]
@@ -187,13 +189,13 @@ def foldable_batchnorms(handle: GraphHandle) -> dict[str, Any]:
 
 def opset_support(model: onnx.ModelProto, ops: Counter[str], target_opset: int | None = None) -> dict[str, Any]:
     """Ops undefined or deprecated at the model's opset and at ``target_opset``, and definition changes."""
-    model_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    wanted = target_opset or model_opset
+    current = model_opset(model, 0)
+    wanted = target_opset or current
     unsupported: list[dict[str, Any]] = []
     changes: list[dict[str, Any]] = []
     custom = sorted(op for op in ops if "." in op)
     for op in sorted(op for op in ops if "." not in op):
-        here = _schema(op, model_opset)
+        here = _schema(op, current)
         there = _schema(op, wanted)
         if there is None:
             unsupported.append({"op": op, "count": ops[op], "reason": f"not defined at opset {wanted}"})
@@ -202,8 +204,8 @@ def opset_support(model: onnx.ModelProto, ops: Counter[str], target_opset: int |
                                 "reason": f"deprecated since opset {there.since_version}"})
         elif here is not None and here.since_version != there.since_version:
             changes.append({"op": op, "count": ops[op], "from": here.since_version, "to": there.since_version})
-    blockers = conversion_blockers(model, wanted) if wanted != model_opset else []
-    return {"model_opset": model_opset, "target_opset": wanted, "unsupported": unsupported,
+    blockers = conversion_blockers(model, wanted) if wanted != current else []
+    return {"model_opset": current, "target_opset": wanted, "unsupported": unsupported,
             "blockers": blockers, "version_changes": changes, "custom_domain_ops": custom}
 
 
@@ -212,7 +214,7 @@ def conversion_blockers(model: onnx.ModelProto, opset: int) -> list[str]:
     converts), found by running the registered lower_opset/raise_opset pass on a copy."""
     from qgraph.pass_api import PassContext, get_pass
 
-    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    current = model_opset(model, opset)
     step = get_pass("lower_opset" if opset < current else "raise_opset")(opset=opset)
     try:
         step.run(GraphHandle(model), PassContext())

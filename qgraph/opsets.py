@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx
 
 from qgraph.errors import UsageError
+from qgraph.graph.ops import is_default_domain
 
 #: Oldest default-domain opset qgraph reads or writes (QuantizeLinear needs 10; lowering goes down to 7).
 MIN_OPSET = 7
@@ -24,3 +25,8 @@ def check_opset(opset: int, option: str) -> int:
             "Choose one in that range."
         )
     return opset
+
+
+def model_opset(model: onnx.ModelProto, default: int = 0) -> int:
+    """The model's default-domain opset (``default`` when it imports none)."""
+    return next((int(o.version) for o in model.opset_import if is_default_domain(o.domain)), default)

@@ -44,6 +44,20 @@ INTEGER_OPS = frozenset(
 FLOAT_COMPUTE_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul", "Concat", "FusedConv"})
 
 
+#: Domains whose QuantizeLinear/DequantizeLinear are the ONNX ones (onnxruntime's contrib ops have the same form).
+QDQ_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft"})
+
+
+def is_quantize(op: str, domain: str | None = "") -> bool:
+    """Whether ``op`` in ``domain`` is a QuantizeLinear (the one recognizer every module uses)."""
+    return op == "QuantizeLinear" and (domain or "") in QDQ_DOMAINS
+
+
+def is_dequantize(op: str, domain: str | None = "") -> bool:
+    """Whether ``op`` in ``domain`` is a DequantizeLinear."""
+    return op == "DequantizeLinear" and (domain or "") in QDQ_DOMAINS
+
+
 @dataclass(frozen=True)
 class QDQPair:
     """A ``QuantizeLinear -> DequantizeLinear`` pair on float tensor ``tensor`` (``dq_output`` is its DQ twin)."""
@@ -70,10 +84,10 @@ def find_qdq_pairs(model: onnx.ModelProto) -> list[QDQPair]:
 
     pairs = []
     for q in model.graph.node:
-        if q.op_type != "QuantizeLinear":
+        if not is_quantize(q.op_type, q.domain):
             continue
         for dq in consumers.get(q.output[0], []):
-            if dq.op_type == "DequantizeLinear":
+            if is_dequantize(dq.op_type, dq.domain):
                 scale = value(q.input[1]) if len(q.input) > 1 else None
                 zp = value(q.input[2]) if len(q.input) > 2 and q.input[2] else None
                 pairs.append(QDQPair(q.input[0], q.name, dq.name, dq.output[0], scale, zp))

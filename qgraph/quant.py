@@ -228,14 +228,20 @@ def compute_scale_zero_point(
     return scale, zp.astype(spec.dtype.numpy_dtype)
 
 
-def _broadcast_param(p: npt.ArrayLike, ndim: int, axis: int | None) -> npt.NDArray[Any]:
-    """Reshape a per-channel parameter so it broadcasts along ``axis`` of an ``ndim`` array."""
+def _broadcast_param(
+    p: npt.ArrayLike, ndim: int, axis: int | None, block_size: int = 0, size: int | None = None
+) -> npt.NDArray[Any]:
+    """Reshape a per-channel parameter so it broadcasts along ``axis`` of an ``ndim`` array (for blocked
+    quantization, repeat each value ``block_size`` times and cut to the axis' ``size``)."""
     arr = np.asarray(p)
-    if axis is None or arr.ndim == 0:
+    if axis is None or arr.ndim == 0 or ndim == 0:
         if arr.size != 1 and axis is None:
             raise ValueError(f"per-tensor quantization needs a scalar parameter, got shape {arr.shape}")
-        return arr.reshape(())
+        return arr.reshape(()) if arr.size == 1 else arr
     ax = axis % ndim
+    if block_size > 0:
+        blocked = np.repeat(arr, block_size, axis=ax)
+        return np.take(blocked, np.arange(size if size is not None else blocked.shape[ax]), axis=ax)
     shape = [1] * ndim
     shape[ax] = arr.size
     return arr.reshape(shape)
@@ -265,13 +271,19 @@ def quantize(
 
 
 def dequantize(
-    q: npt.ArrayLike, scale: npt.ArrayLike, zero_point: npt.ArrayLike, axis: int | None = None
+    q: npt.ArrayLike, scale: npt.ArrayLike, zero_point: npt.ArrayLike, axis: int | None = None, block_size: int = 0
 ) -> FloatArray:
-    """ONNX ``DequantizeLinear``: ``(q - zero_point) * scale`` (float32 result)."""
+    """ONNX ``DequantizeLinear``: ``(q - zero_point) * scale`` as onnxruntime computes it (integer subtract, then
+    float32 multiply; float32 result). ``block_size`` > 0: blocked quantization along ``axis``."""
     qa = np.asarray(q)
-    s = _broadcast_param(np.asarray(scale, dtype=np.float32), qa.ndim, axis)
-    z = _broadcast_param(np.asarray(zero_point, dtype=np.int64), qa.ndim, axis)
-    diff = (qa.astype(np.int64) - z).astype(np.float32)
+    size = qa.shape[axis % qa.ndim] if axis is not None and qa.ndim else None
+    s = _broadcast_param(np.asarray(scale, dtype=np.float32), qa.ndim, axis, block_size, size)
+    if qa.dtype.kind in "iu":
+        z = _broadcast_param(np.asarray(zero_point, dtype=np.int64), qa.ndim, axis, block_size, size)
+        diff = (qa.astype(np.int64) - z).astype(np.float32)
+    else:  # float8 and other non-integer carriers
+        z = _broadcast_param(np.asarray(zero_point, dtype=np.float32), qa.ndim, axis, block_size, size)
+        diff = qa.astype(np.float32) - z
     return np.asarray(diff * s, dtype=np.float32)
 
 
@@ -284,6 +296,27 @@ def fake_quantize(
 ) -> FloatArray:
     """``dequantize(quantize(x))``: the float values a QDQ pair produces."""
     return dequantize(quantize(x, scale, zero_point, dtype, axis), scale, zero_point, axis)
+
+
+def fake_quantize_counted(
+    x: npt.ArrayLike,
+    scale: npt.ArrayLike,
+    zero_point: npt.ArrayLike,
+    qmin: int,
+    qmax: int,
+    axis: int | None = None,
+    block_size: int = 0,
+) -> tuple[FloatArray, int]:
+    """What a Q/DQ pair with integer range ``[qmin, qmax]`` produces from ``x`` (x / scale in float32 as
+    onnxruntime computes it, round half to even, saturate), and how many elements saturated."""
+    xa = np.asarray(x, dtype=np.float32)
+    size = xa.shape[axis % xa.ndim] if axis is not None and xa.ndim else None
+    s = _broadcast_param(np.asarray(scale, dtype=np.float32), xa.ndim, axis, block_size, size)
+    z = _broadcast_param(np.asarray(zero_point, dtype=np.float64), xa.ndim, axis, block_size, size)
+    q = np.rint(xa / s).astype(np.float64) + z
+    clipped = int(np.count_nonzero((q < qmin) | (q > qmax)))
+    out = ((np.clip(q, qmin, qmax) - z) * s).astype(np.float32)
+    return out, clipped
 
 
 @dataclass(frozen=True, eq=False)

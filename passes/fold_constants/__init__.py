@@ -34,6 +34,7 @@ from qgraph.graph import (
     const_value,
     constant_node_value,
     graph_scopes,
+    is_default_domain,
     node_subgraphs,
     rebuild,
     tensor_shape,
@@ -41,7 +42,6 @@ from qgraph.graph import (
 
 from .evaluate import evaluation_model, generator_size, run_model, shape_value
 
-_DEFAULT_DOMAINS = ("", "ai.onnx", None)
 _QDQ = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 _RANDOM = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -140,7 +140,7 @@ class _Folder:
         outputs = {id(t) for t in g.outputs}
         removed = []
         for node in g.nodes:
-            if node.op != "Constant" or node.domain not in _DEFAULT_DOMAINS or len(node.outputs) != 1:
+            if node.op != "Constant" or not is_default_domain(node.domain) or len(node.outputs) != 1:
                 continue
             out = node.outputs[0]
             value = constant_node_value(node)
@@ -181,7 +181,7 @@ class _Folder:
             if value is not None:
                 ready.append(node)
                 continue
-            if node.domain not in _DEFAULT_DOMAINS or node.op in _NEVER or node_subgraphs(node):
+            if not is_default_domain(node.domain) or node.op in _NEVER or node_subgraphs(node):
                 if node.op in _QDQ | _RANDOM and node.inputs and all(constant(t) for t in node.inputs):
                     kind = "Q/DQ on a constant weight is kept" if node.op in _QDQ else "random op"
                     self.result.skip(node.name, f"{kind}: never folded")

@@ -12,16 +12,15 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from qgraph.graph import const_value
+from qgraph.graph import const_value, is_default_domain
 
-DEFAULT_DOMAINS = ("", "ai.onnx", None)
 #: ``static_shape(tensor)``: the tensor's fully known shape, or None.
 StaticShape = Callable[[gs.Tensor], "tuple[int, ...] | None"]
 
 
 def shape_value(node: gs.Node, static_shape: StaticShape) -> np.ndarray | None:
     """Value of a Shape/Size node whose input has a static shape (None otherwise)."""
-    if node.op not in ("Shape", "Size") or node.domain not in DEFAULT_DOMAINS:
+    if node.op not in ("Shape", "Size") or not is_default_domain(node.domain):
         return None
     shape = static_shape(node.inputs[0]) if node.inputs else None
     if shape is None:
@@ -83,7 +82,7 @@ def evaluation_model(
     """One model computing every output of ``nodes`` (dependency order) from their constant inputs."""
     model = onnx.ModelProto()
     opsets = [onnx.helper.make_opsetid("", opset)]
-    opsets += [imp for imp in domains if imp.domain not in ("", "ai.onnx")]
+    opsets += [imp for imp in domains if not is_default_domain(imp.domain)]
     model.opset_import.extend(opsets)
     model.ir_version = max(min(int(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True)), 10), 4)
     graph = model.graph

@@ -27,13 +27,22 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, register
-from qgraph.graph import NoMatch, const_value, consumers, producer, rebuild, redirect, set_const, tensor_dtype, unlink
+from qgraph.graph import (
+    NoMatch,
+    const_value,
+    consumers,
+    is_default_domain,
+    producer,
+    rebuild,
+    redirect,
+    set_const,
+    tensor_dtype,
+    unlink,
+)
 
 from . import bn_math as bnm
 from .config import FuseBatchNormConfig
 from .match import BNMatcher
-
-_DEFAULT_DOMAINS = ("", "ai.onnx", None)
 
 
 @register
@@ -75,7 +84,7 @@ class _Fuser(BNMatcher):
 
     def run_graph(self, g: gs.Graph) -> None:
         self._graph_outputs = {id(t) for t in g.outputs}
-        bns = [n for n in g.nodes if n.op == "BatchNormalization" and n.domain in _DEFAULT_DOMAINS]
+        bns = [n for n in g.nodes if n.op == "BatchNormalization" and is_default_domain(n.domain)]
         removed: list[gs.Node] = []
         replaced: dict[int, list[gs.Node]] = {}
         pending: list[tuple[gs.Node, bnm.BNAffine, str]] = []
@@ -141,7 +150,7 @@ class _Fuser(BNMatcher):
         op = producer(y)
         if op is None:
             raise NoMatch("its input is not produced by a node")
-        if op.domain not in _DEFAULT_DOMAINS:
+        if not is_default_domain(op.domain):
             raise NoMatch(f"preceded by {op.domain}.{op.op}")
         if op.op in ("Conv", "ConvTranspose"):
             self.sole_consumer(y, bn, f"{op.op} output {y.name!r}")
@@ -191,7 +200,7 @@ class _Fuser(BNMatcher):
             bias = kinds[bias_index][0]
             mm_out = add.inputs[1 - bias_index]
             matmul = producer(mm_out)
-            if matmul is None or matmul.op != "MatMul" or matmul.domain not in _DEFAULT_DOMAINS:
+            if matmul is None or matmul.op != "MatMul" or not is_default_domain(matmul.domain):
                 raise NoMatch("preceded by an Add that does not follow a MatMul")
             self.sole_consumer(mm_out, add, f"MatMul output {mm_out.name!r}")
         else:
@@ -231,7 +240,7 @@ class _Fuser(BNMatcher):
             raise NoMatch("its output has no consumer")
         plans = []
         for user in users:
-            if user.op not in ("Conv", "Gemm") or user.domain not in _DEFAULT_DOMAINS:
+            if user.op not in ("Conv", "Gemm") or not is_default_domain(user.domain):
                 raise NoMatch(f"followed by {user.op} {user.name!r}")
             if sum(1 for t in user.inputs if t is z) != 1 or user.inputs[0] is not z:
                 raise NoMatch(f"{user.name!r} reads it other than as its data input")

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qgraph.graph import NoMatch
+from qgraph.graph import NoMatch, is_default_domain
 
 from .schemas import type_str
 
@@ -59,7 +59,7 @@ class LowerContext:
             for n in g.node:
                 self.names.update(n.output)
                 self.names.add(n.name)
-                if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.output) == 1:
+                if n.op_type == "Constant" and is_default_domain(n.domain) and len(n.output) == 1:
                     v = constant_value(n)
                     if v is not None:
                         self.consts[n.output[0]] = v

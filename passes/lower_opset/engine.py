@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import onnx
 
 from qgraph.errors import PassError
-from qgraph.graph import MatchResult, NoMatch
+from qgraph.graph import MatchResult, NoMatch, is_default_domain
 
 from .adapters import load_adapters
 from .context import LowerContext, iter_graphs
 from .functions import expand_function
 from .registry import DECOMPOSITIONS, STEPS
-from .schemas import DEFAULT_DOMAINS, allowed_types, formal_index, has_function, schema, version_at
+from .schemas import allowed_types, formal_index, has_function, schema, version_at
 from .types import collect_types, fix_ir_version, opset_of
 
 #: Lowest target the adapter table covers (older opsets used legacy broadcasting attributes).
@@ -91,7 +91,7 @@ class _Engine:
 
     def lower_node(self, node: onnx.NodeProto, opset: int, original: bool) -> list[onnx.NodeProto]:
         ctx = self.ctx
-        if node.domain not in DEFAULT_DOMAINS:
+        if not is_default_domain(node.domain):
             return [node]
         if id(node) in ctx.final_ids:
             self.validate(node, strict=False)
@@ -196,7 +196,7 @@ class _Engine:
         for a in node.attribute:
             for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
                 for sub in g.node:
-                    if sub.domain in DEFAULT_DOMAINS:
+                    if is_default_domain(sub.domain):
                         self.validate(sub, strict=False)
 
 
@@ -235,7 +235,7 @@ def lower_model(model: onnx.ModelProto, target_opset: int) -> LoweringResult:
         )
     work.graph.initializer.extend(ctx.initializers)
     for imp in work.opset_import:
-        if imp.domain in DEFAULT_DOMAINS:
+        if is_default_domain(imp.domain):
             imp.version = target_opset
     fix_ir_version(work, lowering=True)
     _check(model, work)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from qgraph.graph import NoMatch
+from qgraph.graph import NoMatch, is_default_domain
 
 from .context import LowerContext, constant_value
-from .schemas import DEFAULT_DOMAINS, schema, version_at
+from .schemas import schema, version_at
 
 
 def _pick_version(versions: list[int], target: int) -> int:
@@ -75,7 +75,7 @@ def function_proto(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> tuple
 def expand_function(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list[onnx.NodeProto]:
     """Inline the schema function body of ``node``; body nodes are declared at the function's opset."""
     fp, full = function_proto(node, ctx, opset)
-    body_opset = next((int(i.version) for i in fp.opset_import if i.domain in DEFAULT_DOMAINS), opset)
+    body_opset = next((int(i.version) for i in fp.opset_import if is_default_domain(i.domain)), opset)
     attrs = {a.name: a for a in full.attribute}
     for a in fp.attribute_proto:
         attrs.setdefault(a.name, a)
@@ -89,7 +89,7 @@ def expand_function(node: onnx.NodeProto, ctx: LowerContext, opset: int) -> list
     out: list[onnx.NodeProto] = []
     for bn in fp.node:
         new = _inline_node(bn, mapping, attrs, ctx, prefix)
-        if new.domain in DEFAULT_DOMAINS:
+        if is_default_domain(new.domain):
             ctx.at_level(new, body_opset)
         out.append(new)
     for n in out:

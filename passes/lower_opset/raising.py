@@ -18,13 +18,13 @@ import onnx
 from onnx import helper
 
 from qgraph.errors import PassError
-from qgraph.graph import NoMatch
+from qgraph.graph import NoMatch, is_default_domain
 from qgraph.opsets import MIN_OPSET, max_opset
 
 from .adapters import load_adapters
 from .context import LowerContext, iter_graphs
 from .registry import RAISE_STEPS
-from .schemas import DEFAULT_DOMAINS, attr_default, schema, version_at
+from .schemas import attr_default, schema, version_at
 from .types import MAX_IR, collect_types, fix_ir_version, opset_of
 
 
@@ -47,7 +47,7 @@ def _pre_rewrite(model: onnx.ModelProto, target: int) -> dict[str, int]:
     for g in iter_graphs(model.graph):
         out: list[onnx.NodeProto] = []
         for node in g.node:
-            if node.domain not in DEFAULT_DOMAINS:
+            if not is_default_domain(node.domain):
                 out.append(node)
                 continue
             v_src, v_dst = version_at(node.op_type, src), version_at(node.op_type, target)
@@ -96,7 +96,7 @@ def raise_model(model: onnx.ModelProto, target_opset: int) -> RaisingResult:
     dropped: list[str] = []
     for g in iter_graphs(converted.graph):
         for node in g.node:
-            if node.domain not in DEFAULT_DOMAINS:
+            if not is_default_domain(node.domain):
                 continue
             v = version_at(node.op_type, target_opset)
             if v is None:
@@ -120,7 +120,7 @@ def raise_model(model: onnx.ModelProto, target_opset: int) -> RaisingResult:
                 del node.attribute[:]
                 node.attribute.extend(keep)
     for imp in converted.opset_import:
-        if imp.domain in DEFAULT_DOMAINS:
+        if is_default_domain(imp.domain):
             imp.version = target_opset
     fix_ir_version(converted, lowering=False)
     try:

@@ -10,8 +10,6 @@ from functools import cache, lru_cache
 import onnx
 from onnx import defs
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
-
 
 @cache
 def op_versions(op: str, domain: str = "") -> tuple[int, ...]:

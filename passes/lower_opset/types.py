@@ -5,8 +5,9 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from qgraph.graph import is_default_domain
+
 from .context import iter_graphs
-from .schemas import DEFAULT_DOMAINS
 
 #: Highest IR version onnxruntime 1.31 loads.
 MAX_IR = 13
@@ -25,7 +26,7 @@ _TYPE_IR = {
 def opset_of(model: onnx.ModelProto) -> int:
     """The model's default-domain opset (1 when the model imports none)."""
     for imp in model.opset_import:
-        if imp.domain in DEFAULT_DOMAINS:
+        if is_default_domain(imp.domain):
             return int(imp.version)
     return 1
 

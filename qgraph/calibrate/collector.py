@@ -46,6 +46,7 @@ from qgraph.calibrate.session import (
 )
 from qgraph.compare import session_run
 from qgraph.errors import DataError, ModelError
+from qgraph.opsets import model_opset
 from qgraph.quant import ActivationRange
 
 Feed = Mapping[str, npt.NDArray[Any]]
@@ -193,7 +194,7 @@ class _Run:
 
 
 def _in_graph_ok(model: onnx.ModelProto) -> bool:
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = model_opset(model, 0)
     return opset >= MIN_OPSET and not segmentable(model)
 
 

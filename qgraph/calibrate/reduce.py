@@ -44,6 +44,8 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qgraph.graph.ops import is_default_domain
+
 #: Ops whose output holds exactly the input's values, in the same row-major order.
 SAME_ORDER = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 #: Ops whose output holds exactly the input's values, reordered.
@@ -141,7 +143,7 @@ def plan_derivations(model: onnx.ModelProto, names: Sequence[str], *, keep_order
     derived: dict[str, Derivation] = {}
     for node in model.graph.node:  # topological order: a node's inputs are planned before it
         op = node.op_type
-        if node.domain not in ("", "ai.onnx") or not node.input or len([o for o in node.output if o]) != 1:
+        if not is_default_domain(node.domain) or not node.input or len([o for o in node.output if o]) != 1:
             continue
         out = node.output[0]
         if out not in wanted or out in derived:

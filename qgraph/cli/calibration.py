@@ -103,7 +103,7 @@ def sensitivity(
 ) -> None:
     """Rank quantized nodes by how much returning each one alone to float helps; with --target, fall back
     the most sensitive nodes until the target is met (exit 1 when it cannot be: the best model is still written)."""
-    from qgraph.passes.float_fallback.report import run_command
+    from qgraph.sensitivity.command import run_command
 
     need_positive(max_time, "--max-time")
     check_outputs({"--json": json_path, "--plot": plot, "--patch": patch, "-o": output},

@@ -12,6 +12,7 @@ from rich.table import Table
 
 import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.opsets import model_opset
 from qgraph.outputs import check_output, check_outputs
 
 
@@ -33,7 +34,7 @@ def lower(
     need_positive(tolerance, "--tolerance")
     check_output(output, inputs=[model])
     source = load_model(model)
-    current = next((o.version for o in source.opset_import if o.domain in ("", "ai.onnx")), opset)
+    current = model_opset(source, opset)
     name = "lower_opset" if opset <= current else "raise_opset"
     result = Pipeline([get_pass(name)(opset=opset)], name=f"{name}-{opset}").run(
         source, verify=verify, verify_tolerance=tolerance)

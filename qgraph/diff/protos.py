@@ -17,8 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from qgraph.graph import TAG_PREFIX
-
-DEFAULT_DOMAINS = ("", "ai.onnx")
+from qgraph.graph.ops import is_default_domain
 
 
 @dataclass
@@ -135,7 +134,7 @@ def subgraphs_of(attr: onnx.AttributeProto) -> Iterator[onnx.GraphProto]:
 
 def op_label(node: onnx.NodeProto) -> str:
     """``op_type``, prefixed by its domain outside the default domain (``com.microsoft.QGemm``)."""
-    return node.op_type if node.domain in DEFAULT_DOMAINS else f"{node.domain}.{node.op_type}"
+    return node.op_type if is_default_domain(node.domain) else f"{node.domain}.{node.op_type}"
 
 
 def tensor_nbytes(t: onnx.TensorProto) -> int:

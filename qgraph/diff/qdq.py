@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from qgraph.diff.protos import ModelIndex, NodeRef, dtype_name
+from qgraph.graph.ops import is_default_domain
+from qgraph.qdq import is_dequantize, is_quantize
 
 #: Ops with an integer kernel or QDQ fusion in common runtimes, and which inputs carry data (None: all).
 QUANTIZABLE_INPUTS: dict[str, tuple[int, ...] | None] = {
@@ -115,7 +117,7 @@ def _dq_dtype(idx: ModelIndex, dq: NodeRef) -> str:
         if elem is not None:
             return dtype_name(elem)
     q = idx.producer.get(inputs[0])
-    if q is not None and q.node.op_type == "QuantizeLinear":
+    if q is not None and is_quantize(q.node.op_type, q.node.domain):
         qin = list(q.node.input)
         if len(qin) > 2 and qin[2]:
             elem = idx.elem_type(qin[2])
@@ -135,7 +137,7 @@ def qdq_coverage(model_or_index: Any, reasons: Mapping[str, str] | None = None) 
     """
     idx = model_or_index if isinstance(model_or_index, ModelIndex) else ModelIndex.build(model_or_index)
     reasons = reasons or {}
-    ops = Counter(r.node.op_type for r in idx.nodes if r.node.domain in ("", "ai.onnx"))
+    ops = Counter(r.node.op_type for r in idx.nodes if is_default_domain(r.node.domain))
     cov = QdqCoverage(quantize_nodes=ops["QuantizeLinear"], dequantize_nodes=ops["DequantizeLinear"])
     for ref in idx.nodes:
         op = ref.op
@@ -152,7 +154,7 @@ def qdq_coverage(model_or_index: Any, reasons: Mapping[str, str] | None = None) 
         plain: list[str] = []
         for t in data:
             prod = idx.producer.get(t)
-            if prod is not None and prod.node.op_type == "DequantizeLinear":
+            if prod is not None and is_dequantize(prod.node.op_type, prod.node.domain):
                 dtypes.append(_dq_dtype(idx, prod))
             else:
                 plain.append(t)
@@ -215,10 +217,10 @@ def saturation_risks(model_or_index: Any) -> list[SaturationRisk]:
     risks: list[SaturationRisk] = []
     for ref in idx.nodes:
         op = ref.node.op_type
-        if op not in ("Conv", "Gemm", "MatMul") or len(ref.node.input) < 2 or ref.node.domain not in ("", "ai.onnx"):
+        if op not in ("Conv", "Gemm", "MatMul") or len(ref.node.input) < 2 or not is_default_domain(ref.node.domain):
             continue
         act, wdq = (idx.producer.get(t) for t in ref.node.input[:2])
-        if act is None or wdq is None or {act.node.op_type, wdq.node.op_type} != {"DequantizeLinear"}:
+        if act is None or wdq is None or not all(is_dequantize(n.node.op_type, n.node.domain) for n in (act, wdq)):
             continue
         a_dtype, w_dtype = _dq_dtype(idx, act), _dq_dtype(idx, wdq)
         if a_dtype != "uint8" or w_dtype != "int8":

@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import logger as _gs_logger_module
 
 from qgraph.errors import ModelError
+from qgraph.graph.ops import is_default_domain
 from qgraph.ir_version import normalize_ir_version
 
 from .checks import gs_cycle_message
@@ -108,7 +109,7 @@ class GraphHandle:
 
     def opset_of(self, domain: str) -> int | None:
         """Opset version imported for ``domain`` (``""`` / ``"ai.onnx"`` is the default domain)."""
-        if domain in ("", "ai.onnx"):
+        if is_default_domain(domain):
             return self.opset
         for imp in self.graph.import_domains or []:
             if imp.domain == domain:
@@ -310,7 +311,7 @@ class GraphHandle:
 def _merge_opsets(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
     have = {o.domain for o in model.opset_import}
     for o in original.opset_import:
-        if o.domain not in have and o.domain not in ("", "ai.onnx"):
+        if o.domain not in have and not is_default_domain(o.domain):
             model.opset_import.add(domain=o.domain, version=o.version)
 
 

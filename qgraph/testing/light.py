@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from qgraph.opsets import model_opset
 from qgraph.testing._common import add_initializer, ir_version_for_opset, rng_for
 from qgraph.testing.runtime import make_session
 
@@ -60,7 +61,7 @@ def light_model_path(name: str) -> Path:
 
 
 def _opset(model: onnx.ModelProto) -> int:
-    return next(int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    return model_opset(model)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:

@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 from qgraph.passes.float_fallback import FloatFallback
-from qgraph.passes.float_fallback.qdq_edit import is_dq, is_q, quantized_nodes
 
 from qgraph import GraphHandle, NodeSelector, PassError, Pipeline, Recipe
 from qgraph.compare import make_session
+from qgraph.fallback import is_dq, is_q, quantized_nodes
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 # x -> Q/DQ shared by mm_a and mm_b; mm_a's output t -> Q/DQ -> graph output y, also read by mm_c (quantized);
@@ -250,7 +250,7 @@ def test_real_model_one_matmul_of_a_shared_pair(ort_encoder) -> None:  # type: i
 
 
 def test_walks_bounded(ort_encoder) -> None:  # type: ignore[no-untyped-def]
-    from qgraph.passes.float_fallback.qdq_edit import fall_back
+    from qgraph.fallback import fall_back
 
     _, qdq, _ = ort_encoder
     handle = GraphHandle(qdq)
@@ -277,9 +277,8 @@ def test_auto_mode_inside_the_pass_defaults_to_the_stripped_model(ort_encoder, t
 
 
 def test_float_and_qdq_models_must_match(ort_encoder, shared: onnx.ModelProto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from qgraph.passes.float_fallback.auto import auto_fallback
-
     from qgraph import ModelError
+    from qgraph.sensitivity.search import auto_fallback
 
     float_model, _, feeds = ort_encoder
     np.savez(tmp_path / "eval.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})

@@ -34,11 +34,10 @@ import onnx
 
 from qgraph import GraphHandle, NodeSelector, PassError, select
 from qgraph.compare import TensorDiff
-
-from .evaluate import Evaluator, Progress, concat_outputs, measure_all
-from .qdq_edit import quantized_nodes
-from .stats import range_stats
-from .targets import Target
+from qgraph.fallback import quantized_nodes
+from qgraph.sensitivity.evaluate import Evaluator, Progress, concat_outputs, measure_all
+from qgraph.sensitivity.stats import range_stats
+from qgraph.sensitivity.targets import Target
 
 
 @dataclass

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from qgraph.passes.float_fallback.auto import auto_fallback
-from qgraph.passes.float_fallback.evaluate import Evaluator
-from qgraph.passes.float_fallback.stats import matmul_flops
-from qgraph.passes.float_fallback.targets import parse_target
 
 from qgraph import Pipeline, RecipeError
 from qgraph.cli import main
 from qgraph.compare import compare_models
+from qgraph.sensitivity.evaluate import Evaluator
+from qgraph.sensitivity.search import auto_fallback
+from qgraph.sensitivity.stats import matmul_flops
+from qgraph.sensitivity.targets import parse_target
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits"

@@ -34,11 +34,11 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
+from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.quant import dequantize as quant_dequantize
+from qgraph.quant import fake_quantize_counted
 
 PASS_NAME = "float_fallback"
-Q_OPS = frozenset({"QuantizeLinear"})
-DQ_OPS = frozenset({"DequantizeLinear"})
-QDQ_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft"})
 #: Producers whose output is never negative: a folded Relu after them needs no restoring.
 NON_NEGATIVE_OPS = frozenset({"Relu", "Softmax", "Sigmoid", "Abs", "Exp", "Softplus", "HardSigmoid", "Sqrt"})
 _INT_RANGES: dict[Any, tuple[int, int]] = {
@@ -52,12 +52,12 @@ _INT_RANGES: dict[Any, tuple[int, int]] = {
 
 def is_q(node: gs.Node) -> bool:
     """Whether ``node`` is a QuantizeLinear (ONNX or com.microsoft domain)."""
-    return node.op in Q_OPS and (node.domain or "") in QDQ_DOMAINS
+    return is_quantize(node.op, node.domain)
 
 
 def is_dq(node: gs.Node) -> bool:
     """Whether ``node`` is a DequantizeLinear (ONNX or com.microsoft domain)."""
-    return node.op in DQ_OPS and (node.domain or "") in QDQ_DOMAINS
+    return is_dequantize(node.op, node.domain)
 
 
 def is_qdq(node: gs.Node) -> bool:
@@ -111,41 +111,18 @@ def qparams(graph: GraphHandle, node: gs.Node) -> QParams | None:
     return QParams(scale, zp, int(node.attrs.get("axis", 1)), int(node.attrs.get("block_size", 0)), qmin, qmax)
 
 
-def _broadcast(p: np.ndarray, ndim: int, axis: int, block: int, size: int) -> np.ndarray:
-    if p.ndim == 0 or ndim == 0:
-        return p
-    axis = axis % ndim
-    if block > 0:
-        p = np.repeat(p, block, axis=axis)
-        p = np.take(p, np.arange(size), axis=axis)
-        return p
-    shape = [1] * ndim
-    shape[axis] = p.size
-    return p.reshape(shape)
-
-
 def dequantize(values: np.ndarray, params: QParams) -> np.ndarray:
-    """``(x - zero_point) * scale`` as onnxruntime computes it (integer subtract, then float multiply)."""
-    x = np.asarray(values)
-    axis_size = x.shape[params.axis % x.ndim] if x.ndim else 1
-    scale = _broadcast(params.scale, x.ndim, params.axis, params.block_size, axis_size)
-    zp = _broadcast(params.zero_point, x.ndim, params.axis, params.block_size, axis_size)
-    if x.dtype.kind in "iu":
-        diff = (x.astype(np.int64) - zp.astype(np.int64)).astype(np.float32)
-    else:
-        diff = x.astype(np.float32) - zp.astype(np.float32)
-    return np.asarray(diff * scale.astype(np.float32)).astype(params.scale.dtype)
+    """``DequantizeLinear`` of ``values`` with ``params`` (`qgraph.quant.dequantize`), in the scale's dtype."""
+    out = quant_dequantize(values, params.scale, params.zero_point, params.axis if params.scale.size > 1 else None,
+                           params.block_size)
+    return out.astype(params.scale.dtype)
 
 
 def fake_quantize(values: np.ndarray, params: QParams) -> tuple[np.ndarray, int]:
-    """``DQ(Q(x))`` in numpy (round half to even, saturate) and the number of saturated elements."""
-    x = np.asarray(values, dtype=np.float64)
-    axis_size = x.shape[params.axis % x.ndim] if x.ndim else 1
-    scale = _broadcast(params.scale, x.ndim, params.axis, params.block_size, axis_size).astype(np.float64)
-    zp = _broadcast(params.zero_point, x.ndim, params.axis, params.block_size, axis_size).astype(np.float64)
-    q = np.round(x / scale) + zp
-    clipped = int(np.count_nonzero((q < params.qmin) | (q > params.qmax)))
-    return (np.clip(q, params.qmin, params.qmax) - zp) * scale, clipped
+    """``DQ(Q(x))`` and the number of saturated elements (`qgraph.quant.fake_quantize_counted`)."""
+    axis = params.axis if params.scale.size > 1 else None
+    return fake_quantize_counted(values, params.scale, params.zero_point, params.qmin, params.qmax, axis,
+                                 params.block_size)
 
 
 @dataclass

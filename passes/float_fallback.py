@@ -39,9 +39,8 @@ from qgraph import (
     register,
     select,
 )
-
-from .qdq_edit import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
-from .targets import parse_target
+from qgraph.fallback import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
+from qgraph.sensitivity.targets import parse_target
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
 
@@ -135,8 +134,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
 
     def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> None:
         from qgraph.model_io import load_model
-
-        from .auto import auto_fallback
+        from qgraph.sensitivity.search import auto_fallback
 
         auto = self.config.auto
         assert auto is not None

@@ -18,11 +18,10 @@ from rich.table import Table
 
 from qgraph import RecipeError, load_model, save_model
 from qgraph.outputs import write_atomic
-
-from .auto import auto_fallback
-from .sensitivity import SensitivityReport
-from .stats import matmul_flops
-from .targets import Target, parse_target
+from qgraph.sensitivity.ranking import SensitivityReport
+from qgraph.sensitivity.search import auto_fallback
+from qgraph.sensitivity.stats import matmul_flops
+from qgraph.sensitivity.targets import Target, parse_target
 
 #: Ranking used when no --target is given.
 DEFAULT_RANKING = Target("sqnr", "sqnr", goal=math.inf)

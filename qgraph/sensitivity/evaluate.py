@@ -26,8 +26,7 @@ import onnxruntime as ort
 from qgraph import DataError, GraphHandle, ModelError, NodeSelector, select
 from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
-
-from .qdq_edit import fall_back
+from qgraph.fallback import fall_back
 
 Progress = Callable[[int, int], None]
 

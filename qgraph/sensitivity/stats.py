@@ -12,8 +12,7 @@ import onnx
 from qgraph import GraphHandle
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
-
-from .qdq_edit import fake_quantize, float_source, is_dq, qparams
+from qgraph.fallback import fake_quantize, float_source, is_dq, qparams
 
 
 # ----------------------------------------------------------------------------- range / clipping statistics

@@ -24,13 +24,12 @@ from typing import Any
 
 import onnx
 
-from qgraph import ModelError, NodeSelector, Pipeline, Recipe
+from qgraph import ModelError, NodeSelector, Pipeline, Recipe, get_pass
 from qgraph.data import DataSource, model_inputs
 from qgraph.outputs import write_atomic
-
-from .evaluate import Evaluator, Progress, concat_outputs, load_feeds, reference_outputs
-from .sensitivity import SensitivityReport, candidate_nodes, sensitivity_report
-from .targets import Target, parse_target
+from qgraph.sensitivity.evaluate import Evaluator, Progress, concat_outputs, load_feeds, reference_outputs
+from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, sensitivity_report
+from qgraph.sensitivity.targets import Target, parse_target
 
 PATCH_RECIPE_NAME = "float-fallback"
 
@@ -84,9 +83,7 @@ class AutoResult:
         """The decision as a one-pass recipe (None when no node needs to go back to float)."""
         if not self.nodes:
             return None
-        from . import FloatFallback
-
-        return Recipe(PATCH_RECIPE_NAME, [FloatFallback(nodes=NodeSelector(names=tuple(self.nodes)))])
+        return _patch_recipe(self.nodes)
 
     def patch_yaml(self) -> str | None:
         """The recipe patch text (``name`` + ``passes``), commented with the outcome; None if no node."""
@@ -136,10 +133,14 @@ def build_model(qdq: onnx.ModelProto, nodes: Sequence[str]) -> onnx.ModelProto:
     """``qdq`` with ``nodes`` in float, built exactly as `qgraph run PATCH qdq` would build it."""
     if not nodes:
         return qdq
-    from . import FloatFallback
+    recipe = _patch_recipe(nodes)
+    return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
 
-    recipe = Recipe(PATCH_RECIPE_NAME, [FloatFallback(nodes=NodeSelector(names=tuple(nodes)))])
-    return Pipeline(recipe.passes, name=recipe.name, recipe=recipe).run(qdq).model
+
+def _patch_recipe(nodes: Sequence[str]) -> Recipe:
+    # The float_fallback pass is reached through the registry, as any plug-in would be.
+    fallback = get_pass("float_fallback")
+    return Recipe(PATCH_RECIPE_NAME, [fallback(nodes=NodeSelector(names=tuple(nodes)))])
 
 
 def auto_fallback(
