@@ -54,9 +54,6 @@ class Emitter:
 
     def __init__(self, graph: GraphHandle) -> None:
         self.g = graph
-        self.idx = graph.index
-        self.used: set[str] = set()  # tensor names handed out
-        self.used_nodes: set[str] = set()  # node names handed out (ONNX keeps the two namespaces apart)
         self.new_nodes: list[gs.Node] = []
         self._zero_points: dict[tuple[str, tuple[int, ...], bytes], gs.Constant] = {}
 
@@ -71,22 +68,12 @@ class Emitter:
         return got
 
     def name(self, base: str) -> str:
-        """Tensor name ``base`` or ``base_1``... not used yet (O(1) amortised)."""
-        name, k = base, 0
-        while name in self.used or name in self.idx.tensors:
-            k += 1
-            name = f"{base}_{k}"
-        self.used.add(name)
-        return name
+        """Tensor name ``base`` or ``base_1``... not used yet (the handle's, across every scope)."""
+        return self.g.unique_name(base, kind="tensor")
 
     def node_name(self, base: str) -> str:
         """Node name ``base`` or ``base_1``... not used yet."""
-        name, k = base, 0
-        while name in self.used_nodes or name in self.idx.by_name:
-            k += 1
-            name = f"{base}_{k}"
-        self.used_nodes.add(name)
-        return name
+        return self.g.unique_name(base, kind="node")
 
     def const(self, base: str, value: npt.NDArray[Any]) -> gs.Constant:
         """A new initializer."""

@@ -13,24 +13,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qgraph.graph import NoMatch, is_default_domain
+from qgraph.graph import NoMatch, is_default_domain, proto_scopes
 
 from .schemas import type_str
 
 
 def iter_graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
-    """``graph`` and every subgraph nested in its nodes' attributes (depth first, parents first)."""
-    out = [graph]
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            for a in n.attribute:
-                subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-                for sg in subs:
-                    out.append(sg)
-                    stack.append(sg)
-    return out
+    """``graph`` and every subgraph nested in its nodes' attributes, parents first (`qgraph.graph.proto_scopes`)."""
+    return proto_scopes(graph)
 
 
 class LowerContext:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import onnx
 import onnx_graphsurgeon as gs
 
+from .ops import graph_scopes, proto_scopes
+
 
 class TypeKeeper:
     """The ONNX types and attributes of one model that graphsurgeon cannot represent."""
@@ -54,7 +56,7 @@ class TypeKeeper:
             for tensor, kind, dtype in changed:
                 tensor.type, tensor.dtype = kind, dtype
         if self.types:
-            for g in _graphs(model.graph):
+            for g in proto_scopes(model.graph):
                 for info in [*g.input, *g.output, *g.value_info]:
                     if info.name in self.types:
                         info.type.CopyFrom(self.types[info.name])
@@ -88,29 +90,9 @@ def _pairs(proto: onnx.GraphProto, graph: gs.Graph) -> Iterator[tuple[onnx.Graph
                                  if isinstance(gg, gs.Graph))
 
 
-def _graphs(root: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    stack = [root]
-    while stack:
-        g = stack.pop()
-        yield g
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
-
-
 def _tensors(root: gs.Graph) -> Iterator[gs.Tensor]:
-    stack = [root]
-    while stack:
-        g = stack.pop()
+    for g in graph_scopes(root):
         yield from g.inputs
         yield from g.outputs
         for node in g.nodes:
             yield from node.outputs
-            for value in node.attrs.values():
-                if isinstance(value, gs.Graph):
-                    stack.append(value)
-                elif isinstance(value, list):
-                    stack.extend(v for v in value if isinstance(v, gs.Graph))

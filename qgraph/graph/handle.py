@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import networkx
 import numpy as np
@@ -97,9 +97,9 @@ class GraphHandle:
         self._index_of: list[gs.Node] | None = None
         self._nx: networkx.DiGraph | None = None
         self._shapes: Inferred | None = None
-        self._scope_names: set[str] | None = None
-        #: Names handed out by `unique_name` since the last `changed()` (nodes may not be inserted yet).
-        self._taken: set[str] = set()
+        self._scope_names: tuple[set[str], set[str]] | None = None
+        #: Names handed out by `unique_name` since the last `changed()`, per kind (nodes may not be inserted yet).
+        self._taken_by_kind: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ model-level facts
     @property
@@ -123,7 +123,7 @@ class GraphHandle:
         The engine's graph operations and the pipeline (after every pass) call it; the index also rebuilds
         itself when the node list was replaced or changed length since it was built."""
         self._drop_caches()
-        self._taken = set()
+        self._taken_by_kind = {}
 
     def _drop_caches(self) -> None:
         self._index = None
@@ -227,25 +227,40 @@ class GraphHandle:
         """Record that ``pass_name`` created ``node`` (written to the node's doc_string on export)."""
         self.tags[node if isinstance(node, str) else node.name] = pass_name
 
-    def unique_name(self, base: str) -> str:
-        """``base`` if no node or tensor in any scope uses it yet, else ``base_1``, ``base_2``... (O(1) amortised
-        after one walk of the subgraphs per change)."""
-        idx = self.index
-        taken = self._taken
-        if self._scope_names is None:
-            self._scope_names = set()
-            for g in graph_scopes(self.graph)[1:]:
-                self._scope_names.update(t.name for t in g.inputs)
-                for node in g.nodes:
-                    self._scope_names.add(node.name)
-                    self._scope_names.update(t.name for t in (*node.inputs, *node.outputs))
-        scoped = self._scope_names
+    def unique_name(self, base: str, kind: Literal["any", "tensor", "node"] = "any") -> str:
+        """``base`` if it is free, else ``base_1``, ``base_2``... (O(1) amortised after one walk of the subgraphs
+        per change). ``kind`` says which namespace must be free: ONNX keeps node and tensor names apart (a node
+        ``x/q`` may produce tensor ``x/q``); ``any`` keeps a name free in both."""
+        # The index as last built (not rebuilt when stale): every name handed out since is in `_taken`.
+        idx = self._index if self._index is not None else self.index
+        scoped = self._scope_name_sets()
+        taken = self._taken_by_kind.setdefault(kind, set())
+        spaces: list[Container[str]] = [taken]
+        if kind in ("any", "node"):
+            spaces += [idx.by_name, scoped[0], self._taken_by_kind.get("any", set())]
+        if kind in ("any", "tensor"):
+            spaces += [idx.tensors, scoped[1], self._taken_by_kind.get("any", set())]
+        if kind == "any":
+            spaces += [self._taken_by_kind.get("node", set()), self._taken_by_kind.get("tensor", set())]
         name, k = base, 0
-        while name in idx.by_name or name in idx.tensors or name in taken or name in scoped:
+        while any(name in space for space in spaces):
             k += 1
             name = f"{base}_{k}"
         taken.add(name)
         return name
+
+    def _scope_name_sets(self) -> tuple[set[str], set[str]]:
+        """Node names and tensor names used inside subgraphs (built once per change)."""
+        if self._scope_names is None:
+            nodes: set[str] = set()
+            tensors: set[str] = set()
+            for g in graph_scopes(self.graph)[1:]:
+                tensors.update(t.name for t in g.inputs)
+                for node in g.nodes:
+                    nodes.add(node.name)
+                    tensors.update(t.name for t in (*node.inputs, *node.outputs))
+            self._scope_names = (nodes, tensors)
+        return self._scope_names
 
     def subgraphs(self) -> Iterator[gs.Graph]:
         """Every nested graph (If/Loop/Scan bodies), recursively, outermost first."""

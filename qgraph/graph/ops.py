@@ -60,6 +60,28 @@ def graph_scopes(root: gs.Graph, recurse: bool = True) -> list[gs.Graph]:
     return scopes
 
 
+def proto_subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs in a NodeProto's attributes (If branches, Loop/Scan bodies)."""
+    out: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            out.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            out.extend(attr.graphs)
+    return out
+
+
+def proto_scopes(root: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """``root`` and every nested GraphProto, a scope before its children (the proto twin of `graph_scopes`)."""
+    scopes = [root]
+    i = 0
+    while i < len(scopes):
+        for node in scopes[i].node:
+            scopes.extend(proto_subgraphs(node))
+        i += 1
+    return scopes
+
+
 def producer(tensor: gs.Tensor) -> gs.Node | None:
     """The node producing ``tensor`` (None for graph inputs, initializers and omitted optionals)."""
     return tensor.inputs[0] if tensor.inputs else None

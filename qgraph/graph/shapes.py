@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from .ops import Inferred, Shape
+from .ops import Inferred, Shape, proto_scopes
 
 #: Initializers at most this large stay in the model given to shape inference (Reshape targets etc.).
 _SHAPE_INFERENCE_KEEP_BYTES = 4096
@@ -29,9 +29,7 @@ def static_shapes(model: onnx.ModelProto) -> Inferred:
     except Exception:
         return {}
     shapes: Inferred = {}
-    stack = [inferred.graph]
-    while stack:
-        g = stack.pop()
+    for g in proto_scopes(inferred.graph):
         for info in [*g.input, *g.output, *g.value_info]:
             if not info.type.HasField("tensor_type"):
                 continue
@@ -42,12 +40,6 @@ def static_shapes(model: onnx.ModelProto) -> Inferred:
             shapes[info.name] = (shape, int(tt.elem_type))
         for init in g.initializer:
             shapes[init.name] = (tuple(int(d) for d in init.dims), int(init.data_type))
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    stack.append(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(attr.graphs)
     return shapes
 
 
