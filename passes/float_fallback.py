@@ -94,7 +94,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     config_class = FloatFallbackConfig
     preserves_float = False
 
-    def check(self, graph: GraphHandle, ctx: PassContext) -> None:
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Fail before any rewrite when a selector criterion matches nothing or auto mode lacks data."""
         if self.config.nodes is not None:
             self._selected(graph)

@@ -178,8 +178,12 @@ class Pass(Generic[C]):
         """Transform ``graph`` in place and report what changed."""
         raise NotImplementedError
 
-    def check(self, graph: GraphHandle, ctx: PassContext) -> None:
-        """Validate the config against the model before any pass runs (raise `RecipeError`/`PassError`)."""
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Preconditions, checked right before `run` (raise `PassError` naming what is missing and how to fix it;
+        nothing may be changed here)."""
+
+    def ensures(self, graph: GraphHandle, ctx: PassContext, result: PassResult) -> None:
+        """Postconditions, checked after `run` and the pipeline's own structural check (raise `PassError`)."""
 
     @classmethod
     def help_text(cls) -> str:

@@ -8,7 +8,6 @@ a byte-identical file.
 
 from __future__ import annotations
 
-import gc
 import math
 import resource
 import time
@@ -21,6 +20,7 @@ import onnx
 
 from qgraph._version import __version__
 from qgraph.compare import TensorDiff, compare_models, random_feeds
+from qgraph.contract import run_pass
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model, describe
@@ -75,6 +75,8 @@ class PassRecord:
     nodes_before: int
     nodes_after: int
     preserves_float: bool
+    #: Whether the graph changed, as measured by the pipeline (whatever the pass reported).
+    changed: bool = False
     verify: list[TensorDiff] | None = None
 
 
@@ -190,36 +192,9 @@ class Pipeline:
                 continue
             emit(PipelineEvent("pass_start", total, i, p.name))
             running.append((i, p.name))
-            nodes_before, opset_before = len(handle.graph.nodes), handle.opset
-            start = time.perf_counter()
-            p.check(handle, ctx)
-            # The cyclic GC rescans every live graph object on each collection: with ~100k gs objects alive
-            # that makes passes super-linear. Graph objects are freed by refcount; collect once afterwards.
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
-            try:
-                result = p.run(handle, ctx)
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-            handle.changed()
-            if target_step:
-                result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} "
-                                        "after the last pass, as the recipe's target asks")
-            seconds = time.perf_counter() - start
-            record = PassRecord(
-                index=i,
-                name=p.name,
-                config=p.config.recipe_options(),
-                result=result,
-                seconds=seconds,
-                peak_rss_mb=_peak_rss_mb(),
-                nodes_before=nodes_before,
-                nodes_after=len(handle.graph.nodes),
-                preserves_float=p.preserves_float,
-            )
+            record = self._run_one(i, p, handle, ctx, target_step)
             records.append(record)
-            emit(PipelineEvent("pass_end", total, i, p.name, seconds, record.peak_rss_mb, result))
+            emit(PipelineEvent("pass_end", total, i, p.name, record.seconds, record.peak_rss_mb, record.result))
             if keep_stages or (verify and previous is not None):
                 current = handle.to_onnx()
                 if keep_stages:
@@ -233,6 +208,27 @@ class Pipeline:
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
         return PipelineResult(out, records, source, stages, ctx.calibration_data)
+
+    @staticmethod
+    def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
+        nodes_before, opset_before = len(handle.graph.nodes), handle.opset
+        start = time.perf_counter()
+        result, measured = run_pass(p, index, handle, ctx)
+        if target_step:
+            result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} after the "
+                                    "last pass, as the recipe's target asks")
+        return PassRecord(
+            index=index,
+            name=p.name,
+            config=p.config.recipe_options(),
+            result=result,
+            seconds=time.perf_counter() - start,
+            peak_rss_mb=_peak_rss_mb(),
+            nodes_before=nodes_before,
+            nodes_after=len(handle.graph.nodes),
+            preserves_float=p.preserves_float,
+            changed=measured.changed,
+        )
 
     def _with_target_opset(self) -> list[Pass[Any]]:
         if self.target.opset is None:

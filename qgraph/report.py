@@ -26,7 +26,8 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from qgraph.compare import DiffAccumulator, make_session, random_feeds, run
 from qgraph.data import Feed
 from qgraph.diff.html import esc, page, section, table, write_text_atomic
-from qgraph.diff.numeric import NumericDiff, numeric_diff
+from qgraph.diff.layers import NumericDiff
+from qgraph.diff.numeric import numeric_diff
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
 from qgraph.diff.render import coverage_html, dumps, numeric_html
 from qgraph.diff.structural import structural_diff

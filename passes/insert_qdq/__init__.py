@@ -46,7 +46,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         return super().help_text() + "\n\n" + presets
 
     # ------------------------------------------------------------------ validation
-    def check(self, graph: GraphHandle, ctx: PassContext) -> None:
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Opset rules and data availability, before anything is written."""
         cfg, opset = self.config, graph.opset
         need, what = required_opset(cfg)

@@ -24,7 +24,7 @@ calibrators, which disable optimizations, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 
+from qgraph.calibrate.feeds import DataLike, Hasher, feeds_of, open_data, run_session, session_inputs
 from qgraph.calibrate.observers import HistogramSummary, MinMaxObserver, Observer, make_observer
 from qgraph.calibrate.reduce import MIN_OPSET, InGraphMinMax, MinMaxState, plan_derivations, resolve_ranges
 from qgraph.calibrate.robust import PER_UPDATE, RobustMagnitude
@@ -44,13 +45,10 @@ from qgraph.calibrate.session import (
     fetch_outputs,
     session_options,
 )
-from qgraph.compare import session_run
 from qgraph.errors import DataError, ModelError
 from qgraph.opsets import model_opset
 from qgraph.quant import ActivationRange
 
-Feed = Mapping[str, npt.NDArray[Any]]
-DataLike = Iterable[Feed] | Callable[[], Iterable[Feed]]
 ProgressCallback = Callable[[int, int | None], None]
 
 __all__ = ["LARGE_MODEL_BYTES", "TensorCalibration", "collect_ranges", "observe"]
@@ -60,12 +58,6 @@ class Updatable(Protocol):
     """What :func:`observe` feeds: any :class:`Observer`, or a duck-typed tee of several."""
 
     def update(self, x: npt.NDArray[Any], sample_index: int | None = None, /) -> None: ...
-
-
-class Hasher(Protocol):
-    """Anything with ``update(bytes)`` (``hashlib.sha256()``)."""
-
-    def update(self, data: bytes, /) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,7 +206,7 @@ def _collect_in_graph(
     derived_subs = [(d, n, d.root) for n, d in derived.items() if n in robust and d.root is not None and d.same_order]
     state = MinMaxState(len(sources))
     zeroed: frozenset[str] = frozenset()
-    source, total = _open(data)
+    source, total = open_data(data)
     feeds: Iterator[tuple[int, dict[str, Any]]] | None = None
     while True:  # one session; rebuilt (rarely) when a tensor's sentinel sum overflows
         reduction = InGraphMinMax(model, sources, subsample=PER_UPDATE if robust else None, zeroed=zeroed)
@@ -230,10 +222,10 @@ def _collect_in_graph(
                     raise
                 return False
             if feeds is None:
-                feeds = _feeds(source, _session_inputs(sess), run.data_hasher)
+                feeds = feeds_of(source, session_inputs(sess), run.data_hasher)
             overflowing: list[str] = []
             for index, arrays in feeds:
-                r = reduction.split(_run(sess, reduction.outputs, arrays, index))
+                r = reduction.split(run_session(sess, reduction.outputs, arrays, index))
                 certain, maybe = r.suspects()
                 if certain:
                     _non_finite([sources[i] for i in certain], index)
@@ -272,7 +264,7 @@ def _confirm(model: onnx.ModelProto, names: list[str], arrays: Mapping[str, Any]
         return []
     with calibration_session(model, Additions(outputs=fetch_outputs(model, names)), optimize=run.optimize,
                              providers=run.providers, large_model_bytes=run.large_model_bytes) as sess:
-        values = _run(sess, names, arrays, index)
+        values = run_session(sess, names, arrays, index)
     nan = [n for n, v in zip(names, values, strict=True) if not np.isfinite(np.asarray(v)).all()]
     if nan:
         _non_finite(nan, index)
@@ -299,9 +291,9 @@ def observe(
     _check_tensors(model, list(observers))
     inits = {t.name for t in model.graph.initializer}
     graph_inputs = [vi.name for vi in model.graph.input if vi.name not in inits]
-    source, total = _open(data)
+    source, total = open_data(data)
     if segmentable(model):
-        validated = (arrays for _, arrays in _feeds(source, set(graph_inputs), data_hasher))
+        validated = (arrays for _, arrays in feeds_of(source, set(graph_inputs), data_hasher))
         after = (lambda i: progress(i + 1, total)) if progress is not None else None
         return observe_segmented(model, observers, validated, optimization=session_options(optimize)
                                  .graph_optimization_level, providers=providers, after_feed=after)
@@ -310,8 +302,8 @@ def observe(
     done = 0
     with calibration_session(model, Additions(outputs=fetch_outputs(model, fetch)), optimize=optimize,
                              providers=providers, large_model_bytes=large_model_bytes) as sess:
-        for index, arrays in _feeds(source, _session_inputs(sess), data_hasher):
-            outputs = _run(sess, fetch, arrays, index) if fetch else []
+        for index, arrays in feeds_of(source, session_inputs(sess), data_hasher):
+            outputs = run_session(sess, fetch, arrays, index) if fetch else []
             for name in from_feed:
                 observers[name].update(arrays[name], index)
             for name, value in zip(fetch, outputs, strict=True):
@@ -321,67 +313,6 @@ def observe(
             if progress is not None:
                 progress(done, total)
     return done
-
-
-def _open(data: DataLike) -> tuple[Iterable[Feed], int | None]:
-    """The feeds to read (calling ``data`` if it is a callable) and their number when known."""
-    source = data() if callable(data) else data
-    return source, len(source) if isinstance(source, Sized) else None
-
-
-def _session_inputs(sess: Any) -> set[str]:
-    return {i.name for i in sess.get_inputs()}
-
-
-def _feeds(
-    source: Iterable[Feed], expected: set[str], data_hasher: Hasher | None
-) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Validated feeds with their index; raises DataError when there are none."""
-    count = 0
-    for index, feed in enumerate(_iterate(source)):
-        yield index, _validated(feed, expected, index, data_hasher)
-        count += 1
-    if count == 0:
-        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
-
-
-def _run(sess: Any, outputs: Sequence[str], arrays: Mapping[str, Any], index: int) -> list[Any]:
-    try:
-        return session_run(sess, outputs, arrays)
-    except Exception as exc:  # onnxruntime raises its own exception classes
-        raise DataError(f"calibration sample {index}: onnxruntime failed to run the model: {exc}") from exc
-
-
-def _iterate(source: Iterable[Feed]) -> Iterator[Feed]:
-    try:
-        yield from source
-    except TypeError as exc:
-        raise DataError(f"calibration data is not iterable: {exc}") from exc
-
-
-def _validated(feed: Any, expected: set[str], index: int, hasher: Hasher | None) -> dict[str, npt.NDArray[Any]]:
-    if type(feed) is dict and hasher is None and feed.keys() == expected and all(
-        type(v) is np.ndarray for v in feed.values()
-    ):
-        return feed  # the common case, checked with as few calls as possible (it runs once per sample)
-    if not isinstance(feed, Mapping):
-        raise DataError(
-            f"calibration sample {index}: expected a dict of input name -> array, got {type(feed).__name__}"
-        )
-    missing = sorted(expected - set(feed))
-    extra = sorted(set(feed) - expected)
-    if missing or extra:
-        raise DataError(
-            f"calibration sample {index}: input names do not match the model (missing: {missing or 'none'}, "
-            f"unknown: {extra or 'none'}); the model's inputs are {sorted(expected)}"
-        )
-    arrays = {k: np.asarray(v) for k, v in feed.items()}
-    if hasher is not None:
-        for name in sorted(arrays):
-            arr = np.ascontiguousarray(arrays[name])
-            hasher.update(f"{name}:{arr.dtype}:{arr.shape};".encode())
-            hasher.update(arr.tobytes())
-    return arrays
 
 
 def _check_tensors(model: onnx.ModelProto, names: list[str]) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 import onnx
 
 from qgraph.data import Feed, open_data_source
-from qgraph.diff.numeric import LayerDiff, NumericDiff, numeric_diff
+from qgraph.diff.layers import LayerDiff, NumericDiff
+from qgraph.diff.numeric import numeric_diff
 from qgraph.diff.qdq import NodeQuant, QdqCoverage, SaturationRisk, qdq_coverage, saturation_risks
 from qgraph.diff.structural import StructuralDiff, structural_diff
 

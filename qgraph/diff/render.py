@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qgraph.diff.html import BLUE, ORANGE, RED, esc, fmt, histogram_chart, layer_chart, page, section, table
-from qgraph.diff.numeric import LayerDiff, NumericDiff, json_number
+from qgraph.diff.layers import LayerDiff, NumericDiff, json_number
 from qgraph.diff.qdq import QdqCoverage
 from qgraph.diff.structural import ModelFacts, StructuralDiff
 

@@ -25,7 +25,7 @@ class Prep:
         handle = GraphHandle(model)
         results = []
         for p in passes:
-            p.check(handle, PassContext())
+            p.requires(handle, PassContext())
             results.append(p.run(handle, PassContext()))
             handle.changed()
         out = handle.to_onnx()

@@ -125,7 +125,7 @@ def test_ranges_file_is_used_instead_of_data(tmp_path: object) -> None:
     handle = GraphHandle(m)
     p = InsertQDQ(preset="ort-x86-vnni")
     ctx = PassContext(options={"ranges_file": str(path)})
-    p.check(handle, ctx)
+    p.requires(handle, ctx)
     res = p.run(handle, ctx)
     assert any("read from" in n for n in res.notes)
     q = handle.to_onnx()

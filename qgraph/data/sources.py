@@ -1,28 +1,4 @@
-"""Calibration and evaluation data sources, validated against the model before any work.
-
-Three forms, chosen by what the user gives:
-
-- ``data.npz``: one array per graph input, axis 0 indexes samples (see "Layouts" below). Extra arrays (labels,
-  ids) are allowed and not fed; they may have any sample count.
-- ``folder/``: every ``*.npz`` (one array per input) or ``*.npy`` (single-input models) file is one sample,
-  in file-name order; a sample may leave out the model's batch axis of size 1.
-- ``package.module:function``: a Python callable returning an iterable of feed dicts. Preprocessing is the
-  callable's job; qgraph does not guess.
-
-Layouts (``--data-layout``), for an input of rank r and a stacked array of rank a (axis 0 = samples):
-
-- ``samples``: sample i is ``arr[i]``; when it has rank r - 1 (the batch axis left out) an axis of size 1 is
-  inserted where the model's batch axis is: the first axis whose size is symbolic or 1 (``state[2, batch, 128]``
-  stored as ``(N, 2, 128)`` feeds ``(2, 1, 128)``; a scalar input stored as ``(N,)`` feeds 0-d values);
-- ``batched``: the array's axis 0 is the model's batch axis: sample i is ``arr[i:i+1]`` (a == r);
-- ``auto`` (default): ``samples`` when a == r + 1 or when axis 0 of the input is a fixed size other than 1;
-  otherwise (a == r, axis 0 symbolic or 1) the two layouts feed the same arrays and ``batched`` is reported. A
-  0-d array is one sample of a scalar input. Every choice that adds a batch axis is listed in the run summary.
-
-Every source yields feed dicts ``{input_name: array}`` (one sample each, or the callable's own batches), can be
-iterated more than once (histogram calibration reads the data twice) and is checked for names, dtypes, ranks,
-static dimensions and non-finite values with a `DataError` that says which sample, which input, and the fix.
-"""
+"""The data sources: an .npz, a folder of .npz/.npy files, a ``module:function``; validated before any work."""
 
 from __future__ import annotations
 
@@ -30,105 +6,25 @@ import contextlib
 import hashlib
 import importlib
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sized
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import onnx
 
 from qgraph.errors import DataError, QGraphError
 
-Feed = dict[str, np.ndarray]
-DataLayout = Literal["auto", "samples", "batched"]
-#: Samples read when neither the recipe (``calibration.samples``) nor ``--samples`` says otherwise: enough for
-#: stable ranges, and a bound on a ``module:function`` generator that never ends.
-DEFAULT_MAX_SAMPLES = 1024
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """A graph input as the data must match it: name, numpy dtype, shape (None/str for dynamic dims; the whole
-    shape None when the model declares no shape at all)."""
-
-    name: str
-    dtype: np.dtype[Any]
-    shape: tuple[int | str | None, ...] | None
-    #: Wrappers around the tensor, outermost first: () for a plain tensor, ("optional", "sequence") for
-    #: ``optional(seq(tensor))``. dtype/shape describe the innermost tensor.
-    containers: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """``name: float32[N,3,224,224]`` (``[?...]`` when the rank is unknown)."""
-        if self.shape is None:
-            inner = f"{self.dtype}[shape not declared]"
-        else:
-            inner = f"{self.dtype}[{','.join('?' if d is None else str(d) for d in self.shape)}]"
-        for wrapper in reversed(self.containers):
-            inner = f"{wrapper}({inner})"
-        return f"{self.name}: {inner}"
-
-    def batch_axis(self) -> int | None:
-        """Where a left-out batch axis goes: the first axis of symbolic size or size 1 (None if there is none)."""
-        for axis, d in enumerate(self.shape or ()):
-            if not isinstance(d, int) or d <= 1:
-                return axis
-        return None
-
-
-def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
-    """The graph inputs that are fed at run time (initializers excluded)."""
-    inits = {t.name for t in model.graph.initializer}
-    specs = []
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tp, containers = vi.type, []
-        while tp.WhichOneof("value") in ("optional_type", "sequence_type"):
-            kind = tp.WhichOneof("value")
-            containers.append("optional" if kind == "optional_type" else "sequence")
-            tp = tp.optional_type.elem_type if kind == "optional_type" else tp.sequence_type.elem_type
-        tt = tp.tensor_type
-        dtype = _np_dtype(tt.elem_type) if tt.elem_type else np.dtype("f4")
-        shape: tuple[int | str | None, ...] | None = (
-            tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
-            if tt.HasField("shape") else None
-        )
-        specs.append(InputSpec(vi.name, dtype, shape, tuple(containers)))
-    return specs
-
-
-def _np_dtype(elem_type: int) -> np.dtype[Any]:
-    if elem_type == onnx.TensorProto.BFLOAT16:
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
-    try:
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-    except (KeyError, TypeError, ValueError):
-        return np.dtype("f4")
-
-
-@dataclass(frozen=True)
-class LayoutChoice:
-    """How one stacked array was read: the layout, and the axis where a left-out batch axis was inserted."""
-
-    input: str
-    array_shape: tuple[int, ...]
-    layout: Literal["samples", "batched", "single"]
-    inserted_axis: int | None = None
-
-    def describe(self) -> str:
-        """``state: (16, 2, 128) read as 16 samples, batch axis inserted at 1``."""
-        n = self.array_shape[0] if self.array_shape else 1
-        if self.layout == "single":
-            return f"{self.input}: a 0-d array, read as one sample"
-        if self.layout == "batched":
-            return f"{self.input}: {self.array_shape} read as {n} batches of one (axis 0 = batch axis)"
-        axis = self.inserted_axis
-        extra = f", batch axis of size 1 inserted at axis {axis}" if axis is not None else ""
-        return f"{self.input}: {self.array_shape} read as {n} samples{extra}"
+from .inputs import (
+    DEFAULT_MAX_SAMPLES,
+    DataLayout,
+    Feed,
+    InputSpec,
+    LayoutChoice,
+    check_array,
+    decide_layout,
+    model_inputs,
+)
 
 
 class DataSource:
@@ -203,7 +99,7 @@ class DataSource:
             )
         for name, spec in expected.items():
             if not spec.containers:  # sequences/optionals come from module:function as the user builds them
-                _check_array(feed[name], spec, f"{where}, input {name!r}")
+                check_array(feed[name], spec, f"{where}, input {name!r}")
 
     def _per_sample(self, arr: np.ndarray, spec: InputSpec | None, i: int) -> np.ndarray:
         """Sample ``i`` of a stacked array, as the layout rule says (see the module docs)."""
@@ -230,52 +126,6 @@ class DataSource:
             if s.name == name:
                 return s
         return None
-
-
-def decide_layout(shape: tuple[int, ...], spec: InputSpec, layout: DataLayout, where: str) -> LayoutChoice:
-    """Apply the layout rule (module docs) to a stacked array of ``shape`` for ``spec``; `DataError` if none fits."""
-    assert spec.shape is not None
-    rank, a = len(spec.shape), len(shape)
-    if a == 0:
-        return LayoutChoice(spec.name, shape, "single")
-    axis0 = spec.shape[0] if rank else None
-    batch_ok = rank > 0 and (not isinstance(axis0, int) or axis0 <= 1)
-    insert_at = spec.batch_axis()
-    can_samples = a == rank + 1 or (a == rank and insert_at is not None)
-    dims = ", ".join("?" if not isinstance(d, int) or d < 1 else str(d) for d in spec.shape)
-    hint = f"Store it as (N{', ' if rank else ''}{dims}) with axis 0 indexing samples, or choose --data-layout."
-    if layout == "batched" or (layout == "auto" and a == rank and batch_ok):
-        if a == rank and batch_ok:
-            return LayoutChoice(spec.name, shape, "batched")
-        raise DataError(f"{where}, input {spec.name!r}: array of shape {list(shape)} cannot be read as batches of one "
-                        f"for {spec.describe()} (needs the same rank and a symbolic or size-1 axis 0). {hint}")
-    if can_samples:
-        return LayoutChoice(spec.name, shape, "samples", None if a == rank + 1 else insert_at)
-    raise DataError(f"{where}, input {spec.name!r}: array of shape {list(shape)} fits neither "
-                    f"{spec.describe()} (rank {rank}) with axis 0 indexing samples, nor a sample without the batch "
-                    f"axis. {hint}")
-
-
-def _check_array(arr: Any, spec: InputSpec, where: str) -> None:
-    if not isinstance(arr, np.ndarray):
-        raise DataError(f"{where}: expected a numpy array, got {type(arr).__name__}.")
-    if arr.dtype != spec.dtype:
-        fix = f"arr.astype(np.{spec.dtype})" if spec.dtype.kind in "biuf" and spec.dtype.isbuiltin else \
-            f"arr.astype({spec.dtype})"
-        raise DataError(f"{where}: dtype {arr.dtype} but the model expects {spec.dtype}. Convert it (e.g. {fix}) "
-                        "when preparing the data.")
-    if spec.shape is not None:
-        if arr.ndim != len(spec.shape):
-            raise DataError(f"{where}: shape {list(arr.shape)} has rank {arr.ndim} but the model expects "
-                            f"{spec.describe()} (rank {len(spec.shape)}).")
-        for axis, (got, want) in enumerate(zip(arr.shape, spec.shape, strict=True)):
-            if isinstance(want, int) and want > 0 and got != want:
-                raise DataError(f"{where}: dimension {axis} is {got} but the model fixes it to {want} "
-                                f"(shape {list(arr.shape)} vs {spec.describe()}).")
-    if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
-        bad = "NaN" if np.isnan(arr).any() else "Inf"
-        raise DataError(f"{where}: contains {bad}. Calibration data must be finite: fix the preprocessing or drop "
-                        "the sample.")
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
@@ -476,42 +326,3 @@ def import_callable(spec: str, error: type[QGraphError], what: str) -> Callable[
     if not callable(fn):
         raise error(f"{what} {spec!r}: {module_name} has no callable {func_name!r}.")
     return fn  # type: ignore[no-any-return]
-
-
-class Batches:
-    """Consecutive feeds concatenated along axis 0 into batches of ``batch_size`` (the last may be smaller).
-
-    Iterable once per ``iter()`` over ``feeds``; has a length when ``feeds`` has one (progress bars with ETA).
-    """
-
-    def __init__(self, feeds: Iterable[Feed], batch_size: int) -> None:
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
-        self.feeds, self.batch_size = feeds, batch_size
-
-    def __len__(self) -> int:
-        if not isinstance(self.feeds, Sized):
-            raise TypeError("the underlying feeds have no length")
-        return -(-len(self.feeds) // self.batch_size)
-
-    def __iter__(self) -> Iterator[Feed]:
-        pending: list[Feed] = []
-        for feed in self.feeds:
-            pending.append(feed)
-            if len(pending) == self.batch_size:
-                yield _concat(pending)
-                pending = []
-        if pending:
-            yield _concat(pending)
-
-
-def batched(feeds: Iterable[Feed], batch_size: int) -> Iterable[Feed]:
-    """:class:`Batches` of ``feeds``: sized when ``feeds`` is, a plain generator otherwise."""
-    batches = Batches(feeds, batch_size)
-    return batches if isinstance(feeds, Sized) else iter(batches)
-
-
-def _concat(feeds: list[Feed]) -> Feed:
-    if len(feeds) == 1:
-        return feeds[0]
-    return {k: np.concatenate([f[k] for f in feeds], axis=0) for k in feeds[0]}

@@ -1,0 +1,100 @@
+"""The pass contract the pipeline enforces around every pass, built-in or plug-in alike.
+
+Before a pass: ``requires`` (the pass's own preconditions). Around ``run``: the cyclic GC is paused (with ~100k
+graphsurgeon objects alive every collection rescans them, which made passes super-linear; graph objects are freed
+by reference counting). After it:
+
+1. ``run`` must return a `PassResult` (anything else is a `PassError` naming the pass);
+2. the handle's caches are invalidated (a pass that forgot ``graph.changed()`` cannot leave a stale index behind);
+3. nodes added and removed are *measured* (by identity, in every scope) and override what the pass counted, and a
+   pass that changed the graph while reporting nothing is recorded as changed all the same;
+4. every node the pass created is tagged with its name (provenance, diff and fallback find them by it);
+5. the graph is checked (`qgraph.graph.check_structure`: no dangling input, one producer per tensor, arity and
+   required attributes, acyclic): a broken graph is "pass #i NAME produced an invalid graph: ..." (exit 1);
+6. ``ensures`` (the pass's own postconditions).
+
+Each step is O(N): two graph walks per pass.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import onnx_graphsurgeon as gs
+
+from qgraph.errors import PassError
+from qgraph.graph import GraphHandle, check_structure, graph_scopes
+from qgraph.pass_api import Pass, PassContext, PassResult
+
+
+@dataclass
+class Snapshot:
+    """What a graph looked like before a pass: its nodes (kept alive so identities stay unique) and a digest of
+    its wiring (node op, attribute count and the identity of every input and output; constant value objects)."""
+
+    nodes: list[gs.Node]
+    digest: int
+
+    @classmethod
+    def of(cls, graph: gs.Graph) -> Snapshot:
+        """Take a snapshot of ``graph`` (every scope), O(nodes + edges)."""
+        nodes: list[gs.Node] = []
+        parts: list[Any] = []
+        for g in graph_scopes(graph):
+            parts.append((tuple(id(t) for t in g.inputs), tuple(id(t) for t in g.outputs)))
+            for node in g.nodes:
+                nodes.append(node)
+                parts.append((id(node), node.op, len(node.attrs), tuple(map(_tensor_key, node.inputs)),
+                              tuple(id(t) for t in node.outputs)))
+        return cls(nodes, hash(tuple(parts)))
+
+
+def _tensor_key(t: gs.Tensor) -> tuple[int, int]:
+    # A constant whose values were replaced (BN folding, equalization) is a change too.
+    return id(t), id(getattr(t, "_values", None)) if isinstance(t, gs.Constant) else 0
+
+
+@dataclass
+class Measured:
+    """What the pipeline measured about one pass."""
+
+    nodes_added: int
+    nodes_removed: int
+    changed: bool
+
+
+def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) -> tuple[PassResult, Measured]:
+    """Run ``p`` on ``handle`` under the contract (module docs); raises `PassError` when the pass breaks it."""
+    where = f"pass #{index} {p.name!r}"
+    p.requires(handle, ctx)
+    before = Snapshot.of(handle.graph)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        result = p.run(handle, ctx)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    handle.changed()
+    if not isinstance(result, PassResult):
+        raise PassError(f"{where} returned {type(result).__name__} instead of a PassResult: its run() must end with "
+                        "`return PassResult(...)` saying what it changed. This is a bug in the pass.")
+    after = Snapshot.of(handle.graph)
+    old = {id(n) for n in before.nodes}
+    new = {id(n) for n in after.nodes}
+    added = [n for n in after.nodes if id(n) not in old]
+    measured = Measured(len(added), len(old - new), after.digest != before.digest)
+    for node in added:
+        if node.name and node.name not in handle.tags:
+            handle.tag(node, p.name)
+    if measured.changed and not result.changed and not measured.nodes_added and not measured.nodes_removed:
+        result.notes.append("the graph changed although the pass reported no rewrite")
+    result.nodes_added, result.nodes_removed = measured.nodes_added, measured.nodes_removed
+    problems = check_structure(handle.graph, handle.opset)
+    if problems:
+        raise PassError(f"{where} produced an invalid graph: {'; '.join(problems)}. This is a bug in the pass (or an "
+                        "unsupported pattern): exclude the nodes it touched or report it.")
+    p.ensures(handle, ctx, result)
+    return result, measured
