@@ -65,6 +65,14 @@ class Measured:
     changed: bool
 
 
+def _new_nodes(nodes: list[gs.Node], reference: list[gs.Node]) -> list[gs.Node]:
+    """Nodes of ``nodes`` absent from ``reference``: by identity, except that a named node whose name was there
+    before is the same node re-created (a pass that rebuilds the whole model, e.g. opset conversion)."""
+    ids = {id(n) for n in reference}
+    names = {n.name for n in reference if n.name}
+    return [n for n in nodes if id(n) not in ids and not (n.name and n.name in names)]
+
+
 def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) -> tuple[PassResult, Measured]:
     """Run ``p`` on ``handle`` under the contract (module docs); raises `PassError` when the pass breaks it."""
     where = f"pass #{index} {p.name!r}"
@@ -82,10 +90,8 @@ def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) ->
         raise PassError(f"{where} returned {type(result).__name__} instead of a PassResult: its run() must end with "
                         "`return PassResult(...)` saying what it changed. This is a bug in the pass.")
     after = Snapshot.of(handle.graph)
-    old = {id(n) for n in before.nodes}
-    new = {id(n) for n in after.nodes}
-    added = [n for n in after.nodes if id(n) not in old]
-    measured = Measured(len(added), len(old - new), after.digest != before.digest)
+    added = _new_nodes(after.nodes, before.nodes)
+    measured = Measured(len(added), len(_new_nodes(before.nodes, after.nodes)), after.digest != before.digest)
     for node in added:
         if node.name and node.name not in handle.tags:
             handle.tag(node, p.name)
