@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +14,7 @@ from qgraph.cli._app import app, data_path, need_positive, say
 from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
 from qgraph.pass_api import PassResult
+from qgraph.pipeline import PipelineEvent
 
 #: Items of each kind (skipped nodes, unmatched criteria, decisions) shown per pass in the terminal.
 SHOWN_PER_PASS = 3
@@ -43,7 +45,6 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display and no per-pass lines.")] = False,
 ) -> None:
     """Run RECIPE on MODEL and write the transformed model to OUTPUT."""
-    from qgraph.pipeline import PipelineEvent
     from qgraph.recipe import Recipe
 
     need_positive(tolerance, "--tolerance")
@@ -62,28 +63,7 @@ def run(
         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
         console=_app.console, disable=quiet,
     )
-    task = progress.add_task(rec.name, total=len(pipeline.passes))
-    steps: dict[str, Any] = {}  # sub-task per long step of a pass (calibration), with its own bar and ETA
-
-    def on_event(ev: PipelineEvent) -> None:
-        if ev.kind == "pass_start":
-            progress.update(task, description=f"{rec.name}: {ev.pass_name}")
-        elif ev.kind == "pass_progress" and ev.task is not None:
-            key = f"{ev.pass_name}: {ev.task}"
-            if key not in steps:
-                steps[key] = progress.add_task(f"  {key}", total=ev.of)
-            progress.update(steps[key], completed=ev.done, total=ev.of)
-        elif ev.kind == "pass_end" and ev.result is not None:
-            for key in [k for k in steps if k.startswith(f"{ev.pass_name}: ")]:
-                progress.remove_task(steps.pop(key))
-            progress.advance(task)
-            if not quiet:
-                print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb)
-        elif ev.kind == "verify" and ev.verify and not quiet:
-            worst = max(ev.verify, key=lambda d: d.relative)
-            progress.console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}",
-                                   markup=False, highlight=False)
-
+    on_event = _progress_listener(progress, rec.name, len(pipeline.passes), quiet)
     with progress:
         result = pipeline.run(model, calibration_data=calibration_data, verify=verify, verify_tolerance=tolerance,
                               on_event=on_event, keep_stages=report is not None, samples=samples,
@@ -103,6 +83,33 @@ def run(
         from qgraph.errors import PassError
 
         raise PassError("; ".join(unmet) + ". Exit 1: a goal of the recipe was not reached.")
+
+
+def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -> Callable[[PipelineEvent], None]:
+    """A pipeline-event listener driving ``progress``: one bar for the recipe, one per long step of a pass."""
+    task = progress.add_task(name, total=total)
+    steps: dict[str, Any] = {}
+
+    def on_event(ev: PipelineEvent) -> None:
+        if ev.kind == "pass_start":
+            progress.update(task, description=f"{name}: {ev.pass_name}")
+        elif ev.kind == "pass_progress" and ev.task is not None:
+            key = f"{ev.pass_name}: {ev.task}"
+            if key not in steps:
+                steps[key] = progress.add_task(f"  {key}", total=ev.of)
+            progress.update(steps[key], completed=ev.done, total=ev.of)
+        elif ev.kind == "pass_end" and ev.result is not None:
+            for key in [k for k in steps if k.startswith(f"{ev.pass_name}: ")]:
+                progress.remove_task(steps.pop(key))
+            progress.advance(task)
+            if not quiet:
+                print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb)
+        elif ev.kind == "verify" and ev.verify and not quiet:
+            worst = max(ev.verify, key=lambda d: d.relative)
+            progress.console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}",
+                                   markup=False, highlight=False)
+
+    return on_event
 
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None) -> None:

@@ -162,6 +162,33 @@ def stream_pairs(
 
 
 # --------------------------------------------------------------------------------------------- entry point
+def _pair_tensors(
+    ia: ModelIndex, ib: ModelIndex, types: dict[str, tuple[int, list[int | str]]]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]], list[tuple[str, str]], set[str]]:
+    """(A tensor, B tensor) pairs to compare (every float tensor of A's top graph also in B's), where each sits in
+    A, the graph-output pairs, and the tensor names already paired."""
+    top_b = {t for r in ib.nodes if not r.scope for t in r.node.output if t}
+    pairs: list[tuple[str, str]] = []
+    where: list[tuple[str, str, int]] = []
+    seen: set[str] = set()
+    for ref in ia.nodes:
+        if ref.scope or ref.node.op_type == "Constant":
+            continue
+        for t in ref.node.output:
+            info = types.get(t)
+            if t and t in top_b and t not in seen and (info is None or info[0] in FLOAT_TYPES):
+                seen.add(t)
+                pairs.append((t, t))
+                where.append((ref.key, ref.op, ref.index))
+    # Outputs: by name when both models name them alike, else by position (when the counts agree).
+    out_pairs: list[tuple[str, str]] = []
+    if set(ia.graph_outputs) == set(ib.graph_outputs):
+        out_pairs = [(o, o) for o in ia.graph_outputs]
+    elif len(ia.graph_outputs) == len(ib.graph_outputs):
+        out_pairs = list(zip(ia.graph_outputs, ib.graph_outputs, strict=True))
+    return pairs, where, out_pairs, seen
+
+
 def numeric_diff(
     a: onnx.ModelProto,
     b: onnx.ModelProto,
@@ -181,26 +208,8 @@ def numeric_diff(
             f"the models take different inputs ({sorted(ins_a)} vs {sorted(ins_b)}): a numeric diff runs both on "
             "the same feeds, so their graph inputs must have the same names."
         )
-    top_b = {t for r in ib.nodes if not r.scope for t in r.node.output if t}
     types = tensor_types(a)
-    pairs: list[tuple[str, str]] = []
-    where: list[tuple[str, str, int]] = []
-    seen: set[str] = set()
-    for ref in ia.nodes:
-        if ref.scope or ref.node.op_type == "Constant":
-            continue
-        for t in ref.node.output:
-            info = types.get(t)
-            if t and t in top_b and t not in seen and (info is None or info[0] in FLOAT_TYPES):
-                seen.add(t)
-                pairs.append((t, t))
-                where.append((ref.key, ref.op, ref.index))
-    # Outputs: by name when both models name them alike, else by position (when the counts agree).
-    out_pairs: list[tuple[str, str]] = []
-    if set(ia.graph_outputs) == set(ib.graph_outputs):
-        out_pairs = [(o, o) for o in ia.graph_outputs]
-    elif len(ia.graph_outputs) == len(ib.graph_outputs):
-        out_pairs = list(zip(ia.graph_outputs, ib.graph_outputs, strict=True))
+    pairs, where, out_pairs, seen = _pair_tensors(ia, ib, types)
     extra = [p for p in out_pairs if p[0] not in seen or p[0] != p[1]]
     for p in extra:
         prod = ia.producer.get(p[0])
