@@ -32,7 +32,7 @@ from qgraph.pass_api import Pass, PassContext, PassResult
 @dataclass
 class Snapshot:
     """What a graph looked like before a pass: its nodes (kept alive so identities stay unique) and a digest of
-    its wiring (node op, attribute count and the identity of every input and output; constant value objects)."""
+    its wiring (node op, attribute count, the identity of every input and output, constants' shapes and dtypes)."""
 
     nodes: list[gs.Node]
     digest: int
@@ -51,9 +51,12 @@ class Snapshot:
         return cls(nodes, hash(tuple(parts)))
 
 
-def _tensor_key(t: gs.Tensor) -> tuple[int, int]:
-    # A constant whose values were replaced (BN folding, equalization) is a change too.
-    return id(t), id(getattr(t, "_values", None)) if isinstance(t, gs.Constant) else 0
+def _tensor_key(t: gs.Tensor) -> tuple[int, str, tuple[int, ...]]:
+    # A constant reshaped or retyped in place is a change too (new values of the same shape and dtype are not
+    # seen: reading values may swap graphsurgeon's lazy proto for an array without changing anything).
+    if isinstance(t, gs.Constant):
+        return id(t), str(t.dtype), tuple(t.shape)
+    return id(t), "", ()
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -223,18 +224,30 @@ def discover() -> dict[str, PassClass]:
     if not _DISCOVERED:
         _DISCOVERED = True
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                obj = ep.load()
-            except Exception as exc:  # a broken plug-in must not break qgraph
-                import warnings
-
-                warnings.warn(f"qgraph: cannot load pass plug-in {ep.name!r} ({ep.value}): {exc}", stacklevel=2)
-                continue
-            if isinstance(obj, type) and issubclass(obj, Pass):
-                if obj.name != ep.name:
-                    raise TypeError(f"entry point {ep.name!r} points at a pass named {obj.name!r}")
-                register(obj)
+            problem = _load_plugin(ep.name, ep.load)
+            if problem is not None:  # a broken or mis-declared plug-in is left out; every other pass still works
+                warnings.warn(f"qgraph: pass plug-in {ep.name!r} ({ep.value}) is excluded: {problem}", stacklevel=2)
     return dict(sorted(_REGISTRY.items()))
+
+
+def _load_plugin(name: str, load: Callable[[], Any]) -> str | None:
+    """Register the pass an entry point names; the reason it cannot be, or None."""
+    try:
+        obj = load()
+    except Exception as exc:
+        return f"it fails to import ({type(exc).__name__}: {exc})"
+    if not (isinstance(obj, type) and issubclass(obj, Pass)):
+        return f"it names {obj!r}, not a qgraph.Pass subclass"
+    if getattr(obj, "name", None) != name:
+        return f"the entry point is called {name!r} but the pass's name is {getattr(obj, 'name', None)!r}"
+    config = getattr(obj, "config_class", None)
+    if not (isinstance(config, type) and issubclass(config, PassConfig)):
+        return "its config_class is not a qgraph.PassConfig subclass"
+    try:
+        register(obj)
+    except TypeError as exc:
+        return str(exc)
+    return None
 
 
 def rediscover() -> dict[str, PassClass]:

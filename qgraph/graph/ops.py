@@ -294,8 +294,7 @@ def topological_order(nodes: Sequence[gs.Node]) -> list[gs.Node] | None:
     indegree = [0] * len(nodes)
     successors: list[list[int]] = [[] for _ in nodes]
     for j, node in enumerate(nodes):
-        deps = {producer[t.name] for t in dependencies(node) if t.name in producer}
-        deps.discard(j)
+        deps = {producer[t.name] for t in dependencies(node) if t.name in producer}  # a node reading itself: a cycle
         indegree[j] = len(deps)
         for i in deps:
             successors[i].append(j)

@@ -1,0 +1,189 @@
+"""The contract every discovered pass keeps (built-ins and installed plug-ins), on a generated family of models:
+the output passes the ONNX checker, float-preserving passes keep results, a second run changes nothing, what a
+pass reports matches what the pipeline measured, and the input model is never touched. Also: what the pipeline
+does to a pass that breaks the contract (issue #15)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, Pipeline, pass_api
+from qgraph.compare import compare_models, random_feeds
+
+#: Options a pass needs before it can run on a float CNN (anything else runs with its defaults).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "lower_opset": {"opset": 13},
+    "raise_opset": {"opset": 18},
+    "insert_qdq": {"preset": "ort-x86-vnni"},
+    "float_fallback": {"nodes": {"op_types": ["Gemm"]}},
+}
+LAYERS = ["conv", "conv_bn", "relu", "clip", "identity", "residual", "mul_const", "transpose_pair"]
+
+
+@st.composite
+def cnn_models(draw: st.DrawFn) -> onnx.ModelProto:
+    """A small NCHW network of 1-6 layers (Conv[+BN], Relu, Clip, Identity, residual Add, Mul by a constant,
+    Transpose pairs) ending in GlobalAveragePool-Flatten-Gemm, with seeded weights."""
+    c = draw(st.sampled_from([2, 4, 8]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    nodes, inits, cur, k = [], [], "x", 0
+
+    def const(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value.astype(np.float32), name))
+        return name
+
+    for layer in draw(st.lists(st.sampled_from(LAYERS), min_size=1, max_size=6)):
+        k += 1
+        out = f"t{k}"
+        if layer.startswith("conv"):
+            w = const(f"w{k}", rng.normal(0, 0.4, (c, c, 3, 3)))
+            nodes.append(helper.make_node("Conv", [cur, w, const(f"b{k}", rng.normal(0, 0.1, c))], [out],
+                                          name=f"conv{k}", pads=[1, 1, 1, 1]))
+            if layer == "conv_bn":
+                values = (("g", rng.uniform(0.5, 1.5, c)), ("be", rng.normal(0, 0.1, c)),
+                          ("m", rng.normal(0, 0.1, c)), ("v", rng.uniform(0.5, 1.5, c)))
+                params = [const(f"{p}{k}", v) for p, v in values]
+                nodes.append(helper.make_node("BatchNormalization", [out, *params], [f"{out}bn"], name=f"bn{k}"))
+                out = f"{out}bn"
+        elif layer == "relu":
+            nodes.append(helper.make_node("Relu", [cur], [out], name=f"relu{k}"))
+        elif layer == "clip":
+            nodes.append(helper.make_node("Clip", [cur, const(f"lo{k}", np.array(0.0)), const(f"hi{k}", np.array(6.0))],
+                                          [out], name=f"clip{k}"))
+        elif layer == "identity":
+            nodes.append(helper.make_node("Identity", [cur], [out], name=f"id{k}"))
+        elif layer == "residual":
+            nodes.append(helper.make_node("Add", [cur, "x"], [out], name=f"add{k}"))
+        elif layer == "mul_const":
+            nodes.append(helper.make_node("Mul", [cur, const(f"s{k}", rng.uniform(0.5, 2, (1, c, 1, 1)))], [out],
+                                          name=f"mul{k}"))
+        else:
+            nodes += [helper.make_node("Transpose", [cur], [f"{out}t"], name=f"tr{k}a", perm=[0, 2, 3, 1]),
+                      helper.make_node("Transpose", [f"{out}t"], [out], name=f"tr{k}b", perm=[0, 3, 1, 2])]
+        cur = out
+    nodes += [helper.make_node("GlobalAveragePool", [cur], ["gp"], name="gap"),
+              helper.make_node("Flatten", ["gp"], ["f"], name="flatten"),
+              helper.make_node("Gemm", ["f", const("fc", rng.normal(0, .3, (3, c))), const("fcb", np.zeros(3))], ["y"],
+                               name="fc", transB=1)]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _runnable_passes() -> list[str]:
+    names = []
+    for name, cls in pass_api.discover().items():
+        try:
+            cls(**OPTIONS.get(name, {}))
+        except Exception:  # a plug-in whose required options this test cannot know
+            continue
+        names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("name", _runnable_passes())
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=cnn_models())
+def test_every_pass_keeps_the_contract(name: str, model: onnx.ModelProto, tmp_path_factory: Any) -> None:
+    cls = pass_api.get_pass(name)
+    original = model.SerializeToString()
+    feeds = random_feeds(model, 4, seed=2)
+    data = tmp_path_factory.mktemp("d") / "calib.npz"
+    np.savez(data, x=np.stack([f["x"] for f in feeds]))
+    first = Pipeline([cls(**OPTIONS.get(name, {}))]).run(model, calibration_data=data)
+    assert model.SerializeToString() == original  # the input is never modified
+    onnx.checker.check_model(first.model, full_check=True)
+    record = first.records[0]
+    if record.result.rewritten or record.result.nodes_added or record.result.nodes_removed:
+        assert record.changed  # a reported rewrite is a measured change
+    if cls.preserves_float:
+        for diff in compare_models(model, first.model, feeds[:2]):
+            assert diff.finite and diff.max_abs <= 1e-5 * max(diff.scale, 1.0), (name, diff)
+    second = Pipeline([cls(**OPTIONS.get(name, {}))]).run(first.model, calibration_data=data).records[0]
+    assert not second.changed, f"{name}: a second run changed the graph again"
+    assert second.result.rewritten == 0 and second.result.nodes_added == second.result.nodes_removed == 0
+
+
+# ------------------------------------------------------------------ passes that break the contract
+class _Cfg(PassConfig):
+    mode: str = "none"
+
+
+class _Broken(Pass[_Cfg]):
+    """A plug-in that breaks the graph in the way ``mode`` says."""
+
+    name = "test_broken"
+    config_class = _Cfg
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:  # type: ignore[override]
+        node = next(n for n in graph.graph.nodes if n.op == "Mul")
+        if self.config.mode == "one_input":
+            node.inputs.pop()
+        elif self.config.mode == "dangling":
+            import onnx_graphsurgeon as gs
+
+            node.inputs[1] = gs.Variable("nobody_makes_me", dtype=np.float32)
+        elif self.config.mode == "cycle":
+            node.inputs[0] = node.outputs[0]
+        elif self.config.mode == "none_result":
+            return None  # type: ignore[return-value]
+        elif self.config.mode == "silent":
+            node.op = "Add"
+            return PassResult()  # changed the graph, reported nothing
+        return PassResult(rewritten=1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [("one_input", "Mul node 'm': has 1 input(s), Mul-14 takes 2..2"),
+     ("dangling", "input 'nobody_makes_me' is produced by no node"),
+     ("cycle", "the graph has a cycle"),
+     ("none_result", "returned NoneType instead of a PassResult")],
+)
+def test_the_pipeline_names_a_pass_that_breaks_the_graph(mode: str, says: str) -> None:
+    model = _mul_model()
+    with pytest.raises(PassError, match=r"pass #0 'test_broken'") as err:
+        Pipeline([_Broken(mode=mode)]).run(model)
+    assert says in err.value.message
+    assert err.value.exit_code == 1
+
+
+def test_a_silent_change_is_recorded_as_a_change() -> None:
+    record = Pipeline([_Broken(mode="silent")]).run(_mul_model()).records[0]
+    assert record.changed and "the graph changed although the pass reported no rewrite" in record.result.notes
+
+
+def test_new_nodes_are_tagged_with_the_pass_that_made_them() -> None:
+    class AddRelu(Pass[_Cfg]):
+        """Appends a Relu after the output (unnamed tag: the pipeline adds it)."""
+
+        name = "test_add_relu"
+        config_class = _Cfg
+
+        def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:  # type: ignore[override]
+            import onnx_graphsurgeon as gs
+
+            out = graph.graph.outputs[0]
+            mid = gs.Variable("pre_relu", dtype=np.float32)
+            graph.producer(out).outputs[0] = mid  # type: ignore[union-attr]
+            graph.graph.nodes.append(gs.Node("Relu", "extra_relu", inputs=[mid], outputs=[out]))
+            return PassResult(rewritten=1)
+
+    result = Pipeline([AddRelu()]).run(_mul_model())
+    node = next(n for n in result.model.graph.node if n.name == "extra_relu")
+    assert node.doc_string == "qgraph:test_add_relu"
+    assert result.records[0].result.nodes_added == 1
+
+
+def _mul_model() -> onnx.ModelProto:
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="r"), helper.make_node("Mul", ["a", "x"], ["y"], name="m")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
