@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from qgraph.errors import RecipeError
 from qgraph.graph import GraphHandle
-from qgraph.target import TargetSpec
+from qgraph.target import CalibrationSpec, TargetSpec
 
 if TYPE_CHECKING:
     from qgraph.data import DataSource
@@ -117,6 +117,7 @@ class PassContext:
         *,
         calibration_data: DataSource | None = None,
         target: TargetSpec | None = None,
+        calibration: CalibrationSpec | None = None,
         options: dict[str, Any] | None = None,
         input_model: onnx.ModelProto | None = None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
@@ -127,6 +128,8 @@ class PassContext:
         self.input_model = input_model
         #: What the recipe declares about the deployment target (runtime, opset, CPU).
         self.target: TargetSpec = target or TargetSpec()
+        #: The recipe's calibration settings (samples, batch size, a ranges file to reuse).
+        self.calibration: CalibrationSpec = calibration or CalibrationSpec()
         self.options: dict[str, Any] = dict(options or {})
         #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
         self.cache: dict[str, Any] = {}

@@ -253,7 +253,7 @@ class Pipeline:
             input_model=model,
             calibration_data=data,
             target=target,
-            options={"batch_size": spec.batch_size, "ranges_file": spec.ranges},
+            calibration=spec,
             on_progress=on_progress,
         )
 

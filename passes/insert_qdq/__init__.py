@@ -61,7 +61,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 "insert_qdq: dynamic mode quantizes activations to uint8 (DynamicQuantizeLinear); "
                 "set activations.dtype: uint8"
             )
-        if cfg.mode == "static" and ctx.calibration_data is None and not ctx.options.get("ranges_file"):
+        if cfg.mode == "static" and ctx.calibration_data is None and not ctx.calibration.ranges:
             raise PassError(
                 "insert_qdq: static quantization needs calibration data for activation ranges. Run "
                 "`qgraph run RECIPE MODEL --calibration-data DATA` (.npz with one array per input, a folder, or "

@@ -52,7 +52,7 @@ def calibrate(
     notes: list[str] = []
     out: dict[str, RangeInfo] = {}
     measured: dict[str, TensorCalibration] = {}
-    path = ctx.options.get("ranges_file")
+    path = ctx.calibration.ranges
     if path:
         # A ranges file computed on another graph is an error, never a silent mismatch.
         rf = read_ranges(path, model_fingerprint(graph.to_onnx()))
@@ -79,7 +79,7 @@ def calibrate(
             "Pass calibration data: `qgraph run RECIPE MODEL --calibration-data DATA` (an .npz with one array "
             "per input, a folder of .npz, or module:function), or use mode: dynamic."
         )
-    batch = int(ctx.options.get("batch_size") or 1)
+    batch = ctx.calibration.batch_size
     data = ctx.calibration_data
     model = graph.to_onnx()
     cal = collect_ranges(

@@ -21,6 +21,7 @@ Everything is computed from the name index in O(N).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -30,13 +31,17 @@ from qgraph import GraphHandle
 from .config import InsertQDQConfig
 from .ops import BINARY, CLIPPING, MOVEMENT, NEEDS_Q_OUT, QDQ_OPS, UNARY, VARIADIC, WEIGHTED
 
+#: What kind of integer op a unit becomes: a weighted op (Conv/Gemm/MatMul with a constant weight), a MatMul of
+#: two activations, a binary or variadic op, a unary op, or a dynamically quantized MatMul/Gemm.
+UnitKind = Literal["weighted", "matmul2", "binary", "variadic", "unary", "dynamic"]
+
 
 @dataclass
 class Unit:
     """One integer op: the node, the tensors it reads quantized, its weight/bias and what it absorbed."""
 
     node: gs.Node
-    kind: str  # weighted | matmul2 | binary | variadic | unary | dynamic
+    kind: UnitKind
     act_inputs: list[str] = field(default_factory=list)
     weight_index: int | None = None
     weight_axis: int | None = None
@@ -213,7 +218,7 @@ class Planner:
                 consts.append(i)
         if not acts:
             return "all inputs are constant: run fold_constants first"
-        kind = "variadic" if node.op in VARIADIC else "binary"  # a two-input Sum is an Add
+        kind: UnitKind = "variadic" if node.op in VARIADIC else "binary"  # a two-input Sum is an Add
         return Unit(node, kind, list(dict.fromkeys(acts)), const_inputs=consts, needs_q_out=True)
 
     def _classify(self, node: gs.Node) -> Unit | str | None:

@@ -114,6 +114,7 @@ def test_ranges_file_is_used_instead_of_data(tmp_path: object) -> None:
 
     from qgraph import Pipeline
     from qgraph.pass_api import PassContext
+    from qgraph.target import CalibrationSpec
 
     m = tiny_cnn()
     feeds = feeds_for(m, 4)
@@ -124,7 +125,7 @@ def test_ranges_file_is_used_instead_of_data(tmp_path: object) -> None:
 
     handle = GraphHandle(m)
     p = InsertQDQ(preset="ort-x86-vnni")
-    ctx = PassContext(options={"ranges_file": str(path)})
+    ctx = PassContext(calibration=CalibrationSpec(ranges=str(path)))
     p.requires(handle, ctx)
     res = p.run(handle, ctx)
     assert any("read from" in n for n in res.notes)
