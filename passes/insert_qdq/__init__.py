@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
+from qgraph.graph import topological_order
 from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
 from qgraph.target import CpuInfo
 
@@ -209,8 +210,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                             "(only MatMul/Gemm with constant weights are quantized there, dynamically)",
                         )
                     )
-            sub.nodes = [n for n in sub.nodes if id(n) not in dyn.replaced]
-            sub.toposort()
+            kept = [n for n in sub.nodes if id(n) not in dyn.replaced]
+            sub.nodes = topological_order(kept) or kept  # iterative Kahn (graphsurgeon's sort recurses)
         return done, skips
 
     def _refuse_unsupported(self, res: PassResult) -> None:
