@@ -37,6 +37,10 @@ _OPT = {
 }
 
 
+#: Input bytes per evaluation batch at most (see `load_feeds`).
+MAX_BATCH_INPUT_BYTES = 1 << 20
+
+
 def load_feeds(
     spec: str | DataSource,
     model: onnx.ModelProto,
@@ -63,6 +67,10 @@ def load_feeds(
     specs = [s for m in (model, *others) for s in model_inputs(m)]
     dynamic = all(bool(s.shape) and not (isinstance(s.shape[0], int) and s.shape[0] > 0)  # type: ignore[index]
                   for s in specs)
+    # Activations are tens of times the input: bound the input bytes of a batch so a batch's activations (what
+    # onnxruntime holds, and what per-node statistics fetch) stay near one inference of the model.
+    per_sample = max(1, sum(int(v.nbytes) for v in feeds[0].values()))
+    batch_size = max(1, min(batch_size, MAX_BATCH_INPUT_BYTES // per_sample))
     return list(batched(feeds, batch_size)) if dynamic and batch_size > 1 else feeds
 
 
