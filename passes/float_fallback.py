@@ -93,6 +93,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     name = PASS_NAME
     config_class = FloatFallbackConfig
     preserves_float = False
+    pause_gc = False  # auto mode builds a model and a session per candidate: let their garbage go
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Fail before any rewrite when a selector criterion matches nothing or auto mode lacks data."""

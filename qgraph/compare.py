@@ -32,9 +32,14 @@ def make_session(
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     threads: int = 1,
     optimized_model_path: str | None = None,
+    mem_pattern: bool = True,
 ) -> ort.InferenceSession:
-    """An onnxruntime CPU session for ``model`` (models over 2 GB go through a temporary file)."""
+    """An onnxruntime CPU session for ``model`` (models over 2 GB go through a temporary file).
+
+    ``mem_pattern=False`` turns off onnxruntime's pre-planned allocation of a whole run: with many extra outputs
+    or branches it holds every intermediate at once (measured: 610 MB vs 384 MB on a 672-node detector)."""
     opts = ort.SessionOptions()
+    opts.enable_mem_pattern = mem_pattern
     opts.graph_optimization_level = optimization
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1

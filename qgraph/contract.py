@@ -2,7 +2,8 @@
 
 Before a pass: ``requires`` (the pass's own preconditions). Around ``run``: the cyclic GC is paused (with ~100k
 graphsurgeon objects alive every collection rescans them, which made passes super-linear; graph objects are freed
-by reference counting). After it:
+by reference counting), unless the pass sets ``pause_gc = False`` (a search building hundreds of temporary models
+would otherwise keep all their cyclic garbage until it ends). After it:
 
 1. ``run`` must return a `PassResult` (anything else is a `PassError` naming the pass);
 2. the handle's caches are invalidated (a pass that forgot ``graph.changed()`` cannot leave a stale index behind);
@@ -82,7 +83,8 @@ def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) ->
     p.requires(handle, ctx)
     before = Snapshot.of(handle.graph)
     gc_was_enabled = gc.isenabled()
-    gc.disable()
+    if p.pause_gc:
+        gc.disable()
     try:
         result = p.run(handle, ctx)
     finally:

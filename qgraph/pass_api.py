@@ -163,6 +163,9 @@ class Pass(Generic[C]):
     config_class: ClassVar[type[PassConfig]]
     #: True when the pass keeps the model's float results (checked numerically with ``--verify``).
     preserves_float: ClassVar[bool] = True
+    #: Whether the pipeline pauses the cyclic GC while the pass runs (right for graph rewriting; a pass that builds
+    #: many temporary models or sessions, like a sensitivity search, sets False so their garbage is collected).
+    pause_gc: ClassVar[bool] = True
 
     def __init__(self, config: C | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -314,6 +314,16 @@ class GraphHandle:
         normalize_ir_version(model)
         return model
 
+    def release(self) -> None:
+        """Break the graph's node <-> tensor reference cycles so it is freed at once by reference counting (the
+        pipeline pauses the cyclic GC during passes: a pass that builds many temporary handles calls this)."""
+        for g in graph_scopes(self.graph):
+            for node in g.nodes:
+                list.clear(node.inputs)
+                list.clear(node.outputs)
+            g.nodes.clear()
+        self._drop_caches()
+
     def replace_model(self, model: onnx.ModelProto) -> None:
         """Replace the whole graph with ``model`` (for passes that rewrite protos, e.g. opset lowering)."""
         tags, metadata, walks = self.tags, self.metadata, self.walks

@@ -125,12 +125,15 @@ class Evaluator:
             return self.qdq
         handle = GraphHandle(self.qdq)
         fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes)
-        return handle.to_onnx()
+        try:
+            return handle.to_onnx()
+        finally:
+            handle.release()  # one temporary graph per candidate: free it now, not at the end of the pass
 
     def run(self, model: onnx.ModelProto, nodes: Sequence[str] = ()) -> Measurement:
         """Run ``model`` on every batch and compare each output with the reference."""
         start = time.perf_counter()
-        session = make_session(model, optimization=_OPT[self.optimization])
+        session = make_session(model, optimization=_OPT[self.optimization], mem_pattern=False)
         per_batch = run_batches(session, self.batches)
         names = [o.name for o in session.get_outputs()]
         if len(names) != len(self.reference[0]):

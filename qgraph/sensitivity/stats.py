@@ -8,23 +8,51 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 
 from qgraph import GraphHandle
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
-from qgraph.fallback import fake_quantize, float_source, is_dq, qparams
+from qgraph.fallback import float_source, is_dq, qparams
 
 
 # ----------------------------------------------------------------------------- range / clipping statistics
 def range_stats(qdq: onnx.ModelProto, batches: Sequence[Feed], names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per node in ``names``: clipping and quantization SQNR of each activation input, on the INT8 model.
 
-    One instrumented session: the float tensors entering the nodes' activation QuantizeLinears become extra
-    outputs, and each is fake-quantized in numpy with its pair's parameters.
+    Reduced inside onnxruntime, so memory stays that of one inference: for every float tensor ``x`` entering an
+    activation QuantizeLinear whose DequantizeLinear ``fq`` feeds a node of ``names``, the graph also computes
+    min(x), max(x), sum(x²), sum((fq - x)²) and the count of values outside the pair's representable range, as
+    scalar outputs (``x`` is clamped at 0 first where the quantizer folded a Relu into the pair).
     """
     handle = GraphHandle(qdq)
-    wanted = set(names)
-    per_tensor: dict[str, Any] = {}
+    found = _pairs_feeding(handle, set(names))
+    if not found:
+        return {}
+    per_tensor, node_inputs = found
+    model = handle.to_onnx()
+    reductions = _add_reductions(model, per_tensor)
+    session = make_session(model, mem_pattern=False)
+    stats = {n: {"min": math.inf, "max": -math.inf, "clipped": 0, "count": 0, "sig": 0.0, "err": 0.0}
+             for n in per_tensor}
+    fetch = [out for outs in reductions.values() for out in outs]
+    for feed in batches:
+        values = dict(zip(fetch, session_run(session, fetch, feed), strict=True))
+        for name, (lo_o, hi_o, sig_o, err_o, clip_o, size_o) in reductions.items():
+            st = stats[name]
+            st["min"], st["max"] = min(st["min"], float(values[lo_o])), max(st["max"], float(values[hi_o]))
+            st["sig"] += float(values[sig_o])
+            st["err"] += float(values[err_o])
+            st["clipped"] += int(values[clip_o])
+            st["count"] += int(values[size_o])
+    return _rows(node_inputs, stats, per_tensor)
+
+
+_Pair = tuple[str, str, Any, bool]  # float source tensor, DQ output tensor, QParams, relu folded
+
+
+def _pairs_feeding(handle: GraphHandle, wanted: set[str]) -> tuple[dict[str, _Pair], dict[str, list[str]]] | None:
+    per_tensor: dict[str, _Pair] = {}
     node_inputs: dict[str, list[str]] = {}
     for node in handle.index.nodes:
         if node.name not in wanted:
@@ -40,55 +68,85 @@ def range_stats(qdq: onnx.ModelProto, batches: Sequence[Feed], names: Sequence[s
             params = qparams(handle, q)
             if params is None:
                 continue
-            per_tensor.setdefault(q.inputs[0].name, (q.inputs[0], params, src.relu))
+            per_tensor.setdefault(q.inputs[0].name, (q.inputs[0].name, dq.outputs[0].name, params, src.relu))
             node_inputs.setdefault(node.name, []).append(q.inputs[0].name)
-    if not per_tensor:
-        return {}
-    known = {t.name for t in handle.graph.outputs} | {t.name for t in handle.graph.inputs}
-    for name, (tensor, params, _) in per_tensor.items():
-        if name not in known:
-            if tensor.dtype is None:
-                tensor.dtype = params.scale.dtype
-            handle.graph.outputs.append(tensor)
-            known.add(name)
-    session = make_session(handle.to_onnx())
-    out_names = [o.name for o in session.get_outputs()]
-    stats = {
-        n: {"min": math.inf, "max": -math.inf, "clipped": 0, "count": 0, "sig": 0.0, "err": 0.0} for n in per_tensor
-    }
-    for feed in batches:
-        values = {**feed, **dict(zip(out_names, session_run(session, out_names, feed), strict=True))}
-        for name, (_, params, relu) in per_tensor.items():
-            x = np.asarray(values[name], dtype=np.float64)
-            if relu:  # the quantizer folded a Relu into this pair: its clamp at 0 is not clipping
-                x = np.maximum(x, 0.0)
-            if x.size == 0:
-                continue
-            fq, clipped = fake_quantize(x, params)
-            s = stats[name]
-            s["min"], s["max"] = min(s["min"], float(x.min())), max(s["max"], float(x.max()))
-            s["clipped"] += clipped
-            s["count"] += x.size
-            s["sig"] += float(np.sum(x * x))
-            s["err"] += float(np.sum((fq - x) ** 2))
+    return (per_tensor, node_inputs) if per_tensor else None
+
+
+def _add_reductions(model: onnx.ModelProto, per_tensor: dict[str, _Pair]) -> dict[str, tuple[str, ...]]:
+    """Append the reduction nodes of `range_stats` to ``model`` (in place); output names per source tensor."""
+    g = model.graph
+    out: dict[str, tuple[str, ...]] = {}
+    after: dict[str, list[onnx.NodeProto]] = {}  # DQ output -> the reductions that read it
+    for k, (name, (src, fq, params, relu)) in enumerate(per_tensor.items()):
+        p = f"qgraph_stats/{k}/"
+        nodes: list[onnx.NodeProto] = []
+        x = src
+        if relu:
+            nodes.append(helper.make_node("Relu", [src], [p + "x"]))
+            x = p + "x"
+        lo, hi = params.representable
+        g.initializer.extend([numpy_helper.from_array(np.array(lo, np.float32), p + "lo"),
+                              numpy_helper.from_array(np.array(hi, np.float32), p + "hi")])
+        if params.scale.dtype == np.float32:  # float32 activations (the usual case): no copies
+            x32, fq32 = x, fq
+        else:  # float16/bfloat16 activations: reduce in float32 (sums of squares overflow float16)
+            x32, fq32 = p + "x32", p + "fq32"
+            nodes.extend([helper.make_node("Cast", [x], [x32], to=TensorProto.FLOAT),
+                          helper.make_node("Cast", [fq], [fq32], to=TensorProto.FLOAT)])
+        nodes.extend([
+            helper.make_node("Sub", [fq32, x32], [p + "e"]),
+            helper.make_node("Less", [x32, p + "lo"], [p + "below"]),
+            helper.make_node("Greater", [x32, p + "hi"], [p + "above"]),
+            helper.make_node("Or", [p + "below", p + "above"], [p + "outside"]),
+            helper.make_node("Cast", [p + "outside"], [p + "outside_f"], to=TensorProto.FLOAT),
+            helper.make_node("Size", [x32], [p + "size"]),
+        ])
+        names = []
+        for op, src_name, tag in (("ReduceMin", x32, "min"), ("ReduceMax", x32, "max"),
+                                  ("ReduceSumSquare", x32, "sig"), ("ReduceSumSquare", p + "e", "err"),
+                                  ("ReduceSum", p + "outside_f", "clip")):
+            # All axes, no keepdims: a scalar (ReduceSum takes its axes as an input from opset 13, the rest
+            # from 18; leaving them out reduces everything at any opset).
+            nodes.append(helper.make_node(op, [src_name], [p + tag], keepdims=0))
+            names.append(p + tag)
+        names.append(p + "size")
+        for n_out in names:
+            g.output.append(helper.make_value_info(n_out, onnx.TypeProto()))
+        out[name] = tuple(names)
+        after.setdefault(fq, []).extend(nodes)
+    # Right after the DequantizeLinear they read: each activation is reduced as soon as it exists and can be freed
+    # (appended at the end, every activation would stay alive until the end of the run).
+    ordered: list[onnx.NodeProto] = []
+    for node in g.node:
+        ordered.append(node)
+        for t in node.output:
+            ordered.extend(after.pop(t, []))
+    for rest in after.values():
+        ordered.extend(rest)
+    del g.node[:]
+    g.node.extend(ordered)
+    return out
+
+
+def _rows(node_inputs: dict[str, list[str]], stats: dict[str, dict[str, Any]],
+          per_tensor: dict[str, _Pair]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for node_name, tensors in node_inputs.items():
         rows = []
         for name in tensors:
-            s, params = stats[name], per_tensor[name][1]
+            s, params = stats[name], per_tensor[name][2]
             lo, hi = params.representable
-            rows.append(
-                {
-                    "tensor": name,
-                    "observed_min": s["min"],
-                    "observed_max": s["max"],
-                    "representable_min": lo,
-                    "representable_max": hi,
-                    "scale": float(np.max(params.scale)),
-                    "clip_fraction": s["clipped"] / s["count"] if s["count"] else 0.0,
-                    "sqnr_db": _sqnr(s["sig"], s["err"]),
-                }
-            )
+            rows.append({
+                "tensor": name,
+                "observed_min": s["min"],
+                "observed_max": s["max"],
+                "representable_min": lo,
+                "representable_max": hi,
+                "scale": float(np.max(params.scale)),
+                "clip_fraction": s["clipped"] / s["count"] if s["count"] else 0.0,
+                "sqnr_db": _sqnr(s["sig"], s["err"]),
+            })
         out[node_name] = {
             "clip_fraction": max(r["clip_fraction"] for r in rows),
             "input_sqnr_db": min(r["sqnr_db"] for r in rows),
