@@ -25,13 +25,18 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from qgraph.compare import DiffAccumulator, make_session, random_feeds, run
 from qgraph.data import Feed
+from qgraph.diff.culprits import Attribution, attribute
+from qgraph.diff.graphview import changed_regions_html
 from qgraph.diff.html import esc, page, section, table, write_text_atomic
 from qgraph.diff.layers import NumericDiff
 from qgraph.diff.numeric import numeric_diff
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
 from qgraph.diff.render import coverage_html, dumps, numeric_html
+from qgraph.diff.render_culprits import culprits_html
 from qgraph.diff.structural import structural_diff
+from qgraph.diff.tables import sqnr_cell
 from qgraph.errors import QGraphError
+from qgraph.evaluation import Evaluation, concat
 from qgraph.pipeline import PipelineResult
 from qgraph.recipe import Recipe
 
@@ -42,12 +47,13 @@ _RUNTIME_ERRORS = (QGraphError, ort_state.Fail, ort_state.RuntimeException, ort_
                    ort_state.NotImplemented, ort_state.InvalidGraph)
 
 
-def write_report(path: Path, recipe: Recipe, result: PipelineResult) -> None:
-    """Write the report of ``result`` (produced by ``recipe``): JSON for ``.json``, HTML for ``.html``."""
+def write_report(path: Path, recipe: Recipe, result: PipelineResult, evaluation: Evaluation | None = None) -> None:
+    """Write the report of ``result`` (produced by ``recipe``): JSON for ``.json``, HTML for ``.html``; measured
+    on ``evaluation`` (held-out data, labels, metric) when given, else on the calibration data."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".json", ".html", ".htm"):
         raise QGraphError(f"--report {path}: unknown report format {suffix or '(none)'}; use .json or .html.")
-    report = build_report(recipe, result)
+    report = build_report(recipe, result, evaluation)
     write_text_atomic(path, dumps(report.to_dict()) if suffix == ".json" else report_html(report))
 
 
@@ -68,11 +74,17 @@ class RunReport:
     #: What every pass decided (raised opsets, fallbacks, host-dependent choices) and selector criteria that
     #: matched nothing: {"pass", "kind": "decision" | "matched nothing", "text"}.
     decisions: list[dict[str, str]] = field(default_factory=list)
+    #: Q/DQ pairs ranked by the output error they cause, against the float model the quantizing pass received.
+    attribution: Attribution | None = None
+    graph_view: str = ""  # the changed regions as inline SVG (HTML only)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form (``culprits``: the Q/DQ pairs, best first)."""
+        att = self.attribution
         return {
             "recipe": self.recipe, "data": self.data, "notes": self.notes, "summary": self.summary,
+            "culprits": [c.to_dict() for c in att.culprits] if att is not None else [],
+            "attribution": {k: v for k, v in att.to_dict().items() if k != "culprits"} if att is not None else None,
             "passes": self.passes, "fidelity": self.fidelity,
             "layers": self.layers.to_dict() if self.layers is not None else None,
             "coverage": self.coverage.to_dict(), "skipped": self.skipped, "fallback": self.fallback,
@@ -82,6 +94,7 @@ class RunReport:
 
 def _feeds(result: PipelineResult, model: onnx.ModelProto) -> tuple[list[Feed], str]:
     data = result.calibration_data
+    desc = "(the calibration data: not held out; give --eval-data for held-out numbers)"
     if data is not None:
         feeds: list[Feed] = []
         for feed in data:
@@ -89,7 +102,7 @@ def _feeds(result: PipelineResult, model: onnx.ModelProto) -> tuple[list[Feed], 
             if len(feeds) >= REPORT_SAMPLES:
                 break
         if feeds:
-            return feeds, f"{len(feeds)} sample(s) of {data.description}"
+            return feeds, f"{len(feeds)} sample(s) of {data.description} {desc}"
     return random_feeds(model, RANDOM_SAMPLES), f"{RANDOM_SAMPLES} seeded random input(s) (no data given)"
 
 
@@ -112,7 +125,7 @@ def _top1(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int] | None:
 
 
 def stage_fidelity(reference: onnx.ModelProto, stages: Sequence[tuple[str, onnx.ModelProto]],
-                   feeds: list[Feed]) -> list[dict[str, Any]]:
+                   feeds: list[Feed], evaluation: Evaluation | None = None) -> list[dict[str, Any]]:
     """Per stage and output (by position): SQNR, cosine, max abs, relative error, top-1 agreement.
 
     The reference outputs are computed once; each stage's outputs are folded into accumulators sample by sample.
@@ -121,10 +134,13 @@ def stage_fidelity(reference: onnx.ModelProto, stages: Sequence[tuple[str, onnx.
     ref_sess = make_session(reference)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = [run(ref_sess, f) for f in feeds]
+    scored = evaluation is not None and evaluation.metric is not None
+    ref_all = [concat([r[n] for r in refs]) for n in names] if scored else []
     rows: list[dict[str, Any]] = []
     for label, model in stages:
         accs = [DiffAccumulator(n) for n in names]
         top1 = [[0, 0] for _ in names]
+        got_all: list[list[np.ndarray]] = [[] for _ in names]
         try:
             sess = make_session(model)
             cand = [o.name for o in sess.get_outputs()]
@@ -134,25 +150,31 @@ def stage_fidelity(reference: onnx.ModelProto, stages: Sequence[tuple[str, onnx.
                 got = run(sess, feed)
                 for i, (name, other) in enumerate(zip(names, cand, strict=True)):
                     accs[i].add(ref[name], got[other])
+                    if scored:
+                        got_all[i].append(got[other])
                     hit = _top1(ref[name], got[other])
                     if hit is not None:
                         top1[i] = [top1[i][0] + hit[0], top1[i][1] + hit[1]]
         except _RUNTIME_ERRORS as exc:
             rows.append({"stage": label, "output": "", "error": str(exc).splitlines()[0][:300]})
             continue
+        metric = evaluation.score([concat(g) for g in got_all], ref_all) if scored and evaluation else None
         for acc, (hits, total) in zip(accs, top1, strict=True):
             d = acc.result()
             rows.append({"stage": label, "output": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine,
                          "max_abs": d.max_abs, "relative": d.relative,
-                         "top1_agreement": hits / total if total else None})
+                         "top1_agreement": hits / total if total else None, "metric": metric})
     return rows
 
 
-def build_report(recipe: Recipe, result: PipelineResult) -> RunReport:
+def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation | None = None) -> RunReport:
     """Compute everything the report shows (see module docs)."""
     source = result.input_model
     stages, notes = _stages(recipe, result)
-    feeds, feeds_desc = _feeds(result, source if source is not None else result.model)
+    if evaluation is not None:
+        feeds, feeds_desc = evaluation.feeds, evaluation.describe()
+    else:
+        feeds, feeds_desc = _feeds(result, source if source is not None else result.model)
     passes: list[dict[str, Any]] = []
     previous = source
     for i, rec in enumerate(result.records):
@@ -190,12 +212,29 @@ def build_report(recipe: Recipe, result: PipelineResult) -> RunReport:
     labelled = [("float original", source)]
     labelled += [(f"after #{i} {r.name}", stages[i]) for i, r in enumerate(result.records) if i < len(stages)]
     labelled.append(("final", result.model))
-    report.fidelity = stage_fidelity(source, labelled, feeds)
+    report.fidelity = stage_fidelity(source, labelled, feeds, evaluation)
     try:
         report.layers = numeric_diff(source, result.model, feeds)
     except _RUNTIME_ERRORS as exc:
         report.notes.append(f"per-layer diff failed: {str(exc).splitlines()[0][:300]}")
+    float_model = _last_float_stage(source, stages)
+    if float_model is not result.model and qdq_coverage(result.model).dequantize_nodes:
+        try:
+            report.attribution = attribute(float_model, result.model, feeds)
+        except _RUNTIME_ERRORS as exc:
+            report.notes.append(f"Q/DQ attribution failed: {str(exc).splitlines()[0][:300]}")
+    report.graph_view = changed_regions_html(source, result.model, report.layers)
     return report
+
+
+def _last_float_stage(source: onnx.ModelProto, stages: Sequence[onnx.ModelProto]) -> onnx.ModelProto:
+    """The model the first quantizing pass received (its float weights are the ones that were quantized)."""
+    previous = source
+    for stage in stages:
+        if qdq_coverage(stage).dequantize_nodes:
+            return previous
+        previous = stage
+    return previous
 
 
 def _is_fallback(name: str, details: dict[str, Any]) -> bool:
@@ -238,11 +277,12 @@ def report_html(report: RunReport) -> str:
     fid_cls: list[str] = []
     for r in report.fidelity:
         if "error" in r:
-            fid_rows.append([r["stage"], "-", "error", r["error"], "", "", ""])
+            fid_rows.append([r["stage"], "-", "error", r["error"], "", "", "", ""])
             fid_cls.append("bad")
             continue
         top1 = "-" if r["top1_agreement"] is None else f"{r['top1_agreement']:.1%}"
-        fid_rows.append([r["stage"], r["output"], r["sqnr_db"], r["cosine"], r["max_abs"], r["relative"], top1])
+        fid_rows.append([r["stage"], r["output"], sqnr_cell(r["sqnr_db"]), r["cosine"], r["max_abs"], r["relative"],
+                         top1, r.get("metric")])
         fid_cls.append("")
     sections = [
         head + notes,
@@ -252,9 +292,13 @@ def report_html(report: RunReport) -> str:
                                  "structural diff", "verify (worst relative)"], pass_rows, table_id="passes"),
                 "passes-section"),
         section("Fidelity per stage", f"<p>Each stage against the float original on {esc(report.data)}.</p>"
-                + table(["stage", "output", "SQNR dB", "cosine", "max abs", "relative", "top-1 agreement"],
+                + table(["stage", "output", "SQNR dB", "cosine", "max abs", "relative", "top-1 agreement", "metric"],
                         fid_rows, table_id="fidelity", row_classes=fid_cls), "fidelity-section"),
     ]
+    if report.attribution is not None:
+        sections.insert(1, culprits_html(report.attribution))
+    if report.graph_view:
+        sections.append(section("Changed regions of the graph", report.graph_view, "graph-section"))
     if report.layers is not None:
         sections.append(numeric_html(report.layers))
     sections.append(section("QDQ coverage (final model)", coverage_html(None, report.coverage), "coverage-section"))

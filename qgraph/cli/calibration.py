@@ -19,6 +19,7 @@ from rich.table import Table
 
 import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.errors import UsageError
 from qgraph.outputs import check_output, check_outputs
 
@@ -86,7 +87,8 @@ def _print_fragile(calibrations: Any) -> None:
 def sensitivity(
     model_float: Annotated[Path, typer.Argument(help="Float ONNX model (the reference).")],
     model_qdq: Annotated[Path, typer.Argument(help="QDQ model of it (from qgraph or any other tool).")],
-    data: Annotated[str, typer.Option("--data", help="Evaluation data: .npz, folder, or module:function.")],
+    data: Annotated[str, typer.Option("--data", "--eval-data", help="Held-out evaluation data: .npz, folder, or "
+                                      "module:function.")],
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the table (and search) as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart (.svg, or .png).")] = None,
     jobs: Annotated[int, typer.Option("--jobs", min=1, help="Worker processes measuring nodes.")] = 1,
@@ -100,6 +102,8 @@ def sensitivity(
     max_time: Annotated[float | None, typer.Option("--max-time", help="Search budget in seconds.")] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="Use at most N samples of --data.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+    labels: LabelsOption = None,
+    metric: MetricOption = None,
 ) -> None:
     """Rank quantized nodes by how much returning each one alone to float helps; with --target, fall back
     the most sensitive nodes until the target is met (exit 1 when it cannot be: the best model is still written)."""
@@ -110,6 +114,6 @@ def sensitivity(
                   inputs=[model_float, model_qdq, data_path(data)])
     code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
-                       quiet=quiet, out=_app.out, console=_app.console)
+                       quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric)
     if code:
         raise typer.Exit(code)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.opsets import model_opset
 from qgraph.outputs import check_output, check_outputs
 
@@ -98,15 +99,20 @@ def diff(
     b: Annotated[Path, typer.Argument(help="Candidate model (after).")],
     inputs: Annotated[
         str | None,
-        typer.Option("--inputs", help="Data for the numeric diff (.npz, folder, module:function, or 'random')."),
+        typer.Option("--eval-data", "--inputs", help="Held-out data for the numeric diff (.npz, folder, "
+                     "module:function, or 'random')."),
     ] = None,
     samples: Annotated[int, typer.Option(min=1, help="Samples used by the numeric diff.")] = 8,
+    labels: LabelsOption = None,
+    metric: MetricOption = None,
+    exact_top: Annotated[int, typer.Option("--exact-top", min=0, help="Q/DQ pairs measured alone (the others "
+                                           "are ranked by the noise they inject).")] = 16,
     json_out: Annotated[str | None, typer.Option("--json", help="Write JSON to FILE ('-': stdout only).")] = None,
     html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page.")] = None,
     top: Annotated[int, typer.Option(min=1, help="Rows in ranked tables.")] = 10,
 ) -> None:
-    """Diff two models: nodes, ops, weights, opsets, QDQ coverage; with --inputs, layer-by-layer error and the
-    layer where it first jumps."""
+    """Diff two models: nodes, ops, weights, opsets, QDQ coverage; with --eval-data, layer-by-layer error, top-1
+    agreement and your metric, and the Q/DQ pairs ranked by the output error they cause (and why)."""
     from qgraph.diff import diff_files
     from qgraph.diff.render import diff_html, diff_json, dumps, print_numeric, print_structural
     from qgraph.outputs import write_atomic
@@ -115,7 +121,8 @@ def diff(
     check_outputs({"--json": json_file, "--html": html},
                   inputs=[a, b, None if inputs == "random" else data_path(inputs)])
     need_positive(samples, "--samples")
-    structural, numeric = diff_files(a, b, inputs=inputs, samples=samples)
+    structural, numeric = diff_files(a, b, inputs=inputs, samples=samples, labels=labels, metric=metric,
+                                     exact_top=exact_top)
     if json_out == "-":
         sys.stdout.write(dumps(diff_json(structural, numeric, top)))
     else:
@@ -125,7 +132,11 @@ def diff(
         if json_file:
             say(f"wrote {write_atomic(json_file, dumps(diff_json(structural, numeric, top)))}")
     if html is not None:
-        say(f"wrote {write_atomic(html, diff_html(structural, numeric, top))}")
+        from qgraph.diff.graphview import changed_regions_html
+        from qgraph.model_io import load_model
+
+        view = changed_regions_html(load_model(a), load_model(b), numeric)
+        say(f"wrote {write_atomic(html, diff_html(structural, numeric, top, view))}")
     problem = numeric.problem() if numeric is not None else None
     if problem is not None:
         from qgraph.errors import VerificationError

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
 from qgraph.pass_api import PassResult
@@ -39,6 +40,10 @@ def run(
     verify: Annotated[bool, typer.Option("--verify", help="Check float-preserving passes numerically.")] = False,
     tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
     report: Annotated[Path | None, typer.Option("--report", help="Write a report (.json or .html).")] = None,
+    eval_data: Annotated[str | None, typer.Option("--eval-data", help="Held-out data the report measures on "
+                                                  "(default: the calibration data).")] = None,
+    labels: LabelsOption = None,
+    metric: MetricOption = None,
     patch: Annotated[
         list[Path] | None, typer.Option("--patch", help="Recipe patch(es) to append (e.g. from fallback).")
     ] = None,
@@ -52,8 +57,12 @@ def run(
         from qgraph.errors import UsageError
 
         raise UsageError(f"--report {report}: give a .html or .json file name.")
+    if (eval_data or labels or metric) and report is None:
+        from qgraph.errors import UsageError
+
+        raise UsageError("--eval-data, --labels and --metric choose what the report measures: give --report too.")
     check_outputs({"-o": output, "--report": report},
-                  inputs=[recipe, model, data_path(calibration_data), *(patch or [])])
+                  inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
     rec = Recipe.from_yaml(recipe)
     for p in patch or []:
         rec = rec.apply_patch(p)
@@ -74,9 +83,19 @@ def run(
     result.save(output)
     say(f"wrote {output}")
     if report is not None:
+        from qgraph.evaluation import Evaluation
+        from qgraph.model_io import load_model
         from qgraph.report import write_report
 
-        write_report(report, rec, result)
+        evaluation = None
+        if eval_data is not None:
+            evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
+                                         metric=metric)
+        elif labels or metric:
+            from qgraph.errors import UsageError
+
+            raise UsageError("--labels and --metric need --eval-data (held-out samples to score).")
+        write_report(report, rec, result, evaluation)
         say(f"wrote report {report}")
     unmet = [f"pass #{r.index} {r.name}: {r.result.unmet}" for r in result.records if r.result.unmet]
     if unmet:

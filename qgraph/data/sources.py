@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -304,15 +305,38 @@ def open_data_source(
     raise DataError(f"data source {text!r} not found: give an existing .npz, a folder, or module:function.")
 
 
+def _load_file(path_text: str) -> Any:
+    """Import a Python file as a module (its folder importable, so it can import its neighbours)."""
+    path = Path(path_text).resolve()
+    if not path.is_file():
+        raise ImportError(f"no such file: {path_text}")
+    name = "qgraph_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path_text}")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def import_callable(spec: str, error: type[QGraphError], what: str) -> Callable[..., Any]:
-    """Import ``module:function`` (the current directory is importable); ``error`` names ``what`` failed."""
-    module_name, _, func_name = spec.partition(":")
+    """Import ``module:function`` or ``path/to/file.py:function`` (the current directory is importable);
+    ``error`` names ``what`` failed."""
+    module_name, _, func_name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
     if not module_name or not func_name:
-        raise error(f"{what} {spec!r}: give it as package.module:function (both parts).")
+        raise error(f"{what} {spec!r}: give it as package.module:function or path/to/file.py:function.")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
-        module = importlib.import_module(module_name)
+        module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as exc:
         raise error(f"{what} {spec!r}: cannot import module {module_name!r} ({exc}).") from None
     except SyntaxError as exc:

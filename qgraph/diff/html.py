@@ -20,13 +20,14 @@ body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em aut
 padding:0 1em}
 h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.25em;margin-top:1.8em;border-bottom:1px solid #d8dee4}
 table{border-collapse:collapse;margin:.6em 0;font-size:13px}
-th,td{border:1px solid #d8dee4;padding:3px 8px;text-align:left;vertical-align:top;overflow-wrap:anywhere}
+th,td{border:1px solid #d8dee4;padding:3px 8px;text-align:left;vertical-align:top}td.name{white-space:nowrap}
 .scroll{overflow-x:auto;max-width:100%}
 th{background:#f3f5f7}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.bad td{background:#fdecea}tr.warn td{background:#fff6dd}tr.good td{background:#eaf7ee}
 pre{background:#f6f8fa;padding:.8em;overflow:auto;font-size:12px}
 .muted{color:#67707a}.chart{margin:.6em 0}svg text{font:11px sans-serif;fill:#333}
 .kpi{display:inline-block;margin:0 1.5em .5em 0}.kpi b{font-size:1.3em;display:block}
+.regions{display:flex;gap:24px;align-items:flex-start;overflow-x:auto}svg.graph{border:1px solid #e4e8ec;flex:none}
 """
 
 BLUE, ORANGE, RED, GREY = "#4c78a8", "#f58518", "#d62728", "#9aa5b1"
@@ -52,6 +53,34 @@ def fmt(value: Any, digits: int = 6) -> str:
     return str(value)
 
 
+#: Width names are shortened to in tables (from the middle: the distinctive tail stays).
+NAME_WIDTH = 48
+
+
+def short_name(name: str, width: int = NAME_WIDTH) -> str:
+    """``name`` cut in the middle to ``width`` characters (``/encoder/…/attention/MatMul_1``), never wrapped."""
+    if len(name) <= width or width < 8:
+        return name
+    head = max(width // 3, 3)
+    tail = width - head - 1
+    return f"{name[:head]}…{name[-tail:]}"
+
+
+def cell(value: Any, *, exact_note: bool = True, digits: int = 4) -> str:
+    """A table cell: numbers with ``digits`` significant digits, ``-`` for None, and an infinite SQNR spelled
+    out as ``inf (exact)``: identical values, not a missing measurement."""
+    if isinstance(value, float) and math.isinf(value) and value > 0 and exact_note:
+        return "inf (exact)"
+    return fmt(value, digits)
+
+
+def _name_cell(name: str) -> str:
+    """A name that never wraps: shortened from the middle when long, the full name on hover."""
+    if len(name) <= NAME_WIDTH:
+        return f'<td class="name">{esc(name)}</td>'
+    return f'<td class="name"><span title="{esc(name)}">{esc(short_name(name))}</span></td>'
+
+
 def table(
     headers: Sequence[str],
     rows: Sequence[Sequence[Any]],
@@ -67,6 +96,7 @@ def table(
         cls = f' class="{esc(row_classes[i])}"' if row_classes and row_classes[i] else ""
         cells = "".join(
             f'<td class="num">{esc(fmt(c))}</td>' if isinstance(c, (int, float)) and not isinstance(c, bool)
+            else _name_cell(c) if isinstance(c, str) and c and not any(ch.isspace() for ch in c)
             else f"<td>{esc(fmt(c))}</td>"
             for c in row
         )

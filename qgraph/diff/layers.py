@@ -80,6 +80,10 @@ class NumericDiff:
     runs: int = 0
     noise_floor_db: float = 80.0
     jump_db: float = 6.0
+    #: Q/DQ pairs ranked by the output error they cause (`qgraph.diff.culprits.attribute`), when computed.
+    attribution: Any = None
+    #: Top-1 agreement and metric of both models on the evaluation data (`qgraph.diff.compare_outputs`).
+    evaluation: dict[str, Any] | None = None
 
     def nonfinite(self) -> list[LayerDiff]:
         """Tensors holding NaN/Inf in either model, in graph order (outputs first)."""
@@ -132,6 +136,7 @@ class NumericDiff:
             "skipped": self.skipped,
             "nonfinite": [d.to_dict() for d in self.nonfinite()],
             "problem": self.problem(),
+            "evaluation": self.evaluation,
         }
 
 

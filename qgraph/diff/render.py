@@ -6,14 +6,26 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
 
-from qgraph.diff.html import BLUE, ORANGE, RED, esc, fmt, histogram_chart, layer_chart, page, section, table
+from qgraph.diff.html import (
+    BLUE,
+    ORANGE,
+    RED,
+    esc,
+    fmt,
+    histogram_chart,
+    layer_chart,
+    page,
+    section,
+    table,
+)
 from qgraph.diff.layers import LayerDiff, NumericDiff, json_number
 from qgraph.diff.qdq import QdqCoverage
+from qgraph.diff.render_culprits import culprits_html, evaluation_line, print_culprits
 from qgraph.diff.structural import ModelFacts, StructuralDiff
+from qgraph.diff.tables import rich_table as _rich_table
+from qgraph.diff.tables import sqnr_cell
 
 _HTML_ROWS = 500  # rows per HTML table before "... N more"
 
@@ -28,14 +40,8 @@ def _facts_line(label: str, f: ModelFacts) -> str:
             f"{f.initializers} initializers ({_mb(f.initializer_bytes)})  size {size}")
 
 
-def _rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Group:
-    """A bold title line (as wide as the terminal, not the table) over the table."""
-    t = Table()
-    for h in headers:
-        t.add_column(h, overflow="fold")
-    for r in rows:
-        t.add_row(*(fmt(c) if not isinstance(c, str) else c for c in r))
-    return Group(Text(title, style="bold"), t)
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value) and not any(ch.isspace() for ch in value)
 
 
 def _clip(rows: list[list[Any]], top: int) -> tuple[list[list[Any]], int]:
@@ -63,8 +69,8 @@ def float_node_rows(cov: QdqCoverage) -> list[list[Any]]:
 
 
 def _layer_rows(layers: Sequence[LayerDiff]) -> list[list[Any]]:
-    return [[d.label, d.op_label, d.tensor, d.sqnr_db, d.input_sqnr_db, d.drop_db, d.layer_sqnr_db, d.cosine, d.max_abs,
-             d.rel_l2] for d in layers]
+    return [[d.label, d.op_label, d.tensor, sqnr_cell(d.sqnr_db), sqnr_cell(d.input_sqnr_db, "exact inputs"),
+             d.drop_db, sqnr_cell(d.layer_sqnr_db, "adds none"), d.cosine, d.max_abs, d.rel_l2] for d in layers]
 
 
 _LAYER_HEAD = ["node", "op", "tensor", "SQNR dB", "input SQNR dB", "drop dB", "layer SQNR dB", "cosine", "max abs",
@@ -73,8 +79,8 @@ _OUT_HEAD = ["output", "SQNR dB", "cosine", "max abs", "relative", "rel L2"]
 
 
 def _output_rows(outputs: Sequence[LayerDiff]) -> list[list[Any]]:
-    return [[d.tensor if d.candidate is None else f"{d.tensor} ↔ {d.candidate}", d.sqnr_db, d.cosine, d.max_abs,
-             d.relative, d.rel_l2] for d in outputs]
+    return [[d.tensor if d.candidate is None else f"{d.tensor} ↔ {d.candidate}", sqnr_cell(d.sqnr_db), d.cosine,
+             d.max_abs, d.relative, d.rel_l2] for d in outputs]
 
 
 # --------------------------------------------------------------------------------------------- terminal
@@ -98,11 +104,14 @@ def print_structural(console: Console, d: StructuralDiff, top: int = 10) -> None
                                 f"{d.ops_b.get(o, 0) - d.ops_a.get(o, 0):+d}"] for o in ops]))
     if d.added:
         console.print(_rich_table("added nodes by pass", ["pass", "nodes"], list(d.added_by_pass().items())))
-    for title, entries in (("added nodes", d.added), ("removed nodes", d.removed)):
-        rows, more = _clip([[e.node, e.op, e.pass_name or ""] for e in entries], top)
-        if rows:
-            console.print(_rich_table(title + (f" (first {top} of {len(entries)})" if more else ""),
-                                      ["node", "op", "created by"], rows))
+    rows, more = _clip([[e.node, e.op, e.pass_name or "untagged"] for e in d.added], top)
+    if rows:
+        console.print(_rich_table("added nodes" + (f" (first {top} of {len(d.added)})" if more else ""),
+                                  ["node", "op", "created by"], rows))
+    rows, more = _clip([[e.node, e.op] for e in d.removed], top)
+    if rows:
+        console.print(_rich_table("removed nodes" + (f" (first {top} of {len(d.removed)})" if more else ""),
+                                  ["node", "op"], rows))
     rows, more = _clip([[c.node, c.op, "; ".join(c.changes[:3]) + (" ..." if len(c.changes) > 3 else "")]
                         for c in d.changed], top)
     if rows:
@@ -113,7 +122,7 @@ def print_structural(console: Console, d: StructuralDiff, top: int = 10) -> None
     if rows:
         console.print(_rich_table("initializers (largest first)" + (f", {more} more" if more else ""),
                                   ["name", "kind", "before", "after", "Δ bytes"], rows))
-    if d.coverage_a.nodes or d.coverage_b.nodes:
+    if d.has_quantization():
         ca, cb = d.coverage_a.counts(), d.coverage_b.counts()
         console.print(_rich_table(
             f"QDQ coverage: int8 {ca['int8']} → {cb['int8']} of {len(d.coverage_b.nodes)} quantizable "
@@ -135,6 +144,10 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
     console.print(f"[bold]numeric diff[/] on {n.samples} sample(s), {len(n.layers)} tensors compared "
                   f"in {n.runs} run(s); {len(n.skipped)} skipped")
     console.print(_rich_table("outputs", _OUT_HEAD, _output_rows(n.outputs)))
+    if n.evaluation is not None:
+        console.print(evaluation_line(n.evaluation), markup=False, highlight=False)
+    if n.attribution is not None:
+        print_culprits(console, n.attribution, top)
     problem = n.problem()
     if problem is not None:
         console.print("error:", style="bold red", end=" ")
@@ -149,6 +162,8 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
     console.print(_rich_table(f"layers that introduced error (top {top}, most error first)", _LAYER_HEAD,
                               _layer_rows(n.introduced(top))))
     console.print(_rich_table(f"worst layers (top {top}, by SQNR)", _LAYER_HEAD, _layer_rows(n.worst(top))))
+    console.print("inf (exact): identical values; inf (adds none): the layer's error is no larger than its "
+                  "input' (e.g. a quantized Gemm averaging its inputs' noise).", style="dim", highlight=False)
 
 
 def print_analysis(console: Console, a: dict[str, Any], top: int = 10) -> None:
@@ -212,7 +227,10 @@ def print_analysis(console: Console, a: dict[str, Any], top: int = 10) -> None:
 # --------------------------------------------------------------------------------------------- JSON
 def diff_json(structural: StructuralDiff, numeric: NumericDiff | None, top: int = 10) -> dict[str, Any]:
     """The whole diff as a JSON-ready dict."""
-    return {"structural": structural.to_dict(), "numeric": numeric.to_dict(top) if numeric else None}
+    att = numeric.attribution if numeric is not None else None
+    return {"structural": structural.to_dict(), "numeric": numeric.to_dict(top) if numeric else None,
+            "culprits": [c.to_dict() for c in att.culprits] if att is not None else [],
+            "attribution": {k: v for k, v in att.to_dict().items() if k != "culprits"} if att is not None else None}
 
 
 def dumps(data: Any) -> str:
@@ -261,9 +279,11 @@ def numeric_html(n: NumericDiff, top: int = 10) -> str:
         jump = (f'<p id="first-jump">Error first jumps at <b>{esc(first.label)}</b> ({esc(first.op_label)}) → '
                 f"<code>{esc(first.tensor)}</code>: SQNR {esc(fmt(first.sqnr_db))} dB from inputs at "
                 f"{esc(fmt(first.input_sqnr_db))} dB.</p>")
-    return "".join([
+    culprits = culprits_html(n.attribution, top) if n.attribution is not None else ""
+    return culprits + "".join([
         section("Outputs", f"<p>{n.samples} sample(s); {len(n.layers)} tensors compared in {n.runs} run(s); "
-                f"{len(n.skipped)} skipped.</p>" + table(_OUT_HEAD, _output_rows(n.outputs), table_id="outputs"),
+                f"{len(n.skipped)} skipped.</p>" + table(_OUT_HEAD, _output_rows(n.outputs), table_id="outputs")
+                + (f'<p id="evaluation">{esc(evaluation_line(n.evaluation))}</p>' if n.evaluation else ""),
                 "outputs-section"),
         section("Per-layer error", jump + layer_chart(labels, [d.sqnr_db for d in n.layers], colors=colors,
                                                       reference=n.noise_floor_db)
@@ -295,7 +315,7 @@ def structural_html(d: StructuralDiff, top: int = 10) -> str:
                         table_id="ops"), "ops-section"),
         section("Nodes", "<h3>Added (by creating pass)</h3>"
                 + table(["pass", "nodes"], list(d.added_by_pass().items()), table_id="added-by-pass")
-                + _html_rows(["node", "op", "created by"], [[e.node, e.op, e.pass_name or ""] for e in d.added],
+                + _html_rows(["node", "op", "created by"], [[e.node, e.op, e.pass_name or "untagged"] for e in d.added],
                              "added")
                 + "<h3>Removed</h3>" + _html_rows(["node", "op"], [[e.node, e.op] for e in d.removed], "removed")
                 + "<h3>Changed</h3>" + _html_rows(["node", "op", "changes"],
@@ -304,8 +324,9 @@ def structural_html(d: StructuralDiff, top: int = 10) -> str:
         section("Initializers", _html_rows(["name", "kind", "before", "after", "bytes before", "bytes after"],
                                            [[i.name, i.kind, i.before, i.after, i.bytes_before, i.bytes_after]
                                             for i in d.initializers], "initializers"), "initializers-section"),
-        section("QDQ coverage", coverage_html(d.coverage_a, d.coverage_b), "qdq-section"),
     ]
+    if d.has_quantization():
+        out.append(section("QDQ coverage", coverage_html(d.coverage_a, d.coverage_b), "qdq-section"))
     if d.provenance:
         keys = ["pass", "matched", "rewritten", "skipped", "nodes_before", "nodes_after"]
         out.append(section(f"Provenance of B (recipe {d.recipe or '?'})",
@@ -314,10 +335,12 @@ def structural_html(d: StructuralDiff, top: int = 10) -> str:
     return "".join(out)
 
 
-def diff_html(structural: StructuralDiff, numeric: NumericDiff | None, top: int = 10) -> str:
-    """One self-contained HTML page for a diff."""
+def diff_html(structural: StructuralDiff, numeric: NumericDiff | None, top: int = 10, graph_view: str = "") -> str:
+    """One self-contained HTML page for a diff (``graph_view``: `qgraph.diff.graphview.changed_regions_html`)."""
     title = f"qgraph diff: {structural.a.path or 'A'} → {structural.b.path or 'B'}"
     body = [structural_html(structural, top)]
+    if graph_view:
+        body.insert(0, section("Changed regions of the graph", graph_view, "graph-section"))
     if numeric is not None:
         body.insert(0, numeric_html(numeric, top))
     return page(title, body, subtitle=structural.short())

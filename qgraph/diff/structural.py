@@ -11,10 +11,9 @@ renamed original. Everything is one O(N) pass per step over name-keyed dicts.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,8 @@ from typing import Any
 import onnx
 
 from qgraph.diff.protos import ModelIndex, NodeRef, describe_attribute, dtype_name, tensor_digest, tensor_nbytes
+from qgraph.diff.provenance import json_or_none, metadata_changes, provenance_reasons
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
-
-_META_SHOWN = 160
 
 
 @dataclass
@@ -97,7 +95,7 @@ class InitializerChange:
     """An initializer added, removed or changed (dtype, shape or values)."""
 
     name: str
-    kind: str  # "added" | "removed" | "changed"
+    kind: str  # "added" | "removed" | "changed" | "renamed" (same content, ``name`` = "old → new")
     before: str = ""  # "float32[64,3,7,7]"
     after: str = ""
     bytes_before: int = 0
@@ -131,6 +129,11 @@ class StructuralDiff:
         delta = {op: self.ops_b.get(op, 0) - self.ops_a.get(op, 0) for op in ops}
         return dict(sorted(((k, v) for k, v in delta.items() if v), key=lambda kv: (-abs(kv[1]), kv[0])))
 
+    def has_quantization(self) -> bool:
+        """Whether either model holds Q/DQ or integer ops (else QDQ sections are left out)."""
+        return any(c.quantize_nodes or c.dequantize_nodes or c.counts()["int8"] for c in (self.coverage_a,
+                                                                                        self.coverage_b))
+
     def added_by_pass(self) -> dict[str, int]:
         """Added nodes per creating pass (``"untagged"`` when a node carries no qgraph tag)."""
         c = Counter(e.pass_name or "untagged" for e in self.added)
@@ -139,7 +142,7 @@ class StructuralDiff:
     def initializer_counts(self) -> dict[str, int]:
         """Initializers added/removed/changed."""
         c = Counter(i.kind for i in self.initializers)
-        return {k: c[k] for k in ("added", "removed", "changed")}
+        return {k: c[k] for k in ("added", "removed", "changed", "renamed")}
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (used in per-pass report rows and tests)."""
@@ -258,7 +261,9 @@ def match_nodes(ia: ModelIndex, ib: ModelIndex) -> dict[int, NodeRef]:
     return mapping
 
 
-def _node_changes(a: onnx.NodeProto, b: onnx.NodeProto) -> tuple[list[str], int]:
+def _node_changes(a: onnx.NodeProto, b: onnx.NodeProto,
+                  same_constant: Callable[[str, str], bool] | None = None) -> tuple[list[str], int]:
+    """What differs between two matched nodes (inputs that are renamed but identical constants do not count)."""
     changes: list[str] = []
     if (a.domain or "", a.op_type) != (b.domain or "", b.op_type):
         changes.append(f"op: {a.op_type} → {b.op_type}")
@@ -269,7 +274,8 @@ def _node_changes(a: onnx.NodeProto, b: onnx.NodeProto) -> tuple[list[str], int]
             changes.append(f"{label}s: {list(xs)} → {list(ys)}")
             continue
         pairs = enumerate(zip(xs, ys, strict=True))
-        changes.extend(f"{label} {i}: {x or '∅'} → {y or '∅'}" for i, (x, y) in pairs if x != y)
+        changes.extend(f"{label} {i}: {x or '∅'} → {y or '∅'}" for i, (x, y) in pairs
+                       if x != y and not (same_constant is not None and same_constant(x, y)))
     aa = {x.name: x for x in a.attribute}
     ba = {x.name: x for x in b.attribute}
     n_attr = 0
@@ -284,39 +290,6 @@ def _node_changes(a: onnx.NodeProto, b: onnx.NodeProto) -> tuple[list[str], int]
         after = describe_attribute(y) if y is not None else "∅"
         changes.append(f"attribute {name}: {before} → {after}")
     return changes, n_attr
-
-
-# --------------------------------------------------------------------------------------------- provenance
-def _json_or_none(text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def provenance_reasons(passes: list[dict[str, Any]]) -> dict[str, str]:
-    """Node name -> ``"<pass>: <reason>"`` from per-pass stats that list skipped nodes with reasons."""
-    out: dict[str, str] = {}
-    for stat in passes:
-        for key in ("skipped_nodes", "skipped"):
-            items = stat.get(key)
-            if isinstance(items, list):
-                for s in items:
-                    if isinstance(s, dict) and "node" in s and "reason" in s:
-                        out.setdefault(str(s["node"]), f"{stat.get('pass', '?')}: {s['reason']}")
-    return out
-
-
-def _metadata_changes(a: onnx.ModelProto, b: onnx.ModelProto) -> dict[str, list[str | None]]:
-    ma = {p.key: p.value for p in a.metadata_props}
-    mb = {p.key: p.value for p in b.metadata_props}
-
-    def short(v: str | None) -> str | None:
-        return v if v is None or len(v) <= _META_SHOWN else v[:_META_SHOWN] + f"... ({len(v)} chars)"
-
-    return {k: [short(ma.get(k)), short(mb.get(k))] for k in sorted(set(ma) | set(mb)) if ma.get(k) != mb.get(k)}
 
 
 # --------------------------------------------------------------------------------------------- entry point
@@ -335,9 +308,9 @@ def structural_diff(
     """
     ia, ib = ModelIndex.build(a), ModelIndex.build(b)
     meta_b = {p.key: p.value for p in b.metadata_props}
-    passes = _json_or_none(meta_b.get("qgraph.passes"))
+    passes = json_or_none(meta_b.get("qgraph.passes"))
     passes = passes if isinstance(passes, list) else []
-    recipe = _json_or_none(meta_b.get("qgraph.recipe"))
+    recipe = json_or_none(meta_b.get("qgraph.recipe"))
     why = {**provenance_reasons(passes), **(reasons or {})}
     d = StructuralDiff(
         a=ModelFacts.of(ia, a_path),
@@ -348,16 +321,21 @@ def structural_diff(
         coverage_b=qdq_coverage(ib, why),
         provenance=[p for p in passes if isinstance(p, dict)],
         recipe=recipe.get("name") if isinstance(recipe, dict) else None,
-        metadata_changes=_metadata_changes(a, b),
+        metadata_changes=metadata_changes(a, b),
     )
     mapping = match_nodes(ia, ib)
+
+    def same_constant(x: str, y: str) -> bool:
+        tx, ty = ia.initializers.get(x), ib.initializers.get(y)
+        return tx is not None and ty is not None and tensor_digest(tx) == tensor_digest(ty)
+
     matched_a = {r.index for r in mapping.values()}
     for rb in ib.nodes:
         ra = mapping.get(rb.index)
         if ra is None:
             d.added.append(NodeEntry(rb.key, rb.op, rb.pass_name))
             continue
-        changes, n_attr = _node_changes(ra.node, rb.node)
+        changes, n_attr = _node_changes(ra.node, rb.node, same_constant)
         renamed = ra.key != rb.key
         d.renamed += renamed
         d.attribute_changes += n_attr
@@ -383,9 +361,15 @@ def _initializer_changes(ia: ModelIndex, ib: ModelIndex) -> list[InitializerChan
             out.append(InitializerChange(name, "removed", desc(t), "", tensor_nbytes(t), 0))
         elif tensor_digest(t) != tensor_digest(u):
             out.append(InitializerChange(name, "changed", desc(t), desc(u), tensor_nbytes(t), tensor_nbytes(u)))
-    out.extend(
-        InitializerChange(name, "added", "", desc(u), 0, tensor_nbytes(u))
-        for name, u in ib.initializers.items()
-        if name not in ia.initializers
-    )
+    # An initializer removed under one name and added under another with the same content is a rename.
+    removed = {tensor_digest(ia.initializers[c.name]): c for c in out if c.kind == "removed"}
+    for name, u in ib.initializers.items():
+        if name in ia.initializers:
+            continue
+        gone = removed.pop(tensor_digest(u), None)
+        if gone is not None:
+            gone.kind, gone.name, gone.after = "renamed", f"{gone.name} → {name}", desc(u)
+            gone.bytes_after = tensor_nbytes(u)
+        else:
+            out.append(InitializerChange(name, "added", "", desc(u), 0, tensor_nbytes(u)))
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from qgraph import RecipeError, load_model, save_model
+from qgraph.diff.culprits import attribute
+from qgraph.diff.render_culprits import print_culprits
+from qgraph.evaluation import Evaluation
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
@@ -142,6 +146,27 @@ def flops_summary(model: Any, input_shapes: dict[str, tuple[int, ...]] | None = 
     return sum(r["flops"] for r in rows if r["int8"]), sum(r["flops"] for r in rows)
 
 
+#: Samples the Q/DQ attribution printed after the ranking runs on (it measures each top pair alone).
+ATTRIBUTION_SAMPLES = 32
+
+
+def _target(target: str | None, metric: str | None, evaluation: Evaluation) -> Target:
+    """The target (or ranking) with the evaluation's labels bound into any user metric."""
+    def bind(fn: Any) -> Any:
+        if evaluation.labels is None:
+            return fn
+        labels = evaluation.labels
+        return lambda outputs, _refs: fn(outputs, labels[: len(outputs[0]) if outputs and len(outputs[0]) else None])
+
+    if target is not None:
+        t = parse_target(target)
+        return replace(t, metric=bind(t.metric)) if t.metric is not None else t
+    if evaluation.metric is not None:
+        return Target(metric or "metric", "metric", evaluation.higher_is_better, math.inf if
+                      evaluation.higher_is_better else -math.inf, None, metric, bind(evaluation.metric))
+    return DEFAULT_RANKING
+
+
 def run_command(
     model_float: Path,
     model_qdq: Path,
@@ -159,14 +184,20 @@ def run_command(
     quiet: bool,
     out: Console,
     console: Console,
+    labels: str | None = None,
+    metric: str | None = None,
 ) -> int:
-    """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met)."""
+    """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
+
+    ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
+    every metric (also one named in ``target``) is called as ``metric(outputs, labels)``."""
     if (output is not None or patch is not None) and target is None:
         raise RecipeError("-o/--output and --patch write the result of the automatic search: give --target too.")
     if plot is not None:
         check_plot_path(plot)
-    tgt = parse_target(target) if target is not None else DEFAULT_RANKING
     reference, qdq = load_model(model_float), load_model(model_qdq)
+    evaluation = Evaluation.open(reference, data, labels=labels, metric=metric, samples=samples)
+    tgt = _target(target, metric, evaluation)
     progress = Progress(
         TextColumn("[bold]sensitivity"),
         BarColumn(),
@@ -189,8 +220,11 @@ def run_command(
             report_only=target is None,
             progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
+    console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:
         render_table(result.sensitivity, out)
+    attribution = attribute(reference, qdq, evaluation.feeds[:ATTRIBUTION_SAMPLES])
+    print_culprits(out, attribution, top=5)
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     # Everything is measured: write the outputs now (each atomically).
@@ -198,6 +232,7 @@ def run_command(
         payload = (
             result.to_dict() if target is not None else (result.sensitivity.to_dict() if result.sensitivity else {})
         )
+        payload = {**payload, "data": evaluation.describe(), "culprits": [c.to_dict() for c in attribution.culprits]}
         write_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
     if plot is not None and result.sensitivity is not None:
         write_plot(plot, result.sensitivity)

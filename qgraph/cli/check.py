@@ -1,0 +1,98 @@
+"""``qgraph check``: the validation chain as a CI gate (framework outputs → ONNX FP32 → INT8 ...)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+import qgraph.cli._app as _app
+from qgraph.cli._app import app, data_path, say
+
+LabelsOption = Annotated[
+    str | None, typer.Option("--labels", help="Labels: FILE.npy, FILE.npz or FILE.npz:KEY (default: a 'labels' "
+                             "array in the --eval-data .npz, if any).")]
+MetricOption = Annotated[
+    str | None, typer.Option("--metric", help="module:function or path/file.py:function, called as "
+                             "f(outputs, labels or reference outputs) -> float.")]
+LowerOption = Annotated[bool, typer.Option("--lower-is-better", help="The metric is an error (lower is better).")]
+
+
+@app.command()
+def check(
+    reference: Annotated[Path, typer.Argument(help="Reference ONNX model (FP32).")],
+    candidates: Annotated[list[Path] | None, typer.Argument(help="Later stages, in chain order (e.g. the INT8).")]
+    = None,
+    data: Annotated[str, typer.Option("--data", "--eval-data", help="Held-out data (.npz, folder, "
+                                      "module:function).")] = "",
+    labels: LabelsOption = None,
+    metric: MetricOption = None,
+    lower_is_better: LowerOption = False,
+    max_drop: Annotated[str, typer.Option("--max-drop", help="Largest quality drop allowed per step: '1%' "
+                                          "(relative) or '0.01' (absolute).")] = "1%",
+    max_total_drop: Annotated[str | None, typer.Option("--max-total-drop", help="... and from the first stage "
+                                                       "to any later one.")] = None,
+    reference_outputs: Annotated[Path | None, typer.Option("--reference-outputs", help="Outputs saved by the "
+                                 "training framework (.npz, one array per output name, one row per sample): the "
+                                 "first stage of the chain.")] = None,
+    samples: Annotated[int | None, typer.Option("--samples", min=1, help="Use at most N samples.")] = None,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write JSON to FILE ('-': stdout only).")] = None,
+) -> None:
+    """Check a chain of models on held-out data: every stage against the first, exit 1 when a step loses more
+    than --max-drop of the quality (the metric; else top-1 agreement; else output cosine)."""
+    from qgraph.check import Drop, check_chain
+    from qgraph.diff.render import dumps
+    from qgraph.errors import UsageError, VerificationError
+    from qgraph.evaluation import Evaluation
+    from qgraph.model_io import load_model
+    from qgraph.outputs import check_outputs, write_atomic
+
+    if not data:
+        raise UsageError("qgraph check needs --data: the held-out samples every stage runs on.")
+    stages = list(candidates or [])
+    if not stages and reference_outputs is None:
+        raise UsageError("qgraph check needs at least two stages: REFERENCE CANDIDATE..., or REFERENCE with "
+                         "--reference-outputs.")
+    drop = Drop.parse(max_drop)
+    total = Drop.parse(max_total_drop, "--max-total-drop") if max_total_drop is not None else None
+    json_file = None if json_out in (None, "-") else json_out
+    check_outputs({"--json": json_file}, inputs=[reference, *stages, data_path(data), reference_outputs])
+    for p in stages:
+        if not p.is_file():
+            raise UsageError(f"{p}: no such model file.")
+    ev = Evaluation.open(load_model(reference), data, labels=labels, metric=metric, samples=samples,
+                         higher_is_better=not lower_is_better)
+    result = check_chain(reference, stages, ev, max_drop=drop, max_total_drop=total,
+                         reference_outputs=reference_outputs)
+    if json_out == "-":
+        sys.stdout.write(dumps(result.to_dict()))
+    else:
+        _print(result)
+        if json_file:
+            say(f"wrote {write_atomic(json_file, dumps(result.to_dict()))}")
+    if not result.passed:
+        raise VerificationError(result.verdict())
+    say(result.verdict())
+
+
+def _print(result: object) -> None:
+    from qgraph.check import CheckResult
+    from qgraph.diff.html import cell, short_name
+
+    assert isinstance(result, CheckResult)
+    unit = "%" if result.max_drop.relative else ""
+    table = Table(title=f"validation chain on {result.data}", title_justify="left")
+    for col in ("stage", "source", "SQNR dB", "cosine", "top-1 agr.", "metric", result.quality_name, "step drop",
+                "total drop", "verdict"):
+        table.add_column(col, overflow="ellipsis", no_wrap=col in ("source",))
+    for r in result.rows:
+        s = r.score
+        drop = "-" if r.step_drop is None else f"{r.step_drop:.3g}{unit}"
+        total = "-" if r.total_drop is None else f"{r.total_drop:.3g}{unit}"
+        table.add_row(r.stage, short_name(r.source, 40), cell(s.sqnr_db, exact_note=r is not result.rows[0]),
+                      cell(s.cosine), cell(s.top1_agreement), cell(s.metric), cell(r.quality), drop, total,
+                      "ok" if r.ok else f"FAIL: {r.why}")
+    _app.out.print(table)

@@ -1,0 +1,377 @@
+"""Where accuracy was lost: every Q/DQ pair of a quantized model, ranked by the output error it causes.
+
+For each quantization point of the candidate B (see `qgraph.diff.quant_points`), one streamed run of the
+reference A gives the values it quantizes, and from them its scale/zero point against the observed range, the
+fraction of values it clips and the rounding noise it injects (SQNR of Q/DQ(x) against x): O(1) model runs
+plus O(values) numpy work per point. The points with the most local noise (``exact_top`` of them) are then
+measured exactly: A with *only that pair* applied (a fake-quantized weight, or ``x → DQ(Q(x))`` inserted on the
+activation with B's scale and zero point) runs on the same samples, and its output noise power ratio
+``η_p = mean over outputs of Σ(y_p - y)² / Σ y²`` is compared with B's own ``η``: ``contribution = η_p / η``
+(1.0: this pair alone explains all of B's output error). Culprits are ranked by ``η_p`` (measured first, then
+the rest by local noise), never by graph order, and each carries one sentence saying why it hurts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from qgraph.compare import make_session, session_run
+from qgraph.data import Feed
+from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
+from qgraph.diff.protos import ModelIndex
+from qgraph.diff.quant_points import PointStats, QuantPoint, channels_first, find_points
+from qgraph.quant import dequantize
+
+#: Points measured exactly (A with only that pair) by default; the rest are ranked by their local noise.
+EXACT_TOP = 16
+_CLIP_SHARE = 0.5  # clipping explains the noise when it carries at least this share of it
+_COARSE = 4.0  # a step this many times wider than needed is called out
+
+
+@dataclass
+class Culprit:
+    """One quantization point with what it does to its values and to the model's outputs."""
+
+    point: QuantPoint
+    stats: PointStats
+    channel: int | None = None  # the worst channel of a per-channel point
+    reason: str = ""
+    output_noise: float | None = None  # η_p: output noise power ratio with only this pair applied
+    contribution: float | None = None  # η_p / η (B's own output noise ratio)
+
+    @property
+    def local_sqnr_db(self) -> float:
+        """SQNR of Q/DQ(x) against x over every value (and every channel)."""
+        return _db(self.stats.noise_ratio())
+
+    @property
+    def alone_sqnr_db(self) -> float | None:
+        """Output SQNR of the reference with only this pair applied."""
+        return None if self.output_noise is None else _db(self.output_noise)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``scale``/``zero_point`` of the worst channel for per-channel points)."""
+        p, s = self.point, self.stats
+        c = self.channel if self.channel is not None else 0
+        lo, hi = s.calibrated_range(p)
+        return {
+            "tensor": p.tensor, "node": p.node, "kind": p.kind, "q_node": p.q_node, "dq_node": p.dq_node,
+            "dtype": p.dtype.value, "axis": p.axis, "channel": self.channel,
+            "scale": float(p.scale.reshape(-1)[c]), "zero_point": int(p.zero_point.reshape(-1)[c]),
+            "calibrated_range": [float(lo[c]), float(hi[c])],
+            "observed_range": [float(s.lo[c]), float(s.hi[c])] if s.count[c] else None,
+            "clip_fraction": s.clip_fraction(self.channel), "coarseness": float(s.coarseness(p)[c]),
+            "rounding_sqnr_db": self.local_sqnr_db, "contribution": self.contribution,
+            "alone_sqnr_db": self.alone_sqnr_db, "measured": self.output_noise is not None,
+            "source": "codes" if s.codes_only else "reference", "reason": self.reason,
+        }
+
+
+@dataclass
+class Attribution:
+    """Culprits of a quantized model, best (most output error) first."""
+
+    culprits: list[Culprit] = field(default_factory=list)
+    output_noise: float | None = None  # η of B against A on the same samples
+    samples: int = 0
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def headline(self) -> str | None:
+        """One sentence naming the worst pair and why, or None when there is no quantization point."""
+        if not self.culprits:
+            return None
+        c = self.culprits[0]
+        where = f"{c.point.kind} {c.point.tensor} (read by {c.point.node})"
+        share = "" if c.contribution is None else (
+            f"; alone it gives {_fmt_db(c.alone_sqnr_db)} dB output SQNR, {c.contribution:.0%} of the output error")
+        return f"most output error comes from the Q/DQ pair on {where}: {c.reason}{share}."
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"samples": self.samples, "output_noise": self.output_noise, "seconds": self.seconds,
+                "headline": self.headline(), "notes": self.notes, "culprits": [c.to_dict() for c in self.culprits]}
+
+
+def _db(ratio: float | None) -> float:
+    if ratio is None or math.isnan(ratio):
+        return math.nan
+    return math.inf if ratio <= 0 else -10.0 * math.log10(ratio) if math.isfinite(ratio) else -math.inf
+
+
+def _fmt_db(x: float | None) -> str:
+    return "?" if x is None else "inf" if x == math.inf else f"{x:.1f}"
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.01 else f"{x:.2%}"
+
+
+# --------------------------------------------------------------------------------------------- reasons
+def explain(point: QuantPoint, stats: PointStats) -> tuple[str, int | None]:
+    """One sentence on why ``point`` injects its noise, and the worst channel of a per-channel point."""
+    channel: int | None = None
+    if point.channels > 1:
+        channel = int(np.argmax(stats.channel_noise_ratio()))
+    c = channel if channel is not None else 0
+    prefix = f"channel {channel}: " if channel is not None else ""
+    lo, hi = stats.calibrated_range(point)
+    coarse = float(stats.coarseness(point)[c])
+    clip = stats.clip_fraction(channel) if channel is not None else stats.clip_fraction()
+    if point.kind == "bias":  # int32: the range is wide by design, only rounding matters
+        return f"{prefix}bias rounding, SQNR {_fmt_db(_db(_ratio(stats, channel)))} dB", channel
+    if stats.codes_only:
+        qmin, qmax = point.qrange
+        if clip >= 0.01:
+            return f"{prefix}{_pct(clip)} of its weight codes sit at the limit [{qmin}, {qmax}] (clipped)", channel
+        if coarse >= _COARSE:
+            used = int(stats.max_code[c]) if stats.max_code is not None else 0
+            return (f"{prefix}codes reach only ±{used}: step {float(point.scale.reshape(-1)[c]):.3g} is "
+                    f"{coarse:.0f}× wider than its values need"), channel
+        return f"{prefix}rounding noise, SQNR {_fmt_db(_db(_ratio(stats, channel)))} dB (read from the codes)", channel
+    noise = float(stats.noise[c] if channel is not None else stats.noise.sum())
+    clip_noise = float(stats.clipping[c] if channel is not None else stats.clipping.sum())
+    observed = f"observed [{stats.lo[c]:.3g}, {stats.hi[c]:.3g}]"
+    if clip > 0 and noise > 0 and clip_noise >= _CLIP_SHARE * noise:
+        return f"{prefix}clips {_pct(clip)} of values: range [{lo[c]:.3g}, {hi[c]:.3g}] vs {observed}", channel
+    if coarse >= _COARSE:
+        step = float(point.scale.reshape(-1)[c])
+        return (f"{prefix}step {step:.3g} is {coarse:.0f}× wider than the {observed} range needs "
+                f"(range [{lo[c]:.3g}, {hi[c]:.3g}])"), channel
+    return f"{prefix}rounding noise, SQNR {_fmt_db(_db(_ratio(stats, channel)))} dB ({observed})", channel
+
+
+def _ratio(stats: PointStats, channel: int | None) -> float:
+    return float(stats.channel_noise_ratio()[channel]) if channel is not None else stats.noise_ratio()
+
+
+# --------------------------------------------------------------------------------------------- entry point
+def attribute(
+    a: onnx.ModelProto,
+    b: onnx.ModelProto,
+    feeds: Iterable[Feed],
+    *,
+    samples: int | None = None,
+    exact_top: int = EXACT_TOP,
+    max_bytes: int = 256 << 20,
+) -> Attribution:
+    """Rank B's quantization points by the output error each causes (see module docs)."""
+    start = time.perf_counter()
+    ia, ib = ModelIndex.build(a), ModelIndex.build(b)
+    points, notes = find_points(ia, ib)
+    feeds = list(feeds if samples is None else list(reiterable(feeds))[:samples])
+    out = Attribution(samples=len(feeds), notes=notes)
+    if not points or not feeds:
+        out.seconds = time.perf_counter() - start
+        return out
+    stats = [PointStats(p.channels) for p in points]
+    _weight_stats(ia, ib, points, stats, out.notes)
+    _activation_stats(a, ia, points, stats, feeds, max_bytes)
+    culprits = []
+    for p, s in zip(points, stats, strict=True):
+        if not s.count.sum():
+            out.notes.append(f"{p.dq_node}: {p.tensor} has no value in the reference (not analysed)")
+            continue
+        reason, channel = explain(p, s)
+        culprits.append(Culprit(p, s, channel, reason))
+    culprits.sort(key=lambda c: -c.stats.noise_ratio())
+    _measure(a, b, culprits[:exact_top], feeds, out)
+    measured = sorted((c for c in culprits if c.output_noise is not None), key=lambda c: -(c.output_noise or 0.0))
+    out.culprits = measured + [c for c in culprits if c.output_noise is None]
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _weight_stats(ia: ModelIndex, ib: ModelIndex, points: Sequence[QuantPoint], stats: Sequence[PointStats],
+                  notes: list[str]) -> None:
+    """Weights: the float values B quantized (B's float initializer, or A's weight when it matches the codes),
+    else the codes alone."""
+    for p, s in zip(points, stats, strict=True):
+        if p.kind == "activation":
+            continue
+        if p.q_node is not None:
+            init = ib.initializers.get(ib.by_key[p.q_node].node.input[0])
+            if init is not None:
+                s.add(p, numpy_helper.to_array(init))
+            continue
+        assert p.codes is not None
+        ref = ia.initializers.get(p.tensor) if p.in_reference else None
+        w = numpy_helper.to_array(ref) if ref is not None else None
+        if w is not None and w.shape == p.codes.shape and _same_weight(p, w):
+            s.add(p, w)
+            continue
+        if w is not None:
+            notes.append(f"{p.tensor}: the reference weight is not the one quantized (e.g. BatchNorm fused "
+                         "after it); analysed from the codes")
+            p.in_reference = False
+        s.add_codes(p, p.codes)
+
+
+def _same_weight(p: QuantPoint, w: np.ndarray) -> bool:
+    """Whether most channels of ``w`` round to B's codes (then a corrupted channel still counts as the same)."""
+    assert p.codes is not None
+    deq = dequantize(p.codes, p.scale, p.zero_point, p.axis)
+    step = np.abs(dequantize(np.ones_like(p.codes), p.scale, np.zeros_like(p.zero_point), p.axis))
+    within = np.abs(deq.astype(np.float64) - w) <= 0.51 * step + 1e-12
+    rows = channels_first(within, p.axis)
+    return bool(np.mean(rows.mean(axis=1) >= 0.99) >= 0.5)
+
+
+def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[QuantPoint],
+                      stats: Sequence[PointStats], feeds: list[Feed], max_bytes: int) -> None:
+    """Activations: stream A's values of every quantized tensor (graph inputs straight from the feeds)."""
+    wanted: dict[str, list[int]] = {}
+    for i, p in enumerate(points):
+        if p.kind == "activation" and p.in_reference:
+            wanted.setdefault(p.tensor, []).append(i)
+    inputs = [t for t in wanted if t in ia.graph_inputs and t not in ia.initializers]
+    for feed in feeds:
+        for t in inputs:
+            if t in feed:
+                for i in wanted[t]:
+                    stats[i].add(points[i], np.asarray(feed[t]))
+    inner = [t for t in wanted if t in ia.producer and not ia.producer[t].scope]
+    if not inner:
+        return
+    types = tensor_types(a)
+    batch = max((int(v.shape[0]) for v in feeds[0].values() if getattr(v, "ndim", 0)), default=1)
+    chunks = [[inner[i] for i in c] for c in plan_chunks([estimate_bytes(types.get(t), batch) for t in inner],
+                                                          max_bytes)]
+    for _, values in stream_tensors(a, chunks, feeds):
+        for t, v in values.items():
+            if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+                for i in wanted[t]:
+                    stats[i].add(points[i], v)
+        del values
+
+
+# --------------------------------------------------------------------------------------------- measurement
+def _outputs(model: onnx.ModelProto, feeds: Sequence[Feed]) -> list[list[np.ndarray]]:
+    session = make_session(model, mem_pattern=False)
+    names = [o.name for o in session.get_outputs()]
+    return [[np.asarray(v) for v in session_run(session, names, f)] for f in feeds]
+
+
+def _noise_ratio(refs: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
+    """Mean over outputs of Σ(got - ref)² / Σ ref² (inf when ``got`` has NaN/Inf)."""
+    n_out = len(refs[0]) if refs else 0
+    ratios = []
+    for o in range(n_out):
+        err = sig = 0.0
+        for r, g in zip(refs, got, strict=True):
+            rr, gg = r[o].astype(np.float64), g[o].astype(np.float64)
+            if rr.dtype.kind != "f" or rr.shape != gg.shape:
+                break
+            if not np.all(np.isfinite(gg)):
+                return math.inf
+            err += float(((gg - rr) ** 2).sum())
+            sig += float((rr**2).sum())
+        else:
+            ratios.append(err / sig if sig > 0 else (0.0 if err == 0 else math.inf))
+    return float(np.mean(ratios)) if ratios else 0.0
+
+
+def _measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit], feeds: list[Feed],
+             out: Attribution) -> None:
+    """Fill ``output_noise``/``contribution`` of ``culprits`` (A with only that pair), and B's ``η``."""
+    refs = _outputs(a, feeds)
+    out.output_noise = _noise_ratio(refs, _outputs(b, feeds))
+    work = onnx.ModelProto()
+    work.CopyFrom(a)
+    opset = next((o.version for o in a.opset_import if o.domain in ("", "ai.onnx")), 0)
+    for c in culprits:
+        if not c.point.in_reference:
+            continue
+        if c.point.kind == "activation" and opset < 11:
+            out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no Round)")
+            continue
+        with _only_this_pair(work, c) as probe:
+            if probe is None:
+                continue
+            c.output_noise = _noise_ratio(refs, _outputs(work, feeds))
+        if out.output_noise:
+            c.contribution = c.output_noise / out.output_noise
+
+
+class _only_this_pair:
+    """Apply one pair to ``work`` (A) in place and undo it on exit."""
+
+    def __init__(self, work: onnx.ModelProto, culprit: Culprit) -> None:
+        self.work, self.c = work, culprit
+        self.undo: list[Any] = []
+
+    def __enter__(self) -> object | None:
+        p = self.c.point
+        return self._activation(p) if p.kind == "activation" else self._weight(p)
+
+    def __exit__(self, *exc: object) -> None:
+        for fn in reversed(self.undo):
+            fn()
+
+    def _weight(self, p: QuantPoint) -> object | None:
+        g = self.work.graph
+        pos = next((i for i, t in enumerate(g.initializer) if t.name == p.tensor), None)
+        if pos is None:
+            return None
+        old = onnx.TensorProto()
+        old.CopyFrom(g.initializer[pos])
+        w = numpy_helper.to_array(old)
+        if p.codes is not None:
+            fq = dequantize(p.codes, p.scale, p.zero_point, p.axis)
+        else:
+            from qgraph.quant import quantize
+
+            fq = dequantize(quantize(w, p.scale, p.zero_point, p.dtype, p.axis), p.scale, p.zero_point, p.axis)
+        g.initializer[pos].CopyFrom(numpy_helper.from_array(fq.astype(w.dtype), p.tensor))
+        self.undo.append(lambda: g.initializer[pos].CopyFrom(old))
+        return True
+
+    def _activation(self, p: QuantPoint) -> object | None:
+        g = self.work.graph
+        base = f"{p.tensor}/qgraph_probe"
+        shape: list[int] = []
+        if p.axis is not None:
+            shape = [1] * (self.c.stats.ndim or 1)
+            shape[p.axis % len(shape)] = p.channels
+        qmin, qmax = p.qrange
+        dt = np.dtype(self.c.stats.value_dtype)
+        consts = {"s": np.asarray(p.scale, dt).reshape(shape), "z": np.asarray(p.zero_point, dt).reshape(shape),
+                  "lo": np.asarray(qmin, dt), "hi": np.asarray(qmax, dt)}
+        inits = [numpy_helper.from_array(v, f"{base}/{k}") for k, v in consts.items()]
+
+        def n(op: str, ins: list[str], o: str) -> onnx.NodeProto:
+            return helper.make_node(op, ins, [f"{base}/{o}"], name=f"{base}/{o}")
+
+        nodes = [n("Div", [p.tensor, f"{base}/s"], "div"), n("Round", [f"{base}/div"], "round"),
+                 n("Add", [f"{base}/round", f"{base}/z"], "add"),
+                 n("Clip", [f"{base}/add", f"{base}/lo", f"{base}/hi"], "clip"),
+                 n("Sub", [f"{base}/clip", f"{base}/z"], "sub"), n("Mul", [f"{base}/sub", f"{base}/s"], "fq")]
+        names = {k for k, _ in p.consumers}
+        targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor
+                   and (node.name in names or not names)]
+        if not targets:
+            targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor]
+        if not targets:
+            return None
+        for node, i in targets:
+            node.input[i] = f"{base}/fq"
+        n_nodes, n_inits = len(g.node), len(g.initializer)
+        g.node.extend(nodes)
+        g.initializer.extend(inits)
+
+        def undo() -> None:
+            del g.node[n_nodes:]
+            del g.initializer[n_inits:]
+            for node, i in targets:
+                node.input[i] = p.tensor
+
+        self.undo.append(undo)
+        return True
