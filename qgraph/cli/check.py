@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 import qgraph.cli._app as _app
 from qgraph.cli._app import app, data_path, say
@@ -80,19 +79,20 @@ def check(
 
 def _print(result: object) -> None:
     from qgraph.check import CheckResult
-    from qgraph.diff.html import cell, short_name
+    from qgraph.diff.html import cell
+    from qgraph.diff.tables import rich_table
 
     assert isinstance(result, CheckResult)
     unit = "%" if result.max_drop.relative else ""
-    table = Table(title=f"validation chain on {result.data}", title_justify="left")
-    for col in ("stage", "source", "SQNR dB", "cosine", "top-1 agr.", "metric", result.quality_name, "step drop",
-                "total drop", "verdict"):
-        table.add_column(col, overflow="ellipsis", no_wrap=col in ("source",))
+    scored = any(r.score.metric is not None for r in result.rows)
+    rows = []
     for r in result.rows:
         s = r.score
-        drop = "-" if r.step_drop is None else f"{r.step_drop:.3g}{unit}"
-        total = "-" if r.total_drop is None else f"{r.total_drop:.3g}{unit}"
-        table.add_row(r.stage, short_name(r.source, 40), cell(s.sqnr_db, exact_note=r is not result.rows[0]),
-                      cell(s.cosine), cell(s.top1_agreement), cell(s.metric), cell(r.quality), drop, total,
-                      "ok" if r.ok else f"FAIL: {r.why}")
-    _app.out.print(table)
+        quality = [cell(s.metric)] if scored else []
+        rows.append([r.stage, r.source, cell(s.sqnr_db, exact_note=r is not result.rows[0]), cell(s.cosine),
+                     cell(s.top1_agreement), *quality, "-" if r.step_drop is None else f"{r.step_drop:.3g}{unit}",
+                     "-" if r.total_drop is None else f"{r.total_drop:.3g}{unit}", "ok" if r.ok else "FAIL"])
+    head = ["stage", "source", "SQNR dB", "cosine", "top-1 agr.", *(["metric"] if scored else []), "step drop",
+            "total drop", "verdict"]
+    _app.out.print(rich_table(f"validation chain on {result.data} (quality: {result.quality_name}; drops against "
+                              "the previous stage and the first)", head, rows))

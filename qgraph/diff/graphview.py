@@ -1,12 +1,12 @@
 """A visual diff: the changed regions of a graph, before and after side by side, as inline SVG (no script, no URL).
 
 A *changed node* is one the structural matching leaves unmatched (inserted in B, removed from A) or matched with
-another op. Each changed node is *anchored* to its matched neighbours; changed nodes that touch or share an
-anchor form one region (up to ``max_nodes``), drawn with its anchors as context: A's nodes on the left, B's on
-the right, laid out in layers by longest path (top to bottom). Colours: inserted Q/DQ blue, other inserted
-nodes green, removed red, op changed amber; context nodes are tinted by the per-layer error of their output
-(the numeric diff's layer SQNR: green ≥ 40 dB, amber ≥ 20 dB, red below). Regions with the most error come
-first. Everything is O(nodes + edges).
+another op. Each changed node is *anchored* to its matched neighbours; changed nodes that touch, or feed the same
+matched node (the Q/DQ pairs and weight DQs of one Conv), form one region (up to ``max_nodes``), drawn with its
+anchors as context: A's nodes on the left, B's on the right, laid out in layers by longest path (top to bottom).
+Colours: inserted Q/DQ blue, other inserted nodes green, removed red, op changed amber; context nodes are tinted by
+the per-layer error of their output (the numeric diff's layer SQNR: green ≥ 40 dB, amber ≥ 20 dB, red below).
+Regions with the most error come first. Everything is O(nodes + edges).
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def find_regions(ia: ModelIndex, ib: ModelIndex, mapping: dict[int, NodeRef], ma
     anchors: dict[tuple[str, int], set[int]] = {c: set() for c in changed}
     for side, i in changed:
         idx = ib if side == "b" else ia
-        for n in _neighbours(idx, idx.nodes[i]):
+        ref = idx.nodes[i]
+        downstream = {c.index for t in ref.node.output for c in idx.consumers.get(t, [])}
+        for n in _neighbours(idx, ref):
             key = (side, n.index)
             if key in parent:
                 _union(parent, size, find, (side, i), key, max_nodes)
@@ -76,6 +78,8 @@ def find_regions(ia: ModelIndex, ib: ModelIndex, mapping: dict[int, NodeRef], ma
             if a_index is None:
                 continue
             anchors[(side, i)].add(a_index)
+            if n.index not in downstream:  # regions join only at the node they feed (one region per op)
+                continue
             if a_index in anchor_owner:
                 _union(parent, size, find, (side, i), anchor_owner[a_index], max_nodes)
             else:

@@ -24,6 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from qgraph.diff.protos import ModelIndex, NodeRef
+from qgraph.diff.structural import match_nodes
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.quant import QuantDtype, dtype_range
 
@@ -90,12 +91,14 @@ def _qdtype(zp: np.ndarray | None, codes: np.ndarray | None) -> QuantDtype | Non
 def find_points(a: ModelIndex, b: ModelIndex) -> tuple[list[QuantPoint], list[str]]:
     """Every analysable quantization point of B's top graph, and notes on those that are not."""
     a_tensors = set(a.producer) | set(a.initializers) | set(a.graph_inputs)
+    # Consumers are located in A by the structural matching (names first, then wiring), so renamed nodes work.
+    a_of_b = {ib_ref.key: a_ref for i, a_ref in match_nodes(a, b).items() for ib_ref in (b.nodes[i],)}
     points: list[QuantPoint] = []
     notes: list[str] = []
     for ref in b.nodes:
         if ref.scope or not is_dequantize(ref.node.op_type, ref.node.domain):
             continue
-        point = _point(ref, a, b, a_tensors)
+        point = _point(ref, a_of_b, b, a_tensors)
         if isinstance(point, str):
             notes.append(f"{ref.key}: {point}")
         else:
@@ -103,7 +106,7 @@ def find_points(a: ModelIndex, b: ModelIndex) -> tuple[list[QuantPoint], list[st
     return points, notes
 
 
-def _point(ref: NodeRef, a: ModelIndex, b: ModelIndex, a_tensors: set[str]) -> QuantPoint | str:
+def _point(ref: NodeRef, a_of_b: dict[str, NodeRef], b: ModelIndex, a_tensors: set[str]) -> QuantPoint | str:
     dq = ref.node
     if _attr(dq, "block_size", 0):
         return "blocked quantization is not analysed"
@@ -128,7 +131,7 @@ def _point(ref: NodeRef, a: ModelIndex, b: ModelIndex, a_tensors: set[str]) -> Q
     consumers = [(c.key, i) for c in b.consumers.get(dq.output[0], []) for i, t in enumerate(c.node.input)
                  if t == dq.output[0]]
     if not tensor or tensor not in a_tensors:
-        tensor = _from_consumers(a, consumers) or tensor or dq.input[0]
+        tensor = _from_consumers(a_of_b, consumers) or tensor or dq.input[0]
     if qdtype == QuantDtype.INT32:
         kind = "bias"
     per_channel = scale.ndim == 1 and scale.size > 1
@@ -141,10 +144,10 @@ def _point(ref: NodeRef, a: ModelIndex, b: ModelIndex, a_tensors: set[str]) -> Q
     return point
 
 
-def _from_consumers(a: ModelIndex, consumers: list[tuple[str, int]]) -> str | None:
-    """A's input at the same slot of the same-named node (e.g. the float weight of a Conv)."""
+def _from_consumers(a_of_b: dict[str, NodeRef], consumers: list[tuple[str, int]]) -> str | None:
+    """A's input at the same slot of the matching node (e.g. the float weight of a Conv)."""
     for key, slot in consumers:
-        node = a.by_key.get(key)
+        node = a_of_b.get(key)
         if node is not None and slot < len(node.node.input) and node.node.input[slot]:
             return str(node.node.input[slot])
     return None

@@ -37,14 +37,17 @@ class _FittedTable:
         kinds = self._kinds()
         fixed = [max([len(r[i]) for r in self.rows] + [min(len(h), 8)])
                  for i, (h, k) in enumerate(zip(self.headers, kinds, strict=True)) if k == "short"]
-        n_name, n_text = kinds.count("name"), kinds.count("text")
-        budget = options.max_width - sum(fixed) - 3 * len(kinds) - 1 - 40 * n_text
+        n_name = kinds.count("name")
+        text_widths = [min(40, max((len(r[i]) for r in self.rows), default=8)) for i, k in enumerate(kinds)
+                       if k == "text"]
+        budget = options.max_width - sum(fixed) - 3 * len(kinds) - 1 - sum(text_widths)
         longest = max((len(r[i]) for r in self.rows for i, k in enumerate(kinds) if k == "name"), default=0)
         name_width = max(16, min(longest, budget // n_name)) if n_name else 0
         t = Table()
         for i, (h, k) in enumerate(zip(self.headers, kinds, strict=True)):
             if k == "text":
-                t.add_column(h, overflow="fold", min_width=40)
+                longest_text = max((len(r[i]) for r in self.rows), default=8)
+                t.add_column(h, overflow="fold", min_width=min(40, longest_text))
             elif k == "name":
                 t.add_column(h, no_wrap=True, overflow="ellipsis", max_width=name_width)
             else:  # the values never wrap, the header may (at spaces)

@@ -1,0 +1,153 @@
+"""``qgraph check``: the validation chain (PyTorch outputs → ONNX FP32 → INT8) on the bundled digits example."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from qgraph import Recipe
+from qgraph.check import Drop
+from qgraph.cli import main
+from qgraph.errors import UsageError
+from qgraph.evaluation import Evaluation, load_labels
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "examples" / "digits"
+METRIC = f"{DIGITS / 'metric.py'}:top1"
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("check") / "digits.int8.onnx"
+    result = Recipe.from_yaml(ROOT / "recipes" / "ort-x86-vnni.yaml").pipeline().run(
+        str(DIGITS / "model.onnx"), calibration_data=str(DIGITS / "calibration.npz"))
+    result.save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def degraded(int8: Path) -> Path:
+    """The INT8 model with three Q/DQ scales broken: an activation range cut to a tenth (clips), one 25x too wide,
+    and channel 5 of a per-channel weight scale 20x too small."""
+    m = onnx.load(int8)
+    factors = {"/features/features.9/Relu_output_0/scale": 0.1, "/features/features.2/Relu_output_0/scale": 25.0}
+    for t in m.graph.initializer:
+        value = numpy_helper.to_array(t)
+        if t.name in factors:
+            t.CopyFrom(numpy_helper.from_array(value * np.float32(factors[t.name]), t.name))
+        elif t.name == "features.3.weight/scale":
+            value = value.copy()
+            value[5] *= np.float32(0.05)
+            t.CopyFrom(numpy_helper.from_array(value, t.name))
+    out = int8.with_name("degraded.onnx")
+    onnx.save(m, out)
+    return out
+
+
+def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:
+    code = main(["check", *args, "--json", "-"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_three_stage_chain_passes_within_one_percent(int8: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = _check(capsys, str(DIGITS / "model.onnx"), str(int8), "--data", str(DIGITS / "eval.npz"),
+                        "--reference-outputs", str(DIGITS / "reference_outputs.npz"), "--metric", METRIC)
+    assert code == 0 and data["passed"] is True
+    stages = data["stages"]
+    assert [s["stage"] for s in stages] == ["reference outputs", "ONNX reference", "candidate 1"]
+    with np.load(DIGITS / "eval.npz") as npz:
+        labels = npz["labels"]
+    with np.load(DIGITS / "reference_outputs.npz") as npz:
+        torch_top1 = float(np.mean(npz["logits"].argmax(axis=1) == labels))
+    assert stages[0]["metric"] == pytest.approx(torch_top1) and torch_top1 > 0.95
+    assert stages[1]["sqnr_db"] > 80  # ONNX export vs PyTorch: float rounding only
+    assert stages[1]["top1_agreement"] == 1.0
+    assert stages[2]["step_drop"] <= 1.0 and stages[2]["sqnr_db"] > 20
+    assert "labels" in data["data"] and str(DIGITS / "eval.npz") in data["data"]
+
+
+def test_a_degraded_stage_fails_the_gate(int8: Path, degraded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = _check(capsys, str(DIGITS / "model.onnx"), str(int8), str(degraded), "--data",
+                        str(DIGITS / "eval.npz"), "--reference-outputs", str(DIGITS / "reference_outputs.npz"),
+                        "--metric", METRIC, "--max-drop", "1%")
+    assert code == 1 and data["passed"] is False
+    bad = data["stages"][3]
+    assert bad["ok"] is False and bad["step_drop"] > 1.0 and "candidate 2" in data["verdict"]
+    assert data["stages"][2]["ok"] is True
+
+
+def test_without_a_metric_the_gate_uses_top1_agreement(int8: Path, degraded: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    code, data = _check(capsys, str(DIGITS / "model.onnx"), str(degraded), "--data", str(DIGITS / "eval.npz"),
+                        "--max-drop", "0.01")
+    assert data["quality"] == "top-1 agreement"
+    agreement = data["stages"][1]["top1_agreement"]
+    assert agreement < 0.99 and code == 1
+    assert data["stages"][1]["step_drop"] == pytest.approx(1.0 - agreement)
+
+
+def test_terminal_table_and_messages(int8: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["check", str(DIGITS / "model.onnx"), str(int8), "--data", str(DIGITS / "eval.npz"), "--metric",
+                 METRIC])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "validation chain" in captured.out and "candidate 1" in captured.out
+    assert "PASS: every step keeps" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-drop", "abc"], "--max-drop 'abc': give a percentage"),
+        (["--max-drop", "-1%"], "finite number ≥ 0"),
+        (["--reference-outputs", "missing.npz"], "no such file"),
+        (["--metric", "nope.py:f"], "cannot import"),
+    ],
+)
+def test_bad_options_are_one_sentence(int8: Path, extra: list[str], message: str, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = main(["check", str(DIGITS / "model.onnx"), str(int8), "--data", str(DIGITS / "eval.npz"), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_reference_outputs_must_name_the_outputs(int8: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    np.savez(tmp_path / "ref.npz", scores=np.zeros((450, 10), np.float32), other=np.zeros((450,), np.float32))
+    code = main(["check", str(DIGITS / "model.onnx"), "--data", str(DIGITS / "eval.npz"), "--reference-outputs",
+                 str(tmp_path / "ref.npz")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no array for output(s) ['logits']" in err
+    np.savez(tmp_path / "short.npz", logits=np.zeros((3, 10), np.float32))
+    code = main(["check", str(DIGITS / "model.onnx"), "--data", str(DIGITS / "eval.npz"), "--reference-outputs",
+                 str(tmp_path / "short.npz")])
+    assert code == 2 and "has 3 row(s)" in capsys.readouterr().err
+
+
+def test_drop_units() -> None:
+    assert Drop.parse("1%").measure(0.98, 0.97, True) == pytest.approx(100 * 0.01 / 0.98)
+    assert Drop.parse("0.01").measure(0.98, 0.97, True) == pytest.approx(0.01)
+    assert Drop.parse("0.5").measure(1.0, 1.2, False) == pytest.approx(0.2)  # an error metric going up
+    assert Drop.parse("1%").measure(float("nan"), 0.9, True) == float("inf")  # NaN never passes
+    with pytest.raises(UsageError):
+        Drop.parse("inf")
+
+
+def test_labels_are_found_or_given(tmp_path: Path) -> None:
+    model = onnx.load(DIGITS / "model.onnx")
+    ev = Evaluation.open(model, DIGITS / "eval.npz", samples=10)
+    assert ev.labels is not None and ev.labels_from == f"{DIGITS / 'eval.npz'}:labels" and len(ev.feeds) == 10
+    np.save(tmp_path / "y.npy", np.arange(5))
+    assert load_labels(tmp_path / "y.npy")[0].tolist() == [0, 1, 2, 3, 4]
+    np.savez(tmp_path / "y.npz", classes=np.arange(3))
+    assert load_labels(tmp_path / "y.npz")[1] == f"{tmp_path / 'y.npz'}:classes"  # one array: that one
+    assert load_labels(f"{tmp_path / 'y.npz'}:classes")[0].tolist() == [0, 1, 2]
+    ev = Evaluation.open(model, DIGITS / "eval.npz", metric=METRIC, samples=450)
+    names, outs = ev.outputs(DIGITS / "model.onnx")
+    assert names == ["logits"] and ev.score(outs, outs) == pytest.approx(0.9888888, abs=1e-6)
