@@ -16,6 +16,7 @@ from .calib import RangeInfo, calibrate, screen
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
+from .joins import wide_joins
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
@@ -102,8 +103,10 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             ranges, notes, fragile = calibrate(graph, ctx, plan.roots, cfg)
             res.notes += notes
             forbidden = screen(ranges, cfg)
-            if forbidden:
-                plan = Planner(graph, cfg, selected, floats, forbidden).plan()
+            joins = wide_joins(plan, ranges, cfg)
+            res.decisions += list(joins.values())
+            if forbidden or joins:
+                plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)

@@ -184,6 +184,23 @@ class OutlierOptions(PassConfig):
     )
 
 
+class JoinOptions(PassConfig):
+    """Joins (Concat, Add, Mul) whose inputs have very different ranges: quantized, all inputs share the output's
+    scale, so the narrow inputs lose ``log2(ratio)`` of their bits (scores 0..1 concatenated with boxes 0..320 all
+    round to zero: the "INT8 detector finds nothing" failure)."""
+
+    keep_float: bool = Field(
+        default=True,
+        description="Leave a join float (its inputs keep their own Q/DQ and scales) when its input ranges differ "
+        "by more than max_range_ratio; each such decision is reported with the ranges.",
+    )
+    max_range_ratio: float = Field(
+        default=16.0, gt=1,
+        description="Largest ratio between the widest and the narrowest input range (max|x|) a quantized join may "
+        "have: 16 costs the narrowest input 4 of its 8 bits.",
+    )
+
+
 class InsertQDQConfig(PassConfig):
     """Options of ``insert_qdq`` (a ``preset`` fills in whatever the recipe leaves out)."""
 
@@ -214,6 +231,7 @@ class InsertQDQConfig(PassConfig):
         default=True, description="Also quantize MatMuls whose two inputs are activations (attention)."
     )
     outliers: OutlierOptions = Field(default_factory=OutlierOptions, description="Masking/outlier screening.")
+    joins: JoinOptions = Field(default_factory=JoinOptions, description="Joins of inputs with very different ranges.")
     subgraphs: Literal["dynamic", "skip"] = Field(
         default="dynamic",
         description="If/Loop/Scan bodies cannot be calibrated: quantize their MatMul/Gemm dynamically, or skip.",

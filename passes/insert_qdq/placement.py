@@ -112,12 +112,14 @@ class Planner:
         selected: set[int],
         float_names: set[str],
         forbidden: dict[str, str] | None = None,
+        float_nodes: dict[int, str] | None = None,
     ) -> None:
         self.g = graph
         self.cfg = config
         self.selected = selected
         self.floats = float_names
         self.forbidden = dict(forbidden or {})
+        self.float_nodes = dict(float_nodes or {})  # id(node) -> why it stays float (decided after calibration)
         self.idx = graph.index
         self.skipped: list[tuple[str, str]] = []
 
@@ -292,7 +294,8 @@ class Planner:
         uf, members, moving = self._groups()
         kept: list[Unit] = []
         for u in units:
-            why = next((self._forbidden(uf, t) for t in u.act_inputs if self._forbidden(uf, t)), None)
+            why = self.float_nodes.get(id(u.node)) or next(
+                (self._forbidden(uf, t) for t in u.act_inputs if self._forbidden(uf, t)), None)
             if why:
                 self.skipped.append((label(u.node), why))
             else:
