@@ -66,7 +66,9 @@ def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None
 
 def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Mapping[str, Any]) -> list[Any]:
     """``session.run(names, feed)`` for every input dtype numpy can hold (bfloat16 included), as arrays."""
-    values = session.run(list(names), {k: _ort_input(v) for k, v in feed.items()})
+    # Inputs a pass fixed to constants (specialize_inputs) may still be in the data: the model no longer takes them.
+    known = {i.name for i in session.get_inputs()}
+    values = session.run(list(names), {k: _ort_input(v) for k, v in feed.items() if k in known})
     # Sequence outputs come back as lists and empty optionals as None: keep them as they are.
     return [v if v is None or isinstance(v, list) else np.asarray(v) for v in values]
 

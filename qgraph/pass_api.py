@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
+import numpy as np
 import onnx
 from pydantic import BaseModel, ConfigDict
 
@@ -133,6 +134,14 @@ class PassContext:
         self.options: dict[str, Any] = dict(options or {})
         #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
         self.cache: dict[str, Any] = {}
+
+    def fix_inputs(self, values: dict[str, np.ndarray]) -> None:
+        """Tell the pipeline that graph inputs became constants (``specialize_inputs``): from now on, calibration
+        samples come without them (a sample with another value for them is an error)."""
+        from qgraph.data import without_fixed_inputs
+
+        if self.calibration_data is not None and values:
+            self.calibration_data = without_fixed_inputs(self.calibration_data, dict(values))
 
     @property
     def target_opset(self) -> int | None:

@@ -179,6 +179,7 @@ class Pipeline:
             emit(PipelineEvent("pass_progress", total, index, name, task=task, done=done, of=of))
 
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout)
+        data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
         handle = GraphHandle(source)
         emit(PipelineEvent("pipeline_start", total))
         records: list[PassRecord] = []
@@ -207,7 +208,7 @@ class Pipeline:
         out = handle.to_onnx()
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, source, stages, ctx.calibration_data)
+        return PipelineResult(out, records, source, stages, data)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:

@@ -37,7 +37,16 @@ from .inputs import (
     decide_layout,
     model_inputs,
 )
-from .sources import CallableSource, DataSource, FolderSource, NpzSource, import_callable, open_data_source
+from .sources import (
+    CallableSource,
+    DataSource,
+    FixedInputs,
+    FolderSource,
+    NpzSource,
+    import_callable,
+    open_data_source,
+    without_fixed_inputs,
+)
 
 __all__ = [
     "DEFAULT_MAX_SAMPLES",
@@ -46,6 +55,7 @@ __all__ = [
     "DataLayout",
     "DataSource",
     "Feed",
+    "FixedInputs",
     "FolderSource",
     "InputSpec",
     "LayoutChoice",
@@ -56,4 +66,5 @@ __all__ = [
     "import_callable",
     "model_inputs",
     "open_data_source",
+    "without_fixed_inputs",
 ]

@@ -263,6 +263,49 @@ class CallableSource(DataSource):
             index += 1
 
 
+class FixedInputs(DataSource):
+    """``source`` with the inputs a pass fixed to constants (``specialize_inputs``) taken out of every sample.
+
+    A sample whose value of a fixed input differs from the fixed value does not belong to the specialized model:
+    it is an error naming the sample, never silently calibrated."""
+
+    def __init__(self, source: DataSource, fixed: dict[str, np.ndarray]) -> None:
+        super().__init__(source.samples, source.layout)
+        self.source, self.fixed = source, fixed
+        self.description = source.description
+        self.inputs, self.layouts = source.inputs, source.layouts
+
+    def _raw(self) -> Iterator[Feed]:
+        return iter(self.source)
+
+    def __iter__(self) -> Iterator[Feed]:
+        for i, feed in enumerate(self.source):
+            for name, value in self.fixed.items():
+                got = feed.get(name)
+                if got is not None and not np.array_equal(np.asarray(got).reshape(-1)[:1], value.reshape(-1)[:1]):
+                    raise DataError(f"{self.description}, sample {i}: input {name} is {np.asarray(got).tolist()!r} "
+                                    f"but the recipe fixed it to {value.tolist()!r} (specialize_inputs); give data "
+                                    "for that value only.")
+            yield {k: v for k, v in feed.items() if k not in self.fixed}
+
+    def notes(self) -> list[str]:
+        """The wrapped source's notes plus the inputs taken out."""
+        return [*self.source.notes(), f"inputs fixed by the recipe and dropped from the data: {sorted(self.fixed)}"]
+
+
+class _SizedFixedInputs(FixedInputs):
+    """`FixedInputs` over a source that knows its length."""
+
+    def __len__(self) -> int:
+        return len(self.source)  # type: ignore[arg-type]
+
+
+def without_fixed_inputs(source: DataSource, fixed: dict[str, np.ndarray]) -> FixedInputs:
+    """``source`` without the inputs in ``fixed`` (sized when ``source`` is)."""
+    cls = _SizedFixedInputs if hasattr(source, "__len__") else FixedInputs
+    return cls(source, fixed)
+
+
 @contextlib.contextmanager
 def _user_code(where: str, what: str) -> Iterator[None]:
     """Turn anything a user's data code raises (SystemExit included) into a `DataError` naming it."""

@@ -1,0 +1,100 @@
+"""``specialize_inputs``: fix a control input, inline the ``If`` it decides, then quantize the flat graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from qgraph import DataError, PassError, Pipeline
+from qgraph.data import CallableSource
+from qgraph.pass_api import get_pass
+
+
+def _branch(name: str, weight: str) -> onnx.GraphProto:
+    conv = helper.make_node("Conv", ["x", weight], [f"{name}_c"], pads=[1, 1, 1, 1], name=f"{name}/conv")
+    relu = helper.make_node("Relu", [f"{name}_c"], [f"{name}_y"], name=f"{name}/relu")
+    return helper.make_graph([conv, relu], name, [], [helper.make_tensor_value_info(f"{name}_y", 1, None)])
+
+
+def mode_switched_net() -> onnx.ModelProto:
+    """y = If(mode == 1) {Relu(Conv(x, W1))} else {Relu(Conv(x, W2))} -> Conv(W3): the compute sits in branches."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.4, s).astype(np.float32), n)
+             for n, s in (("w1", (8, 3, 3, 3)), ("w2", (8, 3, 3, 3)), ("w3", (4, 8, 3, 3)))]
+    inits.append(numpy_helper.from_array(np.array(1, np.int64), "one"))
+    nodes = [
+        helper.make_node("Equal", ["mode", "one"], ["is_one"], name="eq"),
+        helper.make_node("If", ["is_one"], ["h"], name="switch", then_branch=_branch("then", "w1"),
+                         else_branch=_branch("else", "w2")),
+        helper.make_node("Conv", ["h", "w3"], ["y"], pads=[1, 1, 1, 1], name="head"),
+    ]
+    graph = helper.make_graph(nodes, "switched", [
+        helper.make_tensor_value_info("x", 1, [1, 3, 8, 8]), helper.make_tensor_value_info("mode", 7, [])],
+        [helper.make_tensor_value_info("y", 1, [1, 4, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _feeds(n: int, mode: int = 1) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32), "mode": np.array(mode, np.int64)}
+            for _ in range(n)]
+
+
+def _run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return np.asarray(sess.run(None, {k: v for k, v in feed.items() if k in names})[0])
+
+
+@pytest.mark.parametrize("mode", [1, 0])
+def test_the_selected_branch_is_inlined_and_results_are_identical(mode: int) -> None:
+    model = mode_switched_net()
+    res = Pipeline([get_pass("specialize_inputs")(inputs={"mode": mode})]).run(model)
+    ops = [n.op_type for n in res.model.graph.node]
+    assert "If" not in ops and "Equal" not in ops and ops.count("Conv") == 2
+    assert [i.name for i in res.model.graph.input] == ["x"]
+    onnx.checker.check_model(res.model, full_check=True)
+    decisions = res.records[0].result.decisions
+    assert decisions[0] == f"input mode fixed to {mode} (int64); the model no longer takes it"
+    assert decisions[1].startswith(f"switch: condition is {bool(mode)}; inlined its {'then' if mode else 'else'}")
+    for feed in _feeds(3, mode):  # same float results (onnxruntime may pick other kernels in a branch: 1e-5)
+        ref = _run(model, feed)
+        assert np.abs(ref - _run(res.model, feed)).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_quantizing_after_specialization_reaches_the_branch_compute() -> None:
+    model = mode_switched_net()
+    data = CallableSource(lambda: _feeds(16), "mode-1 samples")
+    flat = Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}),
+                     get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(model, calibration_data=data)
+    quantized_convs = {n.name for n in flat.model.graph.node if n.op_type == "Conv"
+                       and any(i.endswith("/dq") for i in n.input)}
+    assert quantized_convs == {"then/conv", "head"}
+    # Unspecialized, the branch Conv cannot be calibrated and stays float.
+    plain = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(model, calibration_data=data)
+    branch = next(n for n in plain.model.graph.node if n.op_type == "If").attribute[0].g
+    assert not any(n.op_type == "DequantizeLinear" for n in branch.node)
+    ref = np.concatenate([_run(model, f) for f in _feeds(8)])
+    got = np.concatenate([_run(flat.model, f) for f in _feeds(8)])
+    assert 10 * np.log10((ref**2).sum() / ((ref - got) ** 2).sum()) > 30
+
+
+def test_data_for_another_value_is_an_error() -> None:
+    model = mode_switched_net()
+    data = CallableSource(lambda: _feeds(4, mode=0), "mode-0 samples")
+    with pytest.raises(DataError, match="input mode is 0 but the recipe fixed it to 1"):
+        Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}),
+                  get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(model, calibration_data=data)
+
+
+def test_unknown_input_and_wrong_shape_are_refused() -> None:
+    model = mode_switched_net()
+    with pytest.raises(PassError, match="has no input 'rate'"):
+        Pipeline([get_pass("specialize_inputs")(inputs={"rate": 1})]).run(model)
+    with pytest.raises(PassError, match="has shape"):
+        Pipeline([get_pass("specialize_inputs")(inputs={"mode": [1, 2]})]).run(model)
