@@ -28,6 +28,7 @@ pre{background:#f6f8fa;padding:.8em;overflow:auto;font-size:12px}
 .muted{color:#67707a}.chart{margin:.6em 0}svg text{font:11px sans-serif;fill:#333}
 .kpi{display:inline-block;margin:0 1.5em .5em 0}.kpi b{font-size:1.3em;display:block}
 .regions{display:flex;gap:24px;align-items:flex-start;overflow-x:auto}svg.graph{border:1px solid #e4e8ec;flex:none}
+#culprits td:last-child{min-width:22em}
 """
 
 BLUE, ORANGE, RED, GREY = "#4c78a8", "#f58518", "#d62728", "#9aa5b1"
