@@ -41,3 +41,18 @@ def test_lower_cli_keeps_results(tmp_path: Path) -> None:
     got = run(make_session(lowered), feed)
     for k in ref:
         assert np.max(np.abs(ref[k] - got[k])) <= 1e-5 * np.max(np.abs(ref[k]))
+
+
+def test_closed_pipe_is_quiet() -> None:
+    """`qgraph passes | head -1`: the reader leaving is no error (no message, SIGPIPE's exit status 141)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from qgraph.cli import main; sys.exit(main(['passes']))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves while qgraph still writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141)
+    assert first.strip() and "error" not in err, err

@@ -79,6 +79,8 @@ def _main(argv: list[str] | None) -> int:
     except SystemExit as exc:  # a user's module (data, metric) called sys.exit: still one of our codes
         if exc.code in (0, None):
             return 0
+        if isinstance(exc.__context__, BrokenPipeError):  # rich exits when stdout's reader left (`| head`)
+            return 141  # what a shell reports for SIGPIPE; nothing more to say to a closed pipe
         console.print(f"error: code qgraph imported called sys.exit({exc.code!r}); nothing was written.",
                       markup=False, highlight=False)
         return 2
