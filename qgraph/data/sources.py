@@ -273,12 +273,12 @@ class FixedInputs(DataSource):
         super().__init__(source.samples, source.layout)
         self.source, self.fixed = source, fixed
         self.description = source.description
-        self.inputs, self.layouts = source.inputs, source.layouts
+        # The wrapped source checks samples against the model it was bound to (the one that still takes the fixed
+        # inputs); this one checks what it yields only once bound to the specialized model.
+        self.inputs = None
+        self.layouts = source.layouts
 
     def _raw(self) -> Iterator[Feed]:
-        return iter(self.source)
-
-    def __iter__(self) -> Iterator[Feed]:
         for i, feed in enumerate(self.source):
             for name, value in self.fixed.items():
                 got = feed.get(name)

@@ -98,3 +98,18 @@ def test_unknown_input_and_wrong_shape_are_refused() -> None:
         Pipeline([get_pass("specialize_inputs")(inputs={"rate": 1})]).run(model)
     with pytest.raises(PassError, match="has shape"):
         Pipeline([get_pass("specialize_inputs")(inputs={"mode": [1, 2]})]).run(model)
+
+
+def test_fallback_search_after_specialization_reads_the_same_data(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Later passes that validate the data against the specialized model (float_fallback's evaluation) get the
+    samples without the fixed input, from an .npz that still holds it."""
+    model = mode_switched_net()
+    feeds = _feeds(8)
+    npz = tmp_path / "cal.npz"
+    np.savez(npz, x=np.concatenate([f["x"] for f in feeds]), mode=np.ones(8, np.int64))
+    res = Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}),
+                    get_pass("insert_qdq")(preset="ort-x86-vnni"),
+                    get_pass("float_fallback")(auto={"target": "sqnr:20", "max_time": 60})]
+                   ).run(model, calibration_data=str(npz))
+    record = res.records[-1].result
+    assert record.unmet is None and any("target met" in d for d in record.decisions), record.decisions
