@@ -12,6 +12,7 @@ from qgraph.graph import topological_order
 from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
 from qgraph.target import CpuInfo
 
+from .bodies import BodiesOutcome, quantize_bodies
 from .calib import RangeInfo, calibrate, screen
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .dynamic import DynamicQuantizer
@@ -76,19 +77,17 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         cyclic GC around every pass: it made this pass super-linear on 100k-node graphs)."""
         res = PassResult()
         cfg = self._reach_opset(graph, ctx, res)
+        in_bodies = BodiesOutcome()
+        if cfg.mode == "static" and cfg.subgraphs == "static":
+            in_bodies = quantize_bodies(self, graph, ctx, res)
         graph.toposort()
         cpu = ctx.target.cpu_info()
         reduce_range, rr_why = resolve_reduce_range(cfg, cpu)
         if cfg.weights.reduce_range == "auto":
             res.decisions.append(rr_why)
-        wspec = QuantSpec(
-            dtype=cfg.weights.dtype,
-            symmetric=cfg.weights.symmetric is not False,
-            narrow_range=cfg.weights.narrow_range,
-            reduce_range=reduce_range,
-        )
+        wspec = weight_spec(cfg, reduce_range)
         selection = select(graph, cfg.nodes)
-        res.unmatched += selection.unmatched
+        res.unmatched += in_bodies.unmatched_everywhere(selection.unmatched)
         ops = set(cfg.op_types)
         selected = {id(n) for n in selection.nodes if n.op in ops}
         res.matched = len(selected)
@@ -142,10 +141,11 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         for node, why in plan.skipped + sub_skips:
             res.skip(node, why)
         self._refuse_unsupported(res)
-        res.rewritten = len(plan.units) + len(plan.movement) + sub_units
+        res.rewritten = len(plan.units) + len(plan.movement) + sub_units + in_bodies.quantized
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
         res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
+        res.details["subgraph_nodes_quantized_static"] = in_bodies.quantized
         if fragile:
             res.details["calibration"] = {"method": cfg.activations.method, **fragile}
         if wq.adjusted:
@@ -197,20 +197,23 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             for node in list(sub.nodes):
                 if node.op not in ops or node.op not in WEIGHTED | BINARY | VARIADIC | UNARY:
                     continue
+                if any(t.inputs and t.inputs[0].op == "DequantizeLinear" for t in node.inputs):
+                    continue  # quantized statically with its body (subgraphs: static)
                 w = graph.constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
                 x_const = graph.constant_value(node.inputs[0]) is not None
                 dynamic_ok = node.op in ("MatMul", "Gemm") and w is not None and not x_const and w.ndim == 2
                 if node.op == "Gemm" and int(node.attrs.get("transA", 0)):
                     dynamic_ok = False
-                if self.config.subgraphs == "dynamic" and dynamic_ok:
+                if self.config.subgraphs != "skip" and dynamic_ok:
                     dyn.unit(Unit(node, "dynamic", [node.inputs[0].name], 1), sub)
                     done += 1
                 else:
                     skips.append(
                         (
                             label(node),
-                            "inside an If/Loop/Scan body: its activations cannot be calibrated "
-                            "(only MatMul/Gemm with constant weights are quantized there, dynamically)",
+                            "inside an If/Loop/Scan body no calibration sample reaches (or subgraphs: "
+                            f"{self.config.subgraphs}): only MatMul/Gemm with constant weights are quantized there, "
+                            "dynamically",
                         )
                     )
             kept = [n for n in sub.nodes if id(n) not in dyn.replaced]
@@ -285,6 +288,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             "layers_at_risk": risky,
             "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
         }
+
+
+def weight_spec(cfg: InsertQDQConfig, reduce_range: bool) -> QuantSpec:
+    """How the options quantize weights (``reduce_range`` resolved for the target CPU)."""
+    return QuantSpec(dtype=cfg.weights.dtype, symmetric=cfg.weights.symmetric is not False,
+                     narrow_range=cfg.weights.narrow_range, reduce_range=reduce_range)
 
 
 def required_opset(cfg: InsertQDQConfig) -> tuple[int, str]:

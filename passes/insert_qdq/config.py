@@ -232,9 +232,11 @@ class InsertQDQConfig(PassConfig):
     )
     outliers: OutlierOptions = Field(default_factory=OutlierOptions, description="Masking/outlier screening.")
     joins: JoinOptions = Field(default_factory=JoinOptions, description="Joins of inputs with very different ranges.")
-    subgraphs: Literal["dynamic", "skip"] = Field(
-        default="dynamic",
-        description="If/Loop/Scan bodies cannot be calibrated: quantize their MatMul/Gemm dynamically, or skip.",
+    subgraphs: Literal["static", "dynamic", "skip"] = Field(
+        default="static",
+        description="If/Loop bodies: static: each body is calibrated on the data that reaches it (its inputs at "
+        "every execution) and quantized like the top graph; dynamic: only their MatMul/Gemm with constant weights, "
+        "quantized at run time; skip. Bodies the data never reaches get the dynamic treatment.",
     )
     saturation: Literal["auto", "report", "off"] = Field(
         default="auto",

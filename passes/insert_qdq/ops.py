@@ -135,4 +135,15 @@ def float32_tensors(nodes: Iterable[gs.Node], inputs: Iterable[gs.Tensor]) -> se
                 node.op in _SAME_TYPE and first is not None and first.name in out and (k == 0 or node.op == "Split")
             ):
                 out.add(t.name)
+            elif node.op in ("If", "Loop") and _body_output_dtype(node, k) in _FLOAT:
+                out.add(t.name)
     return out
+
+
+def _body_output_dtype(node: gs.Node, k: int) -> Any:
+    """The declared dtype of what becomes output ``k`` of an If (its then branch's output k) or a Loop (body
+    output k + 1: the body's first output is the loop condition)."""
+    body = node.attrs.get("then_branch" if node.op == "If" else "body")
+    outputs = getattr(body, "outputs", None)
+    j = k if node.op == "If" else k + 1
+    return _dtype(outputs[j]) if outputs is not None and j < len(outputs) else None

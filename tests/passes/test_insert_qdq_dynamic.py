@@ -83,7 +83,7 @@ def test_if_bodies_get_dynamic_matmuls() -> None:
     m = with_weights(IF_MODEL, {"w": rng.normal(0, 0.3, (16, 16)).astype(np.float32)})
     x = rng.standard_normal((1, 16)).astype(np.float32)
     feeds = [{"c": np.array(True), "x": x}, {"c": np.array(False), "x": x}]
-    res = quantize(m, feeds, preset="ort-x86-vnni")
+    res = quantize(m, feeds, preset="ort-x86-vnni", subgraphs="dynamic")
     r = res.records[0].result
     assert r.details["subgraph_nodes_quantized"] == 2
     bodies = [a.g for a in res.model.graph.node[-1].attribute]
@@ -93,6 +93,15 @@ def test_if_bodies_get_dynamic_matmuls() -> None:
     skipped = quantize(m, feeds, preset="ort-x86-vnni", subgraphs="skip").records[0].result
     assert skipped.details["subgraph_nodes_quantized"] == 0
     assert sum("If/Loop/Scan body" in s.reason for s in skipped.skipped) == 2
+    # The default (subgraphs: static): each branch is calibrated on the samples that take it, quantized statically.
+    static = quantize(m, feeds, preset="ort-x86-vnni")
+    assert static.records[0].result.details["subgraph_nodes_quantized_static"] == 2
+    for g in (a.g for a in static.model.graph.node[-1].attribute):
+        matmul = next(n for n in g.node if n.op_type == "MatMul")
+        producers = {o: n.op_type for n in g.node for o in n.output}
+        assert [producers.get(i) for i in matmul.input] == ["DequantizeLinear", "DequantizeLinear"]
+    for f in feeds:
+        assert cosine(run(m, f), run(static.model, f)) > 0.999
 
 
 @pytest.mark.parametrize(

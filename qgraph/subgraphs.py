@@ -1,0 +1,207 @@
+"""Control-flow bodies as models of their own: extract, feed, and graft back.
+
+Calibration only sees what onnxruntime can return, and onnxruntime returns no tensor from inside an ``If`` branch
+or a ``Loop`` body. So a pass that must calibrate a body works on the body as a standalone model:
+
+- `standalone_body` turns ``node.<attr>`` (a top-level ``If``'s ``then_branch``/``else_branch``, a ``Loop``'s
+  ``body``) into a `onnx.ModelProto` whose inputs are the body's formal inputs plus every outer-scope tensor it
+  reads (outer initializers become its own initializers);
+- `body_feeds` runs the whole model on the calibration data once and returns the standalone body's inputs at
+  each execution of the body: for an ``If`` the outer tensors of the samples whose condition selects the branch,
+  for a ``Loop`` the formal inputs of every iteration (exposed as extra scan outputs of a copy of the loop) with
+  the outer tensors repeated;
+- `graft_body` puts the transformed body back in place of the original (outer tensors stay outer).
+
+Nested control flow needs nothing more: the standalone body still holds its own nested ``If``/``Loop``, and a pass
+that runs on it with the fed data reaches them the same way. ``Scan`` bodies are not handled (`BodyError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from qgraph.compare import make_session, session_run
+from qgraph.data import Feed
+
+#: Bodies this module can extract, by op type.
+BODY_ATTRS: dict[str, tuple[str, ...]] = {"If": ("then_branch", "else_branch"), "Loop": ("body",)}
+
+
+class BodyError(Exception):
+    """A body that cannot be made standalone (the reason is the message: a pass reports it as a skip)."""
+
+
+@dataclass
+class Body:
+    """A body made standalone: the model, the outer tensors it reads, which of them are inputs."""
+
+    node: str
+    attr: str
+    model: onnx.ModelProto
+    outer: list[str]  # every outer-scope name the body reads
+    outer_inputs: list[str]  # those fed at run time (not initializers)
+
+
+def bodies(model: onnx.ModelProto) -> Iterator[tuple[onnx.NodeProto, str]]:
+    """``(node, attribute)`` for every extractable body of the top-level graph."""
+    for node in model.graph.node:
+        for attr in BODY_ATTRS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
+            if any(a.name == attr for a in node.attribute):
+                yield node, attr
+
+
+def _body(node: onnx.NodeProto, attr: str) -> onnx.GraphProto:
+    for a in node.attribute:
+        if a.name == attr:
+            graph: onnx.GraphProto = a.g
+            return graph
+    raise BodyError(f"{node.name or node.op_type} has no {attr}")
+
+
+def _walk(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield g
+        for n in g.node:
+            stack.extend(a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH)
+            for a in n.attribute:
+                stack.extend(a.graphs)
+
+
+def outer_names(body: onnx.GraphProto) -> list[str]:
+    """Names ``body`` (at any depth) reads but does not define: its outer-scope references, in first-use order.
+    ONNX forbids shadowing, so a name defined anywhere inside is never an outer one."""
+    defined: set[str] = set()
+    used: dict[str, None] = {}
+    for g in _walk(body):
+        defined.update(i.name for i in g.input)
+        defined.update(i.name for i in g.initializer)
+        for n in g.node:
+            defined.update(n.output)
+            used.update(dict.fromkeys(n.input))
+        used.update(dict.fromkeys(o.name for o in g.output))
+    return [u for u in used if u and u not in defined]
+
+
+def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # an un-inferable model still has its declared inputs/outputs
+        inferred = model
+    g = inferred.graph
+    return {v.name: v.type for v in [*g.input, *g.value_info, *g.output]}
+
+
+def standalone_body(model: onnx.ModelProto, node: onnx.NodeProto, attr: str,
+                    types: dict[str, onnx.TypeProto] | None = None) -> Body:
+    """``node.<attr>`` as a model of its own (see module docs); `BodyError` when an outer tensor's type is
+    unknown."""
+    body = _body(node, attr)
+    outer = outer_names(body)
+    inits = {i.name: i for i in model.graph.initializer}
+    consts = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant" and n.output}
+    types = types if types is not None else _types(model)
+    inputs = list(body.input)
+    initializers = list(body.initializer)
+    fed: list[str] = []
+    extra_nodes: list[onnx.NodeProto] = []
+    for name in outer:
+        if name in inits:
+            initializers.append(inits[name])
+        elif name in consts:
+            extra_nodes.append(consts[name])
+        elif name in types and types[name].HasField("tensor_type"):
+            inputs.append(helper.make_value_info(name, types[name]))
+            fed.append(name)
+        else:
+            raise BodyError(f"the type of outer tensor {name!r} read by {node.name or node.op_type}.{attr} is unknown")
+    graph = helper.make_graph([*extra_nodes, *body.node], f"{node.name}.{attr}", inputs, list(body.output),
+                              initializers, value_info=list(body.value_info))
+    standalone = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    return Body(node.name, attr, standalone, outer, fed)
+
+
+def _loop_probe(model: onnx.ModelProto, node: onnx.NodeProto) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``model`` whose loop ``node`` also returns, stacked over iterations, its body's formal inputs."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    target = next(n for n in probe.graph.node if n.name == node.name and n.op_type == "Loop")
+    body = _body(target, "body")
+    stacked: list[str] = []
+    for i, formal in enumerate(body.input):
+        lifted = f"{formal.name}__qgraph_iter"
+        body.node.append(helper.make_node("Identity", [formal.name], [lifted], name=f"{lifted}/identity"))
+        body.output.append(helper.make_value_info(lifted, formal.type))
+        out = f"{node.name}__qgraph_input_{i}"
+        target.output.append(out)
+        stacked.append(out)
+    return probe, stacked
+
+
+def body_feeds(model: onnx.ModelProto, body: Body, data: Iterable[Feed], limit: int) -> list[Feed]:
+    """The standalone body's inputs at each of its executions on ``data`` (at most ``limit``)."""
+    node = next(n for n in model.graph.node if n.name == body.node)
+    probe, stacked = (_loop_probe(model, node) if node.op_type == "Loop" else (model, []))
+    graph_inputs = {i.name for i in model.graph.input}
+    cond = list(node.input[:1]) if node.op_type == "If" else []
+    wanted = [n for n in dict.fromkeys([*cond, *body.outer_inputs, *stacked]) if n not in graph_inputs]
+    probe = _with_outputs(probe, wanted)
+    session = make_session(probe)
+    feeds: list[Feed] = []
+    names = [i.name for i in session.get_inputs()]
+    for feed in data:
+        fetched = session_run(session, wanted, {k: feed[k] for k in names}) if wanted else []
+        values = dict(zip(wanted, fetched, strict=True))
+        values.update({k: feed[k] for k in graph_inputs if k in feed})
+        outer = {n: np.asarray(values[n]) for n in body.outer_inputs}
+        if node.op_type == "If":
+            if bool(np.asarray(values[node.input[0]]).reshape(-1)[0]) == (body.attr == "then_branch"):
+                feeds.append(outer)
+        else:
+            formal = [i.name for i in _body(node, "body").input]
+            iterations = len(values[stacked[0]]) if stacked else 0
+            for k in range(iterations):
+                feeds.append({**outer, **{f: np.asarray(values[s][k]) for f, s in zip(formal, stacked, strict=True)}})
+                if len(feeds) >= limit:
+                    break
+        if len(feeds) >= limit:
+            break
+    return feeds[:limit]
+
+
+def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    have = {o.name for o in model.graph.output}
+    if all(n in have for n in names):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in have)
+    return out
+
+
+def graft_body(model: onnx.ModelProto, body: Body, transformed: onnx.ModelProto) -> None:
+    """Replace ``body`` in ``model`` (in place) by ``transformed``'s graph; outer tensors stay outer (the copies of
+    outer initializers and Constants that `standalone_body` made are dropped again)."""
+    node = next(n for n in model.graph.node if n.name == body.node)
+    original = _body(node, body.attr)
+    g = transformed.graph
+    outer = set(body.outer)
+    if [o.name for o in g.output] != [o.name for o in original.output]:
+        raise BodyError(f"{body.node}.{body.attr}: the transformed body renamed its outputs")
+    new = helper.make_graph(
+        [n for n in g.node if not (n.op_type == "Constant" and set(n.output) <= outer)],
+        original.name, list(original.input), list(g.output),
+        [i for i in g.initializer if i.name not in outer], value_info=list(original.value_info))
+    for a in node.attribute:
+        if a.name == body.attr:
+            a.g.CopyFrom(new)
+
+
+__all__ = ["BODY_ATTRS", "Body", "BodyError", "bodies", "body_feeds", "graft_body", "outer_names",
+           "standalone_body"]

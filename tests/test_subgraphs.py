@@ -1,0 +1,124 @@
+"""Control-flow bodies as standalone models (qgraph.subgraphs) and static quantization inside them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from qgraph import Pipeline
+from qgraph.data import CallableSource
+from qgraph.pass_api import get_pass
+from qgraph.subgraphs import BodyError, bodies, body_feeds, graft_body, outer_names, standalone_body
+
+TRIPS = 3
+
+
+def loop_net() -> onnx.ModelProto:
+    """h <- Relu(h @ W + b) three times in a Loop (W, b outer initializers), then a MatMul head outside."""
+    rng = np.random.default_rng(0)
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h_in", "w"], ["mm"], name="body/matmul"),
+         helper.make_node("Add", ["mm", "b"], ["pre"], name="body/add"),
+         helper.make_node("Relu", ["pre"], ["h_out"], name="body/relu"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body/cond")],
+        "body",
+        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_in", onnx.TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_out", onnx.TensorProto.FLOAT, [1, 16])])
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.35).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype(np.float32), "b"),
+             numpy_helper.from_array((rng.standard_normal((16, 4)) * 0.3).astype(np.float32), "head_w"),
+             numpy_helper.from_array(np.array(TRIPS, np.int64), "trips"),
+             numpy_helper.from_array(np.array(True), "yes")]
+    nodes = [helper.make_node("Loop", ["trips", "yes", "x"], ["h"], body=body, name="loop"),
+             helper.make_node("MatMul", ["h", "head_w"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "looped", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _feeds(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(n)]
+
+
+def _run(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.concatenate([sess.run(None, f)[0] for f in feeds])
+
+
+def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(10 * np.log10((ref**2).sum() / ((ref - got) ** 2).sum()))
+
+
+def test_loop_body_feeds_are_the_iterations() -> None:
+    model = loop_net()
+    (node, attr), = list(bodies(model))
+    body = standalone_body(model, node, attr)
+    assert outer_names(node.attribute[0].g) == ["w", "b"] and body.outer_inputs == []
+    feeds = body_feeds(model, body, _feeds(4), limit=100)
+    assert len(feeds) == 4 * TRIPS
+    assert [int(f["i"]) for f in feeds[:TRIPS]] == list(range(TRIPS))
+    # Iteration 0 starts from x; iteration k+1 from what the body computed at iteration k.
+    x = _feeds(4)[0]["x"]
+    np.testing.assert_array_equal(feeds[0]["h_in"], x)
+    sess = ort.InferenceSession(body.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    _, h1 = sess.run(None, feeds[0])
+    np.testing.assert_allclose(feeds[1]["h_in"], h1, rtol=1e-6)
+    assert len(body_feeds(model, body, _feeds(4), limit=5)) == 5
+
+
+def test_loop_body_is_quantized_statically() -> None:
+    model = loop_net()
+    data = CallableSource(lambda: _feeds(64), "loop samples")
+    res = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(model, calibration_data=data)
+    result = res.records[0].result
+    assert result.details["subgraph_nodes_quantized_static"] == 1
+    assert any(f"calibrated on {64 * TRIPS} execution(s)" in d for d in result.decisions)
+    loop = next(n for n in res.model.graph.node if n.op_type == "Loop")
+    inner = loop.attribute[0].g
+    producers = {o: n.op_type for n in inner.node for o in n.output}
+    matmul = next(n for n in inner.node if n.op_type == "MatMul")
+    assert [producers.get(i) for i in matmul.input] == ["DequantizeLinear", "DequantizeLinear"]
+    assert not {"w", "b"} & {i.name for i in inner.initializer}  # outer tensors stay outer
+    onnx.checker.check_model(res.model, full_check=True)
+    # subgraphs: dynamic keeps the previous behaviour (the body's MatMul quantized at run time, per batch).
+    dyn = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni", subgraphs="dynamic")]).run(
+        model, calibration_data=data)
+    assert dyn.records[0].result.details["subgraph_nodes_quantized"] == 1
+    # One static scale serves every iteration: as accurate as per-batch dynamic ranges on this loop, and integer
+    # kernels throughout (measured 30.6 dB static vs 30.9 dB dynamic).
+    held_out, ref = _feeds(32, seed=7), _run(model, _feeds(32, seed=7))
+    static_db, dynamic_db = _sqnr(ref, _run(res.model, held_out)), _sqnr(ref, _run(dyn.model, held_out))
+    assert static_db > 28 and static_db > dynamic_db - 1.5, (static_db, dynamic_db)
+
+
+def test_a_branch_no_sample_takes_is_reported() -> None:
+    from tests.passes.test_specialize_inputs import _feeds as mode_feeds
+    from tests.passes.test_specialize_inputs import mode_switched_net
+
+    model = mode_switched_net()
+    data = CallableSource(lambda: mode_feeds(8, mode=1), "mode-1 samples")
+    result = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(
+        model, calibration_data=data).records[0].result
+    assert any(d.startswith("switch.then_branch: calibrated on 8 execution(s)") for d in result.decisions)
+    assert any(d.startswith("switch.else_branch: never ran on the calibration data") for d in result.decisions)
+    assert any(s.node == "else/conv" for s in result.skipped)
+
+
+def test_graft_refuses_a_body_whose_outputs_were_renamed() -> None:
+    model = loop_net()
+    (node, attr), = list(bodies(model))
+    body = standalone_body(model, node, attr)
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(body.model)
+    renamed.graph.output[1].name = "other"
+    with pytest.raises(BodyError, match="renamed its outputs"):
+        graft_body(model, body, renamed)
