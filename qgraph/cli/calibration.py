@@ -73,18 +73,24 @@ def _print_auto(calibrations: Any) -> None:
     counts, rows = auto_table(calibrations)
     if not rows:
         return
-    say("method auto chose: " + ", ".join(f"{m} {k}" for m, k in counts.items()))
+    _app.out.print("method auto chose: " + ", ".join(f"{m} {k}" for m, k in counts.items()))
     names = list(rows[0].errors)
-    table = Table(title="calibration: where auto's choice mattered most (error / minmax's)", title_justify="left")
-    table.add_column("tensor", overflow="fold")
+    table = Table(title="calibration: where auto's choice mattered most (each candidate's error / minmax's; "
+                  "pP = percentile:P)", title_justify="left")
+    table.add_column("tensor", overflow="fold", min_width=24)
     table.add_column("chosen", no_wrap=True)
-    table.add_column("gain", justify="right", no_wrap=True)
+    table.add_column("gain dB", justify="right", no_wrap=True)
     for n in names:
-        table.add_column(n.replace("percentile:", "p"), justify="right", no_wrap=True)
+        table.add_column(_short(n), justify="right", no_wrap=True)
     for r in rows:
         base = r.errors["minmax"] or 1.0
-        table.add_row(r.tensor, r.winner, f"{r.gain_db:+.1f} dB", *(f"{r.errors[n] / base:.3g}" for n in names))
+        table.add_row(r.tensor, _short(r.winner), f"{r.gain_db:+.1f}", *(f"{r.errors[n] / base:.2g}" for n in names))
     _app.out.print(table)
+
+
+def _short(method: str) -> str:
+    """``percentile:99.99`` -> ``p99.99`` (table headers)."""
+    return method.replace("percentile:", "p")
 
 
 def _print_fragile(calibrations: Any) -> None:
