@@ -7,7 +7,7 @@ layout detector) and each calibration method, the recipe's preparation passes ru
 logits SQNR; detector: SQNR per output slice, minimum), the calibration time of the pass, and what auto chose.
 onnxruntime's quantizer is compared in ``bench_qdq.py``; this script compares qgraph's own methods.
 
-    python benchmarks/bench_calib_auto.py [orientation layout] [--cal N] [--eval N]
+    python benchmarks/bench_calib_auto.py [orientation layout] [--cal N] [--eval N] [--time]
 """
 
 from __future__ import annotations
@@ -76,15 +76,40 @@ def bench(name: str, n_cal: int, n_eval: int) -> None:
                   f"  fixed {n_fixed:2d}  {chose}")
 
 
+def time_methods(name: str, n_cal: int, rounds: int = 3) -> None:
+    """Calibration time alone (every float activation, as ``qgraph calibrate``), best of ``rounds`` per method."""
+    import real_models
+
+    from qgraph.calibrate import collect_ranges
+    from qgraph.calibrate.command import float_activations
+
+    model, calibration, _, _ = real_models.load(name, n_cal=n_cal, n_eval=1)
+    names = float_activations(model)
+    print(f"\n## {name}: calibration time, {len(names)} tensors, {n_cal} samples (best of {rounds})")
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for method in METHODS:
+            start = time.perf_counter()
+            collect_ranges(model, names, lambda: iter(calibration), method)
+            best[method] = min(best.get(method, float("inf")), time.perf_counter() - start)
+    hist = min(best[m] for m in ("percentile", "entropy", "mse"))
+    for method, took in best.items():
+        print(f"{method:10} {took:6.2f} s  {took / hist:5.2f}x the fastest histogram method")
+
+
 def main() -> None:
     """Command line (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=["orientation", "layout"])
     ap.add_argument("--cal", type=int, default=16)
     ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--time", action="store_true", help="Only time the calibration of every method.")
     args = ap.parse_args()
     for name in args.models:
-        bench(name, args.cal, args.eval)
+        if args.time:
+            time_methods(name, args.cal)
+        else:
+            bench(name, args.cal, args.eval)
 
 
 if __name__ == "__main__":
