@@ -14,6 +14,7 @@ from qgraph.target import CpuInfo
 
 from .bodies import BodiesOutcome, quantize_bodies
 from .calib import RangeInfo, calibrate, screen
+from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
@@ -97,10 +98,9 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         params: dict[str, ActParams] = {}
         ranges: dict[str, RangeInfo] = {}
         forbidden: dict[str, str] = {}
-        fragile: dict[str, Any] = {}
+        calib_details: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
-            ranges, notes, fragile = calibrate(graph, ctx, plan.roots, cfg)
-            res.notes += notes
+            ranges, calib_details = self._calibrate(graph, ctx, plan.roots, res)
             forbidden = screen(ranges, cfg)
             joins = wide_joins(plan, ranges, cfg)
             res.decisions += list(joins.values())
@@ -146,13 +146,32 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
         res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
         res.details["subgraph_nodes_quantized_static"] = in_bodies.quantized
-        if fragile:
-            res.details["calibration"] = {"method": cfg.activations.method, **fragile}
+        if calib_details:
+            res.details["calibration"] = {"method": cfg.activations.method, **calib_details}
         if wq.adjusted:
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
         if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg, cpu):
             res.details["saturation"] = self._saturation(plan, params, ranges, wq)
         return res
+
+    def _calibrate(
+        self, graph: GraphHandle, ctx: PassContext, roots: list[str], res: PassResult
+    ) -> tuple[dict[str, RangeInfo], dict[str, Any]]:
+        """Calibrated ranges with the bounded ops' known ranges applied; decisions, and the calibration details."""
+        cal = calibrate(graph, ctx, roots, self.config)
+        res.notes += cal.notes
+        details = dict(cal.fragile)
+        auto = auto_summary(cal.measured)
+        if auto is not None:
+            details["auto"] = auto
+            res.decisions.append(auto_decision(auto))
+        ranges = cal.ranges
+        if self.config.activations.fixed_ranges:
+            ranges, fixed = fix_bounded(graph, ranges, cal.overridden)
+            if fixed:
+                details["fixed_ranges"] = fixed
+                res.decisions.append(fixed_decision(fixed))
+        return ranges, details
 
     def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:
         """Raise the model's opset when the options need it (a decision), or fall back to per-tensor weights

@@ -45,18 +45,40 @@ def _scalar_max(v: Any) -> float:
     return float(arr.max() if arr.ndim else arr)
 
 
-def calibrate(
-    graph: GraphHandle, ctx: PassContext, names: list[str], cfg: InsertQDQConfig
-) -> tuple[dict[str, RangeInfo], list[str], dict[str, Any]]:
-    """Ranges of ``names``, notes on where they came from, and where calibration is fragile (for the details)."""
+@dataclass
+class Calibration:
+    """What :func:`calibrate` found: ranges to quantize with, notes on where they came from, where calibration is
+    fragile (for the details), the per-tensor calibrations (``auto``'s choices) and the hand-overridden tensors."""
+
+    ranges: dict[str, RangeInfo]
+    notes: list[str]
+    fragile: dict[str, Any]
+    measured: dict[str, TensorCalibration]
+    overridden: set[str]
+
+
+def observer_options(cfg: InsertQDQConfig) -> dict[str, Any]:
+    """The observer options: the recipe's ``method_options``; ``auto`` and ``mse`` also get the activation grid
+    (``dtype``, ``symmetric``) insert_qdq quantizes with, unless ``method_options`` says otherwise."""
+    opts = dict(cfg.activations.method_options)
+    if cfg.activations.method in ("auto", "mse"):
+        opts.setdefault("dtype", cfg.activations.dtype.value)
+        opts.setdefault("symmetric", cfg.activations.symmetric)
+    return opts
+
+
+def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: InsertQDQConfig) -> Calibration:
+    """Ranges of ``names`` from the ranges file and/or by running the current graph (see :class:`Calibration`)."""
     notes: list[str] = []
     out: dict[str, RangeInfo] = {}
     measured: dict[str, TensorCalibration] = {}
+    overridden: set[str] = set()
     path = ctx.calibration.ranges
     if path:
         # A ranges file computed on another graph is an error, never a silent mismatch.
         rf = read_ranges(path, model_fingerprint(graph.to_onnx()))
         given = rf.ranges()
+        overridden = set(rf.overrides) & set(names)
         for name in names:
             r = given.get(name)
             if r is None:
@@ -70,7 +92,7 @@ def calibrate(
         notes.append(f"ranges of {len(out)}/{len(names)} tensors read from {path}")
     missing = [n for n in names if n not in out]
     if not missing:
-        return out, notes, _fragile(measured)
+        return Calibration(out, notes, _fragile(measured), measured, overridden)
     if ctx.calibration_data is None:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         where = f"the ranges file {path} lacks {len(missing)} of them ({shown})" if path else "no data was given"
@@ -87,7 +109,7 @@ def calibrate(
         missing,
         lambda: batched(data, batch),
         cfg.activations.method,
-        options=dict(cfg.activations.method_options),
+        options=observer_options(cfg),
         progress=ctx.progress("calibrating"),
         robust_percentile=OUTLIER_PERCENTILE if cfg.outliers.skip else None,
     )
@@ -101,7 +123,7 @@ def calibrate(
             _scalar(c.range.rmin), _scalar_max(c.range.rmax), _scalar(c.observed.rmin), _scalar_max(c.observed.rmax),
             c.robust_absmax,
         )
-    return out, notes, _fragile(measured)
+    return Calibration(out, notes, _fragile(measured), measured, overridden)
 
 
 def _fragile(measured: dict[str, TensorCalibration]) -> dict[str, Any]:

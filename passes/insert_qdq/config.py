@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, field_validator, model_validator
 
 from qgraph import NodeSelector, PassConfig
+from qgraph.calibrate import make_observer
 from qgraph.quant import QuantDtype
 from qgraph.target import CpuInfo
 
@@ -162,12 +163,25 @@ class ActivationOptions(PassConfig):
 
     dtype: QuantDtype = Field(default=QuantDtype.UINT8, description="uint8 or int8 (16-bit types need opset 21).")
     symmetric: bool = Field(default=False, description="Symmetric ranges (zero point 0 / 128).")
-    method: Literal["minmax", "percentile", "entropy", "mse"] = Field(
-        default="minmax", description="Calibration method (qgraph.calibrate observers)."
+    method: Literal["minmax", "percentile", "entropy", "mse", "auto"] = Field(
+        default="minmax",
+        description="Calibration method (qgraph.calibrate observers); auto: per tensor, the minmax/percentile/mse/"
+        "entropy range with the smallest expected quantization error on this dtype's grid (one pass).",
     )
     method_options: dict[str, Any] = Field(
         default_factory=dict, description="Observer options, e.g. {percentile: 99.99} or {num_bins: 2048}."
     )
+    fixed_ranges: bool = Field(
+        default=True,
+        description="Outputs of Sigmoid/Softmax/HardSigmoid ([0, 1]) and Tanh ([-1, 1]) use the analytic bound "
+        "where the data reach half of it, and are never clipped below their observed extremes.",
+    )
+
+    @model_validator(mode="after")
+    def _check_method_options(self) -> ActivationOptions:
+        # A typo in method_options fails when the recipe loads, not after the calibration data were read.
+        make_observer(self.method, **self.method_options)
+        return self
 
 
 class OutlierOptions(PassConfig):

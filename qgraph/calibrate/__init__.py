@@ -15,24 +15,28 @@ Plain ``minmax`` is reduced inside onnxruntime (:mod:`qgraph.calibrate.reduce`) 
 what inference costs; the other methods fetch the tensors and fold them in numpy.
 """
 
+from qgraph.calibrate.auto import AutoChoice, AutoObserver
+from qgraph.calibrate.bounded import BOUNDED_OPS, bounded_range
 from qgraph.calibrate.collector import TensorCalibration, collect_ranges, observe
 from qgraph.calibrate.observers import (
-    OBSERVERS,
     EntropyObserver,
     HistogramSummary,
     MinMaxObserver,
     MseObserver,
     Observer,
     PercentileObserver,
-    make_observer,
 )
 from qgraph.calibrate.ranges_file import RangesFile, read_ranges, write_ranges
+from qgraph.calibrate.registry import OBSERVERS, make_observer
 from qgraph.calibrate.robust import ROBUST_PERCENTILE, RobustMagnitude
 from qgraph.calibrate.summary import TensorFragility, fragility, most_fragile
 
 __all__ = [
+    "BOUNDED_OPS",
     "OBSERVERS",
     "ROBUST_PERCENTILE",
+    "AutoChoice",
+    "AutoObserver",
     "EntropyObserver",
     "HistogramSummary",
     "MinMaxObserver",
@@ -43,6 +47,7 @@ __all__ = [
     "RobustMagnitude",
     "TensorCalibration",
     "TensorFragility",
+    "bounded_range",
     "collect_ranges",
     "fragility",
     "make_observer",

@@ -33,9 +33,11 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 
+from qgraph.calibrate.auto import AutoChoice, AutoObserver
 from qgraph.calibrate.feeds import DataLike, Hasher, feeds_of, open_data, run_session, session_inputs
-from qgraph.calibrate.observers import HistogramSummary, MinMaxObserver, Observer, make_observer
+from qgraph.calibrate.observers import HistogramSummary, MinMaxObserver, Observer
 from qgraph.calibrate.reduce import MIN_OPSET, InGraphMinMax, MinMaxState, plan_derivations, resolve_ranges
+from qgraph.calibrate.registry import make_observer
 from qgraph.calibrate.robust import PER_UPDATE, RobustMagnitude
 from qgraph.calibrate.segments import observe_segmented, segmentable
 from qgraph.calibrate.session import (
@@ -66,7 +68,7 @@ class TensorCalibration:
 
     Attributes:
         name: tensor name.
-        method: observer method (``minmax``, ``percentile``, ``entropy``, ``mse``).
+        method: observer method (``minmax``, ``percentile``, ``entropy``, ``mse``, ``auto``).
         axis: channel axis, or ``None`` per tensor.
         range: chosen range (what the quantizer should use).
         observed: exact observed ``[min, max]``.
@@ -77,6 +79,7 @@ class TensorCalibration:
         options: observer options.
         robust_absmax: the ``robust_percentile`` of ``|x|`` (:mod:`qgraph.calibrate.robust`), when asked for;
             ``max|x| / robust_absmax`` is the tensor's outlier ratio.
+        choice: for ``method: auto``, the winning candidate and every candidate's range and expected error.
     """
 
     name: str
@@ -90,6 +93,12 @@ class TensorCalibration:
     histogram: HistogramSummary | None = None
     options: dict[str, Any] = field(default_factory=dict)
     robust_absmax: float | None = None
+    choice: AutoChoice | None = None
+
+    @property
+    def chosen_method(self) -> str:
+        """The method whose range this is: the winning candidate under ``auto``, else ``method``."""
+        return self.choice.winner if self.choice is not None else self.method
 
     @classmethod
     def from_observer(cls, obs: Observer, robust: RobustMagnitude | None = None) -> TensorCalibration:
@@ -106,6 +115,7 @@ class TensorCalibration:
             histogram=obs.histogram_summary(),
             options=obs.options(),
             robust_absmax=robust.value() if robust is not None else None,
+            choice=obs.choice() if isinstance(obs, AutoObserver) else None,
         )
 
 
@@ -142,7 +152,8 @@ def collect_ranges(
         tensor_names: graph inputs or outputs of top-level nodes.
         data: feed dicts ``{input name: array}``, or a zero-argument callable returning them.
             Shapes may vary between feeds (dynamic axes).  Read once.
-        method: ``minmax``, ``percentile``, ``entropy`` or ``mse``.
+        method: ``minmax``, ``percentile``, ``entropy``, ``mse`` or ``auto`` (per tensor, the candidate with
+            the smallest expected quantization error, :mod:`qgraph.calibrate.auto`).
         options: observer options (see :mod:`qgraph.calibrate.observers`).
         per_channel_axes: ``{tensor: axis}`` for per-channel ranges.
         progress: called after each feed with ``(feeds done, total or None)``.

@@ -80,6 +80,9 @@ def calibrate_recipe(
     chosen_method, chosen_options = _method_from_recipe(recipe)
     method = method or chosen_method
     options = {**chosen_options, **(options or {})} if method == chosen_method else dict(options or {})
+    if method in ("auto", "mse"):  # the grid the recipe quantizes activations to decides their ranges
+        for key, value in _activation_grid(recipe).items():
+            options.setdefault(key, value)
     source = open_data_source(spec, samples=samples or recipe.calibration.samples).bind(graph)
     names = float_activations(graph)
     hasher = hashlib.sha256()
@@ -94,6 +97,16 @@ def calibrate_recipe(
         output, calibrations, model_fingerprint=model_fingerprint(graph), data_fingerprint=hasher.hexdigest(),
         method=method, options=options,
     )
+
+
+def _activation_grid(recipe: Recipe) -> dict[str, Any]:
+    """``dtype``/``symmetric`` of the recipe's activation quantization (empty when no pass says)."""
+    for p in recipe.passes:
+        activations = getattr(p.config, "activations", None)
+        if activations is not None and hasattr(activations, "dtype"):
+            dtype = getattr(activations.dtype, "value", activations.dtype)
+            return {"dtype": dtype, "symmetric": bool(getattr(activations, "symmetric", False))}
+    return {}
 
 
 def _method_from_recipe(recipe: Recipe) -> tuple[str, dict[str, Any]]:

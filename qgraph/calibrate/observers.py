@@ -334,7 +334,6 @@ class MseObserver(HistogramObserver):
 
 
 __all__ = [
-    "OBSERVERS",
     "EntropyObserver",
     "HistogramObserver",
     "HistogramSummary",
@@ -342,26 +341,4 @@ __all__ = [
     "MseObserver",
     "Observer",
     "PercentileObserver",
-    "make_observer",
 ]
-
-OBSERVERS: dict[str, type[Observer]] = {
-    cls.method: cls for cls in (MinMaxObserver, PercentileObserver, EntropyObserver, MseObserver)
-}
-
-
-def make_observer(method: str, name: str = "", axis: int | None = None, **options: Any) -> Observer:
-    """Create the observer for ``method`` (``minmax``, ``percentile``, ``entropy``, ``mse``).
-
-    Raises:
-        ValueError: unknown method or option.
-    """
-    try:
-        cls = OBSERVERS[method]
-    except KeyError:
-        known = ", ".join(sorted(OBSERVERS))
-        raise ValueError(f"unknown calibration method {method!r}; choose one of {known}") from None
-    try:
-        return cls(name, axis, **options)
-    except TypeError as exc:
-        raise ValueError(f"invalid options for calibration method {method!r}: {exc}") from None

@@ -8,11 +8,16 @@ Schema, format version 1 (``//`` comments are explanations, not part of the file
       "model_fingerprint": "<sha256 hex>", // qgraph.model_io.model_fingerprint of the float model
       "data_fingerprint": "<hex>" | null,  // qgraph.data.DataSource.fingerprint (same scheme as the
                                            // collector's data_hasher); informational
-      "method": "entropy",                 // minmax | percentile | entropy | mse | mixed
+      "method": "entropy",                 // minmax | percentile | entropy | mse | auto | mixed
       "options": {...},                    // observer options used
       "tensors": {
         "<tensor name>": {
           "method": "entropy",
+          "chosen": null | "mse",          // optional, method auto: the winning candidate (minmax,
+                                           // percentile:99.99, mse, entropy)
+          "candidates": null | {           // optional, method auto: every candidate's range and its
+            "mse": {"min": -2.1, "max": 2.3, "error": 1.7e-5}, ...  // expected squared error per value
+          },
           "axis": null,                    // or the channel axis (then every value below is a list)
           "min": -3.2, "max": 5.1,         // exact observed extremes
           "range": {"min": -3.0, "max": 3.0},  // chosen range (what the quantizer uses)
@@ -51,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from qgraph.calibrate.auto import AutoChoice
 from qgraph.calibrate.collector import TensorCalibration
 from qgraph.calibrate.observers import HistogramSummary
 from qgraph.errors import DataError
@@ -89,9 +95,18 @@ class _Histogram(BaseModel):
     zeros: int = 0
 
 
+class _Candidate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min: float
+    max: float
+    error: float
+
+
 class _Tensor(BaseModel):
     model_config = ConfigDict(extra="forbid")
     method: str
+    chosen: str | None = None
+    candidates: dict[str, _Candidate] | None = None
     axis: int | None = None
     min: Number
     max: Number
@@ -145,8 +160,12 @@ def _val(v: Number) -> float | npt.NDArray[np.float64]:
 
 def _tensor_json(t: TensorCalibration, include_histogram: bool) -> dict[str, Any]:
     h = t.histogram
+    c = t.choice
     return {
         "method": t.method,
+        "chosen": None if c is None else c.winner,
+        "candidates": None if c is None else {
+            n: {"min": c.ranges[n][0], "max": c.ranges[n][1], "error": e} for n, e in c.errors.items()},
         "axis": t.axis,
         "min": _num(t.observed.rmin),
         "max": _num(t.observed.rmax),
@@ -251,4 +270,12 @@ def _calibration(name: str, t: _Tensor) -> TensorCalibration:
         num_updates=t.num_updates,
         histogram=None if h is None else HistogramSummary(h.kind, h.bin_width, h.first_bin, tuple(h.counts), h.zeros),
         robust_absmax=t.robust_absmax,
+        choice=_choice(t),
     )
+
+
+def _choice(t: _Tensor) -> AutoChoice | None:
+    if t.chosen is None or not t.candidates or t.chosen not in t.candidates or "minmax" not in t.candidates:
+        return None
+    return AutoChoice(t.chosen, {n: c.error for n, c in t.candidates.items()},
+                      {n: (c.min, c.max) for n, c in t.candidates.items()})

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qgraph.calibrate.histogram import HistogramRow
+from qgraph.quant import QuantSpec, compute_scale_zero_point
 
 F64 = npt.NDArray[np.float64]
 
@@ -226,3 +227,56 @@ def _count_below(row: HistogramRow, t: F64) -> F64:
 
 def _count_at_or_below(row: HistogramRow, t: F64) -> F64:
     return row.total - _count_above(row, t)
+
+
+def expected_error(row: HistogramRow, lo: F64, hi: F64, spec: QuantSpec) -> F64:
+    """Expected squared fake-quant error ``E[(x - Q(x))**2]`` of a signed row for candidate ranges ``[lo_k, hi_k]``.
+
+    Each range goes through :func:`qgraph.quant.compute_scale_zero_point` with ``spec`` (the exact grid
+    insert_qdq will use: scale ``s``, zero point ``z``), so ``Q(x) = s * clip(round(x / s), L, U)`` with
+    ``L = qmin - z``, ``U = qmax - z``.  With ``a = L s`` and ``b = U s`` the error is
+    ``e(x) = x - a`` below ``a``, ``x - b`` above ``b`` and the rounding sawtooth ``s * (y - round(y))``,
+    ``y = x / s``, between.  Values are taken uniform inside each bin (the end bins clamped to the observed
+    ``[lo, hi]``), so a bin ``[u, v)`` holding ``h`` values contributes ``h * (Phi(v) - Phi(u)) / (v - u)``
+    with the continuous antiderivative ``Phi`` of ``e**2``:
+
+    * ``Phi(x) = (x - a)**3 / 3`` for ``x <= a``;
+    * ``Phi(x) = s**3 * (H(x / s) - H(L))`` on ``[a, b]``, ``H(y) = n / 12 + r**3 / 3 + 1 / 24`` with
+      ``n = floor(y + 1/2)``, ``r = y - n`` (the integral of the squared sawtooth, ``1/12`` per period);
+    * ``Phi(x) = Phi(b) + (x - b)**3 / 3`` for ``x >= b``.
+
+    Exact zeros contribute nothing (0 is on every grid); the sum is divided by all ``N`` values.  A
+    zero-width bin (single-valued data) contributes ``h * e(u)**2``.  Returns one error per candidate.
+    """
+    lo_a, hi_a = np.atleast_1d(np.asarray(lo, np.float64)), np.atleast_1d(np.asarray(hi, np.float64))
+    if row.total == 0:
+        return np.zeros(lo_a.shape)
+    scale32, zp = compute_scale_zero_point(lo_a, hi_a, spec)
+    s = scale32.astype(np.float64)[:, None]
+    qmin, qmax = spec.qrange
+    low = (qmin - zp.astype(np.float64))[:, None]
+    up = (qmax - zp.astype(np.float64))[:, None]
+    nz = row.without_zeros()
+    edges = np.clip(nz.edges(), row.lo, row.hi)[None, :]
+    phi = _error_antiderivative(edges, s, low, up)
+    width = edges[:, 1:] - edges[:, :-1]
+    h = nz.counts.astype(np.float64)[None, :]
+    point = (edges[:, :-1] - s * np.clip(np.rint(edges[:, :-1] / s), low, up)) ** 2
+    per_bin = np.where(width > 0, (phi[:, 1:] - phi[:, :-1]) / np.where(width > 0, width, 1.0), point)
+    return np.asarray(np.sum(h * np.maximum(per_bin, 0.0), axis=1) / row.total, dtype=np.float64)
+
+
+def _error_antiderivative(x: F64, s: F64, low: F64, up: F64) -> F64:
+    """``Phi(x)`` of :func:`expected_error` (broadcast over candidates x points)."""
+    a, b = low * s, up * s
+
+    def saw(y: F64) -> F64:
+        n = np.floor(y + 0.5)
+        r = y - n
+        return n / 12.0 + r**3 / 3.0 + 1.0 / 24.0
+
+    base = saw(low)
+    inner = s**3 * (saw(np.clip(x, a, b) / s) - base)
+    below = np.minimum(x - a, 0.0) ** 3 / 3.0
+    above = np.maximum(x - b, 0.0) ** 3 / 3.0
+    return np.asarray(inner + below + above, dtype=np.float64)

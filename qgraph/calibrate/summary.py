@@ -10,6 +10,7 @@ Two numbers per tensor, both from a single calibration run:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,7 +46,7 @@ def fragility(c: TensorCalibration) -> TensorFragility:
     if c.robust_absmax is not None:
         ratio = absmax / c.robust_absmax if c.robust_absmax > 0 else (1.0 if absmax == 0 else float("inf"))
     return TensorFragility(
-        c.name, c.method, float(np.min(c.range.rmin)), float(np.max(c.range.rmax)), lo, hi,
+        c.name, c.chosen_method, float(np.min(c.range.rmin)), float(np.max(c.range.rmax)), lo, hi,
         float(c.clip_fraction), ratio,
     )
 
@@ -59,3 +60,23 @@ def most_fragile(calibrations: Mapping[str, TensorCalibration], top: int = 10) -
         (r for r in rows if r.outlier_ratio is not None), key=lambda r: (-(r.outlier_ratio or 0.0), r.tensor)
     )
     return {"most_clipped": clipped[:top], "largest_outlier_ratio": outliers[:top]}
+
+
+@dataclass(frozen=True)
+class AutoRow:
+    """``method: auto`` on one tensor: the winner, its gain over minmax, every candidate's expected error."""
+
+    tensor: str
+    winner: str
+    gain_db: float
+    errors: dict[str, float]
+
+
+def auto_table(calibrations: Mapping[str, TensorCalibration], top: int = 10) -> tuple[dict[str, int], list[AutoRow]]:
+    """Tensors per method ``auto`` chose (most frequent first), and the ``top`` tensors where the choice mattered
+    most (largest ``gain_db``); both empty when no tensor was calibrated with ``auto``."""
+    chosen = [(n, c.choice) for n, c in calibrations.items() if c.choice is not None]
+    counts = dict(Counter(ch.winner for _, ch in chosen).most_common())
+    rows = [AutoRow(n, ch.winner, ch.gain_db, dict(ch.errors)) for n, ch in chosen]
+    rows.sort(key=lambda r: (-r.gain_db, r.tensor))
+    return counts, rows[:top]

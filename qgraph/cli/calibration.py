@@ -24,7 +24,7 @@ from qgraph.errors import UsageError
 from qgraph.outputs import check_output, check_outputs
 
 #: Calibration methods `qgraph calibrate --method` accepts.
-METHODS = ("minmax", "percentile", "entropy", "mse")
+METHODS = ("minmax", "percentile", "entropy", "mse", "auto")
 
 
 @app.command()
@@ -35,7 +35,8 @@ def calibrate(
     calibration_data: Annotated[
         str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
     ] = None,
-    method: Annotated[str | None, typer.Option(help="minmax | percentile | entropy | mse (default: the recipe's).")
+    method: Annotated[str | None, typer.Option(help="minmax | percentile | entropy | mse | auto "
+                                                      "(default: the recipe's).")
                       ] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="Read at most N samples "
                                                 "(default: the recipe's calibration.samples, 1024 unless set).")
@@ -60,7 +61,36 @@ def calibrate(
         path = calibrate_recipe(rec, model, calibration_data, output, method=method, progress=on_progress,
                                 on_result=seen.append, samples=samples)
     _print_fragile(seen[0] if seen else {})
+    _print_auto(seen[0] if seen else {})
     say(f"wrote {path}")
+
+
+def _print_auto(calibrations: Any) -> None:
+    """``--method auto``: tensors per winning method, and the tensors where the choice mattered most with every
+    candidate's expected error (relative to minmax's)."""
+    from qgraph.calibrate.summary import auto_table
+
+    counts, rows = auto_table(calibrations)
+    if not rows:
+        return
+    _app.out.print("method auto chose: " + ", ".join(f"{m} {k}" for m, k in counts.items()))
+    names = list(rows[0].errors)
+    table = Table(title="calibration: where auto's choice mattered most (each candidate's error / minmax's; "
+                  "pP = percentile:P)", title_justify="left")
+    table.add_column("tensor", overflow="fold", min_width=24)
+    table.add_column("chosen", no_wrap=True)
+    table.add_column("gain dB", justify="right", no_wrap=True)
+    for n in names:
+        table.add_column(_short(n), justify="right", no_wrap=True)
+    for r in rows:
+        base = r.errors["minmax"] or 1.0
+        table.add_row(r.tensor, _short(r.winner), f"{r.gain_db:+.1f}", *(f"{r.errors[n] / base:.2g}" for n in names))
+    _app.out.print(table)
+
+
+def _short(method: str) -> str:
+    """``percentile:99.99`` -> ``p99.99`` (table headers)."""
+    return method.replace("percentile:", "p")
 
 
 def _print_fragile(calibrations: Any) -> None:

@@ -14,8 +14,8 @@ from qgraph.calibrate.observers import (
     MinMaxObserver,
     MseObserver,
     PercentileObserver,
-    make_observer,
 )
+from qgraph.calibrate.registry import make_observer
 from qgraph.calibrate.search import kl_divergences, mse_asymmetric
 from qgraph.errors import DataError
 from qgraph.quant import QuantSpec, compute_scale_zero_point

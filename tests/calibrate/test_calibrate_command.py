@@ -74,3 +74,26 @@ def test_calibrate_reports_where_calibration_is_fragile(
     assert all(t.robust_absmax is not None and t.robust_absmax >= 0 for t in tensors.values())
     worst = max(tensors.values(), key=lambda t: t.clip_fraction)
     assert worst.clip_fraction > 0 and worst.name in printed
+
+
+def test_calibrate_auto_prints_and_records_the_chosen_methods(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rich.console import Console
+
+    monkeypatch.setattr("qgraph.cli._app.out", Console(width=250))
+    out = tmp_path / "ranges.json"
+    assert main(["calibrate", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(out),
+                 "--calibration-data", str(DIGITS / "calibration.npz"), "--method", "auto"]) == 0
+    printed = capsys.readouterr().out
+    assert "method auto chose:" in printed and "where auto's choice mattered most" in printed
+    doc = read_ranges(out)
+    assert doc.method == "auto"
+    chosen = [t.choice for t in doc.tensors.values()]
+    assert all(c is not None for c in chosen)
+    assert doc.options["dtype"] == "uint8" and doc.options["symmetric"] is False  # the recipe's activation grid
+    best = max(doc.tensors.values(), key=lambda t: t.choice.gain_db)  # type: ignore[union-attr]
+    assert best.name in printed and best.chosen_method.replace("percentile:", "p") in printed
+    for t in doc.tensors.values():
+        c = t.choice
+        assert c is not None and (float(t.range.rmin), float(t.range.rmax)) == c.ranges[c.winner]

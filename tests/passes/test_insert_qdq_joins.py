@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -70,3 +72,56 @@ def test_similar_ranges_stay_quantized(box_scale: float) -> None:
     assert not any("left float" in d for d in res.records[0].result.decisions)
     cat = next(n for n in res.model.graph.node if n.op_type == "Concat")
     assert any(n.op_type == "QuantizeLinear" and cat.output[0] in n.input for n in res.model.graph.node)
+
+
+BINARY_JOINS = """
+<ir_version: 8, opset_import: ["" : 17]>
+joins (float[1, 8, 16, 16] x) => (float[1, 8, 16, 16] gated, float[1, 8, 16, 16] summed) {
+    wide = Conv <pads = [1, 1, 1, 1]> (x, ww, bw)
+    narrow = Conv <pads = [1, 1, 1, 1]> (x, wn, bn)
+    gate = Sigmoid (narrow)
+    small = Mul (gate, tiny)
+    gated = Mul (wide, small)
+    summed = Add (wide, narrow)
+}
+"""
+
+
+def _fused_ops(model: onnx.ModelProto, tmp_path: Path) -> dict[str, onnx.NodeProto]:
+    """The graph onnxruntime runs (after its QDQ fusions), by first output."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return {n.output[0]: n for n in onnx.load(so.optimized_model_filepath).graph.node}
+
+
+def test_add_and_mul_keep_each_input_scale(tmp_path: Path) -> None:
+    """Why joins.py leaves Add/Mul alone: unlike a Concat, onnxruntime's QLinearAdd/QLinearMul take a scale and zero
+    point per input (A_scale, B_scale), so a narrow input (a gate in [0, 0.01], a small residual branch) keeps its own
+    grid next to a wide one. Measured: the fused kernels exist with input scales 100x apart, and the gated output is
+    as accurate as the narrow input's own grid allows, where one shared scale would round every gate to zero."""
+    rng = np.random.default_rng(3)
+    model = with_weights(BINARY_JOINS, {
+        "ww": rng.normal(0, 3.0, (8, 8, 3, 3)).astype(np.float32), "bw": np.zeros(8, np.float32),
+        "wn": rng.normal(0, 0.05, (8, 8, 3, 3)).astype(np.float32), "bn": np.zeros(8, np.float32),
+        "tiny": np.array(0.01, np.float32),
+    })
+    res = quantize(model, feeds_for(model, 8), preset="ort-x86-vnni")
+    assert not any("left float" in d for d in res.records[0].result.decisions)
+    fused = _fused_ops(res.model, tmp_path)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(tmp_path / "optimized.onnx").graph.initializer}
+    ratios: dict[str, float] = {}
+    for node in fused.values():
+        if node.op_type in ("QLinearAdd", "QLinearMul") and node.input[1] in inits and node.input[4] in inits:
+            a_scale, b_scale = float(inits[node.input[1]]), float(inits[node.input[4]])
+            ratios[node.op_type] = max(ratios.get(node.op_type, 0.0), max(a_scale, b_scale) / min(a_scale, b_scale))
+    assert ratios.get("QLinearAdd", 0) > 50 and ratios.get("QLinearMul", 0) > 50, ratios  # own scale per input
+    ref, got = [], []
+    for feed in feeds_for(model, 4, seed=9):
+        ref.append(run(model, feed)[0])
+        got.append(run(res.model, feed)[0])
+    r, g = np.concatenate(ref), np.concatenate(got)
+    assert _sqnr(r, g) > 25  # a shared scale (wide's, ~100x the gate's range) would leave the gate 0 or 1 code
