@@ -2,17 +2,18 @@
 
 Model. Quantization noise injected at different nodes is uncorrelated and, relative to the signal it rides
 on, passes through the layers after it roughly unchanged, so each graph output's noise ratio is a sum over the
-nodes that reach it: ``η_o ∝ Σ_{n → o} η_n`` (``η_n`` from `qgraph.sensitivity.probe`). The constant is fixed by
+nodes that reach it: ``η_o ∝ Σ_n κ_n,o η_n`` (``η_n`` and the output weights ``κ`` from
+`qgraph.sensitivity.probe`; ``κ`` discounts branches that merge into larger signals). The constant is fixed by
 the INT8 model's measured output noise ``η_o`` (from its SQNR), so with the nodes ``S`` back in float
 
-    f_o(S) = Σ_{n → o, n ∉ S} η_n / Σ_{n → o} η_n
+    f_o(S) = Σ_{n ∉ S} κ_n,o η_n / Σ_n κ_n,o η_n
     SQNR_o(S) = SQNR_o - 10 log10 f_o(S)
     cosine_o(S) = 1 / sqrt(1 + (1/cosine_o² - 1) · f_o(S))
 
 and the target's score is the smallest over the outputs (user metrics have no prediction: NaN).
 
-`order` ranks the nodes for the search: greedy on the worst predicted output (take the largest ``η_n`` among
-the nodes reaching the output whose predicted SQNR is lowest, update the sums, repeat): O(N · outputs + N log N).
+`order` ranks the nodes for the search: greedy on the worst predicted output (take the largest ``κ_n,o η_n``
+for the output ``o`` whose predicted SQNR is lowest, update the sums, repeat): O(N · outputs + N log N).
 """
 
 from __future__ import annotations
@@ -33,18 +34,20 @@ class NoiseModel:
 
     def __init__(self, errors: dict[str, LocalError], baseline: Sequence[TensorDiff]) -> None:
         self.errors = errors
+        # Output-referred local noise: η_n · κ_n,o (`probe.output_weights`).
         self.eta = {n: min(e.eta, ETA_CAP) for n, e in errors.items()}
+        self.contrib = {n: [self.eta[n] * k for k in e.weights] for n, e in errors.items()}
         self.sqnr = [d.sqnr_db for d in baseline]
         self.cosine = [d.cosine for d in baseline]
         self.outputs = [o for o, d in enumerate(baseline) if not math.isnan(d.sqnr_db)]
         self.total = [0.0] * len(baseline)
-        for n, eta in self.eta.items():
+        for n in self.eta:
             for o in self._bits(n):
-                self.total[o] += eta
+                self.total[o] += self.contrib[n][o]
 
     def _bits(self, name: str) -> list[int]:
-        mask = self.errors[name].reach
-        return [o for o in self.outputs if mask >> o & 1]
+        w = self.contrib[name]
+        return [o for o in self.outputs if o < len(w) and w[o] > 0]
 
     def _output_score(self, target: Target, o: int, remaining: float) -> float:
         f = remaining / self.total[o] if self.total[o] > 0 else 1.0
@@ -68,13 +71,14 @@ class NoiseModel:
         """Predicted gain of the target score with only ``name`` back in float."""
         rem = list(self.total)
         for o in self._bits(name):
-            rem[o] -= self.eta[name]
+            rem[o] -= self.contrib[name][o]
         return target.gain(self.score(target, rem), self.score(target, self.total))
 
     def order(self) -> list[str]:
         """Every node, in the order the search falls them back (see module docs)."""
         by_eta = sorted(self.eta, key=lambda n: -self.eta[n])
-        lists = {o: [n for n in by_eta if self.errors[n].reach >> o & 1] for o in self.outputs}
+        lists = {o: sorted((n for n in by_eta if o in self._bits(n)), key=lambda n: -self.contrib[n][o])
+                 for o in self.outputs}
         ptr = dict.fromkeys(self.outputs, 0)
         rem = list(self.total)
         chosen: set[str] = set()
@@ -86,7 +90,7 @@ class NoiseModel:
                 items = lists[o]
                 while ptr[o] < len(items) and items[ptr[o]] in chosen:
                     ptr[o] += 1
-                if ptr[o] < len(items) and self.eta[items[ptr[o]]] > 0:
+                if ptr[o] < len(items) and self.contrib[items[ptr[o]]][o] > 0:
                     s = self._output_score(sqnr, o, rem[o])
                     if s < worst_score or worst is None:
                         worst, worst_score = o, s
@@ -96,7 +100,7 @@ class NoiseModel:
             chosen.add(name)
             out.append(name)
             for o in self._bits(name):
-                rem[o] -= self.eta[name]
+                rem[o] -= self.contrib[name][o]
         return out + [n for n in by_eta if n not in chosen]
 
     def prefix_scores(self, target: Target, order: Sequence[str]) -> list[float]:
@@ -106,6 +110,6 @@ class NoiseModel:
         for name in order:
             if name in self.eta:
                 for o in self._bits(name):
-                    rem[o] -= self.eta[name]
+                    rem[o] -= self.contrib[name][o]
             scores.append(self.score(target, rem))
         return scores

@@ -14,7 +14,8 @@ The local noise ratio ``η_n = err_n / sig_n`` (local SQNR ``-10 log10 η_n``) i
 injects when everything upstream is exact. Cost: one session and one pass over the evaluation data, whatever
 the number of nodes; per node, a constant number of extra graph nodes.
 
-``reach`` gives, for every node, the graph outputs it can influence (a bit mask per node, one reverse walk).
+`output_weights` gives, for every node, how much of its relative error reaches each graph output (one reverse
+walk, with the signal power of the inputs and outputs of merging ops measured in the same run).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 import onnxruntime as ort
@@ -35,6 +36,9 @@ from qgraph.fallback import fall_back, quantized_nodes
 from qgraph.qdq import is_dequantize, is_quantize
 
 PREFIX = "qgraph_local/"
+OUT_PREFIX = "qgraph_local_out/"  # copies of a node's own output pairs (the same Q may also start a chain)
+#: Ops where branches merge: a branch's relative error is diluted by the other inputs' signal (`output_weights`).
+MERGE_OPS = frozenset({"Add", "Sub", "Sum", "Concat"})
 StepProgress = Callable[[int, int | None], None]
 
 
@@ -45,7 +49,12 @@ class LocalError:
     name: str
     err: float = 0.0
     sig: float = 0.0
-    reach: int = 0  # bit i set: the node can change graph output i
+    weights: list[float] = field(default_factory=list)  # κ per graph output (see `output_weights`); 0: unreached
+
+    @property
+    def reach(self) -> int:
+        """Bit mask of the graph outputs this node can change."""
+        return sum(1 << o for o, k in enumerate(self.weights) if k > 0)
 
     @property
     def eta(self) -> float:
@@ -70,6 +79,7 @@ class Probe:
     model: onnx.ModelProto
     outputs: dict[str, list[tuple[str, str]]]
     skipped: dict[str, str]  # node -> why it has no local measure
+    powers: dict[str, str]  # tensor -> output holding Σ t² (inputs and outputs of merging ops)
 
 
 def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
@@ -118,17 +128,22 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str]) -> Probe:
         groups[name] = nodes + reductions
         outputs[name] = names_out
     ordered: list[onnx.NodeProto] = list(ctx.constants)
+    powers: dict[str, str] = {}
     for node in f.graph.node:
         ordered.append(node)
         ordered.extend(groups.pop(node.name, []))
+        if node.op_type in MERGE_OPS and node.domain in ("", "ai.onnx"):
+            for t in [*node.input, *node.output]:
+                if t and t not in powers:
+                    powers[t] = f"{PREFIX}power/{len(powers)}"
+                    ordered += [helper.make_node("Cast", [t], [powers[t] + "/f"], to=TensorProto.FLOAT),
+                                helper.make_node("ReduceSumSquare", [powers[t] + "/f"], [powers[t]], keepdims=0)]
     del f.graph.node[:]
     f.graph.node.extend(ordered)
     f.graph.initializer.extend(ctx.initializers)
-    for pairs in outputs.values():
-        for err, sig in pairs:
-            f.graph.output.extend([helper.make_value_info(err, onnx.TypeProto()),
-                                   helper.make_value_info(sig, onnx.TypeProto())])
-    return Probe(f, outputs, skipped)
+    fetch = [t for pairs in outputs.values() for pair in pairs for t in pair] + list(powers.values())
+    f.graph.output.extend(helper.make_value_info(t, onnx.TypeProto()) for t in fetch)
+    return Probe(f, outputs, skipped, powers)
 
 
 class _NoProbe(Exception):
@@ -227,9 +242,9 @@ class _Builder:
                     qc, dqc = onnx.NodeProto(), onnx.NodeProto()
                     qc.CopyFrom(q)
                     dqc.CopyFrom(dq)
-                    qc.name, dqc.name = PREFIX + q.name, PREFIX + dq.name
-                    qc.input[0], qc.output[0] = y_copy, PREFIX + q.output[0]
-                    dqc.input[0], dqc.output[0] = qc.output[0], PREFIX + dq.output[0]
+                    qc.name, dqc.name = OUT_PREFIX + q.name, OUT_PREFIX + dq.name
+                    qc.input[0], qc.output[0] = y_copy, OUT_PREFIX + q.output[0]
+                    dqc.input[0], dqc.output[0] = qc.output[0], OUT_PREFIX + dq.output[0]
                     for t in [*qc.input[1:], *dqc.input[1:]]:
                         self._need(t)
                     tail.extend([qc, dqc])
@@ -254,19 +269,38 @@ def _reductions(p: str, pairs: list[tuple[str, str]]) -> tuple[list[onnx.NodePro
     return nodes, names
 
 
-def reach(model: onnx.ModelProto) -> dict[str, int]:
-    """Per node name, a bit mask of the graph outputs (by position) it can change: one reverse walk."""
-    masks: dict[str, int] = {o.name: 1 << i for i, o in enumerate(model.graph.output)}
-    out: dict[str, int] = {}
+def output_weights(model: onnx.ModelProto, power: dict[str, float]) -> dict[str, list[float]]:
+    """Per node, ``κ_o``: how much of a relative error on its output reaches graph output ``o`` (one reverse walk).
+
+    Relative error passes through an op unchanged, except where branches merge (Add, Sub, Sum, Concat): there
+    an input's absolute error joins a larger signal, so its relative error is scaled by ``P_in / P_out``
+    (``P``: sum of squares over the evaluation data, when measured). Errors reaching an output along several
+    paths add. Graph output ``o`` has ``κ_o = 1``; a node that cannot reach ``o`` has ``κ_o = 0``.
+    """
+    n_out = len(model.graph.output)
+    kappa: dict[str, list[float]] = {}
+    for o, out in enumerate(model.graph.output):
+        kappa.setdefault(out.name, [0.0] * n_out)[o] = 1.0
+    result: dict[str, list[float]] = {}
     for node in reversed(model.graph.node):
-        m = 0
+        k = [0.0] * n_out
         for t in node.output:
-            m |= masks.get(t, 0)
-        out[node.name] = m
-        if m:
-            for t in node.input:
-                masks[t] = masks.get(t, 0) | m
-    return out
+            for o, v in enumerate(kappa.get(t, ())):
+                k[o] = max(k[o], v)
+        result[node.name] = k
+        if not any(k):
+            continue
+        merge = node.op_type in MERGE_OPS and node.output and node.output[0] in power
+        for t in node.input:
+            if not t:
+                continue
+            scale = 1.0
+            if merge and t in power and power[node.output[0]] > 0:
+                scale = min(1.0, power[t] / power[node.output[0]])
+            acc = kappa.setdefault(t, [0.0] * n_out)
+            for o in range(n_out):
+                acc[o] += k[o] * scale
+    return result
 
 
 def local_errors(
@@ -283,11 +317,14 @@ def local_errors(
     Stops after the batch during which ``deadline`` (``time.monotonic()``) passes: the sums then cover fewer
     samples, which still ranks every node (at least one batch always runs)."""
     probe = build_probe(qdq, names)
-    masks = reach(qdq)
-    errors = {n: LocalError(n, reach=masks.get(n, 0)) for n in probe.outputs}
-    fetch = [t for pairs in probe.outputs.values() for pair in pairs for t in pair]
-    if not fetch:
+    errors = {n: LocalError(n) for n in probe.outputs}
+    fetch = [t for pairs in probe.outputs.values() for pair in pairs for t in pair] + list(probe.powers.values())
+    if not probe.outputs:
         return errors, probe.skipped, 0
+    structure = onnx.ModelProto()  # the float model's wiring, for `output_weights` (no weights kept)
+    structure.graph.node.extend(n for n in probe.model.graph.node if not n.name.startswith(PREFIX))
+    structure.graph.output.extend(qdq.graph.output)
+    power = dict.fromkeys(probe.powers, 0.0)
     session = make_session(probe.model, optimization=optimization, mem_pattern=False)
     del probe.model  # the session holds its own copy of the weights
     done = 0
@@ -298,10 +335,15 @@ def local_errors(
             for err, sig in pairs:
                 e.err += float(values[err])
                 e.sig += float(values[sig])
+        for t, out in probe.powers.items():
+            power[t] += float(values[out])
         done += 1
         if progress is not None:
             progress(done, len(batches))
         if deadline is not None and time.monotonic() > deadline:
             break
     del session
+    weights = output_weights(structure, power)
+    for name, e in errors.items():
+        e.weights = weights.get(name, [])
     return errors, probe.skipped, done

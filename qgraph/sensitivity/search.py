@@ -305,7 +305,7 @@ class _Run:
 
 
 class _PrefixSearch:
-    """Doubling then bisection over ranked prefix sizes (see module docs)."""
+    """Corrected-prediction (secant) steps, doubling and bisection over ranked prefix sizes (see module docs)."""
 
     def __init__(self, evaluator: Evaluator, target: Target, threshold: float, base: Sequence[str],
                  order: Sequence[str], cap: int, run: _Run, jobs: int) -> None:
@@ -337,42 +337,64 @@ class _PrefixSearch:
                 report(len(self.steps), None)
         return len(measured) == len(todo)
 
-    def run_rounds(self, first: int) -> tuple[int | None, int, str]:
-        """Doubling from ``first``: (smallest size met, largest size failed below it, stop reason)."""
-        lo, m = 0, first
-        while True:
-            sizes = [min(self.cap, m << k) for k in range(self.jobs)]
-            if not self._evaluate(sizes):
-                return None, lo, f"max_time ({self.clock.max_time:g} s) reached"
-            met = [s for s in sorted(set(sizes)) if self._met(s)]
-            if met:
-                return met[0], max([s for s in self.scores if s < met[0] and not self._met(s)], default=0), ""
-            lo = max(sizes)
-            if lo >= self.cap:
-                return None, lo, ""
-            m = lo * 2
+    def _eta(self, score: float) -> float:
+        """Output noise ratio behind a score (SQNR or cosine); NaN for user metrics."""
+        if self.target.kind == "sqnr":
+            return 0.0 if score == math.inf else 10.0 ** (-score / 10.0)
+        if self.target.kind == "cosine":
+            return 1.0 / (score * score) - 1.0 if score > 0 else math.inf
+        return math.nan
+
+    def _propose(self, lo: int, hi: int | None, predicted: list[float], secant: bool) -> int:
+        """Next prefix size: the noise model's prediction corrected on two measured prefixes, else
+        doubling (no prefix met yet) or bisection."""
+        fallback = min(self.cap, max(1, 2 * lo)) if hi is None else (lo + hi) // 2
+        if not secant or len(predicted) <= self.cap or self.target.kind == "metric":
+            return fallback
+        pred = [self._eta(p) for p in predicted]
+        m1, m2 = (lo, hi) if hi is not None else (0, lo)
+        e1, e2 = self._eta(self.scores[m1]), self._eta(self.scores[m2])
+        if m1 == m2 or pred[m1] == pred[m2]:
+            a, c = (e1 / pred[m1] if pred[m1] > 0 else 1.0), 0.0
+        else:  # measured = a · predicted + c through both points (c: noise no fallback removes)
+            a = (e1 - e2) / (pred[m1] - pred[m2])
+            c = e1 - a * pred[m1]
+        if not (a > 0 and math.isfinite(a) and math.isfinite(c)):
+            return fallback
+        need = (self._eta(self.threshold) - c) / a
+        top = self.cap if hi is None else hi - 1
+        m = next((k for k in range(lo + 1, top + 1) if pred[k] <= need), top)
+        return max(lo + 1, min(m, top))
 
     def run(self, predicted: list[float], max_nodes: int | None) -> tuple[int, str]:
         """The chosen prefix size (0: none) and why the search stopped."""
         if self.cap == 0:
             return 0, f"max_nodes ({max_nodes}) reached" if max_nodes is not None else "no candidate to fall back"
-        first = next((m for m in range(1, len(predicted)) if self.target.met(predicted[m], self.threshold)), None)
-        hi, lo, reason = self.run_rounds(first if first is not None else 1)
-        while hi is not None and hi - lo > 1 and not reason:
-            step = (hi - lo) / (self.jobs + 1)
-            mids = sorted({lo + max(1, round(step * (k + 1))) for k in range(self.jobs)} - {hi})
-            if not self._evaluate(mids):
-                reason = f"max_time ({self.clock.max_time:g} s) reached"
-                break
-            met = [m for m in mids if self._met(m)]
-            hi = min(met, default=hi)
-            lo = max([m for m in mids if m < hi and not self._met(m)], default=lo)
-        if not reason and hi is None:
-            if self.cap < len(self.order):
-                reason = f"max_nodes ({max_nodes}) reached"
-            else:
-                reason = "every candidate is in float"
-        return self._best(), reason or "target met"
+        lo, hi = 0, None
+        secant, width = True, self.cap + 1
+        while hi is None or hi - lo > 1:
+            if hi is None and lo >= self.cap:
+                return self._best(), (f"max_nodes ({max_nodes}) reached" if self.cap < len(self.order)
+                                      else "every candidate is in float")
+            first = self._propose(lo, hi, predicted, secant)
+            if not self._evaluate([first, *self._spread(lo, hi, first)]):
+                return self._best(), f"max_time ({self.clock.max_time:g} s) reached"
+            met = sorted(m for m in self.scores if m and self._met(m))
+            hi = met[0] if met else None
+            lo = max((m for m in self.scores if not self._met(m) and (hi is None or m < hi)), default=0)
+            new_width = (hi if hi is not None else self.cap + 1) - lo
+            secant = new_width <= width // 2 or hi is None  # the correction keeps halving the bracket, else bisect
+            width = new_width
+        return self._best(), "target met"
+
+    def _spread(self, lo: int, hi: int | None, first: int) -> list[int]:
+        """With ``jobs`` > 1, the other prefixes evaluated in the same round: doubling or evenly in the bracket."""
+        if self.jobs <= 1:
+            return []
+        if hi is None:
+            return [min(self.cap, first << k) for k in range(1, self.jobs)]
+        step = (hi - lo) / self.jobs
+        return [lo + max(1, round(step * k)) for k in range(1, self.jobs)]
 
     def _best(self) -> int:
         met = [m for m in self.scores if m and self._met(m)]
