@@ -21,9 +21,11 @@ walk, with the signal power of the inputs and outputs of merging ops measured in
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx
 import onnxruntime as ort
@@ -33,6 +35,7 @@ from qgraph import GraphHandle
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 from qgraph.fallback import fall_back, quantized_nodes
+from qgraph.model_io import save_model
 from qgraph.qdq import is_dequantize, is_quantize
 
 PREFIX = "qgraph_local/"
@@ -303,6 +306,22 @@ def output_weights(model: onnx.ModelProto, power: dict[str, float]) -> dict[str,
     return result
 
 
+#: Probe models larger than this go to onnxruntime through a file with external data (no in-memory bytes copy).
+FILE_BYTES = 32 << 20
+
+
+def _session(probe: Probe, optimization: ort.GraphOptimizationLevel) -> ort.InferenceSession:
+    """The probe's session; the proto is released first, so its weights are held once (by the session)."""
+    model = probe.model
+    probe.model = onnx.ModelProto()
+    if model.ByteSize() < FILE_BYTES:
+        return make_session(model, optimization=optimization, mem_pattern=False)
+    with tempfile.TemporaryDirectory(prefix="qgraph_probe_") as tmp:
+        path = save_model(model, Path(tmp) / "probe.onnx", external_data=True)
+        del model
+        return make_session(path, optimization=optimization, mem_pattern=False)
+
+
 def local_errors(
     qdq: onnx.ModelProto,
     batches: Sequence[Feed],
@@ -325,8 +344,7 @@ def local_errors(
     structure.graph.node.extend(n for n in probe.model.graph.node if not n.name.startswith(PREFIX))
     structure.graph.output.extend(qdq.graph.output)
     power = dict.fromkeys(probe.powers, 0.0)
-    session = make_session(probe.model, optimization=optimization, mem_pattern=False)
-    del probe.model  # the session holds its own copy of the weights
+    session = _session(probe, optimization)
     done = 0
     for feed in batches:
         values = dict(zip(fetch, session_run(session, fetch, feed), strict=True))

@@ -6,11 +6,12 @@ Stages (each timed, reported and shown as a progress bar):
    INT8 model meets the target, stop.
 2. **ranking**: one paired run ranks every candidate (`sensitivity.ranking.rank_nodes`), O(1) evaluations; the
    first ``exact_top`` are optionally measured exactly (one evaluation each).
-3. **search** on prefixes ``P_m`` (the first ``m`` ranked nodes in float), full evaluations only:
-   start at the smallest ``m`` the noise model predicts to meet the target (1 for user metrics), double ``m``
-   (greedy in ranked batches) until a prefix meets the target or ``max_nodes`` / the candidates run out, then
-   bisect between the largest prefix that failed and the smallest that met. ``jobs`` prefixes are evaluated
-   per round. About ``2 log2(m*) + 1`` evaluations for a first meeting prefix ``m*``.
+3. **search** on prefixes ``P_m`` (the first ``m`` ranked nodes in float), full evaluations only
+   (`qgraph.sensitivity.prefix`): start at the smallest ``m`` the noise model predicts to meet the target, then
+   correct the prediction on the measured prefixes (secant steps), doubling while nothing meets the target and
+   bisecting the bracket ``(largest failing, smallest meeting)`` when a correction does not halve it, until
+   the smallest meeting prefix is found, ``max_nodes`` or the candidates run out. ``jobs`` prefixes are
+   evaluated per round.
 4. **confirmation**: the chosen model, built exactly as `qgraph run --patch` builds it, is evaluated once more;
    its score is the one reported.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,37 +40,13 @@ from qgraph.sensitivity.evaluate import (
     Evaluator,
     concat_outputs,
     load_feeds,
-    measure_all,
     reference_outputs,
 )
-from qgraph.sensitivity.probe import StepProgress
+from qgraph.sensitivity.prefix import AutoStep, Clock, PrefixSearch, StageProgress
 from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
 from qgraph.sensitivity.targets import Target, parse_target
 
 PATCH_RECIPE_NAME = "float-fallback"
-
-
-#: Progress of one stage: ``(stage, done, total or None)``; stages are "ranking", "exact", "search", "confirmation".
-StageProgress = Callable[[str, int, int | None], None]
-
-
-@dataclass
-class AutoStep:
-    """One full evaluation of the search: the first ``size`` ranked nodes in float, its score, target met."""
-
-    size: int
-    score: float
-    met: bool
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {
-            "size": self.size,
-            "score": self.score if math.isfinite(self.score) else str(self.score),
-            "met": self.met,
-            "seconds": round(self.seconds, 3),
-        }
 
 
 @dataclass
@@ -209,7 +186,7 @@ def auto_fallback(
     ranked nodes to measure exactly. With ``report_only`` the ranking is made and no search. Never raises for
     an unmet target: check ``target_met``.
     """
-    run = _Run(time.monotonic(), max_time, progress)
+    run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
     ref_inputs, qdq_inputs = [i.name for i in model_inputs(reference)], [i.name for i in model_inputs(qdq)]
     if sorted(ref_inputs) != sorted(qdq_inputs) or len(reference.graph.output) != len(qdq.graph.output):
@@ -234,7 +211,7 @@ def auto_fallback(
     out = AutoResult(build_model(qdq, chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
                      threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes)
     if out.target_met and not report_only:
-        return run.finish(out, "the INT8 model already meets the target")
+        return _finish(run, out, "the INT8 model already meets the target")
     report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top, jobs=jobs,
                         deadline=run.deadline, progress=run.reporter("ranking"), exact_progress=run.reporter("exact"),
                         stats=report_only)
@@ -243,11 +220,11 @@ def auto_fallback(
     notes.extend(report.notes)
     run.stage_end("ranking")
     if report_only:
-        return run.finish(out, "report only")
+        return _finish(run, out, "report only")
     order = [r.name for r in report.rows]
     cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
-    search = _PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, jobs)
+    search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, jobs)
     size, reason = search.run(predicted, max_nodes)
     out.steps = search.steps
     run.stage_end("search")
@@ -263,142 +240,15 @@ def auto_fallback(
             out.score = search.scores[size]
             notes.append("not confirmed: max_time reached (the score is the search's evaluation of the same nodes)")
     out.target_met = tgt.met(out.score, threshold)
-    return run.finish(out, "target met" if out.target_met else reason)
+    return _finish(run, out, "target met" if out.target_met else reason)
 
 
-class _Run:
-    """Clock, deadline, per-stage timings and progress of one automatic fallback."""
-
-    def __init__(self, start: float, max_time: float | None, progress: StageProgress | None) -> None:
-        self.start = self.mark = start
-        self.max_time = max_time
-        self.deadline = start + max_time if max_time is not None else None
-        self.progress = progress
-        self.stages: dict[str, float] = {}
-        self.evaluations = 0
-        self.eval_seconds: list[float] = []
-        self.refs: list[Any] | None = None
-        self.int8_score = math.nan
-
-    def stage_end(self, name: str) -> None:
-        now = time.monotonic()
-        self.stages[name] = now - self.mark
-        self.mark = now
-
-    def reporter(self, stage: str) -> StepProgress | None:
-        report = self.progress
-        return None if report is None else (lambda done, total: report(stage, done, total))
-
-    def time_left(self, evaluations: int) -> bool:
-        """Whether ``evaluations`` more full evaluations (at the mean duration so far) end before the deadline."""
-        if self.deadline is None:
-            return True
-        mean = sum(self.eval_seconds) / len(self.eval_seconds) if self.eval_seconds else 0.0
-        return time.monotonic() + evaluations * mean <= self.deadline
-
-    def finish(self, out: AutoResult, reason: str) -> AutoResult:
-        out.stop_reason = reason
-        out.seconds = time.monotonic() - self.start
-        out.stages = dict(self.stages)
-        out.evaluations = self.evaluations
-        return out
 
 
-class _PrefixSearch:
-    """Corrected-prediction (secant) steps, doubling and bisection over ranked prefix sizes (see module docs)."""
-
-    def __init__(self, evaluator: Evaluator, target: Target, threshold: float, base: Sequence[str],
-                 order: Sequence[str], cap: int, run: _Run, jobs: int) -> None:
-        self.evaluator, self.target, self.threshold = evaluator, target, threshold
-        self.base, self.order, self.cap, self.clock, self.jobs = tuple(base), list(order), cap, run, jobs
-        self.scores: dict[int, float] = {0: run.int8_score}
-        self.steps: list[AutoStep] = []
-
-    def _met(self, size: int) -> bool:
-        return self.target.met(self.scores[size], self.threshold)
-
-    def _evaluate(self, sizes: list[int]) -> bool:
-        """Evaluate the prefixes of ``sizes`` not seen yet; False when out of time before any of them."""
-        todo = sorted({m for m in sizes if m not in self.scores and 0 < m <= self.cap})
-        if not todo:
-            return True
-        if not self.clock.time_left(-(-len(todo) // self.jobs)):
-            return False
-        report = self.clock.reporter("search")
-        sets = [(*self.base, *self.order[:m]) for m in todo]
-        measured = measure_all(self.evaluator, sets, jobs=self.jobs, deadline=self.clock.deadline)
-        for m, meas in zip(todo, measured, strict=False):
-            score = self.target.score(meas.diffs, meas.outputs, self.clock.refs)
-            self.scores[m] = score
-            self.steps.append(AutoStep(m, score, self.target.met(score, self.threshold), meas.seconds))
-            self.clock.eval_seconds.append(meas.seconds)
-            self.clock.evaluations += 1
-            if report is not None:
-                report(len(self.steps), None)
-        return len(measured) == len(todo)
-
-    def _eta(self, score: float) -> float:
-        """Output noise ratio behind a score (SQNR or cosine); NaN for user metrics."""
-        if self.target.kind == "sqnr":
-            return 0.0 if score == math.inf else 10.0 ** (-score / 10.0)
-        if self.target.kind == "cosine":
-            return 1.0 / (score * score) - 1.0 if score > 0 else math.inf
-        return math.nan
-
-    def _propose(self, lo: int, hi: int | None, predicted: list[float], secant: bool) -> int:
-        """Next prefix size: the noise model's prediction corrected on two measured prefixes, else
-        doubling (no prefix met yet) or bisection."""
-        fallback = min(self.cap, max(1, 2 * lo)) if hi is None else (lo + hi) // 2
-        if not secant or len(predicted) <= self.cap or self.target.kind == "metric":
-            return fallback
-        pred = [self._eta(p) for p in predicted]
-        m1, m2 = (lo, hi) if hi is not None else (0, lo)
-        e1, e2 = self._eta(self.scores[m1]), self._eta(self.scores[m2])
-        if m1 == m2 or pred[m1] == pred[m2]:
-            a, c = (e1 / pred[m1] if pred[m1] > 0 else 1.0), 0.0
-        else:  # measured = a · predicted + c through both points (c: noise no fallback removes)
-            a = (e1 - e2) / (pred[m1] - pred[m2])
-            c = e1 - a * pred[m1]
-        if not (a > 0 and math.isfinite(a) and math.isfinite(c)):
-            return fallback
-        need = (self._eta(self.threshold) - c) / a
-        top = self.cap if hi is None else hi - 1
-        m = next((k for k in range(lo + 1, top + 1) if pred[k] <= need), top)
-        return max(lo + 1, min(m, top))
-
-    def run(self, predicted: list[float], max_nodes: int | None) -> tuple[int, str]:
-        """The chosen prefix size (0: none) and why the search stopped."""
-        if self.cap == 0:
-            return 0, f"max_nodes ({max_nodes}) reached" if max_nodes is not None else "no candidate to fall back"
-        lo, hi = 0, None
-        secant, width = True, self.cap + 1
-        while hi is None or hi - lo > 1:
-            if hi is None and lo >= self.cap:
-                return self._best(), (f"max_nodes ({max_nodes}) reached" if self.cap < len(self.order)
-                                      else "every candidate is in float")
-            first = self._propose(lo, hi, predicted, secant)
-            if not self._evaluate([first, *self._spread(lo, hi, first)]):
-                return self._best(), f"max_time ({self.clock.max_time:g} s) reached"
-            met = sorted(m for m in self.scores if m and self._met(m))
-            hi = met[0] if met else None
-            lo = max((m for m in self.scores if not self._met(m) and (hi is None or m < hi)), default=0)
-            new_width = (hi if hi is not None else self.cap + 1) - lo
-            secant = new_width <= width // 2 or hi is None  # the correction keeps halving the bracket, else bisect
-            width = new_width
-        return self._best(), "target met"
-
-    def _spread(self, lo: int, hi: int | None, first: int) -> list[int]:
-        """With ``jobs`` > 1, the other prefixes evaluated in the same round: doubling or evenly in the bracket."""
-        if self.jobs <= 1:
-            return []
-        if hi is None:
-            return [min(self.cap, first << k) for k in range(1, self.jobs)]
-        step = (hi - lo) / self.jobs
-        return [lo + max(1, round(step * k)) for k in range(1, self.jobs)]
-
-    def _best(self) -> int:
-        met = [m for m in self.scores if m and self._met(m)]
-        if met:
-            return min(met)
-        best = max(self.scores, key=lambda m: (self.target.gain(self.scores[m], self.scores[0]), -m))
-        return best if self.target.gain(self.scores[best], self.scores[0]) > 0 else 0
+def _finish(clock: Clock, out: AutoResult, reason: str) -> AutoResult:
+    """Stamp the stop reason, timings and evaluation count on ``out``."""
+    out.stop_reason = reason
+    out.seconds = time.monotonic() - clock.start
+    out.stages = dict(clock.stages)
+    out.evaluations = clock.evaluations
+    return out
