@@ -150,7 +150,8 @@ def _transformer(folder: Path, layers: int, width: int, samples: int) -> int:
 
 # ----------------------------------------------------------------------------- table
 def _row(name: str, r: dict[str, Any], base_rss: float, extra: str = "") -> str:
-    return f"| {name} | {r.get('seconds', 0.0):.1f} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / base_rss:.2f}x | {extra} |"
+    rss = r["peak_rss_mb"]
+    return f"| {name} | {r.get('seconds', 0.0):.1f} | {rss:.0f} | {rss / base_rss:.2f}x | {extra} |"
 
 
 def main() -> None:
@@ -203,9 +204,9 @@ def main() -> None:
             _cnn(folder, args.agreement_blocks, args.samples)
             agree = _spawn("agreement", folder)
             lines.append(
-                f"| cnn {args.agreement_blocks} blocks: agreement | {agree['one_s']:.1f} (exact {agree['exact_s']:.0f}) "
-                f"| {agree['peak_rss_mb']:.0f} | - | top-10 overlap {agree['overlap']}/10 over "
-                f"{agree['candidates']} candidates |"
+                f"| cnn {args.agreement_blocks} blocks: agreement | {agree['one_s']:.1f} "
+                f"(exact {agree['exact_s']:.0f}) | {agree['peak_rss_mb']:.0f} | - | "
+                f"top-10 overlap {agree['overlap']}/10 over {agree['candidates']} candidates |"
             )
             print("exact top-10:", agree["top_exact"], "\none-run top-10:", agree["top_one"])
         if "transformer" not in args.skip:

@@ -57,7 +57,10 @@ class AutoFallbackConfig(PassConfig):
     )
     candidates: NodeSelector | None = Field(default=None, description="Only consider these nodes.")
     max_nodes: int | None = Field(default=None, ge=0, description="Keep at most this many nodes in float.")
-    max_time: float | None = Field(default=None, gt=0, description="Stop searching after this many seconds.")
+    max_time: float | None = Field(
+        default=None, gt=0, description="Time budget in seconds: no evaluation starts that would end after it; "
+        "the best model found so far is kept and the summary says the budget ran out."
+    )
     samples: int | None = Field(default=None, ge=1, description="Use at most this many evaluation samples.")
     jobs: int = Field(default=1, ge=1, description="Worker processes evaluating candidate models.")
     exact_top: int = Field(

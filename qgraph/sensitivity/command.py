@@ -59,13 +59,14 @@ def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_
              f"sensitivity = gain in {what} when only this node is returned to float")
     table = Table(
         title=title,
-        caption="local SQNR: the node's own output error on the float model's inputs; clip %: activation input "
-        "values beyond the Q range; in SQNR: its quantization SQNR",
+        caption="local SQNR: the node's own output error on the float model's inputs; SQNR dB: output SQNR with "
+        "only this node in float (measured rows); clip %: activation input values beyond the Q range; in SQNR: "
+        "its quantization SQNR",
     )
     table.add_column("#", justify="right")
-    table.add_column("node", overflow="fold")
-    table.add_column("op", overflow="fold")
-    for col in ("sensitivity", "local SQNR", "cosine", "SQNR dB", "clip %", "in SQNR"):
+    table.add_column("node", overflow="fold", min_width=18)
+    table.add_column("op", overflow="fold", min_width=6)
+    for col in ("sensitivity", "local SQNR", "SQNR dB", "clip %", "in SQNR"):
         table.add_column(col, justify="right", no_wrap=True)
     ranked = report.ranked()
     for i, r in enumerate(ranked[:rows], 1):
@@ -77,7 +78,6 @@ def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_
             r.op,
             mark + _fmt(None if math.isnan(r.sensitivity) else r.sensitivity, "+.3g"),
             _fmt(r.local_sqnr_db, ".1f"),
-            _fmt(None if math.isnan(r.cosine) else r.cosine, ".5f"),
             _fmt(None if math.isnan(r.sqnr_db) else r.sqnr_db, ".1f"),
             _fmt(clip, ".2g"),
             _fmt(r.input_sqnr_db, ".1f"),

@@ -4,11 +4,11 @@
 the noise model's predicted output noise ``η̂(m)`` is corrected on two measured prefixes by a line
 ``η(m) ≈ a · η̂(m) + c`` (``c``: noise no fallback removes, such as the error of weights stored as integers), and
 the smallest ``m`` whose corrected prediction meets the target is tried next (a secant step). Without a prefix
-that meets the target yet, an unusable correction means doubling; once one meets, a step that does not halve the
-bracket ``(largest failing, smallest meeting)`` is followed by a bisection step. A step never more than doubles
-the largest failing prefix, and the search stops when the smallest meeting prefix ``m*`` is known to within
-``m*/16`` nodes (one node for ``m* < 32``): ``O(log m*)`` evaluations in the worst case, two or three when the
-prediction is good.
+that meets the target yet, an unusable correction means doubling; once one meets, a step that does not halve
+the bracket ``(largest failing, smallest meeting)`` is followed by a bisection step. After the first
+(predicted) step, a step never more than doubles the largest failing prefix, and the search stops when the
+smallest meeting prefix ``m*`` is known to within ``m*/16`` nodes (one node for ``m* < 32``): ``O(log m*)``
+evaluations in the worst case, two or three when the prediction is good.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class PrefixSearch:
         if not (a > 0 and math.isfinite(a) and math.isfinite(c)):
             return fallback
         need = (self._eta(self.threshold) - c) / a
-        top = min(self.cap, 2 * max(lo, 1)) if hi is None else hi - 1  # never more than doubling
+        top = (self.cap if lo == 0 else min(self.cap, 2 * lo)) if hi is None else hi - 1  # at most doubling
         m = next((k for k in range(lo + 1, top + 1) if pred[k] <= need), top)
         return max(lo + 1, min(m, top))
 
