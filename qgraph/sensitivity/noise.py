@@ -41,13 +41,13 @@ class NoiseModel:
         self.cosine = [d.cosine for d in baseline]
         self.outputs = [o for o, d in enumerate(baseline) if not math.isnan(d.sqnr_db)]
         self.total = [0.0] * len(baseline)
+        self.bits = {n: [o for o in self.outputs if o < len(c) and c[o] > 0] for n, c in self.contrib.items()}
         for n in self.eta:
             for o in self._bits(n):
                 self.total[o] += self.contrib[n][o]
 
     def _bits(self, name: str) -> list[int]:
-        w = self.contrib[name]
-        return [o for o in self.outputs if o < len(w) and w[o] > 0]
+        return self.bits[name]
 
     def _output_score(self, target: Target, o: int, remaining: float) -> float:
         f = remaining / self.total[o] if self.total[o] > 0 else 1.0

@@ -188,3 +188,26 @@ def test_progress_events_per_stage(fragile: Path) -> None:
 
 def test_search_module_documents_its_stages() -> None:
     assert search_mod.__doc__ is not None and "bisect" in search_mod.__doc__
+
+
+def test_qgraph_run_exits_1_keeps_the_best_model_and_says_what_was_tried(
+    fragile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qgraph.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: unreachable\npasses:\n  - pass: float_fallback\n"
+        f"    auto: {{target: 'sqnr:200', reference: {str(fragile / 'float.onnx')!r}, "
+        f"data: {str(fragile / 'eval.npz')!r}, max_nodes: 2}}\n"
+    )
+    out = tmp_path / "o.onnx"
+    code = main(["run", str(recipe), str(fragile / "qdq.onnx"), "-o", str(out)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1 and out.exists()
+    assert "target NOT met" in err and "max_nodes (2) reached" in err and "Tried: baseline" in err
+    assert "ranking of" in err and "search over ranked prefixes" in err and "Traceback" not in err
+    kept = onnx.load(out)
+    assert sum(n.op_type == "DequantizeLinear" for n in kept.graph.node) < sum(
+        n.op_type == "DequantizeLinear" for n in onnx.load(fragile / "qdq.onnx").graph.node
+    )
