@@ -112,7 +112,8 @@ class PrefixSearch:
             self.clock.eval_seconds.append(meas.seconds)
             self.clock.evaluations += 1
             if report is not None:
-                report(len(self.steps), None)
+                # total: the worst case of doubling then bisection (an estimate the bar's ETA can use)
+                report(len(self.steps), max(len(self.steps), 2 * max(1, self.cap).bit_length()))
         return len(measured) == len(todo)
 
     def _eta(self, score: float) -> float:

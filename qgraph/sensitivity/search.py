@@ -232,9 +232,14 @@ def auto_fallback(
         out.nodes = [*chosen, *order[:size]]
         out.model = build_model(qdq, out.nodes)
         if run.time_left(1):
+            tick = run.reporter("confirmation")
+            if tick is not None:
+                tick(0, 1)
             confirmed = evaluator.run(out.model, out.nodes)
             run.evaluations += 1
             out.score = tgt.score(confirmed.diffs, confirmed.outputs, run.refs)
+            if tick is not None:
+                tick(1, 1)
             run.stage_end("confirmation")
         else:
             out.score = search.scores[size]

@@ -171,7 +171,7 @@ def test_progress_events_per_stage(fragile: Path) -> None:
     auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", max_nodes=4, exact_top=2,
                   progress=lambda stage, done, total: events.append((stage, done, total)))
     stages = [e[0] for e in events]
-    assert stages.index("ranking") < stages.index("exact") < stages.index("search")
+    assert stages.index("ranking") < stages.index("exact") < stages.index("search") < stages.index("confirmation")
     ranking = [e for e in events if e[0] == "ranking"]
     assert ranking[-1][1] == ranking[-1][2] and [e[1] for e in ranking] == list(range(1, len(ranking) + 1))
     # Inside a recipe the same stages arrive as pass_progress events.
