@@ -7,7 +7,8 @@ Manual::
         op_types: [Softmax, LayerNormalization]
         names: [classifier]
 
-Automatic (falls back the most sensitive nodes until the target holds; see `auto`)::
+Automatic (ranks every quantized node from one run, then falls back ranked prefixes until the target holds,
+in few full evaluations; see `qgraph.sensitivity.search`)::
 
     - pass: float_fallback
       auto:
@@ -23,6 +24,7 @@ line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import onnx
@@ -55,9 +57,16 @@ class AutoFallbackConfig(PassConfig):
     )
     candidates: NodeSelector | None = Field(default=None, description="Only consider these nodes.")
     max_nodes: int | None = Field(default=None, ge=0, description="Keep at most this many nodes in float.")
-    max_time: float | None = Field(default=None, gt=0, description="Stop searching after this many seconds.")
+    max_time: float | None = Field(
+        default=None, gt=0, description="Time budget in seconds: no evaluation starts that would end after it; "
+        "the best model found so far is kept and the summary says the budget ran out."
+    )
     samples: int | None = Field(default=None, ge=1, description="Use at most this many evaluation samples.")
-    jobs: int = Field(default=1, ge=1, description="Worker processes measuring sensitivity.")
+    jobs: int = Field(default=1, ge=1, description="Worker processes evaluating candidate models.")
+    exact_top: int = Field(
+        default=0, ge=0, description="Measure the first K nodes of the one-run ranking exactly (one full "
+        "evaluation each) and re-rank them by that measure."
+    )
 
     @field_validator("target")
     @classmethod
@@ -93,7 +102,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     name = PASS_NAME
     config_class = FloatFallbackConfig
     preserves_float = False
-    pause_gc = False  # auto mode builds a model and a session per candidate: let their garbage go
+    pause_gc = False  # auto mode builds a model and a session per evaluation: let their garbage go
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Fail before any rewrite when a selector criterion matches nothing or auto mode lacks data."""
@@ -161,6 +170,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             max_time=auto.max_time,
             jobs=auto.jobs,
             samples=auto.samples,
+            exact_top=auto.exact_top,
+            progress=_stage_progress(ctx),
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -173,6 +184,20 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if result.nodes:
             _record(res, fall_back(graph, select(graph, NodeSelector(names=tuple(result.nodes))).nodes))
             res.matched += len(result.nodes)
+
+
+def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] | None:
+    """Each stage of the automatic search (ranking, exact, search, confirmation) as its own progress task."""
+    reporters: dict[str, Callable[[int, int | None], None] | None] = {}
+
+    def report(stage: str, done: int, total: int | None) -> None:
+        if stage not in reporters:
+            reporters[stage] = ctx.progress(f"auto {stage}")
+        fn = reporters[stage]
+        if fn is not None:
+            fn(done, total)
+
+    return report if ctx.progress("auto") is not None else None
 
 
 def _record(res: PassResult, outcome: FallbackOutcome) -> None:

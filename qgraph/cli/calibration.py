@@ -134,9 +134,12 @@ def sensitivity(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
     labels: LabelsOption = None,
     metric: MetricOption = None,
+    exact_top: Annotated[int, typer.Option("--exact-top", min=0, help="Measure the first K ranked nodes exactly "
+                                           "(one full evaluation each).")] = 10,
 ) -> None:
-    """Rank quantized nodes by how much returning each one alone to float helps; with --target, fall back
-    the most sensitive nodes until the target is met (exit 1 when it cannot be: the best model is still written)."""
+    """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
+    exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the
+    target is met (exit 1 when it cannot be: the best model is still written)."""
     from qgraph.sensitivity.command import run_command
 
     need_positive(max_time, "--max-time")
@@ -144,6 +147,7 @@ def sensitivity(
                   inputs=[model_float, model_qdq, data_path(data)])
     code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
-                       quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric)
+                       quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,
+                       exact_top=exact_top)
     if code:
         raise typer.Exit(code)

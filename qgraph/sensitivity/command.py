@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from qgraph import RecipeError, load_model, save_model
@@ -26,6 +26,12 @@ from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
 from qgraph.sensitivity.stats import matmul_flops
 from qgraph.sensitivity.targets import Target, parse_target
+
+#: Ranked nodes measured exactly by default (one full evaluation each).
+DEFAULT_EXACT_TOP = 10
+#: Progress bar label per stage of `auto_fallback`.
+STAGE_LABELS = {"ranking": "ranking (batches)", "exact": "exact top (nodes)", "search": "search (evaluations)",
+                "confirmation": "confirmation"}
 
 #: Ranking used when no --target is given.
 DEFAULT_RANKING = Target("sqnr", "sqnr", goal=math.inf)
@@ -39,40 +45,60 @@ def _fmt(v: float | None, spec: str = ".4g") -> str:
     return format(v, spec)
 
 
-def render_table(report: SensitivityReport, console: Console) -> None:
-    """Print the ranked table: node, op, sensitivity, output cosine/SQNR, input clipping and quantization SQNR."""
+#: Rows of the table printed in the terminal (the JSON has every node).
+TABLE_ROWS = 40
+
+
+def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_ROWS) -> None:
+    """Print the ranked table: node, op, gain (measured or predicted), local SQNR, output cosine/SQNR of the
+    measured rows, input clipping and quantization SQNR."""
     what = {"cosine": "output cosine", "sqnr": "output SQNR (dB)"}.get(report.target.kind, report.target.metric_spec)
+    one_run = report.method != "exact"
+    title = (f"nodes ranked from one run: gain in {what} when only this node is returned to float, "
+             "measured (=) or predicted from local errors (~)" if one_run else
+             f"sensitivity = gain in {what} when only this node is returned to float")
     table = Table(
-        title=f"sensitivity = gain in {what} when only this node is returned to float",
-        caption="clip %: activation input values beyond the Q range; in SQNR: its quantization SQNR",
+        title=title,
+        caption="local SQNR: the node's own output error on the float model's inputs; SQNR dB: output SQNR with "
+        "only this node in float (measured rows); clip %: activation input values beyond the Q range; in SQNR: "
+        "its quantization SQNR",
     )
     table.add_column("#", justify="right")
-    table.add_column("node", overflow="fold")
-    table.add_column("op", overflow="fold")
-    for col in ("sensitivity", "cosine", "SQNR dB", "clip %", "in SQNR"):
+    table.add_column("node", overflow="fold", min_width=18)
+    table.add_column("op", overflow="fold", min_width=6)
+    for col in ("sensitivity", "local SQNR", "SQNR dB", "clip %", "in SQNR"):
         table.add_column(col, justify="right", no_wrap=True)
-    for i, r in enumerate(report.ranked(), 1):
+    ranked = report.ranked()
+    for i, r in enumerate(ranked[:rows], 1):
         clip = None if r.clip_fraction is None else 100.0 * r.clip_fraction
+        mark = "" if not one_run else ("=" if r.measured else "~")
         table.add_row(
             str(i),
             r.name,
             r.op,
-            _fmt(r.sensitivity, "+.3g"),
-            _fmt(r.cosine, ".5f"),
-            _fmt(r.sqnr_db, ".1f"),
+            mark + _fmt(None if math.isnan(r.sensitivity) else r.sensitivity, "+.3g"),
+            _fmt(r.local_sqnr_db, ".1f"),
+            _fmt(None if math.isnan(r.sqnr_db) else r.sqnr_db, ".1f"),
             _fmt(clip, ".2g"),
             _fmt(r.input_sqnr_db, ".1f"),
         )
     console.print(table)
+    if len(ranked) > rows:
+        console.print(f"... {len(ranked) - rows} more node(s) (every node is in --json)", markup=False,
+                      highlight=False)
     base = min(report.baseline, key=lambda d: d.cosine, default=None)
     if base is not None:
+        measured = sum(r.measured for r in report.rows)
+        how = (f"{report.candidates} quantized nodes ranked from one run, {measured} measured exactly"
+               if one_run else f"{len(report.rows)} of {report.candidates} quantized nodes measured")
         console.print(
             f"full INT8 vs float: cosine {base.cosine:.6f}, SQNR {_fmt(base.sqnr_db, '.2f')} dB "
-            f"(worst output {base.name}); {len(report.rows)} of {report.candidates} quantized nodes measured "
-            f"in {report.seconds:.1f} s",
+            f"(worst output {base.name}); {how} in {report.seconds:.1f} s",
             markup=False,
             highlight=False,
         )
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
 
 
 def write_plot(path: Path, report: SensitivityReport, top: int = 40) -> None:
@@ -186,6 +212,7 @@ def run_command(
     console: Console,
     labels: str | None = None,
     metric: str | None = None,
+    exact_top: int = DEFAULT_EXACT_TOP,
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
@@ -199,14 +226,21 @@ def run_command(
     evaluation = Evaluation.open(reference, data, labels=labels, metric=metric, samples=samples)
     tgt = _target(target, metric, evaluation)
     progress = Progress(
-        TextColumn("[bold]sensitivity"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} nodes"),
+        TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
         disable=quiet,
     )
-    task = progress.add_task("sensitivity", total=None)
+    tasks: dict[str, Any] = {}
+
+    def on_progress(stage: str, done: int, total: int | None) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(STAGE_LABELS.get(stage, stage), total=total)
+        progress.update(tasks[stage], completed=done, total=total)
+
     with progress:
         result = auto_fallback(
             reference,
@@ -218,7 +252,8 @@ def run_command(
             jobs=jobs,
             samples=samples,
             report_only=target is None,
-            progress=lambda done, total: progress.update(task, completed=done, total=total),
+            progress=on_progress,
+            exact_top=exact_top,
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:

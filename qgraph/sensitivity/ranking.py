@@ -1,25 +1,16 @@
-"""Per-node sensitivity: how much the model output improves when only that node is returned to float.
+"""Per-node sensitivity: rank every quantized node from one run, measure the top ones exactly on request.
 
-Definition. For each quantized node ``n`` of the QDQ model ``M``, sensitivity is the gain in the target score
-(output cosine, output SQNR in dB, or the user metric) of ``M`` with only ``n`` fallen back, over ``M`` itself:
-``score(fall_back(M, {n})) - score(M)``.
+Ranking (`rank_nodes`), O(1) model evaluations: one paired run gives each quantized node's local noise ratio
+``η_n`` (its output error when fed the float model's inputs, `qgraph.sensitivity.probe`), and the additive
+noise model (`qgraph.sensitivity.noise`), calibrated on the INT8 model's measured output error, predicts the
+gain of returning any node, or any set of nodes, to float. Rows come in the order the search uses.
 
-Why "only this node returned to float" and not "only this node quantized":
-
-- it measures exactly the move the greedy search makes. The search starts from the deployed INT8 model and
-  falls nodes back one at a time, so the first-order estimate of a step's benefit is that node's
-  leave-one-out gain, measured *with every other node quantized*: error that a node's quantization causes
-  and downstream quantized layers amplify (or mask) is counted, as it is in deployment;
-- it is built with the same rewrite the final model is built with (`qdq_edit.fall_back`), so a node is
-  ranked by what falling it back really changes on this QDQ model, including pairs it shares with quantized
-  neighbours (which stay), and it works on any QDQ model. "Only this node quantized" would need a float model
-  whose nodes map onto the QDQ nodes and would measure each node in a float context it never runs in;
-- in the usual regime where quantization noises add up, both definitions rank the same nodes first, so
-  nothing is lost for ranking.
-
-Cost: one onnxruntime session per candidate (built once, then every evaluation batch goes through it), plus
-one for the float reference and one for the INT8 baseline: linear in the number of candidates. Candidates
-are independent, so ``jobs > 1`` measures them in that many worker processes.
+Exact measure (``exact_top = k``), one full evaluation per node: for the first ``k`` nodes of that ranking,
+sensitivity is the measured gain of the target score with only that node returned to float,
+``score(fall_back(M, {n})) - score(M)``, built with the same rewrite as the final model (so error that
+downstream quantized layers amplify or mask is counted, as in deployment); those ``k`` rows are re-ranked by
+it and placed first. ``exact_top`` at least the number of candidates is the full leave-one-out table
+(`sensitivity_report`), linear in the number of candidates.
 """
 
 from __future__ import annotations
@@ -35,7 +26,9 @@ import onnx
 from qgraph import GraphHandle, NodeSelector, PassError, select
 from qgraph.compare import TensorDiff
 from qgraph.fallback import quantized_nodes
-from qgraph.sensitivity.evaluate import Evaluator, Progress, concat_outputs, measure_all
+from qgraph.sensitivity.evaluate import _OPT, Evaluator, Measurement, Progress, concat_outputs, measure_all
+from qgraph.sensitivity.noise import NoiseModel
+from qgraph.sensitivity.probe import StepProgress, local_errors
 from qgraph.sensitivity.stats import range_stats
 from qgraph.sensitivity.targets import Target
 
@@ -46,10 +39,12 @@ class NodeSensitivity:
 
     name: str
     op: str
-    sensitivity: float  # target gain (positive = falling back helps)
-    score: float  # target score with only this node in float
+    sensitivity: float  # target gain (positive = falling back helps): measured when `measured`, else predicted
+    score: float  # target score with only this node in float (NaN when not measured)
     cosine: float
     sqnr_db: float
+    local_sqnr_db: float | None = None  # -10 log10 η_n: the node's own error on the float model's inputs
+    measured: bool = True  # exact (one full evaluation) rather than predicted from the one-run ranking
     clip_fraction: float | None = None  # worst over the node's quantized activation inputs
     input_sqnr_db: float | None = None  # quantization SQNR of its worst activation input
     inputs: list[dict[str, Any]] = field(default_factory=list)
@@ -80,15 +75,22 @@ class SensitivityReport:
     seconds: float
     complete: bool = True
     base_nodes: tuple[str, ...] = ()
+    method: str = "exact"  # "exact": every row measured; "one-run": ranked from local errors (+ exact top rows)
+    notes: list[str] = field(default_factory=list)
+    model: NoiseModel | None = None  # the one-run ranking's predictor (None for the exact table)
 
     def ranked(self) -> list[NodeSensitivity]:
-        """Rows, most sensitive first (ties in graph order)."""
+        """Rows, most sensitive first: in measured order for the exact table, in search order for one-run."""
+        if self.method != "exact":
+            return list(self.rows)
         return sorted(self.rows, key=lambda r: -r.sensitivity if math.isfinite(r.sensitivity) else math.inf)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
-            "definition": "gain in the target score when only this node is returned to float",
+            "definition": "gain in the target score when only this node is returned to float"
+            + ("" if self.method == "exact" else " (predicted from one run unless measured)"),
+            "method": self.method,
             "target": self.target.describe(),
             "float_score": _json_float(self.float_score),
             "int8_score": _json_float(self.int8_score),
@@ -142,13 +144,15 @@ def sensitivity_report(
     deadline: float | None = None,
     progress: Progress | None = None,
     stats: bool = True,
+    baseline: Measurement | None = None,
 ) -> SensitivityReport:
-    """Measure every candidate (leave-one-out from the INT8 model with ``base_nodes`` already in float)."""
+    """Measure every candidate (leave-one-out from the INT8 model with ``base_nodes`` already in float;
+    ``baseline`` is that model's measurement when already made)."""
     start = time.perf_counter()
     base = tuple(base_nodes)
     refs = concat_outputs(evaluator.reference) if target.needs_outputs else None
     float_score = target.score([], refs, refs)  # cosine 1, SQNR inf, or the metric on the float outputs
-    base_m = evaluator.measure(base)
+    base_m = baseline if baseline is not None else evaluator.measure(base)
     int8_score = target.score(base_m.diffs, base_m.outputs, refs)
     todo = [(*base, name) for name, _ in candidates]
     measured = measure_all(evaluator, todo, jobs=jobs, deadline=deadline, progress=progress)
@@ -170,9 +174,9 @@ def sensitivity_report(
                 score,
                 min(d.cosine for d in m.diffs),
                 min(d.sqnr_db for d in m.diffs),
-                st.get("clip_fraction"),
-                st.get("input_sqnr_db"),
-                st.get("inputs", []),
+                clip_fraction=st.get("clip_fraction"),
+                input_sqnr_db=st.get("input_sqnr_db"),
+                inputs=st.get("inputs", []),
             )
         )
     return SensitivityReport(
@@ -186,3 +190,65 @@ def sensitivity_report(
         len(rows) == len(candidates),
         base,
     )
+
+
+def rank_nodes(
+    evaluator: Evaluator,
+    target: Target,
+    candidates: Sequence[tuple[str, str]],
+    baseline: Measurement,
+    *,
+    base_nodes: Sequence[str] = (),
+    exact_top: int = 0,
+    jobs: int = 1,
+    deadline: float | None = None,
+    progress: StepProgress | None = None,
+    exact_progress: StepProgress | None = None,
+    stats: bool = False,
+) -> SensitivityReport:
+    """One-run ranking of ``candidates`` (see module docs), the first ``exact_top`` measured exactly.
+
+    ``baseline`` is the measurement of the INT8 model with ``base_nodes`` in float."""
+    start = time.perf_counter()
+    base = tuple(base_nodes)
+    refs = concat_outputs(evaluator.reference) if target.needs_outputs else None
+    float_score = target.score([], refs, refs)
+    int8_score = target.score(baseline.diffs, baseline.outputs, refs)
+    qdq = evaluator.variant(base)
+    errors, skipped, done = local_errors(qdq, evaluator.batches, [n for n, _ in candidates],
+                                         optimization=_OPT[evaluator.optimization], progress=progress,
+                                         deadline=deadline)
+    del qdq
+    model = NoiseModel(errors, baseline.diffs)
+    ops = dict(candidates)
+    order = model.order() + [n for n, _ in candidates if n in skipped]
+    notes = [f"{len(skipped)} node(s) have no local measure and are ranked last: "
+             + "; ".join(f"{n}: {why}" for n, why in list(skipped.items())[:3])] if skipped else []
+    if done < len(evaluator.batches):
+        notes.append(f"max_time reached during ranking: {done} of {len(evaluator.batches)} batches used")
+    rows = []
+    for name in order:
+        e = errors.get(name)
+        rows.append(NodeSensitivity(name, ops[name], model.gain_alone(target, name) if e else math.nan, math.nan,
+                                    math.nan, math.nan, e.sqnr_db if e else None, measured=False))
+    k = min(exact_top, len(rows))
+    if k:
+        exact = sensitivity_report(evaluator, target, [(r.name, r.op) for r in rows[:k]], base_nodes=base,
+                                   jobs=jobs, deadline=deadline, progress=exact_progress, stats=False,
+                                   baseline=baseline)
+        by_name = {r.name: r for r in exact.rows}
+        for r in exact.rows:
+            r.local_sqnr_db = next(x.local_sqnr_db for x in rows[:k] if x.name == r.name)
+        top = sorted(exact.rows, key=lambda r: -r.sensitivity if math.isfinite(r.sensitivity) else math.inf)
+        rows = top + [r for r in rows if r.name not in by_name]
+        if not exact.complete:
+            notes.append(f"max_time reached during the exact measure: {len(exact.rows)} of {k} measured")
+    if stats:  # clipping and input SQNR of every node's activation inputs: one more run, reduced in-graph
+        extra = range_stats(evaluator.variant(base), evaluator.batches, [r.name for r in rows])
+        for r in rows:
+            st = extra.get(r.name, {})
+            r.clip_fraction, r.input_sqnr_db = st.get("clip_fraction"), st.get("input_sqnr_db")
+            r.inputs = st.get("inputs", [])
+    return SensitivityReport(target, float_score, int8_score, baseline.diffs, rows, len(candidates),
+                             time.perf_counter() - start, done == len(evaluator.batches), base, "one-run",
+                             notes, model)

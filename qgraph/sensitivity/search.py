@@ -1,16 +1,25 @@
-"""Automatic fallback: rank quantized nodes by sensitivity, then fall them back greedily until the target holds.
+"""Automatic fallback: rank quantized nodes from one run, then search ranked prefixes in few full evaluations.
 
-1. Score the float model (for relative goals) and the INT8 model. If the INT8 model meets the target, stop.
-2. Measure every candidate's sensitivity (`sensitivity.sensitivity_report`, one session per candidate,
-   optionally in worker processes).
-3. Most sensitive first, add each node to the fallen-back set and evaluate the cumulative model (one session
-   per step); keep the node if the score improves, drop it otherwise. Stop when the target is met, when
-   ``max_nodes`` nodes are in float, when ``max_time`` seconds have passed, or when candidates run out.
+Stages (each timed, reported and shown as a progress bar):
 
-Total cost: at most ``2 × candidates + 2`` sessions, linear in the number of candidates. The result is always
-the best model seen (fewest nodes among equal scores), with whether the target was met and why the search
-stopped; the decision is written as a recipe patch that `qgraph run --patch` applies to the same QDQ model to
-reproduce the same graph.
+1. **baseline**: score the float model (for relative goals) and the INT8 model (one full evaluation). If the
+   INT8 model meets the target, stop.
+2. **ranking**: one paired run ranks every candidate (`sensitivity.ranking.rank_nodes`), O(1) evaluations; the
+   first ``exact_top`` are optionally measured exactly (one evaluation each).
+3. **search** on prefixes ``P_m`` (the first ``m`` ranked nodes in float), full evaluations only
+   (`qgraph.sensitivity.prefix`): start at the smallest ``m`` the noise model predicts to meet the target, then
+   correct the prediction on the measured prefixes (secant steps), doubling while nothing meets the target and
+   bisecting the bracket ``(largest failing, smallest meeting)`` when a correction does not halve it, until
+   the smallest meeting prefix is found, ``max_nodes`` or the candidates run out. ``jobs`` prefixes are
+   evaluated per round.
+4. **confirmation**: the chosen model, built exactly as `qgraph run --patch` builds it, is evaluated once more;
+   its score is the one reported.
+
+``max_time`` is checked before every evaluation (an evaluation that would end after it is not started) and
+between batches of the ranking run. The result is always the best model evaluated (the smallest prefix that
+meets the target, else the highest score), with one sentence saying whether the target was met, what was tried
+and how long each stage took; the decision is written as a recipe patch that `qgraph run --patch` applies to the
+same QDQ model to reproduce the same graph.
 """
 
 from __future__ import annotations
@@ -27,28 +36,17 @@ import onnx
 from qgraph import ModelError, NodeSelector, Pipeline, Recipe, get_pass
 from qgraph.data import DataSource, model_inputs
 from qgraph.outputs import write_atomic
-from qgraph.sensitivity.evaluate import Evaluator, Progress, concat_outputs, load_feeds, reference_outputs
-from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, sensitivity_report
+from qgraph.sensitivity.evaluate import (
+    Evaluator,
+    concat_outputs,
+    load_feeds,
+    reference_outputs,
+)
+from qgraph.sensitivity.prefix import AutoStep, Clock, PrefixSearch, StageProgress
+from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
 from qgraph.sensitivity.targets import Target, parse_target
 
 PATCH_RECIPE_NAME = "float-fallback"
-
-
-@dataclass
-class AutoStep:
-    """One greedy step: the node tried, the score with it, and whether it was kept."""
-
-    node: str
-    score: float
-    kept: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {
-            "node": self.node,
-            "score": self.score if math.isfinite(self.score) else str(self.score),
-            "kept": self.kept,
-        }
 
 
 @dataclass
@@ -69,15 +67,33 @@ class AutoResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # of one evaluation sample
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    evaluations: int = 0  # full model evaluations (baseline, exact measures, search, confirmation)
 
     def message(self) -> str:
-        """One paragraph: met or not, scores, nodes, why the search stopped."""
+        """One paragraph: met or not, scores, nodes, why the search stopped, what was tried and how long."""
         verdict = "target met" if self.target_met else "target NOT met"
+        shown = self.nodes if len(self.nodes) <= 8 else [*self.nodes[:8], f"... {len(self.nodes) - 8} more"]
         return (
             f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); float {self.float_score:.6g}, "
             f"full INT8 {self.int8_score:.6g}, best {self.score:.6g} with {len(self.nodes)} node(s) in float"
-            f"{': ' + ', '.join(self.nodes) if self.nodes else ''}. Search stopped: {self.stop_reason}."
+            f"{': ' + ', '.join(shown) if shown else ''}. Search stopped: {self.stop_reason}. {self.tried()}"
         )
+
+    def tried(self) -> str:
+        """What was tried and how long each stage took, in one sentence."""
+        parts = [f"baseline {self.stages.get('baseline', 0.0):.1f} s"]
+        if self.sensitivity is not None:
+            exact = sum(r.measured for r in self.sensitivity.rows) if self.sensitivity.method != "exact" else 0
+            parts.append(f"ranking of {self.sensitivity.candidates} node(s) from one run"
+                         f"{f' + {exact} exact' if exact else ''} {self.stages.get('ranking', 0.0):.1f} s")
+        if self.steps:
+            sizes = ", ".join(str(s.size) for s in self.steps)
+            parts.append(f"search over ranked prefixes of {sizes} node(s) ({len(self.steps)} evaluation(s)) "
+                         f"{self.stages.get('search', 0.0):.1f} s")
+        if "confirmation" in self.stages:
+            parts.append(f"confirmation {self.stages['confirmation']:.1f} s")
+        return f"Tried: {'; '.join(parts)}; {self.evaluations} full evaluation(s) in {self.seconds:.1f} s."
 
     def recipe(self) -> Recipe | None:
         """The decision as a one-pass recipe (None when no node needs to go back to float)."""
@@ -122,6 +138,8 @@ class AutoResult:
             "int8_score": num(self.int8_score),
             "nodes": self.nodes,
             "stop_reason": self.stop_reason,
+            "stages": {k: round(v, 3) for k, v in self.stages.items()},
+            "evaluations": self.evaluations,
             "steps": [s.to_dict() for s in self.steps],
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
@@ -157,18 +175,18 @@ def auto_fallback(
     samples: int | None = None,
     batch_size: int = 32,
     optimization: str = "all",
-    progress: Progress | None = None,
+    progress: StageProgress | None = None,
     report_only: bool = False,
+    exact_top: int = 0,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
     ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data,
-    ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``). With ``report_only`` the
-    sensitivity table is measured and no search is made. Never raises for an unmet target: check
-    ``target_met``.
+    ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the
+    ranked nodes to measure exactly. With ``report_only`` the ranking is made and no search. Never raises for
+    an unmet target: check ``target_met``.
     """
-    start = time.monotonic()
-    deadline = start + max_time if max_time is not None else None
+    run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
     ref_inputs, qdq_inputs = [i.name for i in model_inputs(reference)], [i.name for i in model_inputs(qdq)]
     if sorted(ref_inputs) != sorted(qdq_inputs) or len(reference.graph.output) != len(qdq.graph.output):
@@ -181,63 +199,61 @@ def auto_fallback(
     shapes = {k: (1, *v.shape[1:]) if v.ndim else () for k, v in batches[0].items()}
     refs_per_batch = reference_outputs(reference, batches, optimization)
     evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization)
-    refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
-    float_score = tgt.score([], refs, refs)
+    run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
+    float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
     chosen = list(keep_float)
     base = evaluator.measure(chosen)
-    int8_score = best = tgt.score(base.diffs, base.outputs, refs)
+    run.evaluations, run.eval_seconds = 1, [base.seconds]
+    int8_score = run.int8_score = tgt.score(base.diffs, base.outputs, run.refs)
+    run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
-
-    def result(reason: str, report: SensitivityReport | None, steps: list[AutoStep]) -> AutoResult:
-        return AutoResult(
-            build_model(qdq, chosen),
-            list(chosen),
-            tgt,
-            tgt.met(best, threshold),
-            best,
-            threshold,
-            float_score,
-            int8_score,
-            reason,
-            report,
-            steps,
-            notes,
-            time.monotonic() - start,
-            shapes,
-        )
-
-    if tgt.met(best, threshold) and not report_only:
-        return result("the INT8 model already meets the target", None, [])
-    report = sensitivity_report(
-        evaluator, tgt, found, base_nodes=chosen, jobs=jobs, deadline=deadline, progress=progress
-    )
-    if not report.complete:
-        notes.append(
-            f"max_time reached during sensitivity: {len(report.rows)} of {report.candidates} candidates measured"
-        )
+    out = AutoResult(build_model(qdq, chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
+                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes)
+    if out.target_met and not report_only:
+        return _finish(run, out, "the INT8 model already meets the target")
+    report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top, jobs=jobs,
+                        deadline=run.deadline, progress=run.reporter("ranking"), exact_progress=run.reporter("exact"),
+                        stats=report_only)
+    run.evaluations += sum(r.measured for r in report.rows)
+    out.sensitivity = report
+    notes.extend(report.notes)
+    run.stage_end("ranking")
     if report_only:
-        return result("report only", report, [])
-    steps: list[AutoStep] = []
-    reason = "no candidate left to fall back"
-    for row in report.ranked():
-        if tgt.met(best, threshold):
-            break
-        if max_nodes is not None and len(chosen) >= max_nodes:
-            reason = f"max_nodes ({max_nodes}) reached"
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            reason = f"max_time ({max_time:g} s) reached"
-            break
-        trial = [*chosen, row.name]
-        m = evaluator.measure(trial)
-        score = tgt.score(m.diffs, m.outputs, refs)
-        kept = tgt.gain(score, best) > 0
-        steps.append(AutoStep(row.name, score, kept))
-        if kept:
-            chosen, best = trial, score
-    if tgt.met(best, threshold):
-        reason = "target met"
-    elif deadline is not None and time.monotonic() > deadline and "max_" not in reason:
-        reason = f"max_time ({max_time:g} s) reached"
-    return result(reason, report, steps)
+        return _finish(run, out, "report only")
+    order = [r.name for r in report.rows]
+    cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
+    predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
+    search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, jobs)
+    size, reason = search.run(predicted, max_nodes)
+    out.steps = search.steps
+    run.stage_end("search")
+    if size:
+        out.nodes = [*chosen, *order[:size]]
+        out.model = build_model(qdq, out.nodes)
+        if run.time_left(1):
+            tick = run.reporter("confirmation")
+            if tick is not None:
+                tick(0, 1)
+            confirmed = evaluator.run(out.model, out.nodes)
+            run.evaluations += 1
+            out.score = tgt.score(confirmed.diffs, confirmed.outputs, run.refs)
+            if tick is not None:
+                tick(1, 1)
+            run.stage_end("confirmation")
+        else:
+            out.score = search.scores[size]
+            notes.append("not confirmed: max_time reached (the score is the search's evaluation of the same nodes)")
+    out.target_met = tgt.met(out.score, threshold)
+    return _finish(run, out, "target met" if out.target_met else reason)
+
+
+
+
+def _finish(clock: Clock, out: AutoResult, reason: str) -> AutoResult:
+    """Stamp the stop reason, timings and evaluation count on ``out``."""
+    out.stop_reason = reason
+    out.seconds = time.monotonic() - clock.start
+    out.stages = dict(clock.stages)
+    out.evaluations = clock.evaluations
+    return out

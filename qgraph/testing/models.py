@@ -21,7 +21,7 @@ from qgraph.testing.light import (
     materialize_light_model,
 )
 from qgraph.testing.runtime import graph_inputs, make_session, random_feeds, run_ort
-from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, matmul_add_relu_chain
+from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, fragile_resnet, matmul_add_relu_chain
 from qgraph.testing.transformer import transformer_encoder, transformer_encoder_inputs
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "cached_light_model",
     "conv_bn_net",
     "conv_bn_relu_chain",
+    "fragile_resnet",
     "graph_inputs",
     "ir_version_for_opset",
     "light_model_path",

@@ -196,3 +196,67 @@ def conv_bn_net(opset: int = 17, *, seed: int = 0, batch: int | str = 1, classes
     add_initializer(graph, "head/fc.bias", net.rng.normal(0, 0.02, classes).astype(np.float32))
     add_node(graph, "Gemm", [x, "head/fc.weight", "head/fc.bias"], ["logits"], "head/fc", transB=1)
     return model
+
+
+def fragile_resnet(
+    blocks: int = 140,
+    channels: int = 8,
+    spatial: int = 16,
+    opset: int = 13,
+    *,
+    fragile: dict[int, float] | None = None,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """A residual CNN with planted fragile layers, for sensitivity and automatic-fallback tests.
+
+    ``stem`` Conv → ``blocks`` × [``b{i}/conv1`` 3x3 → Relu → ``b{i}/conv2`` 3x3 → Add (residual) → Relu]
+    (5 nodes per block) → two heads: ``logits`` (GlobalAveragePool → Flatten → Gemm) and ``features`` (the
+    stream after the middle block, a second output as in multi-head detectors). ``fragile`` maps a block index
+    to a factor ``k``: channel 0 of that block's conv1 is scaled by ``k`` and conv2's weights reading it by
+    ``1/k``, so the float function is unchanged but the tensor between them holds one outlier channel ``k``
+    times larger than the rest; a per-tensor activation pair then quantizes the other channels coarsely and
+    ``b{i}/conv2`` carries a large local error (larger ``k``, larger error).
+    Inputs ``input [batch, channels, spatial, spatial]`` with a dynamic batch.
+    """
+    rng = np.random.default_rng(seed)
+    fragile = fragile or {}
+    model = new_model(opset, f"fragile_resnet_{blocks}")
+    g = model.graph
+    shape: list[int | str] = ["batch", channels, spatial, spatial]
+    g.input.append(helper.make_tensor_value_info("input", TensorProto.FLOAT, shape))
+    g.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10]))
+    g.output.append(helper.make_tensor_value_info("features", TensorProto.FLOAT, shape))
+    std = float(np.sqrt(_CHAIN_GAIN / (channels * 9)))
+    pads = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+
+    def conv(name: str, x: str, gain: float, scale_out: float = 1.0, scale_in: float = 1.0) -> str:
+        w = (rng.standard_normal((channels, channels, 3, 3)) * std * gain).astype(np.float32)
+        b = rng.normal(0.0, 0.05, channels).astype(np.float32)
+        if scale_out != 1.0:  # an outlier channel that is active (positive) on most inputs
+            w[0] *= scale_out
+            b[0] = 0.5 * scale_out
+        w[:, 0] *= scale_in
+        add_initializer(g, f"{name}.weight", w)
+        add_initializer(g, f"{name}.bias", b)
+        add_node(g, "Conv", [x, f"{name}.weight", f"{name}.bias"], [f"{name}_out"], name, **pads)
+        return f"{name}_out"
+
+    x = conv("stem", "input", 1.0)
+    for i in range(blocks):
+        k = float(fragile.get(i, 1.0))
+        h = conv(f"b{i}/conv1", x, 1.0, scale_out=k)
+        add_node(g, "Relu", [h], [f"b{i}/relu1_out"], f"b{i}/relu1")
+        h = conv(f"b{i}/conv2", f"b{i}/relu1_out", 0.3, scale_in=1.0 / k)
+        add_node(g, "Add", [x, h], [f"b{i}/add_out"], f"b{i}/add")
+        out = "features" if i == blocks // 2 else f"b{i}/out"
+        add_node(g, "Relu", [f"b{i}/add_out"], [out], f"b{i}/relu2")
+        if i == blocks // 2:  # a graph output that is also read further on
+            add_node(g, "Identity", [out], [f"b{i}/out"], f"b{i}/tap")
+            out = f"b{i}/out"
+        x = out
+    add_node(g, "GlobalAveragePool", [x], ["pooled"], "head/pool")
+    add_node(g, "Flatten", ["pooled"], ["flat"], "head/flatten")
+    add_initializer(g, "head.weight", (rng.standard_normal((10, channels)) * 0.5).astype(np.float32))
+    add_initializer(g, "head.bias", np.zeros(10, np.float32))
+    add_node(g, "Gemm", ["flat", "head.weight", "head.bias"], ["logits"], "head/fc", transB=1)
+    return model
