@@ -1,0 +1,156 @@
+"""The ``correct_bias`` pass: empirical bias correction of a QDQ model (Nagel et al. 2019; AIMET's and Quark's
+"empirical bias correction").
+
+Quantizing weights (and the activations upstream) shifts the mean of each layer's output; the shift is the same
+for every input, so the bias can take it back. For each quantized Conv/Gemm/MatMul (weight behind Q/DQ) and output
+channel ``c``, on the calibration data::
+
+    b_c += E[y_float,c] - E[y_quant,c]
+
+``y`` is the layer's output before any activation (the bias Add's output after a MatMul), ``y_float`` from the float
+reference (`PassContext.float_reference`, the model before the quantizing pass) and ``y_quant`` from the QDQ model.
+An int32 bias moves by ``round(delta / bias_scale)`` codes (clamped to int32); a float bias by ``delta``; a Conv/Gemm
+without bias gets one (int32 with scale ``s_x · s_w`` when both are known). Means are reduced inside onnxruntime
+(`qgraph.layer_data.channel_means`): memory stays that of one inference.
+
+Correcting layer ``k`` changes the inputs of layer ``k + 1``. ``mode: one_shot`` measures every layer in one paired
+run (float + quantized: two model evaluations) and corrects them all; ``mode: sequential`` splits the layers, in
+graph order, into ``rounds`` groups and re-measures the quantized model before each group (``rounds + 1``
+evaluations), so later layers also correct what the earlier corrections changed.
+
+Recipe (after the quantizing pass; run it after ``optimize_rounding`` when both are used)::
+
+    - pass: insert_qdq
+      preset: ort-x86-vnni
+    - pass: correct_bias
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import Field
+
+from qgraph import GraphHandle, NodeSelector, Pass, PassConfig, PassContext, PassResult, register
+from qgraph.layer_data import channel_means
+from qgraph.qlayers import QuantLayer, ensure_bias
+from qgraph.weight_correction import calibration_batches, candidates, require
+
+__all__ = ["CorrectBias", "CorrectBiasConfig"]
+
+NAME = "correct_bias"
+
+
+class CorrectBiasConfig(PassConfig):
+    """Which layers to correct and how to order the corrections."""
+
+    mode: Literal["one_shot", "sequential"] = Field(
+        default="sequential",
+        description="one_shot: measure all layers in one paired float/quantized run and correct them at once; "
+        "sequential: correct the layers in `rounds` groups in graph order, re-measuring the quantized model "
+        "before each group (later layers see the earlier corrections).",
+    )
+    rounds: int = Field(default=4, ge=1, description="sequential: groups of layers (runs of the quantized model).")
+    nodes: NodeSelector | None = Field(default=None, description="Only correct these layers (default: all).")
+    create_bias: bool = Field(default=True, description="Give a quantized Conv/Gemm without bias one to correct.")
+    measure_after: bool = Field(
+        default=True, description="One more run of the quantized model to report the mean error left per layer."
+    )
+
+
+def _tensors(layers: list[QuantLayer]) -> dict[str, tuple[int, bool]]:
+    return {la.output: (la.channels, la.node.op == "Conv" and la.output == la.node.outputs[0].name) for la in layers}
+
+
+def _rms(x: npt.NDArray[np.float64]) -> float:
+    return float(math.sqrt(float(np.mean(np.square(x))))) if x.size else 0.0
+
+
+@register
+class CorrectBias(Pass[CorrectBiasConfig]):
+    """Empirical bias correction: b += E[y_float] - E[y_quant] per output channel of each quantized layer.
+
+    Needs calibration data and the float model (run it after ``insert_qdq`` in the same recipe). ``mode``
+    (``sequential`` by default, ``rounds`` groups) or ``one_shot`` (one paired run); see the module docstring.
+    """
+
+    name = NAME
+    config_class = CorrectBiasConfig
+    preserves_float = False
+    needs_float_reference = True
+
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Calibration data, the float reference and at least one quantized layer."""
+        require(NAME, graph, ctx)
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Measure the mean output errors and fold them into the biases (module docstring)."""
+        res = PassResult()
+        cands = candidates(NAME, graph, ctx, self.config.nodes)
+        res.unmatched = cands.unmatched
+        for node, reason in cands.skipped:
+            res.skip(node, reason)
+        layers = []
+        for layer in cands.layers:
+            res.matched += 1
+            had = layer.bias is not None
+            if not had and not (self.config.create_bias and ensure_bias(graph, layer, NAME)):
+                res.skip(layer.name, "no bias operand of its own to correct (a MatMul without Add, a shared bias, "
+                         "or create_bias: false)")
+                continue
+            if not had:
+                res.nodes_added += int(layer.bias is not None and layer.bias.kind == "int32")
+                res.details.setdefault("biases_created", []).append(layer.name)
+            layers.append(layer)
+        graph.changed()
+        if not layers:
+            res.notes.append("no layer to correct")
+            return res
+        assert ctx.float_reference is not None
+        target = channel_means(ctx.float_reference, _tensors(layers), calibration_batches(ctx))
+        groups = self._groups(layers)
+        per_layer: dict[str, dict[str, float]] = {}
+        clipped = 0
+        for group in groups:
+            measured = channel_means(graph.to_onnx(), _tensors(group), calibration_batches(ctx))
+            for layer in group:
+                delta = target[layer.output] - measured[layer.output]
+                before = layer.bias_values()
+                clipped += layer.shift_bias(delta)
+                after = layer.bias_values()
+                changed = before is None or after is None or not np.array_equal(before, after)
+                res.rewritten += int(changed)
+                per_layer[layer.name] = {"mean_error_rms_before": _rms(delta)}
+            graph.changed()
+        runs = len(groups) + 1
+        if self.config.measure_after:
+            left = channel_means(graph.to_onnx(), _tensors(layers), calibration_batches(ctx))
+            runs += 1
+            for layer in layers:
+                per_layer[layer.name]["mean_error_rms_after"] = _rms(target[layer.output] - left[layer.output])
+        res.details["layers"] = per_layer
+        res.details["model_runs"] = runs
+        if clipped:
+            res.notes.append(f"{clipped} int32 bias code(s) saturated")
+        res.decisions.append(self._summary(per_layer, res.rewritten, runs))
+        return res
+
+    def _groups(self, layers: list[QuantLayer]) -> list[list[QuantLayer]]:
+        if self.config.mode == "one_shot":
+            return [layers]
+        k = min(self.config.rounds, len(layers))
+        bounds = np.linspace(0, len(layers), k + 1).round().astype(int)
+        return [layers[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+    def _summary(self, per_layer: dict[str, dict[str, float]], changed: int, runs: int) -> str:
+        before = float(np.median([v["mean_error_rms_before"] for v in per_layer.values()]))
+        text = (f"bias correction ({self.config.mode}, {runs} model runs): {changed} of {len(per_layer)} layer "
+                f"bias(es) changed; median per-layer mean-error RMS {before:.3g}")
+        if self.config.measure_after:
+            after = float(np.median([v["mean_error_rms_after"] for v in per_layer.values()]))
+            text += f" -> {after:.3g}"
+        return text
