@@ -106,6 +106,8 @@ class CorrectBias(Pass[CorrectBiasConfig]):
                 res.nodes_added += int(layer.bias is not None and layer.bias.kind == "int32")
                 res.details.setdefault("biases_created", []).append(layer.name)
             layers.append(layer)
+        if "biases_created" in res.details:
+            graph.toposort()  # the new bias DequantizeLinear nodes were appended: once, not per layer
         graph.changed()
         if not layers:
             res.notes.append("no layer to correct")

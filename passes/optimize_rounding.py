@@ -97,6 +97,11 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
                 continue
             work.append((layer, spec))
         res.matched = len(work)
+        if cfg.adjust_bias:
+            created = [la.name for la, _ in work if la.bias is None and ensure_bias(graph, la, NAME)]
+            if created:
+                res.details["biases_created"] = created
+                graph.toposort()  # the new bias DequantizeLinear nodes were appended: once, not per layer
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, [la for la, _ in work])
         per_layer: dict[str, dict[str, float | int]] = {}
@@ -109,7 +114,7 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
             for (layer, _), rows in zip(group, samples, strict=True):
                 if deadline is not None and time.perf_counter() > deadline:
                     break
-                stats = self._layer(graph, layer, cands.float_weights[layer.output], rows, biases[layer.output],
+                stats = self._layer(layer, cands.float_weights[layer.output], rows, biases[layer.output],
                                     deadline)
                 per_layer[layer.name] = stats
                 pending.remove(layer.name)
@@ -136,12 +141,12 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
             used += size
         return [g for g in groups if g]
 
-    def _layer(self, graph: GraphHandle, layer: QuantLayer, w_float: npt.NDArray[np.float32],
+    def _layer(self, layer: QuantLayer, w_float: npt.NDArray[np.float32],
                rows: npt.NDArray[np.float32], b_float: npt.NDArray[np.float64],
                deadline: float | None) -> dict[str, float | int]:
         """Optimize one layer's codes (and bias) in place; its statistics. The reported local output SQNR is
         ``E||W x + b||² / E||(W x + b) - (Ŵ x + b̂)||²`` on the sampled inputs, bias error included."""
-        fit_bias = self.config.adjust_bias and (layer.bias is not None or ensure_bias(graph, layer, NAME))
+        fit_bias = self.config.adjust_bias and layer.bias is not None
         h, mu = second_moments(rows, centered=fit_bias)
         w = layer.rows(w_float.astype(np.float64))
         scale, zp = layer.rows(layer.full(layer.params.scale)), layer.rows(layer.full(layer.params.zero_point))

@@ -23,10 +23,21 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph.fallback import QParams, is_dq, is_q, qparams
-from qgraph.graph import GraphHandle, is_default_domain, set_const
+from qgraph.graph import GraphHandle, is_default_domain
 from qgraph.quant import _broadcast_param, dequantize, shift_int32_bias
 
 WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
+
+
+def _replaced(old: gs.Constant, values: npt.NDArray[Any]) -> gs.Constant:
+    """A new constant with ``old``'s name and ``values`` in place of ``old`` in every node reading it (a new object,
+    so the pipeline's contract sees the change; O(readers))."""
+    new = gs.Constant(old.name, np.ascontiguousarray(values))
+    for reader in list(old.outputs):
+        for i, t in enumerate(reader.inputs):
+            if t is old:
+                reader.inputs[i] = new
+    return new
 
 
 @dataclass
@@ -110,9 +121,9 @@ class QuantLayer:
         if self.float_qdq:
             p = self.params
             axis = p.axis if p.scale.size > 1 else None
-            set_const(self.weight, dequantize(codes, p.scale, p.zero_point, axis).astype(old.dtype))
+            self.weight = _replaced(self.weight, dequantize(codes, p.scale, p.zero_point, axis).astype(old.dtype))
         else:
-            set_const(self.weight, codes.astype(old.dtype))
+            self.weight = _replaced(self.weight, codes.astype(old.dtype))
 
     def bias_values(self) -> npt.NDArray[np.float64] | None:
         """The bias as the graph computes with it, flat ``(C,)`` (None without bias)."""
@@ -131,9 +142,9 @@ class QuantLayer:
         if b.kind == "int32":
             assert b.scale is not None
             new, clipped = shift_int32_bias(old.reshape(-1), b.scale.reshape(-1), delta)
-            set_const(b.value, new.reshape(old.shape))
+            b.value = _replaced(b.value, new.reshape(old.shape))
             return clipped
-        set_const(b.value, (old.astype(np.float64) + (delta / b.beta).reshape(old.shape)).astype(old.dtype))
+        b.value = _replaced(b.value, (old.astype(np.float64) + (delta / b.beta).reshape(old.shape)).astype(old.dtype))
         return 0
 
 
