@@ -36,8 +36,8 @@ import numpy.typing as npt
 from pydantic import Field
 
 from qgraph import GraphHandle, NodeSelector, Pass, PassConfig, PassContext, PassResult, register
-from qgraph.layer_data import channel_means
-from qgraph.qlayers import QuantLayer, ensure_bias
+from qgraph.layer_data import Twin, channel_means, with_twins
+from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
 from qgraph.weight_correction import calibration_batches, candidates, require
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
@@ -48,13 +48,15 @@ NAME = "correct_bias"
 class CorrectBiasConfig(PassConfig):
     """Which layers to correct and how to order the corrections."""
 
-    mode: Literal["one_shot", "sequential"] = Field(
-        default="sequential",
-        description="one_shot: measure all layers in one paired float/quantized run and correct them at once; "
-        "sequential: correct the layers in `rounds` groups in graph order, re-measuring the quantized model "
-        "before each group (later layers see the earlier corrections).",
+    mode: Literal["local", "one_shot", "sequential"] = Field(
+        default="local",
+        description="local: each layer's own mean error (float twin on the same quantized input), one run; "
+        "one_shot: E[y_float] - E[y_quant] of all layers from one paired float/quantized run; sequential: the "
+        "same in `rounds` groups in graph order, re-measuring the quantized model before each group.",
     )
-    rounds: int = Field(default=4, ge=1, description="sequential: groups of layers (runs of the quantized model).")
+    rounds: int | None = Field(
+        default=None, ge=1, description="sequential: groups of layers (runs of the quantized model); default: one "
+        "per layer (exact, one run per layer).")
     nodes: NodeSelector | None = Field(default=None, description="Only correct these layers (default: all).")
     create_bias: bool = Field(default=True, description="Give a quantized Conv/Gemm without bias one to correct.")
     measure_after: bool = Field(
@@ -113,6 +115,55 @@ class CorrectBias(Pass[CorrectBiasConfig]):
             res.notes.append("no layer to correct")
             return res
         assert ctx.float_reference is not None
+        if self.config.mode == "local":
+            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights)
+        else:
+            per_layer, runs, clipped = self._global(graph, ctx, layers)
+        res.rewritten = sum(int(v.pop("changed")) for v in per_layer.values())
+        res.details["layers"] = per_layer
+        res.details["model_runs"] = runs
+        if clipped:
+            res.notes.append(f"{clipped} int32 bias code(s) saturated")
+        res.decisions.append(self._summary(per_layer, res.rewritten, runs))
+        return res
+
+    def _apply(self, layer: QuantLayer, delta: npt.NDArray[np.float64]) -> tuple[bool, int]:
+        before = layer.bias_values()
+        clipped = layer.shift_bias(delta)
+        after = layer.bias_values()
+        return before is None or after is None or not np.array_equal(before, after), clipped
+
+    def _local(self, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
+               weights: dict[str, npt.NDArray[np.float32]]) -> tuple[dict[str, dict[str, float]], int, int]:
+        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins."""
+        assert ctx.float_reference is not None
+        biases = float_biases(ctx.float_reference, layers)
+        twins = [Twin(la.node.outputs[0].name, weights[la.output], biases[la.output].astype(np.float32),
+                      f"{la.output}/qgraph_float_twin") for la in layers]
+        tensors = _tensors(layers)
+        tensors.update({t.output: tensors[la.output] for t, la in zip(twins, layers, strict=True)})
+
+        def errors() -> dict[str, npt.NDArray[np.float64]]:
+            means = channel_means(with_twins(graph.to_onnx(), twins), tensors, calibration_batches(ctx))
+            return {la.output: means[t.output] - means[la.output] for t, la in zip(twins, layers, strict=True)}
+
+        per_layer: dict[str, dict[str, float]] = {}
+        clipped = 0
+        for layer, delta in zip(layers, errors().values(), strict=True):
+            changed, c = self._apply(layer, delta)
+            clipped += c
+            per_layer[layer.name] = {"mean_error_rms_before": _rms(delta), "changed": changed}
+        graph.changed()
+        if self.config.measure_after:
+            left = errors()
+            for layer in layers:
+                per_layer[layer.name]["mean_error_rms_after"] = _rms(left[layer.output])
+        return per_layer, 1 + self.config.measure_after, clipped
+
+    def _global(self, graph: GraphHandle, ctx: PassContext,
+                layers: list[QuantLayer]) -> tuple[dict[str, dict[str, float]], int, int]:
+        """E[y_float] - E[y_quant] against the float model, all at once or in rounds (module docstring)."""
+        assert ctx.float_reference is not None
         target = channel_means(ctx.float_reference, _tensors(layers), calibration_batches(ctx))
         groups = self._groups(layers)
         per_layer: dict[str, dict[str, float]] = {}
@@ -121,12 +172,9 @@ class CorrectBias(Pass[CorrectBiasConfig]):
             measured = channel_means(graph.to_onnx(), _tensors(group), calibration_batches(ctx))
             for layer in group:
                 delta = target[layer.output] - measured[layer.output]
-                before = layer.bias_values()
-                clipped += layer.shift_bias(delta)
-                after = layer.bias_values()
-                changed = before is None or after is None or not np.array_equal(before, after)
-                res.rewritten += int(changed)
-                per_layer[layer.name] = {"mean_error_rms_before": _rms(delta)}
+                changed, c = self._apply(layer, delta)
+                clipped += c
+                per_layer[layer.name] = {"mean_error_rms_before": _rms(delta), "changed": changed}
             graph.changed()
         runs = len(groups) + 1
         if self.config.measure_after:
@@ -134,23 +182,18 @@ class CorrectBias(Pass[CorrectBiasConfig]):
             runs += 1
             for layer in layers:
                 per_layer[layer.name]["mean_error_rms_after"] = _rms(target[layer.output] - left[layer.output])
-        res.details["layers"] = per_layer
-        res.details["model_runs"] = runs
-        if clipped:
-            res.notes.append(f"{clipped} int32 bias code(s) saturated")
-        res.decisions.append(self._summary(per_layer, res.rewritten, runs))
-        return res
+        return per_layer, runs, clipped
 
     def _groups(self, layers: list[QuantLayer]) -> list[list[QuantLayer]]:
         if self.config.mode == "one_shot":
             return [layers]
-        k = min(self.config.rounds, len(layers))
+        k = len(layers) if self.config.rounds is None else min(self.config.rounds, len(layers))
         bounds = np.linspace(0, len(layers), k + 1).round().astype(int)
         return [layers[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
     def _summary(self, per_layer: dict[str, dict[str, float]], changed: int, runs: int) -> str:
         before = float(np.median([v["mean_error_rms_before"] for v in per_layer.values()]))
-        text = (f"bias correction ({self.config.mode}, {runs} model runs): {changed} of {len(per_layer)} layer "
+        text = (f"bias correction ({self.config.mode}, {runs} model run(s)): {changed} of {len(per_layer)} layer "
                 f"bias(es) changed; median per-layer mean-error RMS {before:.3g}")
         if self.config.measure_after:
             after = float(np.median([v["mean_error_rms_after"] for v in per_layer.values()]))

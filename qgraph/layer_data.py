@@ -118,8 +118,18 @@ class RowSpec:
 
 @dataclass
 class _Reservoir:
+    """``max_rows`` slots of rows and their keys (``inf``: empty); new rows overwrite the slots with the largest
+    keys in place (no re-concatenation of the whole sample per batch)."""
+
     keys: npt.NDArray[np.float64] = field(default_factory=lambda: np.empty(0))
     rows: npt.NDArray[np.float32] | None = None
+
+    def sample(self) -> npt.NDArray[np.float32] | None:
+        """The rows of the filled slots ``(G, n, K)``."""
+        if self.rows is None:
+            return None
+        filled = np.isfinite(self.keys)
+        return self.rows if filled.all() else self.rows[:, filled]
 
 
 def _positions(x: npt.NDArray[np.float32], spec: RowSpec) -> tuple[int, ...]:
@@ -159,20 +169,21 @@ def _fold(res: _Reservoir, x: npt.NDArray[np.float32], spec: RowSpec, max_rows: 
     total = int(np.prod(grid))
     if total == 0:
         return
+    if res.rows is None:
+        res.rows = np.empty((spec.groups, max_rows, spec.k), np.float32)
+        res.keys = np.full(max_rows, np.inf)
     keys = rng.random(total)
     take = min(max_rows, total)
     picked = np.argpartition(keys, take - 1)[:take] if take < total else np.arange(total)
-    threshold = np.partition(res.keys, max_rows - 1)[max_rows - 1] if res.keys.size >= max_rows else np.inf
-    picked = picked[keys[picked] < threshold]
+    picked = picked[keys[picked] < res.keys.max()]  # only rows that beat the worst kept one can enter
     if not picked.size:
         return
-    new = _gather(x, spec, picked, grid)
-    keys_all = np.concatenate([res.keys, keys[picked]])
-    rows_all = new if res.rows is None else np.concatenate([res.rows, new], axis=1)
-    if keys_all.size > max_rows:
-        keep = np.argpartition(keys_all, max_rows - 1)[:max_rows]
-        keys_all, rows_all = keys_all[keep], rows_all[:, keep]
-    res.keys, res.rows = keys_all, rows_all
+    both = np.concatenate([res.keys, keys[picked]])
+    keep = np.argpartition(both, max_rows - 1)[:max_rows]
+    incoming = keep[keep >= max_rows] - max_rows
+    evicted = np.setdiff1d(np.arange(max_rows), keep[keep < max_rows], assume_unique=True)
+    res.rows[:, evicted] = _gather(x, spec, picked[incoming], grid)
+    res.keys[evicted] = keys[picked[incoming]]
 
 
 def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Iterable[Feed], max_rows: int,
@@ -182,11 +193,12 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
     names = list(dict.fromkeys(s.tensor for s in specs))
     inputs = {i.name for i in model.graph.input}
     fetched = [n for n in names if n not in inputs]
-    session = make_session(_augment(model, {}, [], fetched), mem_pattern=False)
+    session = make_session(_augment(model, {}, [], fetched), mem_pattern=False) if fetched else None
     rng = np.random.default_rng(seed)
     reservoirs = [_Reservoir() for _ in specs]
     for feed in batches:
-        values = dict(zip(fetched, session_run(session, fetched, feed), strict=True))
+        got = session_run(session, fetched, feed) if session is not None else []
+        values = dict(zip(fetched, got, strict=True))
         values.update({n: feed[n] for n in names if n in inputs})
         for spec, res in zip(specs, reservoirs, strict=True):
             x = np.asarray(values[spec.tensor], np.float32)
@@ -195,5 +207,49 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
                                 "the data.")
             _fold(res, x, spec, max_rows, rng)
         del values
-    return [r.rows if r.rows is not None else np.zeros((s.groups, 0, s.k), np.float32)
-            for r, s in zip(reservoirs, specs, strict=True)]
+    out = []
+    for r, s in zip(reservoirs, specs, strict=True):
+        got = r.sample()
+        out.append(got if got is not None else np.zeros((s.groups, 0, s.k), np.float32))
+    return out
+
+
+@dataclass
+class Twin:
+    """A float copy of a quantized layer reading the same (quantized) input: node with output ``node_output`` in
+    the model, its float ``weight`` and ``bias`` (C,), and the name its twin output gets."""
+
+    node_output: str
+    weight: npt.NDArray[np.float32]
+    bias: npt.NDArray[np.float32]
+    output: str
+
+
+def with_twins(model: onnx.ModelProto, twins: Sequence[Twin]) -> onnx.ModelProto:
+    """A copy of ``model`` where each twin's layer gets a float copy right after it: the same op and attributes on
+    the same input 0, with the float weight and bias (Conv/Gemm: input 2, Gemm ``beta = 1``; MatMul: an Add)."""
+    by_output = {n.output[0]: n for n in model.graph.node if n.output}
+    after: dict[str, list[onnx.NodeProto]] = {}
+    inits: list[onnx.TensorProto] = []
+    for k, twin in enumerate(twins):
+        node = by_output[twin.node_output]
+        p = f"{_PREFIX}_twin/{k}/"
+        inits += [numpy_helper.from_array(twin.weight, p + "w"), numpy_helper.from_array(twin.bias, p + "b")]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = p + "node"
+        del copy.input[1:]
+        copy.input.append(p + "w")
+        del copy.output[:]
+        nodes = [copy]
+        if node.op_type == "MatMul":
+            copy.output.append(p + "matmul")
+            nodes.append(helper.make_node("Add", [p + "matmul", p + "b"], [twin.output], name=p + "add"))
+        else:
+            copy.input.append(p + "b")
+            copy.output.append(twin.output)
+            for a in copy.attribute:
+                if a.name == "beta":
+                    a.f = 1.0
+        after.setdefault(twin.node_output, []).extend(nodes)
+    return _augment(model, after, inits, [])

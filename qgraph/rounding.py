@@ -134,13 +134,24 @@ def optimize_rounding(
     return RoundingResult(q, before, after, flips, steps, complete)
 
 
-def second_moments(rows: npt.ArrayLike, *, centered: bool) -> tuple[Array, Array]:
+def second_moments(rows: npt.ArrayLike, *, centered: bool, shrink: bool = True) -> tuple[Array, Array]:
     """``(H, μ)`` of sampled inputs ``rows`` ``(G, n, K)``: ``H = X^T X / n`` per group, or the covariance
-    ``X^T X / n - μ μ^T`` when ``centered`` (the bias then absorbs the mean error, see module docstring)."""
+    ``X^T X / n - μ μ^T`` when ``centered`` (the bias then absorbs the mean error, see module docstring).
+
+    ``shrink``: with few rows the sample matrix is a noisy (for ``n < K`` singular) estimate and the descent would
+    fit the noise; it is shrunk towards its diagonal, ``H' = (1 - α) H + α diag(H)`` with ``α = K / (n + K)``. A
+    diagonal ``H`` makes nearest rounding optimal, so thin samples pull the result towards nearest rounding.
+    """
     x = np.asarray(rows, np.float64)
-    n = max(x.shape[1], 1)
+    n, k = max(x.shape[1], 1), x.shape[2]
     mu: Array = x.mean(axis=1)
-    h: Array = np.einsum("gnk,gnl->gkl", x, x, optimize=True) / n
+    h: Array = np.matmul(np.swapaxes(x, 1, 2), x) / n
     if centered:
-        h = h - np.einsum("gk,gl->gkl", mu, mu)
-    return 0.5 * (h + np.swapaxes(h, 1, 2)), mu
+        h = h - mu[:, :, None] * mu[:, None, :]
+    h = 0.5 * (h + np.swapaxes(h, 1, 2))
+    if shrink:
+        alpha = k / (n + k)
+        diag = np.einsum("gkk->gk", h).copy()
+        h *= 1.0 - alpha
+        h[:, np.arange(k), np.arange(k)] += alpha * diag
+    return h, mu
