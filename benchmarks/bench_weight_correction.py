@@ -18,10 +18,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import real_models  # noqa: E402
+import real_models
 
-from qgraph import Pipeline, Recipe  # noqa: E402
-from qgraph.pass_api import get_pass  # noqa: E402
+from qgraph import Pipeline, Recipe
+from qgraph.pass_api import get_pass
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "ort-x86-vnni.yaml"
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -33,6 +33,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "+optimize_rounding": [("optimize_rounding", {})],
     "+optimize_rounding +correct_bias": [("optimize_rounding", {}), ("correct_bias", {})],
     "+optimize_rounding (no bias re-fit)": [("optimize_rounding", {"adjust_bias": False})],
+    "+optimize_rounding (no re-fit) +correct_bias": [("optimize_rounding", {"adjust_bias": False}),
+                                                     ("correct_bias", {})],
 }
 SIZES = {"orientation": {"n_cal": 32, "n_eval": 64}, "layout": {"n_cal": 8, "n_eval": 8}}
 
@@ -50,8 +52,10 @@ def main(names: list[str], per_tensor: bool) -> None:
         t0 = time.perf_counter()
         real_models.run_model(model, cal, spec, optimized=False)
         float_s = time.perf_counter() - t0
-        print(f"\n{name}: {len(cal)} calibration / {len(ev)} eval samples; float inference over the calibration "
-              f"data {float_s:.2f} s" + ("; per-tensor weights" if per_tensor else ""))
+        print(
+            f"\n{name}: {len(cal)} calibration / {len(ev)} eval samples; float inference over the calibration "
+            f"data {float_s:.2f} s" + ("; per-tensor weights" if per_tensor else "")
+        )
         if spec.kind == "classification" and "top1_float" in real_models.score(spec, ref, ref):
             print(f"  float top1 {real_models.score(spec, ref, ref)['top1_float']:.3f}")
         for label, extra in VARIANTS.items():
@@ -61,10 +65,15 @@ def main(names: list[str], per_tensor: bool) -> None:
                 qdq = passes[-1]
                 passes[-1] = type(qdq)(**{**qdq.config.recipe_options(), "weights": {"per_channel": False}})
             passes += [get_pass(p)(**o) for p, o in extra]
-            res = Pipeline(passes, target=base.target, calibration=base.calibration).run(model, calibration_data=_source(cal))
+            res = Pipeline(passes, target=base.target, calibration=base.calibration).run(
+                model, calibration_data=_source(cal)
+            )
             got = real_models.score(spec, ref, real_models.run_model(res.model, ev, spec))
-            costs = " ".join(f"{r.name} {r.seconds:.1f}s" for r in res.records if r.name in
-                             ("insert_qdq", "correct_bias", "optimize_rounding"))
+            costs = " ".join(
+                f"{r.name} {r.seconds:.1f}s"
+                for r in res.records
+                if r.name in ("insert_qdq", "correct_bias", "optimize_rounding")
+            )
             print(f"  {label:34s} {_headline(spec, got)}   [{costs}]")
 
 

@@ -207,10 +207,10 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
                                 "the data.")
             _fold(res, x, spec, max_rows, rng)
         del values
-    out = []
+    out: list[npt.NDArray[np.float32]] = []
     for r, s in zip(reservoirs, specs, strict=True):
-        got = r.sample()
-        out.append(got if got is not None else np.zeros((s.groups, 0, s.k), np.float32))
+        kept = r.sample()
+        out.append(kept if kept is not None else np.zeros((s.groups, 0, s.k), np.float32))
     return out
 
 
