@@ -12,7 +12,8 @@ error is part of the problem; im2col rows for a Conv). Per output channel the ob
 ``H = E[x x^T]``; `qgraph.rounding.optimize_rounding` solves it exactly flip by flip (module docstring there: why
 greedy descent rather than the rectified-sigmoid relaxation). With ``adjust_bias`` (and a bias), the bias absorbs
 the mean error: ``H`` becomes the covariance and the bias is set to ``b_float + e·E[x]`` (zero mean error on the
-layer's inputs).
+layer's inputs). Off by default: measured on real weights it loses to the plain objective (PP-LCNet per-tensor
+logits SQNR 8.3 dB -> 11.1 dB without, 9.7 dB with), while on the synthetic depthwise net it wins (33.8 vs 37.9 dB).
 
 Layers are processed in graph order, in groups whose input samples fit ``cache_mb``; each group's inputs come
 from one run of the model as already optimized (later layers see the earlier layers' new rounding). Memory is the
@@ -48,8 +49,8 @@ class OptimizeRoundingConfig(PassConfig):
     nodes: NodeSelector | None = Field(default=None, description="Only optimize these layers (default: all).")
     max_rows: int = Field(default=4096, ge=16, description="Input rows sampled per layer (im2col rows for a Conv).")
     adjust_bias: bool = Field(
-        default=True, description="Re-fit each layer's bias to the new rounding (b = b_float + e·E[x]); a Conv/Gemm "
-        "without bias gets one.")
+        default=False, description="Re-fit each layer's bias to the new rounding (b = b_float + e·E[x] on the "
+        "sampled inputs; a Conv/Gemm without bias gets one) and optimize against the input covariance.")
     time_budget_s: float | None = Field(
         default=None, gt=0, description="Stop after this many seconds (layers done so far are kept; reported).")
     cache_mb: float = Field(default=256.0, gt=0, description="Memory for the input samples of one group of layers.")

@@ -43,12 +43,12 @@ def test_error_reduction_on_layers_with_few_inputs_per_output() -> None:
     m = depthwise_net()  # depthwise 3x3: 9 weights per output channel, per-tensor scales
     feeds, held_out = depthwise_feeds(48), depthwise_feeds(24, seed=9)
     base = sqnr_db(m, run(m, feeds).model, held_out)
-    after = sqnr_db(m, run(m, feeds, OptimizeRounding()).model, held_out)
-    assert after > base + 3.0, (base, after)  # measured: 31.0 -> 37.9 dB
-    codes_only = sqnr_db(m, run(m, feeds, OptimizeRounding(adjust_bias=False)).model, held_out)
-    assert codes_only > base + 1.0, (base, codes_only)  # measured: 33.8 dB
-    both = sqnr_db(m, run(m, feeds, OptimizeRounding(), CorrectBias()).model, held_out)
-    assert both > after
+    codes_only = sqnr_db(m, run(m, feeds, OptimizeRounding()).model, held_out)
+    assert codes_only > base + 1.0, (base, codes_only)  # measured: 31.0 -> 32.3 dB
+    refit = sqnr_db(m, run(m, feeds, OptimizeRounding(adjust_bias=True)).model, held_out)
+    assert refit > base + 3.0, (base, refit)  # measured: 37.9 dB
+    both = sqnr_db(m, run(m, feeds, OptimizeRounding(), CorrectBias(mode="sequential")).model, held_out)
+    assert both > codes_only + 2.0, (codes_only, both)  # measured: 36.0 dB
 
 
 def test_no_op_where_weights_are_on_the_grid() -> None:
@@ -62,8 +62,8 @@ def test_no_op_where_weights_are_on_the_grid() -> None:
 def test_second_run_moves_few_codes_and_keeps_the_gain() -> None:
     m = depthwise_net()
     feeds, held_out = depthwise_feeds(48), depthwise_feeds(24, seed=9)
-    once = run(m, feeds, OptimizeRounding())
-    twice = run(m, feeds, OptimizeRounding(), OptimizeRounding())
+    once = run(m, feeds, OptimizeRounding(adjust_bias=True))
+    twice = run(m, feeds, OptimizeRounding(adjust_bias=True), OptimizeRounding(adjust_bias=True))
     flips = [sum(v["flips"] for v in r.result.details["layers"].values()) for r in twice.records[1:]]
     assert flips[1] < 0.5 * flips[0], flips  # measured: 56 then 16 (later layers see new upstream codes)
     assert sqnr_db(m, twice.model, held_out) > sqnr_db(m, once.model, held_out) - 0.5
@@ -85,7 +85,7 @@ def test_float_qdq_weights_are_rewritten_on_their_grid() -> None:
     feeds, held_out = depthwise_feeds(32), depthwise_feeds(16, seed=9)
     qdq = {"preset": "tensorrt", "weights": {"per_channel": False, "format": "float_qdq"}, "bias": "float"}
     base = run(m, feeds, **qdq)
-    out = run(m, feeds, OptimizeRounding(), **qdq)
+    out = run(m, feeds, OptimizeRounding(adjust_bias=True), **qdq)
     assert sqnr_db(m, out.model, held_out) > sqnr_db(m, base.model, held_out) + 1.0
     w, s = initializers(out.model)["dw1"], initializers(out.model)["dw1/scale"]
     assert np.allclose(w / s, np.rint(w / s), atol=1e-3)  # float weights now sit exactly on the grid
