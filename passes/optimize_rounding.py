@@ -106,7 +106,6 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, [la for la, _ in work])
         per_layer: dict[str, dict[str, float | int]] = {}
-        pending = [la.name for la, _ in work]
         for group in self._groups(work):
             if deadline is not None and time.perf_counter() > deadline:
                 break
@@ -118,11 +117,11 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
                 stats = self._layer(layer, cands.float_weights[layer.output], rows, biases[layer.output],
                                     deadline)
                 per_layer[layer.name] = stats
-                pending.remove(layer.name)
                 res.rewritten += int(stats["flips"] > 0)
             del samples
             graph.changed()
         res.details["layers"] = per_layer
+        pending = [la.name for la, _ in work if la.name not in per_layer]
         res.decisions.append(self._summary(per_layer, pending))
         if pending:
             res.details["not_optimized"] = pending

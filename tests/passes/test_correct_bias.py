@@ -87,3 +87,23 @@ def test_refuses_without_data_or_quantized_layers() -> None:
     ctx = PassContext(calibration_data=source(feeds_for(m, 2)))
     with pytest.raises(PassError, match="float model"):
         CorrectBias().requires(GraphHandle(qdq), ctx)
+
+
+def test_a_recipe_with_both_passes_records_their_decisions() -> None:
+    from qgraph import Recipe
+
+    recipe = Recipe.from_text("""
+name: weight-correction
+passes:
+  - pass: insert_qdq
+    preset: ort-x86-vnni
+    weights: {per_channel: false}
+  - pass: optimize_rounding
+    max_rows: 512
+  - pass: correct_bias
+""")
+    m = depthwise_net()
+    res = recipe.pipeline().run(m, calibration_data=source(depthwise_feeds(16)))
+    assert [r.name for r in res.records] == ["insert_qdq", "optimize_rounding", "correct_bias"]
+    provenance = {p.key: p.value for p in res.model.metadata_props}["qgraph.passes"]
+    assert "adaptive rounding: 4 layer(s) optimized" in provenance and "bias correction (local" in provenance
