@@ -134,6 +134,22 @@ class PassContext:
         self.options: dict[str, Any] = dict(options or {})
         #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
         self.cache: dict[str, Any] = {}
+        self._float_reference: onnx.ModelProto | None = None
+
+    @property
+    def float_reference(self) -> onnx.ModelProto | None:
+        """The model as it was right before the first pass that changes float results (``preserves_float =
+        False``, e.g. ``insert_qdq``) ran: float weights and activations after every float-preserving rewrite
+        (folded BatchNorms, lowered opsets), so its tensors carry the names the quantized graph still uses.
+
+        Read-only. The pipeline exports it once, and only when a pass of the recipe declares
+        ``needs_float_reference = True``; None otherwise (and when no float-changing pass ran before the asking
+        pass: the reference is then the model that pass received)."""
+        return self._float_reference
+
+    def set_float_reference(self, model: onnx.ModelProto | None) -> None:
+        """Record the float reference (the pipeline does this; tests and scripts running passes by hand may)."""
+        self._float_reference = model
 
     def fix_inputs(self, values: dict[str, np.ndarray]) -> None:
         """Tell the pipeline that graph inputs became constants (``specialize_inputs``): from now on, calibration
@@ -175,6 +191,9 @@ class Pass(Generic[C]):
     #: Whether the pipeline pauses the cyclic GC while the pass runs (right for graph rewriting; a pass that builds
     #: many temporary models or sessions, like a sensitivity search, sets False so their garbage is collected).
     pause_gc: ClassVar[bool] = True
+    #: Whether the pass reads `PassContext.float_reference` (weight correction after quantization): the pipeline
+    #: then keeps a copy of the model as it was before the first float-changing pass.
+    needs_float_reference: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -8,6 +8,7 @@ a byte-identical file.
 
 from __future__ import annotations
 
+import itertools
 import math
 import resource
 import time
@@ -186,13 +187,21 @@ class Pipeline:
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
         stages: list[onnx.ModelProto] = []
-        for i, step in enumerate(self._with_target_opset()):
+        steps = self._with_target_opset()
+        # wants_reference[i]: a pass at i or later reads ctx.float_reference (exported once, only then)
+        wants_reference: list[bool] = list(itertools.accumulate(reversed([s.needs_float_reference for s in steps]),
+                                                    lambda later, here: later or here))[::-1]
+        for i, step in enumerate(steps):
             target_step = isinstance(step, _ToTargetOpset)
             p = step.resolve(handle) if isinstance(step, _ToTargetOpset) else step
             if p is None:
                 continue
             emit(PipelineEvent("pass_start", total, i, p.name))
             running.append((i, p.name))
+            if ctx.float_reference is None and wants_reference[i] and (not p.preserves_float or
+                                                                      p.needs_float_reference):
+                # the model before the first float-changing pass (or before the pass that asks, if none ran)
+                ctx.set_float_reference(handle.to_onnx())
             record = self._run_one(i, p, handle, ctx, target_step)
             records.append(record)
             emit(PipelineEvent("pass_end", total, i, p.name, record.seconds, record.peak_rss_mb, record.result))

@@ -370,3 +370,23 @@ def quantize_bias(bias: npt.ArrayLike, input_scale: npt.ArrayLike, weight_scale:
         scale = (w * s_in).astype(np.float32)
     q = np.clip(np.rint(b / scale.astype(np.float64)), -_INT32_MAX - 1, _INT32_MAX).astype(np.int32)
     return QuantizedBias(values=q, scale=scale, weight_scale=w, adjusted=np.asarray(adjusted, dtype=np.bool_))
+
+
+def shift_int32_bias(
+    codes: npt.ArrayLike, scale: npt.ArrayLike, delta: npt.ArrayLike
+) -> tuple[npt.NDArray[np.int32], int]:
+    """Fold a float correction ``delta`` into an int32 bias of scale ``scale`` (zero point 0).
+
+    ``q' = clip(q + round_half_even(delta / scale), -2**31, 2**31 - 1)`` elementwise (``scale`` broadcasts: a
+    scalar or one value per channel); the dequantized bias moves by ``delta`` to within half a step. Returns the
+    new codes and how many saturated. NaN/Inf in ``delta`` is an error, never "no change".
+    """
+    q = np.asarray(codes, dtype=np.int64)
+    d = np.asarray(delta, dtype=np.float64)
+    s = np.asarray(scale, dtype=np.float64)
+    if not (np.all(np.isfinite(d)) and np.all(np.isfinite(s)) and np.all(s > 0)):
+        raise ValueError("bias correction and scale must be finite (scale > 0)")
+    moved = q + np.rint(d / s)
+    clipped = int(np.count_nonzero((moved < -_INT32_MAX - 1) | (moved > _INT32_MAX)))
+    out = np.clip(moved, -_INT32_MAX - 1, _INT32_MAX).astype(np.int32)
+    return out.reshape(q.shape), clipped

@@ -1,0 +1,102 @@
+"""What the weight-correction passes (``correct_bias``, ``optimize_rounding``) share: their preconditions, the
+layers they may correct with the float weights behind them, calibration batches, and per-layer row geometry.
+
+Both run after a quantizing pass (``insert_qdq``) and compare with `PassContext.float_reference`, the model as it
+was before the first float-changing pass: layers are matched by their output tensor, whose name quantization
+keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from qgraph.data import Feed, batched
+from qgraph.errors import PassError
+from qgraph.graph import GraphHandle
+from qgraph.layer_data import RowSpec
+from qgraph.pass_api import PassContext
+from qgraph.qlayers import QuantLayer, find_layers
+from qgraph.selectors import NodeSelector, select
+
+
+@dataclass
+class Candidates:
+    """Layers a correction pass will work on, with their float weights, and the ones it leaves alone."""
+
+    layers: list[QuantLayer] = field(default_factory=list)
+    float_weights: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+
+
+def require(pass_name: str, graph: GraphHandle, ctx: PassContext) -> None:
+    """`PassError` saying how to fix it when there is no calibration data, no float reference, or no quantized
+    weighted layer to correct."""
+    if ctx.calibration_data is None:
+        raise PassError(f"{pass_name}: needs calibration data to measure the layers on: give --calibration-data "
+                        "(or the recipe's calibration.data).")
+    if ctx.float_reference is None:
+        raise PassError(f"{pass_name}: needs the float model: run it in a pipeline after the quantizing pass "
+                        "(`- pass: insert_qdq` before it in the same recipe).")
+    layers, _ = find_layers(graph)
+    if not layers:
+        raise PassError(f"{pass_name}: the model has no Conv/Gemm/MatMul with a weight behind Q/DQ to correct: put "
+                        "`- pass: insert_qdq` before it in the recipe.")
+
+
+def candidates(pass_name: str, graph: GraphHandle, ctx: PassContext, selector: NodeSelector | None) -> Candidates:
+    """Quantized layers (restricted to ``selector``) that have a float weight of the same shape in the reference."""
+    out = Candidates()
+    layers, out.skipped = find_layers(graph)
+    if selector is not None:
+        sel = select(graph, selector)
+        out.unmatched = list(sel.unmatched)
+        chosen = {id(n) for n in sel.nodes}
+        layers = [la for la in layers if id(la.node) in chosen]
+    assert ctx.float_reference is not None
+    from qgraph.qlayers import float_weights
+
+    weights = float_weights(ctx.float_reference, layers)
+    for layer in layers:
+        w = weights.get(layer.output)
+        if w is None or w.shape != layer.weight.values.shape:
+            out.skipped.append((layer.name, "the float reference has no float weight of the same shape for it "
+                                "(was the model quantized before this recipe?)"))
+            continue
+        out.layers.append(layer)
+        out.float_weights[layer.output] = w
+    if layers and not out.layers:
+        raise PassError(f"{pass_name}: none of the {len(layers)} quantized layer(s) has a float weight in the float "
+                        "reference: quantize in the same recipe (`- pass: insert_qdq` before this pass).")
+    return out
+
+
+def calibration_batches(ctx: PassContext) -> Iterable[Feed]:
+    """The calibration data in the recipe's batches (a fresh iterator per call)."""
+    assert ctx.calibration_data is not None
+    return batched(ctx.calibration_data, ctx.calibration.batch_size)
+
+
+def row_spec(layer: QuantLayer) -> RowSpec | str:
+    """How `qgraph.layer_data.sample_inputs` cuts the layer's input into rows, or why it cannot."""
+    node = layer.node
+    w = layer.weight.values
+    if node.op != "Conv":
+        return RowSpec(node.inputs[0].name, int(layer.rows(np.empty(w.shape, np.float32)).shape[1]))
+    if str(node.attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return "auto_pad SAME_* convolutions are not handled (pads depend on the input size)"
+    nd = w.ndim - 2
+    kernel = tuple(int(k) for k in w.shape[2:])
+    return RowSpec(
+        node.inputs[0].name,
+        int(np.prod(w.shape[1:])),
+        groups=layer.groups,
+        kernel=kernel,
+        strides=tuple(int(v) for v in node.attrs.get("strides", [1] * nd)),
+        dilations=tuple(int(v) for v in node.attrs.get("dilations", [1] * nd)),
+        pads=tuple(int(v) for v in node.attrs.get("pads", [0] * 2 * nd)),
+    )

@@ -1,0 +1,69 @@
+"""Layer statistics on calibration data: in-graph channel means, sampled im2col rows, float twins."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from qgraph.layer_data import RowSpec, Twin, channel_means, sample_inputs, with_twins
+from qgraph.testing.runtime import run_ort
+
+
+def _conv(strides: list[int], pads: list[int], dilations: list[int], group: int) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 1, (6, 6 // group, 3, 2)).astype(np.float32)
+    b = rng.normal(0, 1, 6).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], strides=strides, pads=pads, dilations=dilations,
+                            group=group)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize(("strides", "pads", "dilations", "group"),
+                         [([1, 1], [0, 0, 0, 0], [1, 1], 1), ([2, 1], [1, 0, 2, 1], [1, 2], 2),
+                          ([1, 2], [1, 1, 1, 1], [2, 1], 6)])
+def test_im2col_rows_reproduce_the_convolution(strides: list[int], pads: list[int], dilations: list[int],
+                                               group: int) -> None:
+    model = _conv(strides, pads, dilations, group)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    b = numpy_helper.to_array(model.graph.initializer[1])
+    feeds = [{"x": np.random.default_rng(i).normal(0, 1, (1, 6, 9, 8)).astype(np.float32)} for i in range(3)]
+    spec = RowSpec("x", w[0].size, groups=group, kernel=(3, 2), strides=tuple(strides), dilations=tuple(dilations),
+                   pads=tuple(pads))
+    (rows,) = sample_inputs(model, [spec], feeds, max_rows=10_000)
+    y = np.concatenate([run_ort(model, f, "disable")[0] for f in feeds])  # (3, 6, oh, ow)
+    per_group = 6 // group
+    got = np.concatenate([rows[g] @ w[g * per_group:(g + 1) * per_group].reshape(per_group, -1).T
+                          for g in range(group)], axis=1) + b
+    assert rows.shape[1] == y.shape[0] * y.shape[2] * y.shape[3]  # every position sampled once
+    expected = np.sort(y.transpose(1, 0, 2, 3).reshape(6, -1), axis=1)
+    np.testing.assert_allclose(np.sort(got.T, axis=1), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_reservoir_keeps_at_most_max_rows_and_channel_means_match_numpy() -> None:
+    model = _conv([1, 1], [1, 1, 1, 1], [1, 1], 1)
+    feeds = [{"x": np.random.default_rng(i).normal(0, 1, (2, 6, 9, 8)).astype(np.float32)} for i in range(4)]
+    (rows,) = sample_inputs(model, [RowSpec("x", 36, kernel=(3, 2), strides=(1, 1), dilations=(1, 1),
+                                            pads=(1, 1, 1, 1))], feeds, max_rows=50)
+    assert rows.shape == (1, 50, 36)
+    means = channel_means(model, {"y": (6, True)}, feeds)["y"]
+    y = np.concatenate([run_ort(model, f, "disable")[0] for f in feeds])
+    np.testing.assert_allclose(means, y.mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_twin_computes_the_layer_with_other_weights() -> None:
+    model = _conv([1, 1], [0, 0, 0, 0], [1, 1], 1)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    twin = Twin("y", (2 * w).astype(np.float32), np.zeros(6, np.float32), "y_twin")
+    twinned = with_twins(model, [twin])
+    twinned.graph.output.append(helper.make_value_info("y_twin", onnx.TypeProto()))
+    feed = {"x": np.ones((1, 6, 5, 5), np.float32)}
+    means = channel_means(twinned, {"y": (6, True), "y_twin": (6, True)}, [feed])
+    b = numpy_helper.to_array(model.graph.initializer[1])
+    np.testing.assert_allclose(means["y_twin"], 2 * (means["y"] - b), rtol=1e-5)
