@@ -15,6 +15,7 @@ Automatic (falls back the most sensitive nodes until the target holds; see `auto
         data: eval.npz               # default: the recipe's calibration data
         reference: model_float.onnx  # default: this model with every Q/DQ removed
         max_nodes: 8
+        executor: {kind: ray}        # measure candidates as Ray tasks (pip install 'qgraph[ray]')
 
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
 nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
@@ -39,6 +40,7 @@ from qgraph import (
     register,
     select,
 )
+from qgraph.executor import ExecutorSpec
 from qgraph.fallback import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
 from qgraph.sensitivity.targets import parse_target
 
@@ -58,6 +60,11 @@ class AutoFallbackConfig(PassConfig):
     max_time: float | None = Field(default=None, gt=0, description="Stop searching after this many seconds.")
     samples: int | None = Field(default=None, ge=1, description="Use at most this many evaluation samples.")
     jobs: int = Field(default=1, ge=1, description="Worker processes measuring sensitivity.")
+    executor: ExecutorSpec | None = Field(
+        default=None,
+        description="Where candidates are measured: {kind: local|ray, address, workers, max_retries}; "
+        "default: `jobs` local processes.",
+    )
 
     @field_validator("target")
     @classmethod
@@ -100,6 +107,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if self.config.nodes is not None:
             self._selected(graph)
         auto = self.config.auto
+        if auto is not None and auto.executor is not None:
+            auto.executor.check()  # e.g. Ray asked for but not installed: say so before any work
         if auto is not None and auto.data is None and ctx.calibration_data is None:
             raise PassError(
                 "float_fallback: auto mode needs evaluation data: set `auto.data` or the recipe's calibration data "
@@ -161,6 +170,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             max_time=auto.max_time,
             jobs=auto.jobs,
             samples=auto.samples,
+            executor=auto.executor,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())

@@ -21,6 +21,7 @@ from qgraph import RecipeError, load_model, save_model
 from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
+from qgraph.executor import ExecutorSpec, make_executor
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
@@ -186,6 +187,7 @@ def run_command(
     console: Console,
     labels: str | None = None,
     metric: str | None = None,
+    executor: ExecutorSpec | None = None,
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
@@ -207,7 +209,8 @@ def run_command(
         disable=quiet,
     )
     task = progress.add_task("sensitivity", total=None)
-    with progress:
+    run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
+    with run, progress:
         result = auto_fallback(
             reference,
             qdq,
@@ -219,6 +222,7 @@ def run_command(
             samples=samples,
             report_only=target is None,
             progress=lambda done, total: progress.update(task, completed=done, total=total),
+            executor=run,
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:

@@ -19,7 +19,8 @@ Why "only this node returned to float" and not "only this node quantized":
 
 Cost: one onnxruntime session per candidate (built once, then every evaluation batch goes through it), plus
 one for the float reference and one for the INT8 baseline: linear in the number of candidates. Candidates
-are independent, so ``jobs > 1`` measures them in that many worker processes.
+are independent, so ``jobs > 1`` measures them in that many worker processes, and ``executor`` (`qgraph.executor`)
+runs them as Ray tasks.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import onnx
 
 from qgraph import GraphHandle, NodeSelector, PassError, select
 from qgraph.compare import TensorDiff
+from qgraph.executor import Executor, ExecutorSpec
 from qgraph.fallback import quantized_nodes
 from qgraph.sensitivity.evaluate import Evaluator, Progress, concat_outputs, measure_all
 from qgraph.sensitivity.stats import range_stats
@@ -142,6 +144,7 @@ def sensitivity_report(
     deadline: float | None = None,
     progress: Progress | None = None,
     stats: bool = True,
+    executor: ExecutorSpec | Executor | None = None,
 ) -> SensitivityReport:
     """Measure every candidate (leave-one-out from the INT8 model with ``base_nodes`` already in float)."""
     start = time.perf_counter()
@@ -151,7 +154,7 @@ def sensitivity_report(
     base_m = evaluator.measure(base)
     int8_score = target.score(base_m.diffs, base_m.outputs, refs)
     todo = [(*base, name) for name, _ in candidates]
-    measured = measure_all(evaluator, todo, jobs=jobs, deadline=deadline, progress=progress)
+    measured = measure_all(evaluator, todo, jobs=jobs, deadline=deadline, progress=progress, executor=executor)
     by_name = {m.nodes[-1]: m for m in measured}
     ops = dict(candidates)
     extra = range_stats(evaluator.variant(base), evaluator.batches, list(by_name)) if stats else {}

@@ -26,6 +26,7 @@ import onnx
 
 from qgraph import ModelError, NodeSelector, Pipeline, Recipe, get_pass
 from qgraph.data import DataSource, model_inputs
+from qgraph.executor import Executor, ExecutorSpec
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.evaluate import Evaluator, Progress, concat_outputs, load_feeds, reference_outputs
 from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, sensitivity_report
@@ -159,11 +160,13 @@ def auto_fallback(
     optimization: str = "all",
     progress: Progress | None = None,
     report_only: bool = False,
+    executor: ExecutorSpec | Executor | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
     ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data,
-    ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``). With ``report_only`` the
+    ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``executor`` where the
+candidates are measured (`qgraph.executor`; default: ``jobs`` local processes). With ``report_only`` the
     sensitivity table is measured and no search is made. Never raises for an unmet target: check
     ``target_met``.
     """
@@ -210,7 +213,7 @@ def auto_fallback(
     if tgt.met(best, threshold) and not report_only:
         return result("the INT8 model already meets the target", None, [])
     report = sensitivity_report(
-        evaluator, tgt, found, base_nodes=chosen, jobs=jobs, deadline=deadline, progress=progress
+        evaluator, tgt, found, base_nodes=chosen, jobs=jobs, deadline=deadline, progress=progress, executor=executor
     )
     if not report.complete:
         notes.append(
