@@ -107,8 +107,6 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if self.config.nodes is not None:
             self._selected(graph)
         auto = self.config.auto
-        if auto is not None and auto.executor is not None:
-            auto.executor.check()  # e.g. Ray asked for but not installed: say so before any work
         if auto is not None and auto.data is None and ctx.calibration_data is None:
             raise PassError(
                 "float_fallback: auto mode needs evaluation data: set `auto.data` or the recipe's calibration data "

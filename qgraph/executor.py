@@ -18,7 +18,7 @@ run) calls ``executor.map(fn, items, shared=big)`` and never learns where they r
 
 `ExecutorSpec` is the recipe/CLI form (``executor: {kind: ray, address: ...}``); ``spec.create()`` builds the
 executor. Ray is an optional extra (``pip install 'qgraph[ray]'``): asking for it without Ray installed is a
-`RecipeError` naming the extra, raised before any work.
+`RecipeError` naming the extra, raised before any work (a spec asking for Ray does not validate without it).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ R = TypeVar("R")
 #: ``progress(done, total)`` after each finished item.
 Progress = Callable[[int, int], None]
 
-#: The sentence every "Ray is missing" error ends with.
-RAY_EXTRA_HINT = "install the optional extra: pip install 'qgraph[ray]'"
+#: How to get Ray: every "Ray is missing" error ends with it.
+RAY_EXTRA_HINT = "pip install 'qgraph[ray]'"
 
 
 class WorkerError(QGraphError):
@@ -71,7 +71,9 @@ def require_ray() -> ModuleType:
     try:
         import ray
     except ImportError:
-        raise RecipeError(f"the Ray executor needs Ray, which is not installed: {RAY_EXTRA_HINT}.") from None
+        raise RecipeError(
+            f"the Ray executor needs Ray, an optional extra that is not installed: {RAY_EXTRA_HINT}."
+        ) from None
     return ray
 
 
@@ -97,15 +99,15 @@ class ExecutorSpec(BaseModel):
     max_retries: int = Field(default=3, ge=0, description="Ray only: re-runs of a task whose worker process died.")
 
     @model_validator(mode="after")
-    def _address_needs_ray(self) -> ExecutorSpec:
+    def _usable(self) -> ExecutorSpec:
         if self.address is not None and self.kind != "ray":
             raise ValueError("`address` is a Ray cluster address: set `kind: ray` too, or drop `address`")
+        if self.kind == "ray":  # a recipe that cannot run here fails when it is loaded, before any work
+            try:
+                require_ray()
+            except RecipeError as exc:
+                raise ValueError(exc.message) from None
         return self
-
-    def check(self) -> None:
-        """Fail now (`RecipeError`) when this executor cannot be created here: Ray asked for but not installed."""
-        if self.kind == "ray":
-            require_ray()
 
     def create(self, default_workers: int = 1) -> Executor:
         """The executor this spec describes (``default_workers`` when `workers` is not set, local only)."""

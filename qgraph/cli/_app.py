@@ -65,12 +65,12 @@ AddressOption = Annotated[
 
 def executor_spec(kind: ExecutorKind, address: str | None, jobs: int | None) -> ExecutorSpec:
     """The executor the options ask for, checked before any work (Ray not installed: one sentence, exit 2)."""
-    from qgraph.executor import ExecutorSpec
+    from qgraph.executor import ExecutorSpec, require_ray
 
     if address is not None and kind != "ray":
         raise UsageError(f"--address {address}: a Ray cluster address needs --executor ray.")
     if address is not None and not address.strip():
         raise UsageError("--address is empty: give 'auto', HOST:PORT or ray://HOST:PORT, or leave it out.")
-    spec = ExecutorSpec(kind=kind, address=address, workers=jobs)
-    spec.check()
-    return spec
+    if kind == "ray":
+        require_ray()
+    return ExecutorSpec(kind=kind, address=address, workers=jobs)
