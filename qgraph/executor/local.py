@@ -1,0 +1,114 @@
+"""`LocalExecutor`: the tasks in this process, or in spawned worker processes of this machine."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from qgraph.executor.base import Executor, R, S, T, WorkerError, expired, remaining
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(shared: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    _WORKER["shared"] = shared
+
+
+def _call_in_worker(fn: Callable[[Any, Any], Any], item: Any) -> Any:
+    return fn(_WORKER["shared"], item)
+
+
+class LocalExecutor(Executor):
+    """This machine: in this process when ``workers`` is 1, else in that many spawned worker processes.
+
+    Each worker process receives ``shared`` once, as it starts (pickled); a pool lives for one `map` call. Ctrl-C
+    reaches only this process, which then terminates every worker, so none is left running."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = max(1, int(workers))
+
+    def close(self) -> None:
+        """Nothing to release: each `map` call owns its pool."""
+
+    def imap(
+        self,
+        fn: Callable[[S, T], R],
+        items: Sequence[T],
+        *,
+        shared: S,
+        deadline: float | None = None,
+    ) -> Iterator[tuple[int, R]]:
+        """See `Executor.imap`."""
+        if self.workers <= 1 or len(items) <= 1:
+            for index, item in enumerate(items):
+                if expired(deadline):
+                    return
+                yield index, fn(shared, item)
+            return
+        yield from self._pool_imap(fn, items, shared, deadline)
+
+    def _pool_imap(
+        self, fn: Callable[[S, T], R], items: Sequence[T], shared: S, deadline: float | None
+    ) -> Iterator[tuple[int, R]]:
+        pool = cf.ProcessPoolExecutor(
+            max_workers=min(self.workers, len(items)),
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(shared,),
+        )
+        workers: dict[int, Any] = {}
+        try:
+            with _sigint_blocked():
+                futures = {pool.submit(_call_in_worker, fn, item): i for i, item in enumerate(items)}
+            pending = set(futures)
+            while pending and not expired(deadline):
+                finished, pending = cf.wait(pending, timeout=remaining(deadline), return_when=cf.FIRST_COMPLETED)
+                workers.update(getattr(pool, "_processes", None) or {})
+                for fut in sorted(finished, key=futures.__getitem__):
+                    try:
+                        result = fut.result()
+                    except cf.process.BrokenProcessPool:
+                        raise WorkerError(
+                            "a local worker process died while running a task (killed, or out of memory); "
+                            "nothing was kept. Run with fewer workers, or on Ray (--executor ray), which retries "
+                            "tasks whose worker died."
+                        ) from None
+                    yield futures[fut], result
+        finally:  # done, out of time, a failing task, closed early or Ctrl-C: stop every worker now
+            with _sigint_blocked():
+                workers.update(getattr(pool, "_processes", None) or {})
+                _stop(pool, list(workers.values()))
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Hold Ctrl-C back (it stays pending and is raised on exit) while workers are spawned or stopped.
+
+    Workers spawned meanwhile inherit the blocked mask (fork + exec keep it), so Ctrl-C only ever reaches the
+    parent, which then stops them; and stopping them is never cut short, so none is left running.
+    """
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _stop(pool: cf.ProcessPoolExecutor, workers: list[Any]) -> None:
+    # The results are in (or no longer wanted): idle or busy, the pool's own workers are ended right away
+    # instead of waiting for them to wind down.
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in workers:
+        proc.join(timeout=5)
