@@ -85,6 +85,14 @@ def test_deadline_returns_the_finished_items_in_order() -> None:
     assert time.monotonic() - start < 1.5
 
 
+def test_a_local_worker_that_dies_is_a_worker_error_and_no_process_is_left(tmp_path: Path) -> None:
+    import multiprocessing
+
+    with pytest.raises(WorkerError, match="local worker process died"):
+        LocalExecutor(2).map(_dies_once, list(range(4)), shared=str(tmp_path / "died"))
+    assert not multiprocessing.active_children()
+
+
 def test_spec_validation_and_factory() -> None:
     with pytest.raises(ValueError, match="kind: ray"):
         ExecutorSpec(address="auto")

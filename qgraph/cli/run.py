@@ -25,7 +25,7 @@ SHOWN_PER_PASS = 3
 def run(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
     models: Annotated[list[Path], typer.Argument(help="Input ONNX model(s) (never modified); several need "
-                                                 "--out-dir.", show_default=False, metavar="MODEL...")],
+                                                 "--out-dir.", show_default=False, metavar="MODEL")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Output ONNX model (one MODEL).")] = None,
     calibration_data: Annotated[
         str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
