@@ -181,6 +181,18 @@ def test_sensitivity_and_search_on_ray_equal_local(local_ray: Any, digits_qdq: P
     assert ray.model.graph.SerializeToString() == local.model.graph.SerializeToString()
 
 
+def test_recipe_float_fallback_on_ray_builds_the_same_graph(local_ray: Any, tmp_path: Path) -> None:
+    text = ("name: ff\npasses:\n  - pass: insert_qdq\n    preset: ort-x86-vnni\n  - pass: float_fallback\n"
+            "    auto: {{target: 'sqnr:45', samples: 32, data: '{data}'{executor}}}\n")
+    graphs = []
+    for executor in ("", ", executor: {kind: ray, workers: 2, max_retries: 1}"):
+        rec = Recipe.from_text(text.format(data=DIGITS / "eval.npz", executor=executor))
+        result = rec.pipeline().run(DIGITS / "model.onnx", calibration_data=DIGITS / "calibration.npz")
+        assert result.records[-1].result.rewritten >= 1  # the search did fall nodes back
+        graphs.append(result.model.graph.SerializeToString())
+    assert graphs[0] == graphs[1]
+
+
 def test_sensitivity_cli_on_ray_writes_the_same_json(local_ray: Any, digits_qdq: Path, tmp_path: Path) -> None:
     args = ["sensitivity", str(DIGITS / "model.onnx"), str(digits_qdq), "--data", str(DIGITS / "eval.npz"),
             "--samples", "32", "-q"]
