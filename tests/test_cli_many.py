@@ -107,7 +107,7 @@ def test_per_model_calibration_data_by_stem(tmp_path: Path, capsys: pytest.Captu
         (["{a}", "{b}", "--out-dir", "{out}", "--address", "auto"], "needs --executor ray"),
         (["{a}", "{b}", "--out-dir", "{out}", "--report", "{out}/r.html"], "one model"),
         (["{a}", "{other_a}", "--out-dir", "{out}"], "would both be written"),
-        (["{a}"], "give -o OUTPUT"),
+        (["{a}"], "Missing option '-o'"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(

@@ -76,7 +76,8 @@ def run(
             raise typer.Exit(code)
         return
     if output is None:
-        raise_usage("give -o OUTPUT (the transformed model), or --out-dir DIR.")
+        raise_usage("Missing option '-o' / '--output': give -o OUTPUT (the transformed model), or --out-dir DIR "
+                    "for several models.")
     if executor != "local" or address is not None or jobs is not None:
         raise_usage("--executor, --address and --jobs run several models (--out-dir); one model runs here.")
     _run_one(recipe, models[0], output, calibration_data, samples, data_layout, verify, tolerance, report, eval_data,
