@@ -75,7 +75,31 @@ def test_local_serial_and_processes_return_ordered_results_with_progress() -> No
     serial = LocalExecutor(1).map(_affine, items, shared=shared, progress=lambda d, t: seen.append((d, t)))
     assert serial == expected
     assert seen == [(i, 5) for i in range(1, 6)]
-    assert LocalExecutor(2).map(_affine, items, shared=shared) == expected
+    with LocalExecutor(2) as ex:
+        assert ex.map(_affine, items, shared=shared) == expected
+
+
+def test_local_pool_is_kept_for_the_same_shared_object_and_renewed_for_another(tmp_path: Path) -> None:
+    log = tmp_path / "unpickled.txt"
+    first, other = _Counted(b"x", log), _Counted(b"y", log)
+    with LocalExecutor(2) as ex:
+        used = {pid for _, pid in ex.map(_pid, list(range(4)), shared=first) + ex.map(_pid, [4, 5], shared=first)}
+        started = log.read_text().split()  # one line per worker process that unpickled `first`
+        assert len(started) == len(set(started)) <= 2  # two maps, at most two workers, each received it once
+        assert {str(p) for p in used} <= set(started)
+        renewed = {str(pid) for _, pid in ex.map(_pid, list(range(4)), shared=other)}
+        assert not renewed & set(started)  # another shared object: a new pool
+    assert _no_children_left()
+
+
+def _no_children_left(timeout: float = 15.0) -> bool:
+    """Whether every child process is gone (terminated ones may take a moment to be reaped on a busy machine)."""
+    import multiprocessing
+
+    end = time.monotonic() + timeout
+    while multiprocessing.active_children() and time.monotonic() < end:
+        time.sleep(0.1)
+    return not multiprocessing.active_children()
 
 
 def test_deadline_returns_the_finished_items_in_order() -> None:
@@ -86,11 +110,9 @@ def test_deadline_returns_the_finished_items_in_order() -> None:
 
 
 def test_a_local_worker_that_dies_is_a_worker_error_and_no_process_is_left(tmp_path: Path) -> None:
-    import multiprocessing
-
     with pytest.raises(WorkerError, match="local worker process died"):
         LocalExecutor(2).map(_dies_once, list(range(4)), shared=str(tmp_path / "died"))
-    assert not multiprocessing.active_children()
+    assert _no_children_left()
 
 
 def test_spec_validation_and_factory() -> None:
@@ -128,9 +150,10 @@ def test_ray_puts_the_shared_object_once_and_each_worker_unpickles_it_once(
     monkeypatch.setattr(local_ray, "put", lambda value, **kw: puts.append(1) or real_put(value, **kw))
     log = tmp_path / "unpickled.txt"
     shared = _Counted(os.urandom(1 << 20), log)
-    out = RayExecutor(workers=2).map(_pid, list(range(8)), shared=shared)
+    ex = RayExecutor(workers=2)
+    out = ex.map(_pid, list(range(4)), shared=shared) + ex.map(_pid, list(range(4, 8)), shared=shared)
     assert [x for x, _ in out] == list(range(8))
-    assert len(puts) == 1  # one object-store copy for 8 tasks
+    assert len(puts) == 1  # one object-store copy for 8 tasks in 2 maps
     unpickled = log.read_text().split()
     # Each worker process that ran a task unpickled the object once and reused it (not once per task).
     assert sorted(unpickled) == sorted({str(pid) for _, pid in out})

@@ -5,9 +5,11 @@ run) calls ``executor.map(fn, items, shared=big)`` and never learns where they r
 
 - ``fn(shared, item)`` is called once per item, anywhere; it must be a module-level function (it is pickled by
   reference) and must not rely on state of the calling process other than ``shared`` and ``item``;
-- ``shared`` (the model, the evaluation data) travels to each worker once per `map` call, never once per item:
-  `LocalExecutor` hands it to each worker process as it starts; `RayExecutor` puts it in Ray's object store
-  once (``ray.put``) and each Ray worker process fetches and unpickles it once, then keeps it for the next items;
+- ``shared`` (the model, the evaluation data) travels to each worker once, never once per item, and not again
+  for a later `map` given the same object (by identity; do not mutate it in between): `LocalExecutor` hands it
+  to each worker process as it starts and keeps the pool for the next map; `RayExecutor` puts it in Ray's object
+  store once (``ray.put``) and each Ray worker process fetches and unpickles it once, then keeps it;
+- `close` (or leaving a ``with`` block) releases the workers and the shared object;
 - results come back in item order (`map`) or as ``(index, result)`` pairs as they finish (`imap`);
 - ``deadline`` (a `time.monotonic` value) is a time budget: when it passes, items not started are dropped and
   running ones are stopped at once (worker processes terminated, Ray tasks force-cancelled); `map` then returns

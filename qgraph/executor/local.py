@@ -27,14 +27,25 @@ def _call_in_worker(fn: Callable[[Any, Any], Any], item: Any) -> Any:
 class LocalExecutor(Executor):
     """This machine: in this process when ``workers`` is 1, else in that many spawned worker processes.
 
-    Each worker process receives ``shared`` once, as it starts (pickled); a pool lives for one `map` call. Ctrl-C
-    reaches only this process, which then terminates every worker, so none is left running."""
+    Each worker process receives ``shared`` once, as it starts (pickled). The pool outlives a `map` call: later
+    calls with the same ``shared`` object (by identity: do not mutate it in between) reuse the running workers,
+    so a search that maps round after round spawns them once; another object starts a new pool, and `close`
+    (or leaving a ``with`` block) ends it. A map that stops early (time budget, a failing task, Ctrl-C) ends
+    every worker at once; Ctrl-C reaches only this process, so no worker is left running."""
 
     def __init__(self, workers: int = 1) -> None:
         self.workers = max(1, int(workers))
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._shared: Any = None  # what the pool's workers hold (kept alive, so identity stays meaningful)
+        self._procs: dict[int, Any] = {}
 
     def close(self) -> None:
-        """Nothing to release: each `map` call owns its pool."""
+        """End the worker processes (idle or busy) now."""
+        if self._pool is not None:
+            with _sigint_blocked():
+                self._procs.update(getattr(self._pool, "_processes", None) or {})
+                _stop(self._pool, list(self._procs.values()))
+        self._pool, self._shared, self._procs = None, None, {}
 
     def imap(
         self,
@@ -53,23 +64,30 @@ class LocalExecutor(Executor):
             return
         yield from self._pool_imap(fn, items, shared, deadline)
 
+    def _pool_for(self, shared: Any) -> cf.ProcessPoolExecutor:
+        if self._pool is None or self._shared is not shared:
+            self.close()
+            self._pool = cf.ProcessPoolExecutor(
+                max_workers=self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(shared,),
+            )
+            self._shared = shared
+        return self._pool
+
     def _pool_imap(
         self, fn: Callable[[S, T], R], items: Sequence[T], shared: S, deadline: float | None
     ) -> Iterator[tuple[int, R]]:
-        pool = cf.ProcessPoolExecutor(
-            max_workers=min(self.workers, len(items)),
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(shared,),
-        )
-        workers: dict[int, Any] = {}
+        finished_all = False
         try:
-            with _sigint_blocked():
+            with _sigint_blocked():  # workers spawned now inherit the blocked Ctrl-C
+                pool = self._pool_for(shared)
                 futures = {pool.submit(_call_in_worker, fn, item): i for i, item in enumerate(items)}
             pending = set(futures)
             while pending and not expired(deadline):
                 finished, pending = cf.wait(pending, timeout=remaining(deadline), return_when=cf.FIRST_COMPLETED)
-                workers.update(getattr(pool, "_processes", None) or {})
+                self._procs.update(getattr(pool, "_processes", None) or {})
                 for fut in sorted(finished, key=futures.__getitem__):
                     try:
                         result = fut.result()
@@ -80,10 +98,10 @@ class LocalExecutor(Executor):
                             "tasks whose worker died."
                         ) from None
                     yield futures[fut], result
-        finally:  # done, out of time, a failing task, closed early or Ctrl-C: stop every worker now
-            with _sigint_blocked():
-                workers.update(getattr(pool, "_processes", None) or {})
-                _stop(pool, list(workers.values()))
+            finished_all = not pending
+        finally:  # out of time, a failing task, closed early or Ctrl-C: stop every worker now
+            if not finished_all:
+                self.close()
 
 
 @contextlib.contextmanager

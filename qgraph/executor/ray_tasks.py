@@ -30,7 +30,9 @@ class RayExecutor(Executor):
     Ray when ``address`` is None, else the cluster at ``address``).
 
     At most ``workers`` tasks are in flight (default: the cluster's CPUs), each asking for one CPU; a task whose
-    worker process dies is re-run up to ``max_retries`` times (Ray's own retry). A Ray connected here stays up
+    worker process dies is re-run up to ``max_retries`` times (Ray's own retry). ``shared`` is put in the object
+    store once and kept for later maps with the same object (by identity: do not mutate it in between), so each
+    worker process fetches it once per search, not once per map. A Ray connected here stays up
     after `close` for later executors of this process (starting one takes seconds; Ray shuts it down at exit),
     unless ``keep_ray`` is False."""
 
@@ -62,9 +64,12 @@ class RayExecutor(Executor):
         self.workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.max_retries = max_retries
         self._remote = ray.remote(_ray_call)
+        self._shared: Any = None  # the latest shared object and its object-store reference (in a list)
+        self._boxed: list[Any] | None = None
 
     def close(self) -> None:
-        """Shut down the Ray this executor connected to, when asked to (``keep_ray=False``)."""
+        """Release the shared object; shut down the Ray this executor connected to when ``keep_ray`` is False."""
+        self._shared = self._boxed = None
         if self._started and not self._keep_ray:
             self._ray.shutdown()
             self._started = False
@@ -79,7 +84,9 @@ class RayExecutor(Executor):
     ) -> Iterator[tuple[int, R]]:
         """See `Executor.imap`."""
         ray = self._ray
-        boxed = [ray.put(shared)]  # once per map call, whatever the number of items
+        if self._boxed is None or self._shared is not shared:  # once, whatever the number of items and maps
+            self._shared, self._boxed = shared, [ray.put(shared)]
+        boxed = self._boxed
         task = self._remote.options(num_cpus=1, max_retries=self.max_retries, retry_exceptions=False)
         index: dict[Any, int] = {}
         queue = iter(enumerate(items))
