@@ -115,6 +115,26 @@ def test_a_local_worker_that_dies_is_a_worker_error_and_no_process_is_left(tmp_p
     assert _no_children_left()
 
 
+def _writes_slowly(folder: str, x: int) -> int:
+    from qgraph.outputs import temporary_file
+
+    with temporary_file(Path(folder), f"out{x}.onnx"):
+        Path(folder, f"started{x}").write_text("")
+        time.sleep(60)
+    return x
+
+
+def test_time_budget_stops_local_workers_and_their_temporary_files_go(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with LocalExecutor(2) as ex:
+        assert ex.map(_writes_slowly, [0, 1], shared=str(tmp_path), deadline=start + 8.0) == []
+    assert time.monotonic() - start < 30.0
+    assert _no_children_left()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "started0" in names or "started1" in names  # a task was running when the budget ran out
+    assert not [n for n in names if n.endswith(".tmp")]
+
+
 def test_spec_validation_and_factory() -> None:
     with pytest.raises(ValueError, match="kind: ray"):
         ExecutorSpec(address="auto")

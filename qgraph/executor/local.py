@@ -5,23 +5,41 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 from qgraph.executor.base import Executor, R, S, T, WorkerError, expired, remaining
+from qgraph.outputs import Terminated
 
 _WORKER: dict[str, Any] = {}
 
 
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # The parent stops the pool with SIGTERM: a running task unwinds (removing its temporary output files, as
+    # the CLI does on SIGTERM), an idle worker just ends.
+    if _WORKER.get("busy"):
+        raise Terminated()
+    os._exit(143)
+
+
 def _init_worker(shared: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+    signal.signal(signal.SIGTERM, _on_sigterm)
     _WORKER["shared"] = shared
 
 
 def _call_in_worker(fn: Callable[[Any, Any], Any], item: Any) -> Any:
-    return fn(_WORKER["shared"], item)
+    _WORKER["busy"] = True
+    try:
+        return fn(_WORKER["shared"], item)
+    except Terminated:
+        os._exit(143)  # unwound: end now, without taking another task
+    finally:
+        _WORKER["busy"] = False
 
 
 class LocalExecutor(Executor):
