@@ -16,6 +16,7 @@ in few full evaluations; see `qgraph.sensitivity.search`)::
         data: eval.npz               # default: the recipe's calibration data
         reference: model_float.onnx  # default: this model with every Q/DQ removed
         max_nodes: 8
+        executor: {kind: ray}        # measure candidates as Ray tasks (pip install 'qgraph[ray]')
 
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
 nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
@@ -41,6 +42,7 @@ from qgraph import (
     register,
     select,
 )
+from qgraph.executor import ExecutorSpec
 from qgraph.fallback import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
 from qgraph.sensitivity.targets import parse_target
 
@@ -62,10 +64,15 @@ class AutoFallbackConfig(PassConfig):
         "the best model found so far is kept and the summary says the budget ran out."
     )
     samples: int | None = Field(default=None, ge=1, description="Use at most this many evaluation samples.")
-    jobs: int = Field(default=1, ge=1, description="Worker processes evaluating candidate models.")
+    jobs: int = Field(default=1, ge=1, description="Worker processes evaluating candidate models (local executor).")
     exact_top: int = Field(
         default=0, ge=0, description="Measure the first K nodes of the one-run ranking exactly (one full "
         "evaluation each) and re-rank them by that measure."
+    )
+    executor: ExecutorSpec | None = Field(
+        default=None,
+        description="Where candidates are measured: {kind: local|ray, address, workers, max_retries}; "
+        "default: `jobs` local processes.",
     )
 
     @field_validator("target")
@@ -172,6 +179,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             samples=auto.samples,
             exact_top=auto.exact_top,
             progress=_stage_progress(ctx),
+            executor=auto.executor,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from typing import Any
 
 import onnx
 import pytest
@@ -97,3 +99,16 @@ small (float[N,4] x) => (float[N,4] y) {
 def small_model() -> onnx.ModelProto:
     """A 6-node float model with two Identity nodes to remove."""
     return onnx.parser.parse_model(SMALL_MODEL)
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[Any]:
+    """A local Ray with 2 CPUs for the whole session (started once, shut down at the end), or a skip saying why."""
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("Ray is not installed: the Ray executor tests need the extra (pip install -e '.[test,ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+             object_store_memory=256 << 20)
+    yield ray
+    ray.shutdown()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
 
 from qgraph.errors import UsageError
+
+if TYPE_CHECKING:
+    from qgraph.executor import ExecutorSpec
 
 app = typer.Typer(
     name="qgraph",
@@ -44,3 +48,29 @@ def data_path(spec: str | None) -> Path | None:
         raise UsageError("--calibration-data/--inputs/--data is empty: give an .npz, a folder or module:function.")
     p = Path(spec)
     return p if p.exists() else None
+
+
+ExecutorKind = Literal["local", "ray"]
+ExecutorOption = Annotated[
+    ExecutorKind,
+    typer.Option("--executor", help="Where independent tasks run: local (processes of this machine) or ray "
+                 "(Ray tasks; pip install 'qgraph[ray]')."),
+]
+AddressOption = Annotated[
+    str | None,
+    typer.Option("--address", help="With --executor ray: the Ray cluster to join ('auto', HOST:6379, "
+                 "ray://HOST:10001); default: start a local Ray."),
+]
+
+
+def executor_spec(kind: ExecutorKind, address: str | None, jobs: int | None) -> ExecutorSpec:
+    """The executor the options ask for, checked before any work (Ray not installed: one sentence, exit 2)."""
+    from qgraph.executor import ExecutorSpec, require_ray
+
+    if address is not None and kind != "ray":
+        raise UsageError(f"--address {address}: a Ray cluster address needs --executor ray.")
+    if address is not None and not address.strip():
+        raise UsageError("--address is empty: give 'auto', HOST:PORT or ray://HOST:PORT, or leave it out.")
+    if kind == "ray":
+        require_ray()
+    return ExecutorSpec(kind=kind, address=address, workers=jobs)

@@ -18,7 +18,7 @@ from rich.progress import (
 from rich.table import Table
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.cli._app import AddressOption, ExecutorOption, app, data_path, executor_spec, need_positive, say
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.errors import UsageError
 from qgraph.outputs import check_output, check_outputs
@@ -121,7 +121,11 @@ def sensitivity(
                                       "module:function.")],
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the table (and search) as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart (.svg, or .png).")] = None,
-    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Worker processes measuring nodes.")] = 1,
+    jobs: Annotated[int | None, typer.Option("--jobs", min=1, help="Nodes measured at once: local worker "
+                                             "processes (default 1) or Ray tasks (default: the cluster's CPUs).")
+                    ] = None,
+    executor: ExecutorOption = "local",
+    address: AddressOption = None,
     target: Annotated[
         str | None, typer.Option("--target", help="Fall back until met: cosine:0.99 | sqnr:30 | mod:fn>=float-1%.")
     ] = None,
@@ -143,11 +147,12 @@ def sensitivity(
     from qgraph.sensitivity.command import run_command
 
     need_positive(max_time, "--max-time")
+    spec = executor_spec(executor, address, jobs)
     check_outputs({"--json": json_path, "--plot": plot, "--patch": patch, "-o": output},
                   inputs=[model_float, model_qdq, data_path(data)])
-    code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs, target=target,
+    code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs or 1, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
                        quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,
-                       exact_top=exact_top)
+                       exact_top=exact_top, executor=spec)
     if code:
         raise typer.Exit(code)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.cli._app import AddressOption, ExecutorOption, app, data_path, executor_spec, need_positive, say
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
@@ -24,8 +24,9 @@ SHOWN_PER_PASS = 3
 @app.command()
 def run(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
-    model: Annotated[Path, typer.Argument(help="Input ONNX model (never modified).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output ONNX model.")],
+    models: Annotated[list[Path], typer.Argument(help="Input ONNX model(s) (never modified); several need "
+                                                 "--out-dir.", show_default=False, metavar="MODEL")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Output ONNX model (one MODEL).")] = None,
     calibration_data: Annotated[
         str | None, typer.Option("--calibration-data", help=".npz, folder of .npz/.npy, or module:function.")
     ] = None,
@@ -48,8 +49,52 @@ def run(
         list[Path] | None, typer.Option("--patch", help="Recipe patch(es) to append (e.g. from fallback).")
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display and no per-pass lines.")] = False,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Several models: write DIR/<model stem>.int8.onnx "
+                                                  "for each (each model a task; see --executor).")] = None,
+    executor: ExecutorOption = "local",
+    address: AddressOption = None,
+    jobs: Annotated[int | None, typer.Option("--jobs", min=1, help="With --out-dir: models run at once (local "
+                                             "processes, default 1; Ray: default the cluster's CPUs).")] = None,
 ) -> None:
-    """Run RECIPE on MODEL and write the transformed model to OUTPUT."""
+    """Run RECIPE on MODEL and write the transformed model to OUTPUT; or on MODEL... into --out-dir (a summary
+    table, exit 1 when any model failed; the others are still written)."""
+    if out_dir is not None or len(models) != 1:
+        from qgraph.cli.many import run_many_command
+
+        if out_dir is None:
+            raise_usage(f"{len(models)} models given: write them with --out-dir DIR (DIR/<model stem>.int8.onnx "
+                        "each), or give one model and -o OUTPUT.")
+        if output is not None:
+            raise_usage("-o/--output names one model's output; with --out-dir every output is DIR/<model stem>"
+                        ".int8.onnx: drop -o.")
+        if report is not None or eval_data or labels or metric:
+            raise_usage("--report, --eval-data, --labels and --metric work on one model: run it alone with -o.")
+        code = run_many_command(recipe, models, out_dir, patches=patch or [], spec=executor_spec(executor, address,
+                                jobs), calibration_data=calibration_data, samples=samples, data_layout=data_layout,
+                                verify=verify, tolerance=tolerance, quiet=quiet)
+        if code:
+            raise typer.Exit(code)
+        return
+    if output is None:
+        raise_usage("Missing option '-o' / '--output': give -o OUTPUT (the transformed model), or --out-dir DIR "
+                    "for several models.")
+    if executor != "local" or address is not None or jobs is not None:
+        raise_usage("--executor, --address and --jobs run several models (--out-dir); one model runs here.")
+    _run_one(recipe, models[0], output, calibration_data, samples, data_layout, verify, tolerance, report, eval_data,
+             labels, metric, patch, quiet)
+
+
+def raise_usage(message: str) -> NoReturn:
+    """Raise `UsageError` (exit 2) with ``message``."""
+    from qgraph.errors import UsageError
+
+    raise UsageError(message)
+
+
+def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | None, samples: int | None,
+             data_layout: DataLayout, verify: bool, tolerance: float, report: Path | None, eval_data: str | None,
+             labels: str | None, metric: str | None, patch: list[Path] | None, quiet: bool) -> None:
+    """The single-model ``qgraph run``."""
     from qgraph.recipe import Recipe
 
     need_positive(tolerance, "--tolerance")

@@ -21,6 +21,7 @@ from qgraph import RecipeError, load_model, save_model
 from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
+from qgraph.executor import ExecutorSpec, make_executor
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
@@ -213,6 +214,7 @@ def run_command(
     labels: str | None = None,
     metric: str | None = None,
     exact_top: int = DEFAULT_EXACT_TOP,
+    executor: ExecutorSpec | None = None,
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
@@ -241,7 +243,8 @@ def run_command(
             tasks[stage] = progress.add_task(STAGE_LABELS.get(stage, stage), total=total)
         progress.update(tasks[stage], completed=done, total=total)
 
-    with progress:
+    run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
+    with run, progress:
         result = auto_fallback(
             reference,
             qdq,
@@ -254,6 +257,7 @@ def run_command(
             report_only=target is None,
             progress=on_progress,
             exact_top=exact_top,
+            executor=run,
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:

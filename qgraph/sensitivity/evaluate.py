@@ -3,21 +3,15 @@
 `Evaluator` holds the QDQ model, the evaluation batches and the float model's outputs on them; `measure` builds
 the variant with given nodes in float (the same rewrite the pass makes), opens one onnxruntime session for it,
 runs every batch through it and compares each output with the reference. `measure_all` measures independent
-variants sequentially or in ``jobs`` spawned worker processes (each receives the evaluator once); Ctrl-C in the
-parent stops the workers at once.
+variants on an executor (`qgraph.executor`: in this process, in ``jobs`` local worker processes, or as Ray
+tasks); each worker receives the evaluator once, and Ctrl-C or the time budget stops the workers at once.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
-import multiprocessing
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnx
@@ -26,6 +20,7 @@ import onnxruntime as ort
 from qgraph import DataError, GraphHandle, ModelError, NodeSelector, select
 from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
+from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import fall_back
 
 Progress = Callable[[int, int], None]
@@ -153,17 +148,9 @@ class Evaluator:
         return self.run(self.variant(nodes), nodes)
 
 
-# ----------------------------------------------------------------------------- worker processes
-_WORKER: dict[str, Evaluator] = {}
-
-
-def _init_worker(evaluator: Evaluator) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
-    _WORKER["evaluator"] = evaluator
-
-
-def _measure_in_worker(nodes: tuple[str, ...]) -> Measurement:
-    return _WORKER["evaluator"].measure(nodes)
+# ----------------------------------------------------------------------------- many variants
+def _measure(evaluator: Evaluator, nodes: tuple[str, ...]) -> Measurement:
+    return evaluator.measure(nodes)
 
 
 def measure_all(
@@ -173,68 +160,19 @@ def measure_all(
     jobs: int = 1,
     deadline: float | None = None,
     progress: Progress | None = None,
+    executor: ExecutorSpec | Executor | None = None,
 ) -> list[Measurement]:
-    """Measure every node set (one session each), in ``jobs`` processes; stops early at ``deadline``."""
-    results: list[Measurement] = []
-    total = len(node_sets)
-    if jobs <= 1 or total <= 1:
-        for nodes in node_sets:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            results.append(evaluator.measure(nodes))
-            if progress:
-                progress(len(results), total)
-        return results
-    pool = cf.ProcessPoolExecutor(
-        max_workers=min(jobs, total),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(evaluator,),
-    )
-    workers: dict[int, Any] = {}
+    """Measure every node set (one session each) on ``executor`` (default: ``jobs`` local processes).
+
+    The evaluator (QDQ model, batches, reference outputs) goes to each worker once, not per node set.
+    Measurements come back in ``node_sets`` order; at ``deadline`` the search's budget is spent and only the
+    finished ones are returned (still in order). An executor given as a spec is created and closed here."""
+    run = make_executor(executor, jobs)
     try:
-        with _sigint_blocked():
-            futures = [pool.submit(_measure_in_worker, nodes) for nodes in node_sets]
-        for fut in cf.as_completed(futures):
-            workers.update(getattr(pool, "_processes", None) or {})
-            results.append(fut.result())
-            if progress:
-                progress(len(results), total)
-            if deadline is not None and time.monotonic() > deadline:
-                break
-    finally:  # done, out of time, a failing candidate or Ctrl-C: stop every worker now, leave nothing running
-        with _sigint_blocked():
-            workers.update(getattr(pool, "_processes", None) or {})
-            _stop(pool, list(workers.values()))
-    return results
-
-
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """Hold Ctrl-C back (it stays pending and is raised on exit) while workers are spawned or stopped.
-
-    Workers spawned meanwhile inherit the blocked mask (fork + exec keep it), so Ctrl-C only ever reaches the
-    parent, which then stops them; and stopping them is never cut short, so none is left running.
-    """
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
+        return run.map(_measure, list(node_sets), shared=evaluator, progress=progress, deadline=deadline)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _stop(pool: cf.ProcessPoolExecutor, workers: list[Any]) -> None:
-    # The results are in (or no longer wanted): idle or busy, the pool's own workers are ended right away
-    # instead of waiting for them to wind down.
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in workers:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in workers:
-        proc.join(timeout=5)
+        if run is not executor:
+            run.close()
 
 
 def reference_outputs(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qgraph.executor import Executor
 from qgraph.sensitivity.evaluate import Evaluator, measure_all
 from qgraph.sensitivity.probe import StepProgress
 from qgraph.sensitivity.targets import Target
@@ -86,9 +87,10 @@ class PrefixSearch:
     """Corrected-prediction (secant) steps, doubling and bisection over ranked prefix sizes (see module docs)."""
 
     def __init__(self, evaluator: Evaluator, target: Target, threshold: float, base: Sequence[str],
-                 order: Sequence[str], cap: int, run: Clock, jobs: int) -> None:
+                 order: Sequence[str], cap: int, run: Clock, executor: Executor) -> None:
         self.evaluator, self.target, self.threshold = evaluator, target, threshold
-        self.base, self.order, self.cap, self.clock, self.jobs = tuple(base), list(order), cap, run, jobs
+        self.base, self.order, self.cap, self.clock = tuple(base), list(order), cap, run
+        self.executor, self.jobs = executor, max(1, executor.workers)
         self.scores: dict[int, float] = {0: run.int8_score}
         self.steps: list[AutoStep] = []
 
@@ -104,7 +106,7 @@ class PrefixSearch:
             return False
         report = self.clock.reporter("search")
         sets = [(*self.base, *self.order[:m]) for m in todo]
-        measured = measure_all(self.evaluator, sets, jobs=self.jobs, deadline=self.clock.deadline)
+        measured = measure_all(self.evaluator, sets, deadline=self.clock.deadline, executor=self.executor)
         for m, meas in zip(todo, measured, strict=False):
             score = self.target.score(meas.diffs, meas.outputs, self.clock.refs)
             self.scores[m] = score

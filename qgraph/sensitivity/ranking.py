@@ -11,6 +11,9 @@ sensitivity is the measured gain of the target score with only that node returne
 downstream quantized layers amplify or mask is counted, as in deployment); those ``k`` rows are re-ranked by
 it and placed first. ``exact_top`` at least the number of candidates is the full leave-one-out table
 (`sensitivity_report`), linear in the number of candidates.
+
+Candidates are independent: ``jobs > 1`` measures them in that many worker processes, and ``executor``
+(`qgraph.executor`) runs them as Ray tasks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import onnx
 
 from qgraph import GraphHandle, NodeSelector, PassError, select
 from qgraph.compare import TensorDiff
+from qgraph.executor import Executor, ExecutorSpec
 from qgraph.fallback import quantized_nodes
 from qgraph.sensitivity.evaluate import _OPT, Evaluator, Measurement, Progress, concat_outputs, measure_all
 from qgraph.sensitivity.noise import NoiseModel
@@ -145,6 +149,7 @@ def sensitivity_report(
     progress: Progress | None = None,
     stats: bool = True,
     baseline: Measurement | None = None,
+    executor: ExecutorSpec | Executor | None = None,
 ) -> SensitivityReport:
     """Measure every candidate (leave-one-out from the INT8 model with ``base_nodes`` already in float;
     ``baseline`` is that model's measurement when already made)."""
@@ -155,7 +160,7 @@ def sensitivity_report(
     base_m = baseline if baseline is not None else evaluator.measure(base)
     int8_score = target.score(base_m.diffs, base_m.outputs, refs)
     todo = [(*base, name) for name, _ in candidates]
-    measured = measure_all(evaluator, todo, jobs=jobs, deadline=deadline, progress=progress)
+    measured = measure_all(evaluator, todo, jobs=jobs, deadline=deadline, progress=progress, executor=executor)
     by_name = {m.nodes[-1]: m for m in measured}
     ops = dict(candidates)
     extra = range_stats(evaluator.variant(base), evaluator.batches, list(by_name)) if stats else {}
@@ -205,6 +210,7 @@ def rank_nodes(
     progress: StepProgress | None = None,
     exact_progress: StepProgress | None = None,
     stats: bool = False,
+    executor: ExecutorSpec | Executor | None = None,
 ) -> SensitivityReport:
     """One-run ranking of ``candidates`` (see module docs), the first ``exact_top`` measured exactly.
 
@@ -235,7 +241,7 @@ def rank_nodes(
     if k:
         exact = sensitivity_report(evaluator, target, [(r.name, r.op) for r in rows[:k]], base_nodes=base,
                                    jobs=jobs, deadline=deadline, progress=exact_progress, stats=False,
-                                   baseline=baseline)
+                                   baseline=baseline, executor=executor)
         by_name = {r.name: r for r in exact.rows}
         for r in exact.rows:
             r.local_sqnr_db = next(x.local_sqnr_db for x in rows[:k] if x.name == r.name)

@@ -35,6 +35,7 @@ import onnx
 
 from qgraph import ModelError, NodeSelector, Pipeline, Recipe, get_pass
 from qgraph.data import DataSource, model_inputs
+from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.evaluate import (
     Evaluator,
@@ -178,14 +179,30 @@ def auto_fallback(
     progress: StageProgress | None = None,
     report_only: bool = False,
     exact_top: int = 0,
+    executor: ExecutorSpec | Executor | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
     ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data,
     ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the
-    ranked nodes to measure exactly. With ``report_only`` the ranking is made and no search. Never raises for
-    an unmet target: check ``target_met``.
+    ranked nodes to measure exactly, ``executor`` where full evaluations run (`qgraph.executor`; default: ``jobs``
+    local processes; one executor serves the whole search). With ``report_only`` the ranking is made and no search.
+    Never raises for an unmet target: check ``target_met``.
     """
+    pool = make_executor(executor, jobs)
+    try:
+        return _auto_fallback(reference, qdq, data, target, keep_float, candidates, max_nodes, max_time, samples,
+                              batch_size, optimization, progress, report_only, exact_top, pool)
+    finally:
+        if pool is not executor:
+            pool.close()
+
+
+def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str | DataSource, target: str | Target,
+                   keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
+                   max_time: float | None, samples: int | None, batch_size: int, optimization: str,
+                   progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor) -> AutoResult:
+    """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
     ref_inputs, qdq_inputs = [i.name for i in model_inputs(reference)], [i.name for i in model_inputs(qdq)]
@@ -212,9 +229,9 @@ def auto_fallback(
                      threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes)
     if out.target_met and not report_only:
         return _finish(run, out, "the INT8 model already meets the target")
-    report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top, jobs=jobs,
+    report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top,
                         deadline=run.deadline, progress=run.reporter("ranking"), exact_progress=run.reporter("exact"),
-                        stats=report_only)
+                        stats=report_only, executor=pool)
     run.evaluations += sum(r.measured for r in report.rows)
     out.sensitivity = report
     notes.extend(report.notes)
@@ -224,7 +241,7 @@ def auto_fallback(
     order = [r.name for r in report.rows]
     cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
-    search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, jobs)
+    search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
     size, reason = search.run(predicted, max_nodes)
     out.steps = search.steps
     run.stage_end("search")
