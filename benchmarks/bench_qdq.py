@@ -42,7 +42,7 @@ import onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
-PRESET = {"digits": "ort-x86-vnni", "squeezenet": "ort-x86-vnni", "resnet50": "ort-x86-vnni"}
+PRESET = {"digits": "ort-x86-vnni", "squeezenet": "ort-x86-vnni", "resnet50": "ort-x86-vnni", "shufflenet": "ort-x86-vnni"}
 PRESET["encoder"] = "transformer-ort-x86-vnni"
 
 

@@ -17,9 +17,11 @@ from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_w
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
 from .joins import wide_joins
+from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
+from .speed import latency_decision, measure_twin, require_preset
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -58,6 +60,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 f"`opset: keep`. Remove it (insert_qdq then raises the opset itself) or add `- pass: raise_opset` "
                 f"with `opset: {need}` before insert_qdq."
             )
+        require_preset(cfg.latency, cfg.preset)
         if cfg.mode == "dynamic" and cfg.activations.dtype != QuantDtype.UINT8:
             raise PassError(
                 "insert_qdq: dynamic mode quantizes activations to uint8 (DynamicQuantizeLinear); "
@@ -96,6 +99,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         plan = Planner(graph, cfg, selected, floats).plan()
         check_finite_weights(graph, plan.units)  # before calibration, which would only see NaN activations
         params: dict[str, ActParams] = {}
+        latency: dict[str, Any] = {}
         ranges: dict[str, RangeInfo] = {}
         forbidden: dict[str, str] = {}
         fragile: dict[str, Any] = {}
@@ -107,6 +111,10 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.decisions += list(joins.values())
             if forbidden or joins:
                 plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
+            if cfg.latency.mode != "off":
+                slow, latency = self._latency(graph, ctx, plan, res)
+                if slow:
+                    plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **slow}).plan()
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -145,7 +153,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.rewritten = len(plan.units) + len(plan.movement) + sub_units
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
-        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
+        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu) | (
+            {"latency": latency} if latency else {})
         if fragile:
             res.details["calibration"] = {"method": cfg.activations.method, **fragile}
         if wq.adjusted:
@@ -153,6 +162,22 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg, cpu):
             res.details["saturation"] = self._saturation(plan, params, ranges, wq)
         return res
+
+    def _latency(
+        self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult
+    ) -> tuple[dict[int, str], dict[str, Any]]:
+        """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
+        graph (``latency: measure``: quantized by this pass with ``latency: off``) or from the cost table."""
+        cfg = self.config
+        measured = None
+        if cfg.latency.mode == "measure":
+            twin = GraphHandle(graph.to_onnx())
+            InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
+            measured = measure_twin(graph, twin, cfg.latency)
+        out = latency_decision(graph, plan, cfg.latency, cfg.preset, measured)
+        res.decisions += out.decisions
+        res.notes += out.notes
+        return out.float_nodes, out.details
 
     def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:
         """Raise the model's opset when the options need it (a decision), or fall back to per-tensor weights

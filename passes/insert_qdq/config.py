@@ -22,6 +22,8 @@ from qgraph import NodeSelector, PassConfig
 from qgraph.quant import QuantDtype
 from qgraph.target import CpuInfo
 
+from .latency import LatencyOptions
+
 #: Op types whose QDQ form onnxruntime's CPU graph optimizer fuses into an integer kernel (or drops).
 ORT_CPU_OPS: tuple[str, ...] = (
     "Conv",
@@ -66,6 +68,7 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "uint8", "symmetric": False},
         "saturation": "off",
+        "latency": {"mode": "table"},
     },
     "ort-x86-avx2": {
         "why": (
@@ -77,6 +80,7 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": True},
         "activations": {"dtype": "uint8", "symmetric": False},
         "saturation": "report",
+        "latency": {"mode": "table"},
     },
     "ort-arm": {
         "why": (
@@ -86,6 +90,7 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "int8", "symmetric": False},
         "saturation": "off",
+        "latency": {"mode": "table"},
     },
     "tensorrt": {
         "why": (
@@ -239,6 +244,10 @@ class InsertQDQConfig(PassConfig):
     saturation: Literal["auto", "report", "off"] = Field(
         default="auto",
         description="u8s8 int16 saturation analysis: auto (when the target lacks VNNI), report (always), off.",
+    )
+    latency: LatencyOptions = Field(
+        default_factory=LatencyOptions,
+        description="Keep units float where int8 would be slower on the target runtime (off | table | measure).",
     )
     unsupported: Literal["float", "error"] = Field(
         default="float", description="What a selected node that cannot be quantized gets: left float or an error."

@@ -1,0 +1,171 @@
+"""Latency-aware placement: keep a unit float where INT8 would make the model slower on the target runtime.
+
+Every quantizable unit ``u`` has an int8 and a float cost (µs, `qgraph.latency`: from the shipped per-preset
+table, or measured in the graph with ``latency: measure``). Every edge ``p -> c`` (a tensor from unit ``p``,
+possibly through data-movement ops, to unit ``c``; ``p`` or ``c`` is "float" outside the units) costs, by labels:
+
+* both int8: the movement ops' int8 time (in onnxruntime's NHWC layout: a channel shuffle is slow there);
+* both float: the movement ops' float time;
+* float -> int8: float movement + a QuantizeLinear of the tensor (``q_ns x elements``);
+* int8 -> float: float movement + a DequantizeLinear (``dq_ns x elements``).
+
+The labelling minimizes ``sum_u cost_u(label_u) + sum_e cost_e(label_p, label_c)``: start from each unit's
+cheaper label, then sweep the units in graph order setting each to the label with the lower local cost (its own
+cost plus its edges given the neighbours' labels) until nothing changes (at most 8 sweeps, each O(units +
+edges)); finally each connected component is compared with the same component all float. Forced units (recipe
+``latency.force``, or ``latency: off``) and units without a known cost stay int8. So a unit stays int8 only where
+int8, conversions included, is not slower; each unit kept float is reported with its numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field
+
+from qgraph import NodeSelector, PassConfig
+
+Label = bool  # True: int8
+
+
+class LatencyOptions(PassConfig):
+    """Whether a unit is quantized also depends on what the target runtime executes faster."""
+
+    mode: Literal["off", "table", "measure"] = Field(
+        default="off",
+        description="off: quantize every quantizable unit (no latency decision); table: decide per unit from the "
+        "shipped per-preset cost table (measured on the host that built it, see benchmarks/build_latency_table.py); "
+        "measure: profile the float graph and its all-int8 twin in onnxruntime on this host (bounded by "
+        "measure_seconds) and decide from those numbers.",
+    )
+    force: NodeSelector | None = Field(
+        default=None, description="Nodes that stay int8 whatever their cost (e.g. {op_types: [Conv]})."
+    )
+    table: str | None = Field(
+        default=None, description="A cost table file to use instead of the shipped one (same JSON format)."
+    )
+    measure_seconds: float = Field(
+        default=20.0, gt=0, le=600, description="Time budget of the profiling runs in measure mode."
+    )
+    runs: int = Field(default=10, ge=1, le=200, description="Profiling rounds in measure mode (median per node).")
+
+
+@dataclass
+class Cost:
+    """A unit's cost in µs and where the numbers come from."""
+
+    int8_us: float
+    float_us: float
+    source: str
+
+
+@dataclass
+class Edge:
+    """A tensor from unit ``src`` to unit ``dst`` (None: a float producer/consumer outside the units)."""
+
+    src: int | None
+    dst: int | None
+    float_us: float = 0.0  # movement ops on the way, float
+    int8_us: float = 0.0  # the same ops on integers (in the int8 region's layout)
+    q_us: float = 0.0  # QuantizeLinear of the tensor
+    dq_us: float = 0.0  # DequantizeLinear of the tensor
+
+    def cost(self, src: Label, dst: Label) -> float:
+        """The edge's cost for the labels at its ends (see module docs)."""
+        if src and dst:
+            return self.int8_us
+        if not src and not dst:
+            return self.float_us
+        return self.float_us + (self.q_us if dst else self.dq_us)
+
+
+@dataclass
+class Decision:
+    """The label of every unit and, per unit, the local cost of each label at the optimum."""
+
+    int8: list[Label]
+    local: list[tuple[float, float]]  # (int8 µs, float µs) including edges, neighbours fixed
+
+    def total(self, costs: list[Cost | None], edges: list[Edge]) -> float:
+        """The modelled latency of the whole labelling (µs)."""
+        return _energy(self.int8, costs, edges, None)
+
+
+def _label(labels: list[Label], i: int | None) -> Label:
+    return False if i is None else labels[i]
+
+
+def _energy(labels: list[Label], costs: list[Cost | None], edges: list[Edge], only: set[int] | None) -> float:
+    total = 0.0
+    for i, c in enumerate(costs):
+        if c is not None and (only is None or i in only):
+            total += c.int8_us if labels[i] else c.float_us
+    for e in edges:
+        if only is None or e.src in only or e.dst in only:
+            total += e.cost(_label(labels, e.src), _label(labels, e.dst))
+    return total
+
+
+def decide(costs: list[Cost | None], edges: list[Edge], forced: set[int], max_sweeps: int = 8) -> Decision:
+    """Label every unit int8 (True) or float (False), minimizing the modelled latency (see module docs)."""
+    n = len(costs)
+    fixed = set(forced) | {i for i, c in enumerate(costs) if c is None}
+    labels = [i in fixed or (c is not None and c.int8_us <= c.float_us) for i, c in enumerate(costs)]
+    incident: list[list[Edge]] = [[] for _ in range(n)]
+    for e in edges:
+        for end in {e.src, e.dst}:
+            if end is not None:
+                incident[end].append(e)
+
+    def local(i: int, label: Label) -> float:
+        c = costs[i]
+        own = 0.0 if c is None else (c.int8_us if label else c.float_us)
+        saved = labels[i]
+        labels[i] = label
+        own += sum(e.cost(_label(labels, e.src), _label(labels, e.dst)) for e in incident[i])
+        labels[i] = saved
+        return own
+
+    def sweep() -> bool:
+        moved = False
+        for i in range(n):
+            if i in fixed:
+                continue
+            best = local(i, True) <= local(i, False)
+            moved |= best != labels[i]
+            labels[i] = best
+        return moved
+
+    for _ in range(max_sweeps):
+        if not sweep():
+            break
+    for comp in _components(n, edges):
+        free = comp - fixed
+        if not free:
+            continue
+        trial = list(labels)
+        for i in free:
+            trial[i] = False
+        if _energy(trial, costs, edges, comp) < _energy(labels, costs, edges, comp):
+            labels = trial
+            sweep()
+    return Decision(labels, [(local(i, True), local(i, False)) for i in range(n)])
+
+
+def _components(n: int, edges: list[Edge]) -> list[set[int]]:
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for e in edges:
+        if e.src is not None and e.dst is not None:
+            parent[find(e.src)] = find(e.dst)
+    comps: dict[int, set[int]] = {}
+    for i in range(n):
+        comps.setdefault(find(i), set()).add(i)
+    return list(comps.values())
