@@ -96,15 +96,15 @@ def _medians(events: list[dict[str, Any]]) -> dict[str, float]:
 
 def element_costs(threads: int = 2, elements: int = 1 << 20, runs: int = 20) -> tuple[float, float]:
     """Nanoseconds per element of a uint8 QuantizeLinear and DequantizeLinear in onnxruntime on this host."""
-    from onnx import TensorProto, helper
-
     import onnxruntime as ort
+    from onnx import TensorProto, helper
 
     def model(op: str, src: int, dst: int) -> bytes:
         g = helper.make_graph(
             [helper.make_node(op, ["x", "s", "z"], ["y"])], op,
             [helper.make_tensor_value_info("x", src, [elements])], [helper.make_tensor_value_info("y", dst, None)],
-            [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]), helper.make_tensor("z", TensorProto.UINT8, [], [7])])
+            [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]),
+             helper.make_tensor("z", TensorProto.UINT8, [], [7])])
         m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
         return bytes(m.SerializeToString())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -99,7 +100,6 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         plan = Planner(graph, cfg, selected, floats).plan()
         check_finite_weights(graph, plan.units)  # before calibration, which would only see NaN activations
         params: dict[str, ActParams] = {}
-        latency: dict[str, Any] = {}
         ranges: dict[str, RangeInfo] = {}
         forbidden: dict[str, str] = {}
         fragile: dict[str, Any] = {}
@@ -111,10 +111,9 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.decisions += list(joins.values())
             if forbidden or joins:
                 plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
-            if cfg.latency.mode != "off":
-                slow, latency = self._latency(graph, ctx, plan, res)
-                if slow:
-                    plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **slow}).plan()
+            slow = self._latency(graph, ctx, plan, res)
+            if slow:
+                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **slow}).plan()
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -123,10 +122,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         dyn = DynamicQuantizer(em, wspec.model_copy(update={"per_channel": cfg.weights.per_channel}))
         dyn.auto_symmetric, dyn.asym_gain = wq.auto_symmetric, wq.asym_gain
 
-        def input_scale(unit: Unit) -> float | None:
-            act = params.get(plan.tensors.get(unit.act_inputs[0], "")) if unit.act_inputs else None
-            return act.scale if act is not None else None
-
+        input_scale = functools.partial(_input_scale, plan, params)
         wq.prepare([(u, input_scale(u)) for u in plan.units if u.kind == "weighted"])
         for unit in plan.units:
             if unit.kind == "dynamic":
@@ -153,8 +149,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.rewritten = len(plan.units) + len(plan.movement) + sub_units
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
-        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu) | (
-            {"latency": latency} if latency else {})
+        res.details |= self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
         if fragile:
             res.details["calibration"] = {"method": cfg.activations.method, **fragile}
         if wq.adjusted:
@@ -163,13 +158,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.details["saturation"] = self._saturation(plan, params, ranges, wq)
         return res
 
-    def _latency(
-        self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult
-    ) -> tuple[dict[int, str], dict[str, Any]]:
+    def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
         """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
         graph (``latency: measure``: quantized by this pass with ``latency: off``) or from the cost table."""
         cfg = self.config
         measured = None
+        if cfg.latency.mode == "off":
+            return {}
         if cfg.latency.mode == "measure":
             twin = GraphHandle(graph.to_onnx())
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
@@ -177,7 +172,9 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         out = latency_decision(graph, plan, cfg.latency, cfg.preset, measured)
         res.decisions += out.decisions
         res.notes += out.notes
-        return out.float_nodes, out.details
+        if out.details:
+            res.details["latency"] = out.details
+        return out.float_nodes
 
     def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:
         """Raise the model's opset when the options need it (a decision), or fall back to per-tensor weights
@@ -310,6 +307,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             "layers_at_risk": risky,
             "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
         }
+
+
+def _input_scale(plan: Plan, params: dict[str, ActParams], unit: Unit) -> float | None:
+    """The activation scale of ``unit``'s first input (None when it is not quantized)."""
+    act = params.get(plan.tensors.get(unit.act_inputs[0], "")) if unit.act_inputs else None
+    return act.scale if act is not None else None
 
 
 def required_opset(cfg: InsertQDQConfig) -> tuple[int, str]:

@@ -68,7 +68,6 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "uint8", "symmetric": False},
         "saturation": "off",
-        "latency": {"mode": "table"},
     },
     "ort-x86-avx2": {
         "why": (
@@ -80,7 +79,6 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": True},
         "activations": {"dtype": "uint8", "symmetric": False},
         "saturation": "report",
-        "latency": {"mode": "table"},
     },
     "ort-arm": {
         "why": (
@@ -90,7 +88,6 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "int8", "symmetric": False},
         "saturation": "off",
-        "latency": {"mode": "table"},
     },
     "tensorrt": {
         "why": (

@@ -2,7 +2,8 @@
 
 * real architecture graphs from the onnx wheel with seeded realistic weights:
   :func:`light_model_path`, :func:`materialize_light_model`, :func:`cached_light_model`;
-* synthetic graphs: :func:`conv_bn_relu_chain`, :func:`matmul_add_relu_chain`, :func:`conv_bn_net`, :func:`mobilenet_v2`,
+* synthetic graphs: :func:`conv_bn_relu_chain`, :func:`matmul_add_relu_chain`, :func:`conv_bn_net`,
+  :func:`mobilenet_v2`,
   :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`);
 * running them: :func:`random_feeds`, :func:`run_ort`.
 

@@ -1,0 +1,140 @@
+"""Latency-aware placement: decisions from synthetic cost tables (deterministic: nothing is timed here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from insert_qdq_helpers import feeds_for, quantize, tiny_cnn
+from qgraph.passes.insert_qdq import InsertQDQ
+from qgraph.passes.insert_qdq.latency import Cost, Edge, decide
+from qgraph.passes.insert_qdq.speed import SHIPPED_TABLE
+
+from qgraph.errors import DataError, PassError, RecipeError
+from qgraph.latency import load_latency_table, op_signature
+
+
+# ---------------------------------------------------------------------------------------------- decide()
+def test_a_unit_slower_in_int8_stays_float_and_a_faster_one_is_int8() -> None:
+    costs: list[Cost | None] = [Cost(30.0, 10.0, "t"), Cost(5.0, 10.0, "t")]
+    d = decide(costs, [], forced=set())
+    assert d.int8 == [False, True]
+    assert d.local[0] == (30.0, 10.0)
+
+
+def test_forced_units_stay_int8_and_unknown_costs_keep_int8() -> None:
+    costs: list[Cost | None] = [Cost(30.0, 10.0, "t"), None]
+    assert decide(costs, [], forced={0}).int8 == [True, True]
+
+
+def test_conversions_keep_a_small_gain_float_between_float_neighbours() -> None:
+    # 0 (float-only) -> 1 (int8 saves 4 µs) -> 2 (float-only): an int8 island costs Q + DQ = 6 µs > 4 µs
+    costs: list[Cost | None] = [Cost(50.0, 10.0, "t"), Cost(16.0, 20.0, "t"), Cost(50.0, 10.0, "t")]
+    edges = [Edge(0, 1, q_us=3.0, dq_us=3.0), Edge(1, 2, q_us=3.0, dq_us=3.0)]
+    d = decide(costs, edges, forced=set())
+    assert d.int8 == [False, False, False]
+    # the same unit saving 10 µs is worth its conversions
+    costs[1] = Cost(10.0, 20.0, "t")
+    assert decide(costs, edges, forced=set()).int8 == [False, True, False]
+
+
+def test_slow_int8_data_movement_between_two_units_breaks_the_int8_region() -> None:
+    # a channel shuffle between 0 and 1: 400 µs on integers (NHWC), 20 µs in float
+    costs: list[Cost | None] = [Cost(80.0, 100.0, "t"), Cost(50.0, 55.0, "t")]
+    edges = [Edge(0, 1, float_us=20.0, int8_us=400.0, q_us=10.0, dq_us=10.0)]
+    d = decide(costs, edges, forced=set())
+    # int8 -> float: 80 + 20 + DQ 10 + 55 = 165 beats float -> int8 (100 + 20 + Q 10 + 50 = 180) and both int8 (530)
+    assert d.int8 == [True, False]
+    assert d.total(costs, edges) == pytest.approx(165.0)
+
+
+def test_a_component_better_all_float_is_switched_as_a_whole() -> None:
+    # each unit alone prefers int8 only if its neighbours are int8; all float is cheaper overall
+    costs: list[Cost | None] = [Cost(10.0, 9.0, "t"), Cost(10.0, 9.0, "t")]
+    edges = [Edge(None, 0, q_us=5.0, dq_us=5.0), Edge(0, 1, int8_us=0.0, float_us=0.0, q_us=5.0, dq_us=5.0)]
+    assert decide(costs, edges, forced=set()).int8 == [False, False]
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def test_the_shipped_table_loads_and_estimates_a_depthwise_conv() -> None:
+    table = load_latency_table(SHIPPED_TABLE)
+    assert table.presets, "the shipped table has no preset"
+    preset = next(iter(table.presets))
+    sig = op_signature("Conv", {"group": 256}, (1, 256, 14, 14), (256, 1, 3, 3))
+    assert sig is not None and sig[0] == "Conv/depthwise/3x3" and sig[2] == 256 * 196 * 9
+    est = table.estimate(preset, *sig)
+    assert est is not None and est[0] > 0 and est[1] > 0
+
+
+def _table(tmp_path: Path, entries: list[dict[str, Any]], preset: str = "ort-x86-vnni") -> Path:
+    data = {"version": 1, "host": "test", "runtime": "test", "threads": 2,
+            "presets": {preset: {"quantize_ns": 1.0, "dequantize_ns": 1.0, "entries": entries}}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_malformed_table_is_a_data_error(tmp_path: Path) -> None:
+    bad = _table(tmp_path, [{"kind": "Conv/dense/3x3", "bucket": "c8", "work": -1, "float_us": 1, "int8_us": 1,
+                             "samples": 1}])
+    with pytest.raises(DataError, match="work"):
+        load_latency_table(bad)
+    with pytest.raises(DataError, match="cannot read"):
+        load_latency_table(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+def _conv_entry(int8_us: float, float_us: float) -> dict[str, Any]:
+    return {"kind": "Conv/dense/3x3", "bucket": "c8-hw64", "work": 8 * 64 * 27, "float_us": float_us,
+            "int8_us": int8_us, "samples": 1}
+
+
+def test_table_keeps_slow_convs_float_and_reports_it(tmp_path: Path) -> None:
+    model = tiny_cnn()
+    table = _table(tmp_path, [_conv_entry(int8_us=500.0, float_us=10.0)])
+    res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni", latency={"mode": "table", "table": str(table)})
+    result = res.records[0].result
+    convs = [n for n in res.model.graph.node if n.op_type == "Conv"]
+    # both convs kept float: their weights are float initializers (no DequantizeLinear in front)
+    producers = {o: n.op_type for n in res.model.graph.node for o in n.output}
+    assert len(convs) == 2 and all(producers.get(c.input[1]) != "DequantizeLinear" for c in convs)
+    reasons = [s.reason for s in result.skipped if s.reason.startswith("kept float for speed")]
+    assert len(reasons) == 2 and "int8 500 µs" in reasons[0]
+    assert any(d.startswith("latency (table): 2 of") for d in result.decisions), result.decisions
+    rows = {r["node"]: r for r in result.details["latency"]["units"]}
+    assert rows[convs[0].name or "Conv(c1)"]["decision"] == "float"
+
+
+def test_off_quantizes_everything_and_force_overrides_the_table(tmp_path: Path) -> None:
+    model = tiny_cnn()
+    table = _table(tmp_path, [_conv_entry(int8_us=500.0, float_us=10.0)])
+    calib = feeds_for(model, 4)
+    off = quantize(model, calib, preset="ort-x86-vnni", latency={"mode": "off", "table": str(table)})
+    assert "latency" not in off.records[0].result.details
+    forced = quantize(model, calib, preset="ort-x86-vnni",
+                      latency={"mode": "table", "table": str(table), "force": {"op_types": ["Conv"]}})
+    for res in (off, forced):
+        producers = {o: n.op_type for n in res.model.graph.node for o in n.output}
+        convs = [n for n in res.model.graph.node if n.op_type == "Conv"]
+        assert convs and all(producers.get(c.input[1]) == "DequantizeLinear" for c in convs)
+    rows = forced.records[0].result.details["latency"]["units"]
+    assert all(r["decision"] == "int8" and r["forced"] for r in rows if r["op"] == "Conv")
+
+
+def test_fast_int8_keeps_the_model_quantized(tmp_path: Path) -> None:
+    model = tiny_cnn()
+    table = _table(tmp_path, [_conv_entry(int8_us=1.0, float_us=50.0)])
+    res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni", latency={"mode": "table", "table": str(table)})
+    assert not [s for s in res.records[0].result.skipped if s.reason.startswith("kept float")]
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(RecipeError, match="latency"):
+        InsertQDQ(preset="ort-x86-vnni", latency={"mode": "fast"})
+    with pytest.raises(RecipeError, match="measure_seconds"):
+        InsertQDQ(latency={"mode": "measure", "measure_seconds": 0})
+    model = tiny_cnn()
+    with pytest.raises(PassError, match="looks costs up by preset"):
+        quantize(model, feeds_for(model, 2), latency={"mode": "table"})
