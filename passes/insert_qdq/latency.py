@@ -6,8 +6,9 @@ possibly through data-movement ops, to unit ``c``; ``p`` or ``c`` is "float" out
 
 * both int8: the movement ops' int8 time (in onnxruntime's NHWC layout: a channel shuffle is slow there);
 * both float: the movement ops' float time;
-* float -> int8: float movement + a QuantizeLinear of the tensor (``q_ns x elements``);
-* int8 -> float: float movement + a DequantizeLinear (``dq_ns x elements``).
+* float -> int8: float-layout movement (measured float time) + a QuantizeLinear (``q_ns x elements``);
+* int8 -> float: the int8 movement (onnxruntime pushes the int8 producer's NHWC layout through it) + a
+  DequantizeLinear (``dq_ns x elements``).
 
 The labelling minimizes ``sum_u cost_u(label_u) + sum_e cost_e(label_p, label_c)``: start from each unit's
 cheaper label, then sweep the units in graph order setting each to the label with the lower local cost (its own
@@ -77,7 +78,7 @@ class Edge:
             return self.int8_us
         if not src and not dst:
             return self.float_us
-        return self.float_us + (self.q_us if dst else self.dq_us)
+        return self.int8_us + self.dq_us if src else self.float_us + self.q_us
 
 
 @dataclass
@@ -107,8 +108,19 @@ def _energy(labels: list[Label], costs: list[Cost | None], edges: list[Edge], on
     return total
 
 
-def decide(costs: list[Cost | None], edges: list[Edge], forced: set[int], max_sweeps: int = 8) -> Decision:
-    """Label every unit int8 (True) or float (False), minimizing the modelled latency (see module docs)."""
+def decide(
+    costs: list[Cost | None],
+    edges: list[Edge],
+    forced: set[int],
+    requant: dict[int, list[int]] | None = None,
+    max_sweeps: int = 8,
+) -> Decision:
+    """Label every unit int8 (True) or float (False), minimizing the modelled latency (see module docs).
+
+    ``requant`` maps a Conv/Gemm unit to the units producing its input: onnxruntime's WeightBiasQuantization
+    quantizes a float Conv/Gemm whose input comes from a DequantizeLinear and whose output leads (through
+    Relu/Clip only) to a QuantizeLinear, so such a unit cannot stay float while a producer is int8 and its one
+    consumer is int8: either it is int8, or its int8 producers become float too (whichever costs less)."""
     n = len(costs)
     fixed = set(forced) | {i for i, c in enumerate(costs) if c is None}
     labels = [i in fixed or (c is not None and c.int8_us <= c.float_us) for i, c in enumerate(costs)]
@@ -150,7 +162,46 @@ def decide(costs: list[Cost | None], edges: list[Edge], forced: set[int], max_sw
         if _energy(trial, costs, edges, comp) < _energy(labels, costs, edges, comp):
             labels = trial
             sweep()
+    if requant:
+        labels = _honour_requantization(labels, requant, costs, incident, fixed, max_sweeps)
     return Decision(labels, [(local(i, True), local(i, False)) for i in range(n)])
+
+
+def _honour_requantization(labels: list[Label], requant: dict[int, list[int]], costs: list[Cost | None],
+                           incident: list[list[Edge]], fixed: set[int], max_sweeps: int) -> list[Label]:
+    """Resolve float units onnxruntime would quantize anyway (see `decide`): O(sweeps x requant edges)."""
+
+    def energy(units: set[int]) -> float:
+        seen: dict[int, Edge] = {id(e): e for i in units for e in incident[i]}
+        own = sum((c.int8_us if labels[i] else c.float_us) for i in units if (c := costs[i]) is not None)
+        return own + sum(e.cost(_label(labels, e.src), _label(labels, e.dst)) for e in seen.values())
+
+    def requantized(i: int) -> bool:
+        outs = [e for e in incident[i] if e.src == i]
+        to_q = len(outs) == 1 and outs[0].dst is not None and labels[outs[0].dst]
+        return to_q and any(labels[s] for s in requant[i])
+
+    for _ in range(max_sweeps):
+        moved = False
+        for i in requant:
+            if labels[i] or not requantized(i):
+                continue
+            sources = {s for s in requant[i] if labels[s]}
+            units = {i} | sources
+            saved = list(labels)
+            labels[i] = True
+            as_int8 = energy(units)
+            labels[i] = False
+            for s in sources:
+                labels[s] = False
+            upstream_float = energy(units) if not sources & fixed else float("inf")
+            if as_int8 <= upstream_float:
+                labels = saved
+                labels[i] = True
+            moved = True
+        if not moved:
+            break
+    return labels
 
 
 def _components(n: int, edges: list[Edge]) -> list[set[int]]:

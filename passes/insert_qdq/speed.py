@@ -93,8 +93,13 @@ class CostModel:
         return None if est is None else Cost(est[1], est[0], f"table: {est[2]}")
 
 
-def _edges(graph: GraphHandle, plan: Plan, units: list[Unit], model: CostModel) -> list[Edge]:
+def _edges(
+    graph: GraphHandle, units: list[Unit], model: CostModel
+) -> tuple[list[Edge], dict[int, list[int]]]:
+    """The edges between units (see module docs) and, per Conv/ConvTranspose/Gemm unit, the units producing its
+    input (what onnxruntime's WeightBiasQuantization looks at, `latency.decide`)."""
     idx = graph.index
+    requant: dict[int, list[int]] = {}
     unit_of = {u.output: i for i, u in enumerate(units) if u.output}
     unit_nodes = {id(u.node) for u in units}
     edges: list[Edge] = []
@@ -116,12 +121,14 @@ def _edges(graph: GraphHandle, plan: Plan, units: list[Unit], model: CostModel) 
                     e.float_us += c.float_us
                     e.int8_us += c.int8_us
             edges.append(e)
+            if u.node.op in ("Conv", "ConvTranspose", "Gemm") and e.src is not None:
+                requant.setdefault(i, []).append(e.src)
         out = u.output
         cons = idx.consumers.get(out or "", [])
         if out and (out in idx.graph_outputs or any(id(c) not in unit_nodes and c.op not in MOVEMENT for c in cons)):
             n = model.elements(idx.tensors[out])
             edges.append(Edge(i, None, q_us=model.q_ns * n / 1e3, dq_us=model.dq_ns * n / 1e3))
-    return edges
+    return edges, requant
 
 
 def latency_decision(
@@ -138,12 +145,12 @@ def latency_decision(
     units = [u for u in plan.units if u.kind != "dynamic"]
     model = CostModel(graph, preset, table, measured)
     costs = [model.node(u.node, [u.node, *u.absorbed]) for u in units]
-    edges = _edges(graph, plan, units, model)
+    edges, requant = _edges(graph, units, model)
     forced: set[int] = set()
     if opts.force is not None:
         chosen = {id(n) for n in select(graph, opts.force).nodes}
         forced = {i for i, u in enumerate(units) if id(u.node) in chosen}
-    d = decide(costs, edges, forced)
+    d = decide(costs, edges, forced, requant)
     _report(out, units, costs, edges, d, forced, opts.mode, model)
     return out
 

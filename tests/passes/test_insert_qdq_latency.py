@@ -41,13 +41,14 @@ def test_conversions_keep_a_small_gain_float_between_float_neighbours() -> None:
 
 
 def test_slow_int8_data_movement_between_two_units_breaks_the_int8_region() -> None:
-    # a channel shuffle between 0 and 1: 400 µs on integers (NHWC), 20 µs in float
-    costs: list[Cost | None] = [Cost(80.0, 100.0, "t"), Cost(50.0, 55.0, "t")]
+    # a channel shuffle between 0 and 1: 400 µs on integers (NHWC after an int8 producer), 20 µs in float
+    costs: list[Cost | None] = [Cost(80.0, 100.0, "t"), Cost(30.0, 55.0, "t")]
     edges = [Edge(0, 1, float_us=20.0, int8_us=400.0, q_us=10.0, dq_us=10.0)]
     d = decide(costs, edges, forced=set())
-    # int8 -> float: 80 + 20 + DQ 10 + 55 = 165 beats float -> int8 (100 + 20 + Q 10 + 50 = 180) and both int8 (530)
-    assert d.int8 == [True, False]
-    assert d.total(costs, edges) == pytest.approx(165.0)
+    # float -> int8: 100 + 20 + Q 10 + 30 = 160 beats both float (175), both int8 (510) and int8 -> float (545)
+    assert d.int8 == [False, True]
+    assert d.total(costs, edges) == pytest.approx(160.0)
+    assert d.local[0] == (pytest.approx(80.0 + 400.0), pytest.approx(100.0 + 20.0 + 10.0))  # own + edges
 
 
 def test_a_component_better_all_float_is_switched_as_a_whole() -> None:
@@ -55,6 +56,20 @@ def test_a_component_better_all_float_is_switched_as_a_whole() -> None:
     costs: list[Cost | None] = [Cost(10.0, 9.0, "t"), Cost(10.0, 9.0, "t")]
     edges = [Edge(None, 0, q_us=5.0, dq_us=5.0), Edge(0, 1, int8_us=0.0, float_us=0.0, q_us=5.0, dq_us=5.0)]
     assert decide(costs, edges, forced=set()).int8 == [False, False]
+
+
+def test_a_float_conv_onnxruntime_would_requantize_takes_its_producer_along() -> None:
+    # 0 (Add) -> 1 (Conv, input DQ from 0, output Q to 2) -> shuffle -> 2; 1 float alone is re-quantized by
+    # onnxruntime (WeightBiasQuantization), so the choice is 1 int8 (slow shuffle) or 0 and 1 both float
+    costs: list[Cost | None] = [Cost(20.0, 30.0, "t"), Cost(80.0, 100.0, "t"), Cost(40.0, 55.0, "t")]
+    edges = [Edge(0, 1, q_us=5.0, dq_us=5.0), Edge(1, 2, float_us=20.0, int8_us=400.0, q_us=10.0, dq_us=10.0)]
+    free = decide(costs, edges, forced=set())
+    assert free.int8 == [True, False, True]  # what the model alone would pick: impossible on onnxruntime
+    d = decide(costs, edges, forced=set(), requant={1: [0]})
+    assert d.int8 == [False, False, True]
+    assert d.total(costs, edges) == pytest.approx(30.0 + 100.0 + 20.0 + 10.0 + 40.0)
+    # with the producer forced int8, the Conv must be int8 as well
+    assert decide(costs, edges, forced={0}, requant={1: [0]}).int8 == [True, True, True]
 
 
 # ---------------------------------------------------------------------------------------------- the table
