@@ -22,7 +22,7 @@ from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
-from .speed import latency_decision, measure_twin, require_preset
+from .speed import latency_decision, measure_twin, name_nodes, require_preset
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -166,9 +166,9 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if cfg.latency.mode == "off":
             return {}
         if cfg.latency.mode == "measure":
-            twin = GraphHandle(graph.to_onnx())
+            twin = GraphHandle(name_nodes(graph.to_onnx()))
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
-            measured = measure_twin(graph, twin, cfg.latency)
+            measured = measure_twin(graph, twin.to_onnx(), cfg.latency)
         out = latency_decision(graph, plan, cfg.latency, cfg.preset, measured)
         res.decisions += out.decisions
         res.notes += out.notes

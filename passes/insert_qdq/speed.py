@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, PassError, select
@@ -82,7 +83,7 @@ class CostModel:
     def node(self, node: gs.Node, nodes: list[gs.Node]) -> Cost | None:
         """Cost of ``node`` with the ``nodes`` fused into it (measured when profiled, else from the table)."""
         m = self.measured
-        names = [n.name for n in nodes if n.name]
+        names = [label(n) for n in nodes]
         if m is not None and any(n in m.float_us for n in names) and any(n in m.int8_us for n in names):
             return Cost(sum(m.int8_us.get(n, 0.0) for n in names), sum(m.float_us.get(n, 0.0) for n in names),
                         "measured")
@@ -191,15 +192,23 @@ def require_preset(opts: LatencyOptions, preset: str | None) -> None:
                         "`latency: {mode: measure}` (or `off`).")
 
 
-def measure_twin(graph: GraphHandle, twin: GraphHandle, opts: LatencyOptions) -> Measured:
-    """Profile the float ``graph`` and its all-int8 ``twin`` alternately in onnxruntime (bounded by
-    ``opts.measure_seconds``) on seeded random inputs, plus the per-element Q/DQ costs of this host."""
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every unnamed node of ``model`` its `label` (``Op(first output)``) so profiles can be attributed."""
+    for node in model.graph.node:
+        if not node.name:
+            node.name = f"{node.op_type}({node.output[0] if node.output else ''})"
+    return model
+
+
+def measure_twin(graph: GraphHandle, twin: onnx.ModelProto, opts: LatencyOptions) -> Measured:
+    """Profile the float ``graph`` (nodes named as `name_nodes` does) and its all-int8 ``twin`` alternately in
+    onnxruntime (bounded by ``opts.measure_seconds``) on seeded random inputs, plus this host's Q/DQ costs."""
     from qgraph.compare import random_feeds
     from qgraph.latency import element_costs, profile_kernels
 
-    model = graph.to_onnx()
+    model = name_nodes(graph.to_onnx())
     feeds = random_feeds(model, 1)[0]
-    prof = profile_kernels({"float": model, "int8": twin.to_onnx()}, feeds, runs=opts.runs,
+    prof = profile_kernels({"float": model, "int8": twin}, feeds, runs=opts.runs,
                            budget_seconds=opts.measure_seconds)
     q_ns, dq_ns = element_costs()
     return Measured(prof["float"], prof["int8"], q_ns, dq_ns)

@@ -153,3 +153,60 @@ def test_options_are_validated() -> None:
     model = tiny_cnn()
     with pytest.raises(PassError, match="looks costs up by preset"):
         quantize(model, feeds_for(model, 2), latency={"mode": "table"})
+
+
+SHUFFLE = """
+<ir_version: 8, opset_import: ["" : 17]>
+shuffle (float[1, 8, 8, 8] x) => (float[1, 8, 8, 8] y) {
+    c1 = Conv (x, w1, b1)
+    r1 = Relu (c1)
+    s1 = Reshape (r1, split)
+    t = Transpose <perm = [0, 2, 1, 3, 4]> (s1)
+    s2 = Reshape (t, merge)
+    y = Conv <group = 8, pads = [1, 1, 1, 1]> (s2, w2, b2)
+}
+"""
+
+
+def test_a_slow_channel_shuffle_keeps_its_producer_float(tmp_path: Path) -> None:
+    import numpy as np
+    from insert_qdq_helpers import with_weights
+
+    rng = np.random.default_rng(0)
+    model = with_weights(SHUFFLE, {
+        "w1": rng.normal(0, 0.3, (8, 8, 1, 1)).astype(np.float32), "b1": np.zeros(8, np.float32),
+        "w2": rng.normal(0, 0.3, (8, 1, 3, 3)).astype(np.float32), "b2": np.zeros(8, np.float32),
+        "split": np.array([1, 2, 4, 8, 8], np.int64), "merge": np.array([1, 8, 8, 8], np.int64)})
+
+    def entry(kind: str, bucket: str, work: float, int8_us: float, float_us: float) -> dict[str, Any]:
+        return {"kind": kind, "bucket": bucket, "work": work, "int8_us": int8_us, "float_us": float_us, "samples": 1}
+
+    table = _table(tmp_path, [
+        entry("Conv/dense/1x1", "c8-hw64", 512 * 8, 10.0, 12.0),
+        entry("Conv/depthwise/3x3", "c8-hw64", 512 * 9, 3.0, 6.0),
+        entry("Transpose/rank5", "e512", 512, 100.0, 1.0),
+        entry("Reshape", "e512", 512, 1.0, 1.0),
+    ])
+    res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni", latency={"mode": "table", "table": str(table)})
+    producers = {o: n.op_type for n in res.model.graph.node for o in n.output}
+    convs = [n for n in res.model.graph.node if n.op_type == "Conv"]
+    assert [producers.get(c.input[1]) for c in convs] == [None, "DequantizeLinear"]  # c1 float, the dw conv int8
+    rows = {r["op"] + str(i): r for i, r in enumerate(res.records[0].result.details["latency"]["units"])}
+    first = rows["Conv0"]
+    # int8: 10 + shuffle on integers 102 (+ Q of x, 0.5); float: 12 + float shuffle 3 + Q of the shuffled tensor 0.5
+    assert first["int8_with_conversions_us"] == pytest.approx(112.5, abs=0.1)
+    assert first["float_with_conversions_us"] == pytest.approx(15.5, abs=0.1)
+    skipped = [s for s in res.records[0].result.skipped if s.reason.startswith("kept float for speed")]
+    assert len(skipped) == 1 and "int8 113 µs vs float 16 µs" in skipped[0].reason
+
+
+def test_measure_profiles_the_model_and_reports_measured_units() -> None:
+    model = tiny_cnn()
+    res = quantize(model, feeds_for(model, 2), preset="ort-x86-vnni",
+                   latency={"mode": "measure", "runs": 2, "measure_seconds": 5})
+    result = res.records[0].result
+    assert any(d.startswith("latency (measure):") for d in result.decisions), result.decisions
+    rows = result.details["latency"]["units"]
+    assert rows and any(r["source"] == "measured" for r in rows)
+    assert all(r["decision"] in ("int8", "float") for r in rows)
+    assert result.details["latency"]["quantize_ns_per_element"] > 0
