@@ -12,7 +12,8 @@ with ``latency: off`` (every unit int8); the float and the int8 model are profil
 what onnxruntime executes *in the graph* (fusions, NHWC layout of u8 kernels, reorders). Each quantizable unit
 (its node plus the Relu/Clip/bias Add it absorbs) and each integer data-movement node is filed under its
 `qgraph.latency.op_signature` (kind, size bucket, work); entries average their samples. QuantizeLinear and
-DequantizeLinear costs per element are timed on 1M elements. The table is per host: rebuild it on the target.
+DequantizeLinear costs per element (with the NCHW <-> NHWC layout change at a float/int8 boundary) are timed on
+1M elements. The table is per host: rebuild it on the target.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def measure(name: str, preset: str, runs: int) -> list[dict[str, Any]]:
     from qgraph.passes.insert_qdq import InsertQDQ
     from qgraph.passes.insert_qdq.ops import float32_tensors
     from qgraph.passes.insert_qdq.placement import Planner
-    from qgraph.passes.insert_qdq.speed import CostModel, Measured
+    from qgraph.passes.insert_qdq.speed import CostModel, Measured, name_nodes
 
     from qgraph import GraphHandle, Pipeline, Recipe
     from qgraph.compare import random_feeds
@@ -65,7 +66,7 @@ def measure(name: str, preset: str, runs: int) -> list[dict[str, Any]]:
 
     model, cal = corpus(name)
     recipe = Recipe.from_yaml(ROOT / "recipes" / f"{preset}.yaml")
-    prep = Pipeline([p for p in recipe.passes if p.name != "insert_qdq"]).run(model).model
+    prep = name_nodes(Pipeline([p for p in recipe.passes if p.name != "insert_qdq"]).run(model).model)
     samples = [{k: v[i : i + 1] for k, v in cal.items()} for i in range(8)]
     quant = InsertQDQ(preset=preset, latency={"mode": "off"})
     int8 = Pipeline([quant]).run(prep, calibration_data=CallableSource(lambda: samples, "cal")).model
@@ -99,7 +100,8 @@ def aggregate(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["shufflenet", "mobilenet_v2", "squeezenet", "digits"])
+    corpus_names = ["shufflenet", "mobilenet_v2", "squeezenet", "resnet50", "digits"]
+    parser.add_argument("--models", nargs="*", default=corpus_names)
     parser.add_argument("--presets", nargs="*", default=["ort-x86-vnni"])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "passes" / "insert_qdq" / "latency_table.json")

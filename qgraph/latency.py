@@ -13,7 +13,7 @@ layout transformer rewrote them).
 size (powers of two of channels and spatial size) and work (MACs or elements); a `LatencyTable` stores, per
 preset, measured (float µs, int8 µs, work) per bucket plus the per-element cost of QuantizeLinear and
 DequantizeLinear, and estimates a node as ``t(entry) x work / work(entry)`` from the same bucket, else from the
-nearest bucket of the same kind (in ``|log work|``).
+nearest bucket of the same kind (smallest L1 distance of the buckets' log2 numbers).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qgraph.errors import DataError
 
+_NUMBERS = re.compile(r"\d+")
 _TOKEN = re.compile(r"(_token_\d+|_nchwc)+$")
 #: Format version of the cost table file.
 TABLE_VERSION = 1
@@ -94,36 +95,45 @@ def _medians(events: list[dict[str, Any]]) -> dict[str, float]:
     return {name: float(statistics.median(durs)) for name, durs in per_run.items()}
 
 
-def element_costs(threads: int = 2, elements: int = 1 << 20, runs: int = 20) -> tuple[float, float]:
-    """Nanoseconds per element of a uint8 QuantizeLinear and DequantizeLinear in onnxruntime on this host."""
+def element_costs(threads: int = 2, elements: int = 1 << 20, runs: int = 15) -> tuple[float, float]:
+    """Nanoseconds per element of a float/int8 boundary on this host: (QuantizeLinear, DequantizeLinear), each plus
+    the layout change that comes with it on onnxruntime's CPU provider (u8 kernels run NHWC, float ones NCHW/NCHWc:
+    a uint8 and a float32 NCHW <-> NHWC transpose). Median of ``runs`` timings on ``elements`` elements."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
+    shape = [1, 64, elements // (64 * 128), 128]
+
     def model(op: str, src: int, dst: int) -> bytes:
+        attrs: dict[str, Any] = {"perm": [0, 2, 3, 1]} if op == "Transpose" else {}
+        inputs = ["x"] if op == "Transpose" else ["x", "s", "z"]
         g = helper.make_graph(
-            [helper.make_node(op, ["x", "s", "z"], ["y"])], op,
-            [helper.make_tensor_value_info("x", src, [elements])], [helper.make_tensor_value_info("y", dst, None)],
-            [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]),
-             helper.make_tensor("z", TensorProto.UINT8, [], [7])])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
-        return bytes(m.SerializeToString())
+            [helper.make_node(op, inputs, ["y"], **attrs)], op,
+            [helper.make_tensor_value_info("x", src, shape)], [helper.make_tensor_value_info("y", dst, None)],
+            [] if op == "Transpose" else [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]),
+                                          helper.make_tensor("z", TensorProto.UINT8, [], [7])])
+        return bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=7).SerializeToString())
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
-    result = []
-    for op, src, dst, data in (
-        ("QuantizeLinear", TensorProto.FLOAT, TensorProto.UINT8, np.linspace(-1, 1, elements, dtype=np.float32)),
-        ("DequantizeLinear", TensorProto.UINT8, TensorProto.FLOAT, np.arange(elements, dtype=np.uint8)),
-    ):
+    f32 = np.linspace(-1, 1, int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    u8 = (np.arange(f32.size) % 251).astype(np.uint8).reshape(shape)
+    cases = (("QuantizeLinear", TensorProto.FLOAT, TensorProto.UINT8, f32),
+             ("DequantizeLinear", TensorProto.UINT8, TensorProto.FLOAT, u8),
+             ("Transpose", TensorProto.UINT8, TensorProto.UINT8, u8),
+             ("Transpose", TensorProto.FLOAT, TensorProto.FLOAT, f32))
+    ns = []
+    for op, src, dst, data in cases:
         sess = ort.InferenceSession(model(op, src, dst), so, providers=["CPUExecutionProvider"])
         times = []
         for _ in range(runs):
             t = time.perf_counter()
             sess.run(None, {"x": data})
             times.append(time.perf_counter() - t)
-        result.append(statistics.median(times) * 1e9 / elements)
-    return result[0], result[1]
+        ns.append(statistics.median(times) * 1e9 / data.size)
+    layout = ns[2] + ns[3]
+    return ns[0] + layout, ns[1] + layout
 
 
 # ---------------------------------------------------------------------------------------------- signatures
@@ -146,7 +156,8 @@ def op_signature(
 ) -> tuple[str, str, float] | None:
     """``(kind, bucket, work)`` of a node, or None when its shapes are unknown (see module docs).
 
-    Conv: kind ``Conv/{dense|grouped|depthwise}/{kh}x{kw}``, bucket ``c{Cout}-hw{Hout*Wout}`` (powers of two),
+    Conv: kind ``Conv/{dense|grouped|depthwise}/{kh}x{kw}``, bucket ``ci{Cin}-co{Cout}-hw{Hout*Wout}`` (powers of
+    two; nearest bucket = smallest L1 distance of their log2 numbers),
     work = MACs = ``|out| x Cin/group x kh x kw``; Gemm/MatMul with a weight ``[K, N]``: ``k{K}-n{N}``, work
     ``|out| x K``; Transpose: kind ``Transpose/rank{r}``; anything else: kind = op, bucket ``e{|out|}``, work
     = ``|out|`` elements."""
@@ -161,7 +172,8 @@ def op_signature(
         style = "dense" if group == 1 else ("depthwise" if c_in_g == 1 and group == c_out else "grouped")
         spatial = elems // max(c_out, 1)
         kind = f"{op}/{style}/{'x'.join(map(str, kernel))}"
-        return kind, f"c{_p2(c_out)}-hw{_p2(spatial)}", float(elems * c_in_g * int(np.prod(kernel)))
+        bucket = f"ci{_p2(c_in_g * group)}-co{_p2(c_out)}-hw{_p2(spatial)}"
+        return kind, bucket, float(elems * c_in_g * int(np.prod(kernel)))
     if op in ("Gemm", "MatMul") and weight_shape is not None and len(weight_shape) == 2:
         k = int(weight_shape[1] if op == "Gemm" and int(attrs.get("transB", 0)) else weight_shape[0])
         return op, f"k{_p2(k)}-n{_p2(elems)}", float(elems * k)
@@ -228,9 +240,18 @@ class LatencyTable(BaseModel):
         if not same:
             return None
         exact = [e for e in same if e.bucket == bucket]
-        entry = (exact or sorted(same, key=lambda e: abs(math.log(e.work / max(work, 1e-9)))))[0]
+        entry = (exact or sorted(same, key=lambda e: _distance(e, bucket, work)))[0]
         f = work / entry.work
         return entry.float_us * f, entry.int8_us * f, f"{entry.kind} {entry.bucket}" + ("" if exact else " (nearest)")
+
+
+def _distance(entry: CostEntry, bucket: str, work: float) -> float:
+    """L1 distance in log2 between two buckets' numbers (channels in/out, spatial size or elements), then work."""
+    mine = [float(x) for x in _NUMBERS.findall(bucket)]
+    theirs = [float(x) for x in _NUMBERS.findall(entry.bucket)]
+    if len(mine) != len(theirs):
+        return 1e9 + abs(math.log(entry.work / max(work, 1e-9)))
+    return sum(abs(math.log2(max(a, 1.0)) - math.log2(max(b, 1.0))) for a, b in zip(mine, theirs, strict=True))
 
 
 def load_latency_table(path: str | Path) -> LatencyTable:

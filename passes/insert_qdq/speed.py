@@ -83,15 +83,28 @@ class CostModel:
     def node(self, node: gs.Node, nodes: list[gs.Node]) -> Cost | None:
         """Cost of ``node`` with the ``nodes`` fused into it (measured when profiled, else from the table)."""
         m = self.measured
-        names = [label(n) for n in nodes]
-        if m is not None and any(n in m.float_us for n in names) and any(n in m.int8_us for n in names):
-            return Cost(sum(m.int8_us.get(n, 0.0) for n in names), sum(m.float_us.get(n, 0.0) for n in names),
-                        "measured")
+        if m is not None:
+            f, q = _attributed(m.float_us, nodes), _attributed(m.int8_us, nodes)
+            if f is not None and q is not None:
+                return Cost(q, f, "measured")
         sig = self.signature(node) if self.table is not None else None
         if sig is None or self.table is None:
             return None
         est = self.table.estimate(self.preset or "", *sig)
         return None if est is None else Cost(est[1], est[0], f"table: {est[2]}")
+
+
+def _attributed(profile: dict[str, float], nodes: list[gs.Node]) -> float | None:
+    """Kernel time of ``nodes`` in ``profile``: by node name, else by output tensor name (onnxruntime names some
+    fused kernels after their output, e.g. NCHWc Conv+Relu); None when no node was found."""
+    total, found = 0.0, False
+    for n in nodes:
+        key = label(n)
+        if key not in profile and n.outputs and n.outputs[0].name in profile:
+            key = n.outputs[0].name
+        if key in profile:
+            total, found = total + profile[key], True
+    return total if found else None
 
 
 def _edges(
