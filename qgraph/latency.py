@@ -112,7 +112,8 @@ def element_costs(threads: int = 2, elements: int = 1 << 20, runs: int = 15) -> 
             [helper.make_tensor_value_info("x", src, shape)], [helper.make_tensor_value_info("y", dst, None)],
             [] if op == "Transpose" else [helper.make_tensor("s", TensorProto.FLOAT, [], [0.05]),
                                           helper.make_tensor("z", TensorProto.UINT8, [], [7])])
-        return bytes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=7).SerializeToString())
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+        return bytes(m.SerializeToString())
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
