@@ -90,22 +90,16 @@ class Decision:
 
     def total(self, costs: list[Cost | None], edges: list[Edge]) -> float:
         """The modelled latency of the whole labelling (µs)."""
-        return _energy(self.int8, costs, edges, None)
+        return _energy(self.int8, costs, edges)
 
 
 def _label(labels: list[Label], i: int | None) -> Label:
     return False if i is None else labels[i]
 
 
-def _energy(labels: list[Label], costs: list[Cost | None], edges: list[Edge], only: set[int] | None) -> float:
-    total = 0.0
-    for i, c in enumerate(costs):
-        if c is not None and (only is None or i in only):
-            total += c.int8_us if labels[i] else c.float_us
-    for e in edges:
-        if only is None or e.src in only or e.dst in only:
-            total += e.cost(_label(labels, e.src), _label(labels, e.dst))
-    return total
+def _energy(labels: list[Label], costs: list[Cost | None], edges: list[Edge]) -> float:
+    total = sum((c.int8_us if labels[i] else c.float_us) for i, c in enumerate(costs) if c is not None)
+    return total + sum(e.cost(_label(labels, e.src), _label(labels, e.dst)) for e in edges)
 
 
 def decide(
@@ -152,16 +146,10 @@ def decide(
     for _ in range(max_sweeps):
         if not sweep():
             break
-    for comp in _components(n, edges):
-        free = comp - fixed
-        if not free:
-            continue
-        trial = list(labels)
-        for i in free:
-            trial[i] = False
-        if _energy(trial, costs, edges, comp) < _energy(labels, costs, edges, comp):
-            labels = trial
-            sweep()
+    if _all_float_components(labels, costs, edges, fixed):
+        for _ in range(max_sweeps):
+            if not sweep():
+                break
     if requant:
         labels = _honour_requantization(labels, requant, costs, incident, fixed, max_sweeps)
     return Decision(labels, [(local(i, True), local(i, False)) for i in range(n)])
@@ -204,7 +192,30 @@ def _honour_requantization(labels: list[Label], requant: dict[int, list[int]], c
     return labels
 
 
-def _components(n: int, edges: list[Edge]) -> list[set[int]]:
+def _all_float_components(labels: list[Label], costs: list[Cost | None], edges: list[Edge], fixed: set[int]) -> bool:
+    """Set every connected component (units joined by edges) whose free units are cheaper all float to float; one
+    pass over units and edges accumulates each component's energy now and with its free units float."""
+    comp = _components(len(labels), edges)
+    trial = [labels[i] and i in fixed for i in range(len(labels))]
+    now: dict[int, float] = {}
+    alt: dict[int, float] = {}
+    for i, c in enumerate(costs):
+        if c is not None:
+            now[comp[i]] = now.get(comp[i], 0.0) + (c.int8_us if labels[i] else c.float_us)
+            alt[comp[i]] = alt.get(comp[i], 0.0) + (c.int8_us if trial[i] else c.float_us)
+    for e in edges:
+        k = comp[e.src] if e.src is not None else comp[e.dst] if e.dst is not None else -1
+        now[k] = now.get(k, 0.0) + e.cost(_label(labels, e.src), _label(labels, e.dst))
+        alt[k] = alt.get(k, 0.0) + e.cost(_label(trial, e.src), _label(trial, e.dst))
+    flip = {k for k in now if alt.get(k, 0.0) < now[k]}
+    for i in range(len(labels)):
+        if comp[i] in flip and i not in fixed:
+            labels[i] = False
+    return bool(flip)
+
+
+def _components(n: int, edges: list[Edge]) -> list[int]:
+    """Component id of every unit (union-find over the edges between two units)."""
     parent = list(range(n))
 
     def find(x: int) -> int:
@@ -216,7 +227,4 @@ def _components(n: int, edges: list[Edge]) -> list[set[int]]:
     for e in edges:
         if e.src is not None and e.dst is not None:
             parent[find(e.src)] = find(e.dst)
-    comps: dict[int, set[int]] = {}
-    for i in range(n):
-        comps.setdefault(find(i), set()).add(i)
-    return list(comps.values())
+    return [find(i) for i in range(n)]

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from insert_qdq_helpers import feeds_for, quantize, tiny_cnn
 from qgraph.passes.insert_qdq import InsertQDQ
-from qgraph.passes.insert_qdq.latency import Cost, Edge, decide
+from qgraph.passes.insert_qdq.latency import Cost, Decision, Edge, decide
 from qgraph.passes.insert_qdq.speed import SHIPPED_TABLE
 
 from qgraph.errors import DataError, PassError, RecipeError
@@ -210,3 +212,34 @@ def test_measure_profiles_the_model_and_reports_measured_units() -> None:
     assert rows and any(r["source"] == "measured" for r in rows)
     assert all(r["decision"] in ("int8", "float") for r in rows)
     assert result.details["latency"]["quantize_ns_per_element"] > 0
+
+
+@st.composite
+def _graphs(draw: st.DrawFn) -> tuple[list[Cost | None], list[Edge], set[int]]:
+    n = draw(st.integers(1, 7))
+    us = st.floats(0.0, 100.0, allow_nan=False)
+    costs: list[Cost | None] = [Cost(draw(us), draw(us), "t") for _ in range(n)]
+    edges = []
+    for _ in range(draw(st.integers(0, 10))):
+        src = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+        dst = draw(st.one_of(st.none(), st.integers(0, n - 1)))
+        if src is not None and src == dst:
+            continue
+        edges.append(Edge(src, dst, draw(us), draw(us), draw(us), draw(us)))
+    forced = set(draw(st.lists(st.integers(0, n - 1), max_size=2)))
+    return costs, edges, forced
+
+
+@settings(max_examples=200, deadline=None)
+@given(_graphs())
+def test_decisions_are_locally_optimal_and_never_worse_than_all_float(
+    graph: tuple[list[Cost | None], list[Edge], set[int]],
+) -> None:
+    costs, edges, forced = graph
+    d = decide(costs, edges, forced)
+    assert all(d.int8[i] for i in forced)
+    for i, (q, f) in enumerate(d.local):
+        if i not in forced:  # int8 only where it is not slower, float only where int8 would be slower
+            assert (q <= f + 1e-9) if d.int8[i] else (f <= q + 1e-9)
+    all_float = Decision([i in forced for i in range(len(costs))], [])
+    assert d.total(costs, edges) <= all_float.total(costs, edges) + 1e-6
