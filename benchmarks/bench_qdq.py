@@ -2,8 +2,15 @@
 
 Run on demand::
 
-    python benchmarks/bench_qdq.py [--models digits squeezenet resnet50 encoder] [--chain 1000 33334]
-                                   [--ort-chain 100] [--json out.json]
+    python benchmarks/bench_qdq.py [--models digits squeezenet shufflenet mobilenet_v2 resnet50 encoder]
+                                   [--extra qgraph_table qgraph_measure qgraph_auto qgraph_off]
+                                   [--chain 1000 33334] [--ort-chain 100] [--json out.json]
+
+CNNs: the digits example, squeezenet / shufflenet / resnet50 (the onnx wheel's architecture graphs with seeded
+weights) and a MobileNetV2-style depthwise model (`qgraph.testing.mobilenet_v2`). Every qgraph row also prints
+the wall time of each pass of `qgraph run` (``passes {...}``) and how many units `latency` kept float for speed;
+``--extra`` adds variants of the recipe's insert_qdq: ``latency: off`` / ``table`` / ``measure`` and
+``weights.symmetric: auto``.
 
 Per model, every tool quantizes the same float model with the same calibration data, each in a fresh
 subprocess (wall time of the quantization call and peak RSS of that child; the driver process stays small
@@ -308,9 +315,9 @@ def main() -> None:
     parser.add_argument("--chain", nargs="*", type=int, default=[1000, 33334])
     parser.add_argument("--ort-chain", nargs="*", type=int, default=[100])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--extra", nargs="*", default=["qgraph_table", "qgraph_measure", "qgraph_auto"],
-                        help="further qgraph variants for CNNs: qgraph_table / qgraph_measure (latency: table / "
-                        "measure; the recipe itself is latency: off), qgraph_auto (weights.symmetric: auto)")
+    parser.add_argument("--extra", nargs="*", default=["qgraph_off", "qgraph_measure", "qgraph_auto"],
+                        help="further qgraph variants for CNNs: qgraph_off / qgraph_table / qgraph_measure (latency: off / "
+                        "table / measure; the recipe says table), qgraph_auto (weights.symmetric: auto)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs="*")
     args = parser.parse_args()
