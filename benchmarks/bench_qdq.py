@@ -317,7 +317,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--extra", nargs="*", default=["qgraph_off", "qgraph_measure", "qgraph_auto"],
                         help="further qgraph variants for CNNs: qgraph_off / qgraph_table / qgraph_measure "
-                        "(latency: off / table / measure; the recipe says table), qgraph_auto (weights.symmetric: auto)")
+                        "(latency: off / table / measure; the recipe says table), qgraph_auto (weights.symmetric: "
+                        "auto)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs="*")
     args = parser.parse_args()
