@@ -6,4 +6,8 @@ packages = ["qgraph", *(f"qgraph.{p}" for p in find_packages("qgraph"))]
 packages += ["qgraph.passes", *(f"qgraph.passes.{p}" for p in find_packages("passes"))]
 package_dir = {"qgraph": "qgraph", "qgraph.passes": "passes"}
 
-setup(packages=packages, package_dir=package_dir, package_data={"qgraph": ["py.typed"]})
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"qgraph": ["py.typed"], "qgraph.passes.insert_qdq": ["latency_table.json"]},
+)

@@ -2,8 +2,15 @@
 
 Run on demand::
 
-    python benchmarks/bench_qdq.py [--models digits squeezenet resnet50 encoder] [--chain 1000 33334]
-                                   [--ort-chain 100] [--json out.json]
+    python benchmarks/bench_qdq.py [--models digits squeezenet shufflenet mobilenet_v2 resnet50 encoder]
+                                   [--extra qgraph_table qgraph_measure qgraph_auto qgraph_off]
+                                   [--chain 1000 33334] [--ort-chain 100] [--json out.json]
+
+CNNs: the digits example, squeezenet / shufflenet / resnet50 (the onnx wheel's architecture graphs with seeded
+weights) and a MobileNetV2-style depthwise model (`qgraph.testing.mobilenet_v2`). Every qgraph row also prints
+the wall time of each pass of `qgraph run` (``passes {...}``) and how many units `latency` kept float for speed;
+``--extra`` adds variants of the recipe's insert_qdq: ``latency: off`` / ``table`` / ``measure`` and
+``weights.symmetric: auto``.
 
 Per model, every tool quantizes the same float model with the same calibration data, each in a fresh
 subprocess (wall time of the quantization call and peak RSS of that child; the driver process stays small
@@ -42,7 +49,7 @@ import onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
-PRESET = {"digits": "ort-x86-vnni", "squeezenet": "ort-x86-vnni", "resnet50": "ort-x86-vnni"}
+PRESET = {n: "ort-x86-vnni" for n in ("digits", "squeezenet", "resnet50", "shufflenet", "mobilenet_v2")}
 PRESET["encoder"] = "transformer-ort-x86-vnni"
 
 
@@ -56,6 +63,13 @@ def prepare(name: str, folder: Path) -> dict[str, str]:
         model = onnx.load(str(DIGITS / "model.onnx"))
         cal = dict(np.load(DIGITS / "calibration.npz"))
         ev = dict(np.load(DIGITS / "eval.npz"))
+    elif name == "mobilenet_v2":
+        from qgraph.testing import mobilenet_v2
+
+        model = mobilenet_v2()
+        rng = np.random.default_rng(0)
+        cal = {"input": rng.standard_normal((16, 3, 224, 224)).astype(np.float32)}
+        ev = {"input": rng.standard_normal((16, 3, 224, 224)).astype(np.float32)}
     elif name == "encoder":
         from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
@@ -104,9 +118,13 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
         if tool == "qgraph_auto":  # the recipe with weights.symmetric: auto (zero points on lopsided layers)
             weights = {"symmetric": "auto", "asymmetric_gain": 1.1}
             passes = [*passes[:-1], InsertQDQ(preset=PRESET[name], weights=weights)]
+        elif tool in ("qgraph_off", "qgraph_table", "qgraph_measure"):  # the recipe with latency: off / table / measure
+            passes = [*passes[:-1], InsertQDQ(preset=PRESET[name], latency={"mode": tool.split("_")[1]})]
         start = time.perf_counter()
         res = Pipeline(passes).run(paths["float.onnx"], calibration_data=paths["cal.npz"])
         res.save(out)
+        per_pass = {r.name: round(r.seconds, 3) for r in res.records}
+        kept = sum(s.reason.startswith("kept float for speed") for r in res.records for s in r.result.skipped)
     else:
         from onnxruntime.quantization import (
             CalibrationDataReader,
@@ -129,7 +147,10 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
         else:
             quantize_dynamic(paths["prep.onnx"], out, weight_type=QuantType.QInt8, per_channel=True)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if tool.startswith("qgraph"):
+        return {"seconds": seconds, "peak_rss_mb": rss, "pass_seconds": per_pass, "kept_float_for_speed": kept}
+    return {"seconds": seconds, "peak_rss_mb": rss}
 
 
 # ---------------------------------------------------------------------------------------------- child: evaluate
@@ -289,10 +310,15 @@ def _child(*args: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=["digits", "squeezenet", "resnet50", "encoder"])
+    parser.add_argument("--models", nargs="*",
+                        default=["digits", "squeezenet", "shufflenet", "mobilenet_v2", "resnet50", "encoder"])
     parser.add_argument("--chain", nargs="*", type=int, default=[1000, 33334])
     parser.add_argument("--ort-chain", nargs="*", type=int, default=[100])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--extra", nargs="*", default=["qgraph_off", "qgraph_measure", "qgraph_auto"],
+                        help="further qgraph variants for CNNs: qgraph_off / qgraph_table / qgraph_measure "
+                        "(latency: off / table / measure; the recipe says table), qgraph_auto (weights.symmetric: "
+                        "auto)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs="*")
     args = parser.parse_args()
@@ -315,7 +341,7 @@ def main() -> None:
             if "error" in paths:
                 print(f"{name}: cannot prepare: {paths['error']}")
                 continue
-            tools = ["qgraph", "ort_static"] + (["ort_dynamic"] if name == "encoder" else ["qgraph_auto"])
+            tools = ["qgraph", "ort_static"] + (["ort_dynamic"] if name == "encoder" else args.extra)
             made: dict[str, str] = {}
             batch: list[dict[str, Any]] = []
             for tool in tools:
@@ -356,6 +382,7 @@ def _fmt(r: dict[str, Any]) -> str:
         f"({r['int8_ms']:.2f}/{r['float_ms']:.2f} ms)  Q/DQ left {r['q_left']}/{r['dq_left']}  "
         f"quantize {r['seconds']:.1f} s {r['peak_rss_mb']:.0f} MB  int8 ops {sum(r['integer'].values())} "
         f"float ops {r['float_ops']}"
+        + (f"  kept float {r['kept_float_for_speed']}; passes {r['pass_seconds']}" if "pass_seconds" in r else "")
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -19,9 +20,11 @@ from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_w
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
 from .joins import wide_joins
+from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
+from .speed import latency_decision, measure_twin, name_nodes, require_preset
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -60,6 +63,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 f"`opset: keep`. Remove it (insert_qdq then raises the opset itself) or add `- pass: raise_opset` "
                 f"with `opset: {need}` before insert_qdq."
             )
+        require_preset(cfg.latency, cfg.preset)
         if cfg.mode == "dynamic" and cfg.activations.dtype != QuantDtype.UINT8:
             raise PassError(
                 "insert_qdq: dynamic mode quantizes activations to uint8 (DynamicQuantizeLinear); "
@@ -106,6 +110,9 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.decisions += list(joins.values())
             if forbidden or joins:
                 plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
+            slow = self._latency(graph, ctx, plan, res)
+            if slow:
+                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **slow}).plan()
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -114,10 +121,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         dyn = DynamicQuantizer(em, wspec.model_copy(update={"per_channel": cfg.weights.per_channel}))
         dyn.auto_symmetric, dyn.asym_gain = wq.auto_symmetric, wq.asym_gain
 
-        def input_scale(unit: Unit) -> float | None:
-            act = params.get(plan.tensors.get(unit.act_inputs[0], "")) if unit.act_inputs else None
-            return act.scale if act is not None else None
-
+        input_scale = functools.partial(_input_scale, plan, params)
         wq.prepare([(u, input_scale(u)) for u in plan.units if u.kind == "weighted"])
         for unit in plan.units:
             if unit.kind == "dynamic":
@@ -144,7 +148,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.rewritten = len(plan.units) + len(plan.movement) + sub_units + in_bodies.quantized
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
-        res.details = self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
+        res.details |= self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
         res.details["subgraph_nodes_quantized_static"] = in_bodies.quantized
         if calib_details:
             res.details["calibration"] = {"method": cfg.activations.method, **calib_details}
@@ -172,6 +176,24 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 details["fixed_ranges"] = fixed
                 res.decisions.append(fixed_decision(fixed))
         return ranges, details
+
+    def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
+        """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
+        graph (``latency: measure``: quantized by this pass with ``latency: off``) or from the cost table."""
+        cfg = self.config
+        measured = None
+        if cfg.latency.mode == "off":
+            return {}
+        if cfg.latency.mode == "measure":
+            twin = GraphHandle(name_nodes(graph.to_onnx()))
+            InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
+            measured = measure_twin(graph, twin.to_onnx(), cfg.latency)
+        out = latency_decision(graph, plan, cfg.latency, cfg.preset, measured)
+        res.decisions += out.decisions
+        res.notes += out.notes
+        if out.details:
+            res.details["latency"] = out.details
+        return out.float_nodes
 
     def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:
         """Raise the model's opset when the options need it (a decision), or fall back to per-tensor weights
@@ -313,6 +335,11 @@ def weight_spec(cfg: InsertQDQConfig, reduce_range: bool) -> QuantSpec:
     """How the options quantize weights (``reduce_range`` resolved for the target CPU)."""
     return QuantSpec(dtype=cfg.weights.dtype, symmetric=cfg.weights.symmetric is not False,
                      narrow_range=cfg.weights.narrow_range, reduce_range=reduce_range)
+
+def _input_scale(plan: Plan, params: dict[str, ActParams], unit: Unit) -> float | None:
+    """The activation scale of ``unit``'s first input (None when it is not quantized)."""
+    act = params.get(plan.tensors.get(unit.act_inputs[0], "")) if unit.act_inputs else None
+    return act.scale if act is not None else None
 
 
 def required_opset(cfg: InsertQDQConfig) -> tuple[int, str]:

@@ -23,6 +23,8 @@ from qgraph.calibrate import make_observer
 from qgraph.quant import QuantDtype
 from qgraph.target import CpuInfo
 
+from .latency import LatencyOptions
+
 #: Op types whose QDQ form onnxruntime's CPU graph optimizer fuses into an integer kernel (or drops).
 ORT_CPU_OPS: tuple[str, ...] = (
     "Conv",
@@ -255,6 +257,10 @@ class InsertQDQConfig(PassConfig):
     saturation: Literal["auto", "report", "off"] = Field(
         default="auto",
         description="u8s8 int16 saturation analysis: auto (when the target lacks VNNI), report (always), off.",
+    )
+    latency: LatencyOptions = Field(
+        default_factory=LatencyOptions,
+        description="Keep units float where int8 would be slower on the target runtime (off | table | measure).",
     )
     unsupported: Literal["float", "error"] = Field(
         default="float", description="What a selected node that cannot be quantized gets: left float or an error."

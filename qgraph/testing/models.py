@@ -3,6 +3,7 @@
 * real architecture graphs from the onnx wheel with seeded realistic weights:
   :func:`light_model_path`, :func:`materialize_light_model`, :func:`cached_light_model`;
 * synthetic graphs: :func:`conv_bn_relu_chain`, :func:`matmul_add_relu_chain`, :func:`conv_bn_net`,
+  :func:`mobilenet_v2`,
   :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`);
 * running them: :func:`random_feeds`, :func:`run_ort`.
 
@@ -20,6 +21,7 @@ from qgraph.testing.light import (
     light_model_path,
     materialize_light_model,
 )
+from qgraph.testing.mobilenet import mobilenet_v2
 from qgraph.testing.runtime import graph_inputs, make_session, random_feeds, run_ort
 from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, fragile_resnet, matmul_add_relu_chain
 from qgraph.testing.transformer import transformer_encoder, transformer_encoder_inputs
@@ -36,6 +38,7 @@ __all__ = [
     "make_session",
     "materialize_light_model",
     "matmul_add_relu_chain",
+    "mobilenet_v2",
     "random_feeds",
     "run_ort",
     "transformer_encoder",

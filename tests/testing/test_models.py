@@ -277,3 +277,18 @@ def test_public_api_is_exported() -> None:
     assert set(models.__all__) == set(qgraph.testing.__all__)
     for name in models.__all__:
         assert getattr(qgraph.testing, name) is getattr(models, name)
+
+
+def test_mobilenet_v2_has_the_inverted_residual_pattern() -> None:
+    from qgraph.testing import mobilenet_v2
+
+    model = mobilenet_v2(width=0.5, resolution=64, classes=10)
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    weights = {t.name: t.dims for t in model.graph.initializer}
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    depthwise = [n for n in convs if next(a.i for a in n.attribute if a.name == "group") == weights[n.input[1]][0] > 1]
+    assert len(depthwise) == 17 and ops["Add"] == 10 and ops["Clip"] == 35 and ops["BatchNormalization"] == len(convs)
+    assert all(weights[n.input[1]][1] == 1 for n in depthwise)  # one input channel per group
+    out = run_ort(model, random_feeds(model, 1)[0])[0]
+    assert out.shape == (1, 10) and np.isfinite(out).all() and 0.1 < float(out.std()) < 100
+    assert onnx.checker.check_model(model, full_check=True) is None

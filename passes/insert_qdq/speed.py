@@ -1,0 +1,227 @@
+"""Glue between a `Plan` and the latency decision (`latency.py`): unit costs, edges, and the report.
+
+Costs per unit: measured (``latency: measure``: the unit's node plus the nodes it absorbed, as onnxruntime
+profiled them in the float graph and in its all-int8 twin) or estimated from the cost table by the unit node's
+`qgraph.latency.op_signature`; a unit the table has no kind for keeps int8 (today's behaviour) and is listed.
+Edges follow each unit's activation inputs back through data-movement ops to the unit producing them (one
+bounded walk per input, O(graph)); a unit whose output also feeds a float op gets an edge to "float".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from qgraph import GraphHandle, PassError, select
+from qgraph.graph import tensor_shape
+from qgraph.latency import LatencyTable, load_latency_table, op_signature
+
+from .latency import Cost, Decision, Edge, LatencyOptions, decide
+from .ops import MOVEMENT
+from .placement import Plan, Unit, label
+
+#: The cost table shipped with the pass (built by benchmarks/build_latency_table.py).
+SHIPPED_TABLE = Path(__file__).with_name("latency_table.json")
+_MAX_WALK = 32  # movement ops between two units (a channel shuffle is 3)
+
+
+@dataclass
+class Measured:
+    """Per node name: float and int8 kernel µs (profiles), and the per-element Q/DQ costs (ns)."""
+
+    float_us: dict[str, float]
+    int8_us: dict[str, float]
+    q_ns: float
+    dq_ns: float
+
+
+@dataclass
+class LatencyOutcome:
+    """What the decision keeps float (node id -> reason), the summary line and the per-unit details."""
+
+    float_nodes: dict[int, str] = field(default_factory=dict)
+    decisions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class CostModel:
+    """Unit and movement-node costs from a measurement and/or the table of ``preset``."""
+
+    def __init__(self, graph: GraphHandle, preset: str | None, table: LatencyTable | None, measured: Measured | None):
+        self.g, self.preset, self.table, self.measured = graph, preset, table, measured
+        self.shapes = graph.shapes()
+        pt = table.presets.get(preset or "") if table is not None else None
+        if measured is not None:
+            self.q_ns, self.dq_ns = measured.q_ns, measured.dq_ns
+        elif pt is not None:
+            self.q_ns, self.dq_ns = pt.quantize_ns, pt.dequantize_ns
+        else:
+            self.q_ns = self.dq_ns = 0.0
+
+    def elements(self, t: gs.Tensor) -> int:
+        """Number of elements of ``t`` (0 when unknown: no conversion cost is charged then)."""
+        shape = tensor_shape(t, self.shapes)
+        if not shape or any(d is None for d in shape):
+            return 0
+        n = 1
+        for d in shape:
+            n *= int(d or 0)
+        return n
+
+    def signature(self, node: gs.Node) -> tuple[str, str, float] | None:
+        """`qgraph.latency.op_signature` of ``node`` from the inferred shapes and its constant weight."""
+        w = node.inputs[1] if node.op in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(node.inputs) > 1 else None
+        wv = self.g.constant_value(w) if w is not None and w.name else None
+        return op_signature(node.op, node.attrs, tensor_shape(node.outputs[0], self.shapes),
+                            None if wv is None else tuple(wv.shape))
+
+    def node(self, node: gs.Node, nodes: list[gs.Node]) -> Cost | None:
+        """Cost of ``node`` with the ``nodes`` fused into it (measured when profiled, else from the table)."""
+        m = self.measured
+        if m is not None:
+            f, q = _attributed(m.float_us, nodes), _attributed(m.int8_us, nodes)
+            if f is not None and q is not None:
+                return Cost(q, f, "measured")
+        sig = self.signature(node) if self.table is not None else None
+        if sig is None or self.table is None:
+            return None
+        est = self.table.estimate(self.preset or "", *sig)
+        return None if est is None else Cost(est[1], est[0], f"table: {est[2]}")
+
+
+def _attributed(profile: dict[str, float], nodes: list[gs.Node]) -> float | None:
+    """Kernel time of ``nodes`` in ``profile``: by node name, else by output tensor name (onnxruntime names some
+    fused kernels after their output, e.g. NCHWc Conv+Relu); None when no node was found."""
+    total, found = 0.0, False
+    for n in nodes:
+        key = label(n)
+        if key not in profile and n.outputs and n.outputs[0].name in profile:
+            key = n.outputs[0].name
+        if key in profile:
+            total, found = total + profile[key], True
+    return total if found else None
+
+
+def _edges(
+    graph: GraphHandle, units: list[Unit], model: CostModel
+) -> tuple[list[Edge], dict[int, list[int]]]:
+    """The edges between units (see module docs) and, per Conv/ConvTranspose/Gemm unit, the units producing its
+    input (what onnxruntime's WeightBiasQuantization looks at, `latency.decide`)."""
+    idx = graph.index
+    requant: dict[int, list[int]] = {}
+    unit_of = {u.output: i for i, u in enumerate(units) if u.output}
+    unit_nodes = {id(u.node) for u in units}
+    edges: list[Edge] = []
+    for i, u in enumerate(units):
+        for t in u.act_inputs:
+            moved: list[gs.Node] = []
+            cur = t
+            while cur not in unit_of and len(moved) < _MAX_WALK:
+                prod = idx.producer.get(cur)
+                if prod is None or prod.op not in MOVEMENT or not prod.inputs:
+                    break
+                moved.append(prod)
+                cur = prod.inputs[0].name
+            n = model.elements(idx.tensors[t]) if t in idx.tensors else 0
+            e = Edge(unit_of.get(cur), i, q_us=model.q_ns * n / 1e3, dq_us=model.dq_ns * n / 1e3)
+            for mv in moved:
+                c = model.node(mv, [mv])
+                if c is not None:
+                    e.float_us += c.float_us
+                    e.int8_us += c.int8_us
+            edges.append(e)
+            if u.node.op in ("Conv", "ConvTranspose", "Gemm") and e.src is not None:
+                requant.setdefault(i, []).append(e.src)
+        out = u.output
+        cons = idx.consumers.get(out or "", [])
+        if out and (out in idx.graph_outputs or any(id(c) not in unit_nodes and c.op not in MOVEMENT for c in cons)):
+            n = model.elements(idx.tensors[out])
+            edges.append(Edge(i, None, q_us=model.q_ns * n / 1e3, dq_us=model.dq_ns * n / 1e3))
+    return edges, requant
+
+
+def latency_decision(
+    graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None
+) -> LatencyOutcome:
+    """Decide which units stay float for speed (see `latency.py`); ``measured`` is None in table mode."""
+    out = LatencyOutcome()
+    table = load_latency_table(opts.table or SHIPPED_TABLE)
+    if opts.mode == "table" and preset not in table.presets:
+        out.notes.append(f"latency: table has no costs for preset {preset!r} (it has {sorted(table.presets)}); "
+                         "every unit stays int8. Build one with benchmarks/build_latency_table.py or use "
+                         "`latency: {mode: measure}`.")
+        return out
+    units = [u for u in plan.units if u.kind != "dynamic"]
+    model = CostModel(graph, preset, table, measured)
+    costs = [model.node(u.node, [u.node, *u.absorbed]) for u in units]
+    edges, requant = _edges(graph, units, model)
+    forced: set[int] = set()
+    if opts.force is not None:
+        chosen = {id(n) for n in select(graph, opts.force).nodes}
+        forced = {i for i, u in enumerate(units) if id(u.node) in chosen}
+    d = decide(costs, edges, forced, requant)
+    _report(out, units, costs, edges, d, forced, opts.mode, model)
+    return out
+
+
+def _report(out: LatencyOutcome, units: list[Unit], costs: list[Cost | None], edges: list[Edge], d: Decision,
+            forced: set[int], mode: str, model: CostModel) -> None:
+    rows = []
+    for i, u in enumerate(units):
+        c = costs[i]
+        q, f = d.local[i]
+        rows.append({"node": label(u.node), "op": u.node.op, "decision": "int8" if d.int8[i] else "float",
+                     "int8_us": None if c is None else round(c.int8_us, 2),
+                     "float_us": None if c is None else round(c.float_us, 2),
+                     "int8_with_conversions_us": round(q, 2), "float_with_conversions_us": round(f, 2),
+                     "source": "unknown (kept int8)" if c is None else c.source, "forced": i in forced})
+        if not d.int8[i] and c is not None:
+            out.float_nodes[id(u.node)] = (
+                f"kept float for speed ({mode}): int8 {q:.0f} µs vs float {f:.0f} µs with its Q/DQ conversions and "
+                f"data movement (op alone: int8 {c.int8_us:.0f} µs, float {c.float_us:.0f} µs; {c.source})")
+    all_int8 = Decision([True] * len(units), []).total(costs, edges)
+    all_float = Decision([False] * len(units), []).total(costs, edges)
+    chosen = d.total(costs, edges)
+    kept = len(out.float_nodes)
+    unknown = sum(c is None for c in costs)
+    out.decisions.append(
+        f"latency ({mode}): {kept} of {len(units)} quantizable units kept float for speed; modelled time all-int8 "
+        f"{all_int8 / 1e3:.2f} ms -> chosen {chosen / 1e3:.2f} ms (all float {all_float / 1e3:.2f} ms)"
+        + (f"; {unknown} units without a known cost stay int8" if unknown else ""))
+    out.details = {"mode": mode, "quantize_ns_per_element": model.q_ns, "dequantize_ns_per_element": model.dq_ns,
+                   "modelled_all_int8_us": round(all_int8, 1), "modelled_chosen_us": round(chosen, 1),
+                   "modelled_all_float_us": round(all_float, 1), "units": rows}
+
+
+def require_preset(opts: LatencyOptions, preset: str | None) -> None:
+    """``latency: table`` looks costs up by preset: without one (and without a custom table) it cannot decide."""
+    if opts.mode == "table" and preset is None:
+        raise PassError("insert_qdq: `latency: {mode: table}` looks costs up by preset; set `preset:` or use "
+                        "`latency: {mode: measure}` (or `off`).")
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every unnamed node of ``model`` its `label` (``Op(first output)``) so profiles can be attributed."""
+    for node in model.graph.node:
+        if not node.name:
+            node.name = f"{node.op_type}({node.output[0] if node.output else ''})"
+    return model
+
+
+def measure_twin(graph: GraphHandle, twin: onnx.ModelProto, opts: LatencyOptions) -> Measured:
+    """Profile the float ``graph`` (nodes named as `name_nodes` does) and its all-int8 ``twin`` alternately in
+    onnxruntime (bounded by ``opts.measure_seconds``) on seeded random inputs, plus this host's Q/DQ costs."""
+    from qgraph.compare import random_feeds
+    from qgraph.latency import element_costs, profile_kernels
+
+    model = name_nodes(graph.to_onnx())
+    feeds = random_feeds(model, 1)[0]
+    prof = profile_kernels({"float": model, "int8": twin}, feeds, runs=opts.runs,
+                           budget_seconds=opts.measure_seconds)
+    q_ns, dq_ns = element_costs()
+    return Measured(prof["float"], prof["int8"], q_ns, dq_ns)
