@@ -176,25 +176,32 @@ def run_model(
     threads: int = 2,
     optimized: bool = True,
 ) -> list[dict[str, np.ndarray]]:
-    """Run ``model`` (proto, path or bytes) on every feed in onnxruntime; returns the ``spec.fetches()``."""
+    """Run ``model`` (proto, path or bytes) on every feed in onnxruntime; returns the ``spec.fetches()``.
+
+    The probe (logits) is found again in each model as the input of its final Softmax (passes may drop the
+    Identity the float model had there) and returned under ``spec.probe``."""
     import onnxruntime as ort
 
-    proto = model if isinstance(model, onnx.ModelProto) else None
-    if proto is None and spec.probe:
-        proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model)
-    if proto is not None:
-        names = {o.name for o in proto.graph.output}
-        if spec.probe and spec.probe not in names:
+    fetch = spec.fetches()
+    run_names = list(fetch)
+    if spec.probe:
+        proto = model if isinstance(model, onnx.ModelProto) else None
+        if proto is None:
+            proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model)
+        own = _softmax_input(proto) or spec.probe
+        run_names[fetch.index(spec.probe)] = own
+        if own not in {o.name for o in proto.graph.output}:
             proto = onnx.ModelProto.FromString(proto.SerializeToString())
-            proto.graph.output.add().name = spec.probe
-        model = proto.SerializeToString()
+            proto.graph.output.add().name = own
+        model = proto
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
     level = ort.GraphOptimizationLevel
     so.graph_optimization_level = level.ORT_ENABLE_ALL if optimized else level.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-    fetch = spec.fetches()
-    return [dict(zip(fetch, sess.run(fetch, f), strict=True)) for f in feeds]
+    return [dict(zip(fetch, sess.run(run_names, f), strict=True)) for f in feeds]
 
 
 def stack(feeds: Sequence[Feed]) -> dict[str, np.ndarray]:
@@ -284,6 +291,7 @@ def document(
 
 # ---------------------------------------------------------------------------------------------- orientation
 ORIENTATION_CAL = ("astronaut", "coffee", "rocket", "page", "immunohistochemistry", "hubble_deep_field", "brick")
+# photos are disjoint between the sets; pages in both are compositions of different seeded crops
 ORIENTATION_EVAL = ("chelsea", "camera", "text", "coins", "stereo_motorcycle", "retina", "clock")
 
 
@@ -301,16 +309,17 @@ def orientation_samples(photos: Sequence[str], n: int, seed: int) -> tuple[list[
     """``n`` rotated random crops of ``photos`` (and synthetic pages), labels = rotation class k (0..3).
 
     k counts quarter turns clockwise (``np.rot90(x, -k)``): the model's class "90" is an image turned 90
-    degrees clockwise. Every second sample is a synthetic page built from the text photos in ``photos``."""
+    degrees clockwise. Three samples in four are synthetic pages (text cut from the ``page`` and ``text`` scans at
+    seeded places, figures from ``photos``): the model is a text-orientation classifier, its label accuracy on
+    plain photos is near chance (about 30%) while on pages it is about 95%; the photos still test fidelity."""
     rng = np.random.default_rng(seed)
-    texts = [p for p in photos if p in ("page", "text")] or ["page"]
     figures = [p for p in photos if p not in ("page", "text")]
     feeds, labels = [], []
     for i in range(n):
-        if i % 2 == 1:
-            base = random_crop(document(rng, texts, figures), rng, 0.6)
+        if i % 4:
+            base = random_crop(document(rng, ("page", "text"), figures), rng, 0.6)
         else:
-            base = random_crop(photo(photos[(i // 2) % len(photos)]), rng)
+            base = random_crop(photo(photos[(i // 4) % len(photos)]), rng)
         k = int(rng.integers(4))
         feeds.append({"x": orientation_input(np.ascontiguousarray(np.rot90(base, -k)))})
         labels.append(k)
@@ -507,7 +516,14 @@ def _softmax_input(model: onnx.ModelProto) -> str | None:
     """The input of the Softmax producing the first output (through reshapes), if the model ends so."""
     producer = {o: n for n in model.graph.node for o in n.output}
     node = producer.get(model.graph.output[0].name)
-    while node is not None and node.op_type in ("Reshape", "Flatten", "Squeeze", "Identity"):
+    while node is not None and node.op_type in (
+        "Reshape",
+        "Flatten",
+        "Squeeze",
+        "Identity",
+        "QuantizeLinear",
+        "DequantizeLinear",
+    ):
         node = producer.get(node.input[0])
     return str(node.input[0]) if node is not None and node.op_type == "Softmax" else None
 
