@@ -45,7 +45,6 @@ sys.path.insert(0, str(HERE))
 import real_models as rm  # noqa: E402
 
 ENCODERS = ("minilm", "encoder")
-SIZES = {"orientation": (64, 64), "layout": (24, 16), "minilm": (64, 32)}
 
 
 def tools_for(name: str, extra: list[str]) -> list[str]:
@@ -75,8 +74,7 @@ def prepare(name: str, folder: Path) -> dict[str, str]:
     """Write ``float.onnx``, ``prep.onnx`` (preparation passes applied), ``cal.npz``, ``eval.npz`` for ``name``."""
     from qgraph import Pipeline, Recipe
 
-    n_cal, n_eval = SIZES.get(name, (16, 16))
-    model, cal, ev, spec = rm.load(name, n_cal=n_cal, n_eval=n_eval)
+    model, cal, ev, spec = rm.load(name)  # the loaders' default sample counts (one definition)
     folder.mkdir(parents=True, exist_ok=True)
     paths = {k: str(folder / k) for k in ("float.onnx", "prep.onnx", "cal.npz", "eval.npz")}
     onnx.save(model, paths["float.onnx"])
@@ -127,8 +125,7 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
 
 def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int) -> dict[str, Any]:
     """Corpus metric of every model in ``made`` (tool -> path) vs float, and its latency ratio to float."""
-    n_cal, n_eval = SIZES.get(name, (16, 16))
-    model, _, ev, spec = rm.load(name, n_cal=n_cal, n_eval=n_eval)
+    model, _, ev, spec = rm.load(name)
     reference = rm.run_model(model, ev, spec)
     results: dict[str, Any] = {"float": {"metric": rm.score(spec, reference, reference)}}
     sessions = {"float": _session(paths["float.onnx"])}

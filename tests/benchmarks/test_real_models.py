@@ -109,3 +109,16 @@ def test_minilm_passages_are_prose_of_the_right_length(rm: ModuleType) -> None:
     for text in cal + ev:
         n = int(sum(tok.encode(text).attention_mask))
         assert 64 <= n <= 128 and text[0].isupper() and text.endswith(".")
+
+
+def test_bench_accuracy_tools_and_extra_recipes(rm: ModuleType, tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_accuracy", BENCH / "bench_accuracy.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mine = tmp_path / "cle.yaml"
+    cnn = bench.tools_for("orientation", [str(mine), f"minilm={tmp_path / 'smooth.yaml'}"])
+    assert cnn == ["ort_static", "qgraph:ort-x86-vnni", "qgraph:tensorrt", f"recipe:{mine}"]
+    enc = bench.tools_for("minilm", [f"minilm={tmp_path / 'smooth.yaml'}"])
+    assert enc[-3:] == ["ort_dynamic", "qgraph:transformer-ort-x86-vnni", f"recipe:{tmp_path / 'smooth.yaml'}"]
+    assert all(bench._recipe_path(t).exists() for t in cnn + enc if t.startswith("qgraph:"))
