@@ -3,7 +3,8 @@
 Run on demand (a few minutes on 2 cores; the corpus is built and cached on first use)::
 
     python benchmarks/bench_accuracy.py [--models orientation layout minilm] [--recipe my.yaml]
-                                        [--recipe minilm=smooth.yaml] [--json out.json] [--keep DIR]
+                                        [--recipe minilm=smooth.yaml] [--tools [vnni ...]] [--json out.json]
+                                        [--keep DIR]
 
 Per model (see ``real_models.py`` for weights, data and metric), every tool quantizes the same float model
 with the same calibration data, each in a fresh subprocess (wall time of the quantization call):
@@ -15,7 +16,8 @@ with the same calibration data, each in a fresh subprocess (wall time of the qua
   since static transformer quantization is what the issue asks for) and ``transformer-ort-x86-vnni``
   (dynamic) for the encoders;
 - every ``--recipe PATH`` (all models) or ``--recipe MODEL=PATH`` (that model only): your passes measured
-  with the same data and metric (e.g. ``cross_layer_equalization`` before ``insert_qdq``).
+  with the same data and metric (e.g. ``cross_layer_equalization`` before ``insert_qdq``); ``--tools`` narrows
+  the built-in tools (``--tools`` alone: only your recipes; ``--tools vnni ort_static``: those and yours).
 
 Then, in one evaluation subprocess per model: the corpus metric of each INT8 model against float (top-1 vs
 labels and agreement with float; SQNR per output slice; embedding cosine) and INT8 latency relative to float
@@ -47,11 +49,14 @@ import real_models as rm  # noqa: E402
 ENCODERS = ("minilm", "encoder")
 
 
-def tools_for(name: str, extra: list[str]) -> list[str]:
-    """The tools run on ``name``: onnxruntime's quantizers, qgraph's ready recipes, then the extra recipes."""
+def tools_for(name: str, extra: list[str], only: list[str] | None = None) -> list[str]:
+    """The tools run on ``name``: onnxruntime's quantizers, qgraph's ready recipes (those whose name contains one of
+    ``only``, when given), then the extra recipes."""
     tools = ["ort_static", "qgraph:ort-x86-vnni", "qgraph:tensorrt"]
     if name in ENCODERS:
         tools += ["ort_dynamic", "qgraph:transformer-ort-x86-vnni"]
+    if only is not None:
+        tools = [t for t in tools if any(o in t for o in only)]
     for item in extra:
         model, _, path = item.rpartition("=") if "=" in item else ("", "", item)
         if not model or model == name:
@@ -174,14 +179,16 @@ def _child(*args: str) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def run_model_rows(name: str, folder: Path, extra: list[str], rounds: int) -> list[dict[str, Any]]:
+def run_model_rows(
+    name: str, folder: Path, extra: list[str], rounds: int, only: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Prepare, quantize with every tool, evaluate; one row per tool (float first)."""
     paths = _child("prepare", name, str(folder))
     if "error" in paths:
         return [{"model": name, "tool": "float", "error": f"cannot prepare: {paths['error']}"}]
     made: dict[str, str] = {}
     rows: list[dict[str, Any]] = [{"model": name, "tool": "float"}]
-    for tool in tools_for(name, extra):
+    for tool in tools_for(name, extra, only):
         label = tool if not tool.startswith("recipe:") else f"recipe:{Path(tool[7:]).stem}"
         out = str(folder / f"{label.replace(':', '.')}.onnx")
         row = {"model": name, "tool": label, **_child("quantize", tool, name, json.dumps(paths), out)}
@@ -199,6 +206,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(rm.REAL), help=f"from {sorted(rm.LOADERS)}")
     parser.add_argument("--recipe", action="append", default=[], help="PATH or MODEL=PATH (repeatable)")
+    parser.add_argument(
+        "--tools",
+        nargs="*",
+        help="run only the built-in tools whose name contains one of these (e.g. ort_static "
+        "vnni); --recipe files always run; none: only the --recipe files",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", type=Path, help="keep models and data in this folder")
@@ -218,7 +231,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-acc-") as tmp:
         base = args.keep or Path(tmp)
         for name in args.models:
-            model_rows = run_model_rows(name, base / name, args.recipe, args.rounds)
+            model_rows = run_model_rows(name, base / name, args.recipe, args.rounds, args.tools)
             rows += model_rows
             print_table(model_rows)
     if args.json:

@@ -122,3 +122,5 @@ def test_bench_accuracy_tools_and_extra_recipes(rm: ModuleType, tmp_path: Path) 
     enc = bench.tools_for("minilm", [f"minilm={tmp_path / 'smooth.yaml'}"])
     assert enc[-3:] == ["ort_dynamic", "qgraph:transformer-ort-x86-vnni", f"recipe:{tmp_path / 'smooth.yaml'}"]
     assert all(bench._recipe_path(t).exists() for t in cnn + enc if t.startswith("qgraph:"))
+    assert bench.tools_for("minilm", [], ["vnni"]) == ["qgraph:ort-x86-vnni", "qgraph:transformer-ort-x86-vnni"]
+    assert bench.tools_for("layout", [str(mine)], []) == [f"recipe:{mine}"]  # --tools alone: only the recipes
