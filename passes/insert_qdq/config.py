@@ -248,6 +248,13 @@ class InsertQDQConfig(PassConfig):
     )
     outliers: OutlierOptions = Field(default_factory=OutlierOptions, description="Masking/outlier screening.")
     joins: JoinOptions = Field(default_factory=JoinOptions, description="Joins of inputs with very different ranges.")
+    elementwise: Literal["integer_fed", "always"] = Field(
+        default="integer_fed",
+        description="Elementwise units (Add, Mul, Concat, pools, Sigmoid, ...): integer_fed: quantized only where "
+        "their output is read by another quantized op (their integer kernel saves little and its output "
+        "requantization adds error: residual sums before LayerNorm, sigmoid scores to graph outputs stay float); "
+        "always: every one.",
+    )
     subgraphs: Literal["static", "dynamic", "skip"] = Field(
         default="static",
         description="If/Loop bodies: static: each body is calibrated on the data that reaches it (its inputs at "

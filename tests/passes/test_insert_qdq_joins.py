@@ -49,8 +49,8 @@ def _slices(model: onnx.ModelProto, q: onnx.ModelProto) -> tuple[float, float]:
 def test_boxes_and_scores_each_keep_their_own_scale() -> None:
     model = head(box_scale=20.0)  # boxes reach a few hundred
     calib = feeds_for(model, 16)
-    shared = quantize(model, calib, preset="ort-x86-vnni", joins={"keep_float": False})
-    kept = quantize(model, calib, preset="ort-x86-vnni")
+    shared = quantize(model, calib, preset="ort-x86-vnni", elementwise="always", joins={"keep_float": False})
+    kept = quantize(model, calib, preset="ort-x86-vnni", elementwise="always")
     box_shared, score_shared = _slices(model, shared.model)
     box_kept, score_kept = _slices(model, kept.model)
     assert score_shared < 20  # one scale for boxes and scores: the scores lose most of their bits
@@ -68,7 +68,7 @@ def test_boxes_and_scores_each_keep_their_own_scale() -> None:
 @pytest.mark.parametrize("box_scale", [0.05])
 def test_similar_ranges_stay_quantized(box_scale: float) -> None:
     model = head(box_scale)  # boxes about as wide as the scores: one scale serves both
-    res = quantize(model, feeds_for(model, 16), preset="ort-x86-vnni")
+    res = quantize(model, feeds_for(model, 16), preset="ort-x86-vnni", elementwise="always")
     assert not any("left float" in d for d in res.records[0].result.decisions)
     cat = next(n for n in res.model.graph.node if n.op_type == "Concat")
     assert any(n.op_type == "QuantizeLinear" and cat.output[0] in n.input for n in res.model.graph.node)
@@ -109,7 +109,7 @@ def test_add_and_mul_keep_each_input_scale(tmp_path: Path) -> None:
         "wn": rng.normal(0, 0.05, (8, 8, 3, 3)).astype(np.float32), "bn": np.zeros(8, np.float32),
         "tiny": np.array(0.01, np.float32),
     })
-    res = quantize(model, feeds_for(model, 8), preset="ort-x86-vnni")
+    res = quantize(model, feeds_for(model, 8), preset="ort-x86-vnni", elementwise="always")
     assert not any("left float" in d for d in res.records[0].result.decisions)
     fused = _fused_ops(res.model, tmp_path)
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(tmp_path / "optimized.onnx").graph.initializer}

@@ -45,7 +45,7 @@ def ops_model() -> onnx.ModelProto:
 def test_every_supported_op_is_quantized_and_runs() -> None:
     m = ops_model()
     feeds = feeds_for(m, 8)
-    res = quantize(m, feeds, preset="ort-x86-vnni")
+    res = quantize(m, feeds, preset="ort-x86-vnni", elementwise="always")
     q = res.model
     d = res.records[0].result.details
     assert d["quantized_ops"] == {

@@ -1,0 +1,62 @@
+"""``elementwise: integer_fed``: an elementwise unit is quantized only where a quantized op reads its output."""
+
+from __future__ import annotations
+
+import numpy as np
+from insert_qdq_helpers import feeds_for, quantize, with_weights
+from qgraph.passes.insert_qdq.tails import WHY
+
+RESIDUAL = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 8, 6, 6] x) => (float[1, 8, 6, 6] y) {
+    c1 = Conv <pads = [1, 1, 1, 1]> (x, w1)
+    a1 = Add(c1, x)
+    r = Relu(a1)
+    c2 = Conv <pads = [1, 1, 1, 1]> (r, w2)
+    a2 = Add(c2, r)
+    t = Transpose <perm = [0, 1, 3, 2]> (a2)
+    y = Sigmoid(t)
+}
+"""
+
+
+def _model():  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(0)
+    return with_weights(RESIDUAL, {k: rng.normal(0, 0.2, (8, 8, 3, 3)).astype(np.float32) for k in ("w1", "w2")})
+
+
+def _quantized_ops(model) -> dict[str, bool]:  # type: ignore[no-untyped-def]
+    """Node output -> whether the node runs on integers: it reads DequantizeLinear outputs and its output goes to
+    a QuantizeLinear (directly, or through the Relu that onnxruntime drops)."""
+    producers = {o: n.op_type for n in model.graph.node for o in n.output}
+    readers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    outputs = {n.output[0]: n for n in model.graph.node}
+
+    def quantized_out(t: str) -> bool:
+        ops = readers.get(t, [])
+        return "QuantizeLinear" in ops or any(
+            quantized_out(outputs[k].output[0]) for k in outputs if outputs[k].op_type == "Relu"
+            and t in outputs[k].input)
+
+    return {n.output[0]: any(producers.get(i) == "DequantizeLinear" for i in n.input) and quantized_out(n.output[0])
+            for n in model.graph.node if n.op_type in ("Conv", "Add", "Sigmoid")}
+
+
+def test_only_elementwise_ops_feeding_integer_ops_are_quantized() -> None:
+    model = _model()
+    res = quantize(model, feeds_for(model, 8), preset="ort-x86-vnni")
+    got = _quantized_ops(res.model)
+    # a1 feeds c2 (through the absorbed Relu); a2 and the Sigmoid only reach the graph output (through a Transpose).
+    assert got == {"c1": True, "a1": True, "c2": True, "a2": False, "y": False}
+    skipped = {s.node: s.reason for s in res.records[0].result.skipped}
+    assert sum(reason == WHY for reason in skipped.values()) == 2
+
+
+def test_always_quantizes_every_elementwise_op() -> None:
+    model = _model()
+    res = quantize(model, feeds_for(model, 8), preset="ort-x86-vnni", elementwise="always")
+    assert all(_quantized_ops(res.model).values())
+    assert not any(s.reason == WHY for s in res.records[0].result.skipped)
