@@ -30,7 +30,7 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
 from qgraph.calibrate import collect_ranges
 from qgraph.data import batched
-from qgraph.equalize import log_change, scale_const_per_channel, smoothing_scales
+from qgraph.equalize import log_change, scale_const_per_channel, smoothing_scales, sole_use
 from qgraph.graph import const_value, redirect, set_const
 
 from .config import SmoothQuantConfig
@@ -102,12 +102,16 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             set_const(layer.weight, layer.scale_in(layer.value(), s).astype(_dtype(layer.weight)))
         if group.fold is None:
             return self._insert_mul(graph, group, inv)
-        for const in group.fold.consts:
+        for node, index in group.fold.consts:
+            const = node.inputs[index]
             value = const_value(const)
             assert value is not None
             scaled = scale_const_per_channel(value, inv, -1, max(value.ndim, 1))
             assert scaled is not None  # checked by plan_fold
-            set_const(const, scaled)
+            if sole_use(const, node):
+                set_const(const, scaled)
+            else:  # shared (one 0.5 for every GELU): this node gets its own copy
+                node.inputs[index] = gs.Constant(graph.unique_name(f"{const.name}/smoothed", kind="tensor"), scaled)
         for layer in group.fold.layers:
             set_const(layer.weight, layer.scale_out(layer.value(), inv).astype(_dtype(layer.weight)))
             if layer.bias is not None:

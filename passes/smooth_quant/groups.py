@@ -5,11 +5,12 @@ A *group* is every reader of one tensor X when they are all selected MatMul/Gemm
 channel ``j`` ranges. The *fold* walks back from X through ops that can carry a per-last-axis factor exactly:
 
 - ``LayerNormalization`` over the last axis: ``γ ← γ / s``, ``β ← β / s``;
-- ``Mul`` by a constant: ``c ← c / s``;
+- ``Mul`` by a constant: ``c ← c / s`` (e.g. the 0.5 of an exported GELU: ``x·(1 + erf(x/√2))·(0.5/s)``);
 - ``Add`` of a constant (a bias, the β of a decomposed LayerNorm): ``c ← c / s``, then the other operand
   carries ``1 / s`` too (it must be read only by this Add);
 - a preceding MatMul/Gemm with a constant weight: its output columns and bias ``/ s``.
 
+A constant shared with other nodes (one 0.5 for every GELU) is copied for this node, never changed in place.
 Anything else (a residual Add of two variables, a graph input, GELU, Reshape, a tensor read elsewhere) cannot
 absorb ``1 / s`` exactly: the group is skipped with that reason, or, with ``insert_mul``, gets a float
 ``Mul(X, 1/s)`` in front of it.
@@ -30,7 +31,7 @@ from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, pro
 class Fold:
     """Where ``1 / s`` goes: constants scaled on their last axis and layers scaled per output channel."""
 
-    consts: list[gs.Tensor] = field(default_factory=list)
+    consts: list[tuple[gs.Node, int]] = field(default_factory=list)  # (node, input index of the constant)
     layers: list[LinearLayer] = field(default_factory=list)
     via: list[str] = field(default_factory=list)
 
@@ -56,8 +57,6 @@ def _channel_const(node: gs.Node, tensor: gs.Tensor, channels: int) -> None:
         raise NoMatch(f"{node.op} {node.name!r}: {tensor.name!r} is not a constant")
     if value.dtype.kind != "f":
         raise NoMatch(f"{node.op} {node.name!r}: {tensor.name!r} is not a float constant")
-    if not sole_use(tensor, node):
-        raise NoMatch(f"{node.op} {node.name!r}: its constant {tensor.name!r} is shared")
     fits = scale_const_per_channel(value, np.ones(channels), -1, max(value.ndim, 1)) is not None
     if value.size not in (1, channels) or not fits:
         raise NoMatch(f"{node.op} {node.name!r}: constant of shape {value.shape} is not per last-axis channel")
@@ -78,10 +77,10 @@ def plan_fold(x: gs.Tensor, channels: int, outputs: set[int]) -> Fold:
         if node.op == "LayerNormalization":
             if int(node.attrs.get("axis", -1)) != -1:
                 raise NoMatch(f"LayerNormalization {node.name!r} does not normalize the last axis alone (axis=-1)")
-            for tensor in node.inputs[1:3]:
-                if tensor.name:
-                    _channel_const(node, tensor, channels)
-                    fold.consts.append(tensor)
+            for index in (1, 2):
+                if len(node.inputs) > index and node.inputs[index].name:
+                    _channel_const(node, node.inputs[index], channels)
+                    fold.consts.append((node, index))
             return fold
         if node.op in ("Mul", "Add") and len(node.inputs) == 2:
             held = [i for i, v in enumerate(node.inputs) if const_value(v) is not None]
@@ -89,7 +88,7 @@ def plan_fold(x: gs.Tensor, channels: int, outputs: set[int]) -> Fold:
                 what = "a residual Add / product of two variables" if not held else "constant-only"
                 raise NoMatch(f"{t.name!r} comes from {node.op} {node.name!r} ({what}), which cannot absorb 1/s")
             _channel_const(node, node.inputs[held[0]], channels)
-            fold.consts.append(node.inputs[held[0]])
+            fold.consts.append((node, held[0]))
             if node.op == "Mul":
                 return fold
             t = node.inputs[1 - held[0]]
@@ -116,8 +115,8 @@ def find_groups(
     for node in graph.nodes:
         if node.op not in ("MatMul", "Gemm") or (selected is not None and id(node) not in selected):
             continue
-        if not node.inputs or id(node.inputs[0]) in seen:
-            continue
+        if len(node.inputs) < 2 or const_value(node.inputs[1]) is None or id(node.inputs[0]) in seen:
+            continue  # activation x activation products (attention scores) are not candidates
         x = node.inputs[0]
         seen.add(id(x))
         try:
