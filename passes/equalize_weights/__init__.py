@@ -35,7 +35,7 @@ from qgraph import GraphHandle, Pass, PassContext, PassResult, register, select
 from qgraph.equalize import as_linear, cle_scales, log_change, scale_const_per_channel
 from qgraph.graph import NoMatch, const_value, graph_scopes, set_const
 
-from .chains import Pair, find_pair
+from .chains import NoSecondLayer, Pair, find_pair
 from .config import EqualizeWeightsConfig
 
 _LINEAR = ("Conv", "Gemm", "MatMul")
@@ -97,6 +97,8 @@ def _find_pairs(scopes: list[gs.Graph], selected: set[int] | None, res: PassResu
                 continue
             try:
                 pairs.append(find_pair(as_linear(node), outputs, linear))
+            except NoSecondLayer:
+                continue  # a model's last layer: nothing follows it, nothing to report
             except NoMatch as refusal:
                 res.skip(node.name, str(refusal))
     return pairs

@@ -55,6 +55,10 @@ class Pair:
         return f"{self.first.node.name}{via} -> {', '.join(s.node.name for s in self.second)}"
 
 
+class NoSecondLayer(NoMatch):
+    """The walk ended at a graph output or an unread tensor: the last layer of a model, nothing to pair with."""
+
+
 class _Walk:
     """State of one walk: where the channels are and what the tensor's rank is (None: unknown)."""
 
@@ -171,11 +175,11 @@ def find_pair(first: LinearLayer, outputs: set[int], linear: dict[int, bool]) ->
     channels = walk.channels
     t = first.node.outputs[0]
     for _ in range(64):  # paths are short; a bound keeps a pathological graph linear
-        if id(t) in outputs:
-            raise NoMatch(f"{t.name!r} is a graph output")
         users = consumers(t)
+        if id(t) in outputs:
+            raise (NoSecondLayer if not users else NoMatch)(f"{t.name!r} is a graph output")
         if not users:
-            raise NoMatch(f"{t.name!r} is not read by any node")
+            raise NoSecondLayer(f"{t.name!r} is not read by any node")
         if all(id(u) in linear for u in users):
             if not all(linear[id(u)] for u in users):
                 raise NoMatch(f"a reader of {t.name!r} is not selected")
