@@ -76,11 +76,20 @@ class LinearLayer:
     """
 
     node: gs.Node
-    weight: gs.Tensor
     kind: str  # "conv" or "matmul"
     group: int = 1
     transposed: bool = False
-    bias: gs.Tensor | None = None
+    has_bias: bool = False
+
+    @property
+    def weight(self) -> gs.Tensor:
+        """The weight tensor (read from the node each time: a rewrite may have renewed it)."""
+        return self.node.inputs[1]
+
+    @property
+    def bias(self) -> gs.Tensor | None:
+        """The bias tensor, None when absent."""
+        return self.node.inputs[2] if self.has_bias else None
 
     @property
     def channel_axis(self) -> int:
@@ -176,18 +185,18 @@ def as_linear(node: gs.Node) -> LinearLayer:
             raise NoMatch(f"Conv group {group} does not divide {w.shape[0]} output channels")
         if bias is not None and b.shape != (w.shape[0],):
             raise NoMatch(f"Conv bias has shape {b.shape}")
-        return LinearLayer(node, node.inputs[1], "conv", group=group, bias=bias)
+        return LinearLayer(node, "conv", group=group, has_bias=bias is not None)
     if w.ndim != 2:
         raise NoMatch(f"{node.op} weight is {w.ndim}-D, expected 2-D")
     if node.op == "MatMul":
-        return LinearLayer(node, node.inputs[1], "matmul")
+        return LinearLayer(node, "matmul")
     if int(node.attrs.get("transA", 0)):
         raise NoMatch("Gemm has transA=1 (its channels are not on the last axis)")
     trans = bool(int(node.attrs.get("transB", 0)))
     n_out = w.shape[0] if trans else w.shape[1]
     if bias is not None and b.size != 1 and b.shape[-1:] != (n_out,):
         raise NoMatch(f"Gemm bias C has shape {b.shape}, not per output column")
-    return LinearLayer(node, node.inputs[1], "matmul", transposed=trans, bias=bias)
+    return LinearLayer(node, "matmul", transposed=trans, has_bias=bias is not None)
 
 
 def scale_const_per_channel(value: np.ndarray, f: np.ndarray, axis: int, rank: int) -> np.ndarray | None:

@@ -33,7 +33,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, register, select
 from qgraph.equalize import as_linear, cle_scales, log_change, scale_const_per_channel
-from qgraph.graph import NoMatch, const_value, graph_scopes, set_const
+from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
 
 from .chains import NoSecondLayer, Pair, find_pair
 from .config import EqualizeWeightsConfig
@@ -184,4 +184,4 @@ class _Equalizer:
         for key, tensor in self.tensors.items():
             old = const_value(tensor)
             assert old is not None
-            set_const(tensor, self.values[key].astype(old.dtype))
+            renew_const(tensor, self.values[key].astype(old.dtype))

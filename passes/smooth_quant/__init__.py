@@ -31,7 +31,7 @@ from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, regist
 from qgraph.calibrate import collect_ranges
 from qgraph.data import batched
 from qgraph.equalize import log_change, scale_const_per_channel, smoothing_scales, sole_use
-from qgraph.graph import const_value, redirect, set_const
+from qgraph.graph import const_value, redirect, renew_const
 
 from .config import SmoothQuantConfig
 from .groups import Group, find_groups
@@ -99,7 +99,7 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         """Rescale the group's weights by ``s`` and put ``1 / s`` upstream; returns the nodes added (0 or 1)."""
         inv = 1.0 / s
         for layer in group.layers:
-            set_const(layer.weight, layer.scale_in(layer.value(), s).astype(_dtype(layer.weight)))
+            renew_const(layer.weight, layer.scale_in(layer.value(), s).astype(_dtype(layer.weight)))
         if group.fold is None:
             return self._insert_mul(graph, group, inv)
         for node, index in group.fold.consts:
@@ -109,17 +109,17 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             scaled = scale_const_per_channel(value, inv, -1, max(value.ndim, 1))
             assert scaled is not None  # checked by plan_fold
             if sole_use(const, node):
-                set_const(const, scaled)
+                renew_const(const, scaled)
             else:  # shared (one 0.5 for every GELU): this node gets its own copy
                 node.inputs[index] = gs.Constant(graph.unique_name(f"{const.name}/smoothed", kind="tensor"), scaled)
         for layer in group.fold.layers:
-            set_const(layer.weight, layer.scale_out(layer.value(), inv).astype(_dtype(layer.weight)))
+            renew_const(layer.weight, layer.scale_out(layer.value(), inv).astype(_dtype(layer.weight)))
             if layer.bias is not None:
                 bias = const_value(layer.bias)
                 assert bias is not None
                 scaled = scale_const_per_channel(bias, inv, -1, max(bias.ndim, 1))
                 assert scaled is not None
-                set_const(layer.bias, scaled)
+                renew_const(layer.bias, scaled)
         return 0
 
     def _insert_mul(self, graph: GraphHandle, group: Group, inv: np.ndarray) -> int:

@@ -237,7 +237,7 @@ def test_grouped_conv_input_scaling_matches_its_ranges(group: int, per_group_out
                                                        seed: int) -> None:
     rng = np.random.default_rng(seed)
     w = rng.normal(0, 1, (group * per_group_out, per_group_in, 3, 3))
-    layer = LinearLayer(node=None, weight=None, kind="conv", group=group)  # type: ignore[arg-type]
+    layer = LinearLayer(node=None, kind="conv", group=group)  # type: ignore[arg-type]
     s = rng.uniform(0.1, 10, group * per_group_in)
     np.testing.assert_allclose(layer.in_ranges(layer.scale_in(w, s)), layer.in_ranges(w) * s, rtol=1e-12)
     f = rng.uniform(0.1, 10, w.shape[0])
