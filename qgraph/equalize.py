@@ -30,6 +30,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain
+from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -128,6 +129,10 @@ class LinearLayer:
             return np.asarray(per.reshape(self.group, m // self.group, cg).max(axis=1).reshape(-1))
         return np.asarray(np.abs(w).max(axis=0 if self.transposed else 1))
 
+    def matrix(self, w: np.ndarray) -> np.ndarray:
+        """A Gemm/MatMul weight as ``[K, N]`` (input channels x outputs)."""
+        return np.asarray(w.T if self.transposed else w)
+
     def scale_out(self, w: np.ndarray, f: np.ndarray) -> np.ndarray:
         """``W`` with output channel ``m`` multiplied by ``f[m]``."""
         if self.kind == "conv":
@@ -212,3 +217,33 @@ def scale_const_per_channel(value: np.ndarray, f: np.ndarray, axis: int, rank: i
         return None
     out: np.ndarray = value.astype(np.float64) * view
     return out.astype(value.dtype)
+
+
+def smoothing_error(
+    x: np.ndarray,
+    w: np.ndarray,
+    s: np.ndarray,
+    x_min: np.ndarray,
+    x_max: np.ndarray,
+    *,
+    per_channel: bool = True,
+) -> float:
+    """Relative INT8 error ``||X·W - Q(X / s)·Q(diag(s)·W)||² / ||X·W||²`` of one smoothing choice.
+
+    ``x``: sample rows ``[R, K]``; ``w``: ``[K, N]``; ``x_min``/``x_max``: the per-channel observed range of X over
+    all calibration data, so the per-tensor activation range after smoothing is exactly
+    ``[min_j x_min_j / s_j, max_j x_max_j / s_j]`` (uint8 asymmetric, as the x86 presets quantize activations);
+    weights int8 symmetric per output column (``per_channel``) or per tensor. The quantization math is
+    `qgraph.quant`'s.
+    """
+    xs, ws = x / s[None, :], w * s[:, None]
+    a_spec = QuantSpec(dtype=QuantDtype.UINT8)
+    a_scale, a_zp = compute_scale_zero_point(float(np.min(x_min / s)), float(np.max(x_max / s)), a_spec)
+    xq = fake_quantize(xs, a_scale, a_zp, QuantDtype.UINT8).astype(np.float64)
+    absmax = np.abs(ws).max(axis=0) if per_channel else np.array(np.abs(ws).max())
+    w_spec = QuantSpec(dtype=QuantDtype.INT8, symmetric=True, per_channel=per_channel, axis=1 if per_channel else None)
+    w_scale, w_zp = compute_scale_zero_point(-absmax, absmax, w_spec)
+    wq = fake_quantize(ws, w_scale, w_zp, QuantDtype.INT8, axis=1 if per_channel else None).astype(np.float64)
+    ref = x @ w
+    signal = float(np.sum(ref * ref))
+    return float(np.sum((ref - xq @ wq) ** 2)) / signal if signal > 0 else 0.0

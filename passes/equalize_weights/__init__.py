@@ -55,7 +55,7 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
         cfg = self.config
         res = PassResult()
         selected: set[int] | None = None
-        if not cfg.nodes.is_everything:
+        if not cfg.nodes.is_everything or cfg.nodes.exclude is not None:
             selection = select(graph, cfg.nodes)
             res.unmatched.extend(selection.unmatched)
             selected = {id(n) for n in selection.nodes}

@@ -15,6 +15,11 @@ computes the same function with a smoother X. Where the producer cannot absorb i
 GELU, other readers of X) the group is skipped with that reason, or, with ``insert_mul``, a float
 ``Mul(X, 1/s)`` is inserted in front of the group.
 
+``alpha: auto`` scores, per group, every α of ``alpha_grid`` and "no smoothing" by the INT8 error of the group's
+product on sampled calibration rows, ``||X·W - Q(X/s)·Q(diag(s)·W)||² / ||X·W||²`` (uint8 per-tensor activations
+over the exact smoothed range, int8 symmetric weights per column; `qgraph.equalize.smoothing_error`), and keeps
+the best: a group is smoothed only where that lowers the error.
+
 A second run measures ``a'_j = a_j / s_j`` and ``w'_j = w_j · s_j``, so ``s'_j = s_j / s_j = 1`` for any α
 (unless s was clipped): groups within ``tolerance`` are left alone, which makes the pass idempotent.
 Needs calibration data (`requires` refuses without it).
@@ -28,13 +33,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
-from qgraph.calibrate import collect_ranges
-from qgraph.data import batched
-from qgraph.equalize import log_change, scale_const_per_channel, smoothing_scales, sole_use
+from qgraph.equalize import log_change, scale_const_per_channel, smoothing_error, smoothing_scales, sole_use
 from qgraph.graph import const_value, redirect, renew_const
 
 from .config import SmoothQuantConfig
 from .groups import Group, find_groups
+from .measure import ChannelStats, measure
 
 
 @register
@@ -59,7 +63,7 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         cfg = self.config
         res = PassResult()
         selected: set[int] | None = None
-        if not cfg.nodes.is_everything:
+        if not cfg.nodes.is_everything or cfg.nodes.exclude is not None:
             selection = select(graph, cfg.nodes)
             res.unmatched.extend(selection.unmatched)
             selected = {id(n) for n in selection.nodes}
@@ -71,29 +75,61 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         res.details = {"groups": len(groups), "smoothed": []}
         if not groups:
             return res
-        absmax = _measure(graph, ctx, groups)
+        auto = cfg.alpha == "auto"
+        stats = measure(graph, ctx, [g.x.name for g in groups], cfg.sample_rows if auto else 0)
         inserted = 0
         for group in groups:
-            a = absmax[group.x.name]
+            st = stats[group.x.name]
+            a = st.absmax
             w = np.max([layer.in_ranges(layer.value()) for layer in group.layers], axis=0)
             if a.shape != w.shape:
                 res.skip(group.layers[0].node.name, f"{group.x.name!r} has {a.size} channels, weights {w.size}")
                 continue
-            s = smoothing_scales(a, w, cfg.alpha, cfg.min_scale, cfg.max_scale)
+            alpha, s = self._choose(group, st, a, w)
+            if s is None:
+                res.skip(group.layers[0].node.name, f"alpha auto: smoothing {group.x.name!r} would not lower the "
+                         "INT8 error on the sampled rows")
+                continue
             if log_change(s) <= cfg.tolerance:
                 continue
             inserted += self._apply(graph, group, s)
             res.rewritten += 1
-            res.details["smoothed"].append(_describe(group, a, w, s))
+            res.details["smoothed"].append({**_describe(group, a, w, s), "alpha": alpha})
         res.nodes_added = inserted
         if res.rewritten:
             lo = min(d["scale"][0] for d in res.details["smoothed"])
             hi = max(d["scale"][1] for d in res.details["smoothed"])
+            alphas = sorted({d["alpha"] for d in res.details["smoothed"]})
+            shown = "/".join(f"{x:g}" for x in alphas) + (" (auto)" if cfg.alpha == "auto" else "")
             res.decisions.append(
-                f"smoothed {res.rewritten} input(s) of {len(groups)} (alpha {cfg.alpha:g}, scales {lo:.3g}..{hi:.3g}"
+                f"smoothed {res.rewritten} input(s) of {len(groups)} (alpha {shown}, scales {lo:.3g}..{hi:.3g}"
                 + (f", {inserted} float Mul inserted" if inserted else "") + ")"
             )
         return res
+
+    def _choose(
+        self, group: Group, st: ChannelStats, a: np.ndarray, w: np.ndarray
+    ) -> tuple[float, np.ndarray | None]:
+        """``(α, s)``: the configured α, or with ``auto`` the grid α with the least sampled INT8 error (s None when
+        no smoothing at all scores best)."""
+        cfg = self.config
+        if cfg.alpha != "auto":
+            return float(cfg.alpha), smoothing_scales(a, w, float(cfg.alpha), cfg.min_scale, cfg.max_scale)
+        x = st.rows_sample()
+        mat = np.concatenate([layer.matrix(layer.value()) for layer in group.layers], axis=1)
+        low, high = st.low, st.high
+        assert low is not None and high is not None
+
+        def error(s: np.ndarray) -> float:
+            return smoothing_error(x, mat, s, low, high, per_channel=cfg.weights_per_channel)
+
+        best: tuple[float, float, np.ndarray | None] = (error(np.ones_like(a)), 0.0, None)
+        for alpha in cfg.alpha_grid:
+            s = smoothing_scales(a, w, alpha, cfg.min_scale, cfg.max_scale)
+            e = error(s)
+            if e < best[0]:
+                best = (e, alpha, s)
+        return best[1], best[2]
 
     def _apply(self, graph: GraphHandle, group: Group, s: np.ndarray) -> int:
         """Rescale the group's weights by ``s`` and put ``1 / s`` upstream; returns the nodes added (0 or 1)."""
@@ -140,28 +176,6 @@ def _dtype(tensor: gs.Tensor) -> np.dtype:
     value = const_value(tensor)
     assert value is not None
     return value.dtype
-
-
-def _measure(graph: GraphHandle, ctx: PassContext, groups: list[Group]) -> dict[str, np.ndarray]:
-    """``max|X_j|`` per last-axis channel of every group input, in one streamed pass over the data."""
-    data = ctx.calibration_data
-    if data is None:  # requires() refuses first; a direct run() call gets the same message
-        raise PassError("smooth_quant: no calibration data (pass --calibration-data DATA)")
-    names = [g.x.name for g in groups]
-    cal = collect_ranges(
-        graph.to_onnx(),
-        names,
-        lambda: batched(data, ctx.calibration.batch_size),
-        "minmax",
-        per_channel_axes=dict.fromkeys(names, -1),
-        progress=ctx.progress("smooth_quant: measuring activations"),
-    )
-    out: dict[str, np.ndarray] = {}
-    for name, c in cal.items():
-        lo = np.abs(np.asarray(c.observed.rmin, dtype=np.float64))
-        hi = np.abs(np.asarray(c.observed.rmax, dtype=np.float64))
-        out[name] = np.maximum(lo, hi).reshape(-1)
-    return out
 
 
 def _describe(group: Group, a: np.ndarray, w: np.ndarray, s: np.ndarray) -> dict[str, Any]:
