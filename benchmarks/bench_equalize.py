@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-
-from qgraph import Pass, Pipeline
-from qgraph.compare import compare_models
 from qgraph.passes.equalize_weights import EqualizeWeights
 from qgraph.passes.fold_constants import FoldConstants
 from qgraph.passes.fuse_batchnorm import FuseBatchNorm
 from qgraph.passes.insert_qdq import InsertQDQ
 from qgraph.passes.smooth_quant import SmoothQuant
+
+from qgraph import Pass, Pipeline
+from qgraph.compare import compare_models
 from qgraph.testing.mobilenet import depthwise_net
 from qgraph.testing.models import transformer_encoder, transformer_encoder_inputs
 
@@ -79,9 +79,9 @@ def _row(name: str, float_model: onnx.ModelProto, prepare: list[Pass[Any]], tech
         after = Pipeline([q]).run(applied.model, calibration_data=data).model
         ort = _ort_static(prepared, cal, per_channel, quant.get("op_types"), folder)
         mode = "per-channel" if per_channel else "per-tensor "
-        print(f"{name:22s} {mode}  qgraph {_quality(float_model, before, ev)}  | +{technique().name} "
+        print(f"{name:36s} {mode}  qgraph {_quality(float_model, before, ev)}  | +{technique().name} "
               f"{_quality(float_model, after, ev)}  | ORT quantize_static {_quality(float_model, ort, ev)}")
-    print(f"{'':22s} {res.matched} matched, {res.rewritten} rewritten; {'; '.join(res.decisions) or 'no change'}")
+    print(f"{'':36s} {res.matched} matched, {res.rewritten} rewritten; {'; '.join(res.decisions) or 'no change'}")
 
 
 def main() -> None:
@@ -103,7 +103,9 @@ def main() -> None:
         cal = transformer_encoder_inputs(32, seed=0)
         ev = transformer_encoder_inputs(16, seed=5)
         matmuls = {"op_types": ["MatMul", "Gemm"], "activation_matmuls": False}
-        _row("encoder (outliers)", enc, [], lambda: SmoothQuant(insert_mul=True), cal, ev, matmuls, folder)
+        for alpha in (0.5, "auto"):
+            _row(f"encoder (outliers) alpha={alpha}", enc, [], lambda a=alpha: SmoothQuant(insert_mul=True, alpha=a),
+                 cal, ev, matmuls, folder)
         if args.quick:
             return
         try:
@@ -117,8 +119,10 @@ def main() -> None:
         _row("PP-LCNet orientation", orientation.model, [FoldConstants(), FuseBatchNorm()], EqualizeWeights,
              orientation.calibration, orientation.evaluation, {}, folder)
         for insert in (False, True):
-            _row(f"MiniLM-L6 insert_mul={insert}", minilm.model, [], lambda i=insert: SmoothQuant(insert_mul=i),
-                 minilm.calibration, minilm.evaluation, matmuls, folder)
+            for alpha in (0.5, "auto"):
+                _row(f"MiniLM-L6 insert_mul={insert} alpha={alpha}", minilm.model, [],
+                     lambda i=insert, a=alpha: SmoothQuant(insert_mul=i, alpha=a),
+                     minilm.calibration, minilm.evaluation, matmuls, folder)
 
 
 if __name__ == "__main__":

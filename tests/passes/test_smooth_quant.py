@@ -227,3 +227,35 @@ def test_smoothing_scales_balance_and_are_idempotent(a: list[float], data: st.Da
         np.testing.assert_allclose(act / s, w * s, rtol=1e-12)  # α = 0.5 equalizes
     clipped = smoothing_scales(act, w, alpha, 0.5, 2.0)
     assert clipped.min() >= 0.5 and clipped.max() <= 2.0
+
+
+def test_alpha_auto_picks_per_group_and_beats_no_smoothing(tmp_path: Path) -> None:
+    model, data, evaluation = _encoder_data(tmp_path, 17)
+    quant = InsertQDQ(preset="ort-x86-vnni", op_types=["MatMul", "Gemm"], activation_matmuls=False)
+
+    def sqnr(float_model: onnx.ModelProto) -> float:
+        int8 = Pipeline([quant]).run(float_model, calibration_data=data).model
+        (d,) = compare_models(model, int8, evaluation)
+        return d.sqnr_db
+
+    out, res = _run(model, data, insert_mul=True, alpha="auto", alpha_grid=(0.3, 0.5, 0.7))
+    chosen = [d["alpha"] for d in res.details["smoothed"]]
+    assert chosen and set(chosen) <= {0.3, 0.5, 0.7}
+    assert len(chosen) + sum("would not lower" in s.reason for s in res.skipped) == 8  # each group decided
+    assert "(auto)" in res.decisions[0]
+    assert sqnr(out) > sqnr(model) + 3.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), c=st.floats(0.25, 4.0))
+def test_smoothing_error_is_zero_free_and_invariant_to_a_global_scale(seed: int, c: float) -> None:
+    from qgraph.equalize import smoothing_error
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (64, 8)) * rng.uniform(0.1, 30, 8)
+    w = rng.normal(0, 0.3, (8, 5))
+    lo, hi = x.min(0), x.max(0)
+    base = smoothing_error(x, w, np.ones(8), lo, hi)
+    assert 0 < base < 0.05
+    # A global factor moves nothing between activations and weights: the error barely changes.
+    assert smoothing_error(x, w, np.full(8, c), lo, hi) == pytest.approx(base, rel=0.05)
