@@ -34,7 +34,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
 from qgraph.equalize import log_change, scale_const_per_channel, smoothing_error, smoothing_scales, sole_use
-from qgraph.graph import const_value, redirect, renew_const
+from qgraph.graph import const_value, rebuild, redirect, renew_const
 
 from .config import SmoothQuantConfig
 from .groups import Group, find_groups
@@ -77,6 +77,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             return res
         auto = cfg.alpha == "auto"
         stats = measure(graph, ctx, [g.x.name for g in groups], cfg.sample_rows if auto else 0)
+        self._order = {id(n): i for i, n in enumerate(graph.graph.nodes)}
+        self._inserts: dict[int, list[gs.Node]] = {}
         inserted = 0
         for group in groups:
             st = stats[group.x.name]
@@ -95,6 +97,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             inserted += self._apply(graph, group, s)
             res.rewritten += 1
             res.details["smoothed"].append({**_describe(group, a, w, s), "alpha": alpha})
+        if self._inserts:  # every inserted Mul goes in front of its group's first layer, in one pass
+            rebuild(graph.graph, replacements=self._inserts)
         res.nodes_added = inserted
         if res.rewritten:
             lo = min(d["scale"][0] for d in res.details["smoothed"])
@@ -166,9 +170,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         redirect(x, smoothed, keep=group.others)
         node = gs.Node("Mul", graph.unique_name(f"{x.name}/smooth"), inputs=[x, factor], outputs=[smoothed])
         graph.tag(node, self.name)
-        nodes = graph.graph.nodes
-        first = min(i for i, n in enumerate(nodes) if any(n is layer.node for layer in group.layers))
-        nodes.insert(first, node)
+        first = min((layer.node for layer in group.layers), key=lambda n: self._order[id(n)])
+        self._inserts[id(first)] = [node, first]
         return 1
 
 
