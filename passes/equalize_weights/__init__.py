@@ -137,10 +137,21 @@ class _Equalizer:
         return out[0], out[1]
 
     def iterate(self) -> tuple[int, bool]:
-        """Rounds over every pair until no channel moves by more than tolerance / 10; (rounds, converged)."""
+        """Rounds over the pairs until no channel moves by more than tolerance / 10; (rounds, converged).
+
+        Rounds sweep forward and backward in turn (a chain then converges in far fewer rounds), and a pair whose
+        weights no other pair touched since it was equalized is not recomputed (its scales would be 1).
+        """
+        version: dict[int, int] = dict.fromkeys(self.values, 0)
+        seen: list[tuple[int, ...] | None] = [None] * len(self.pairs)
+        order = list(range(len(self.pairs)))
         for k in range(self.cfg.iterations):
             worst = 0.0
-            for i, p in enumerate(self.pairs):
+            for i in order if k % 2 == 0 else order[::-1]:
+                p = self.pairs[i]
+                keys = [id(p.first.weight), *(id(x.weight) for x in p.second)]
+                if seen[i] == tuple(version[key] for key in keys):
+                    continue
                 r1, r2 = self._ranges(p)
                 s = cle_scales(r1, r2, self.cfg.min_scale, self.cfg.max_scale)
                 change = log_change(s)
@@ -148,6 +159,10 @@ class _Equalizer:
                 if change > 0:
                     self._apply(p, s)
                     self.cumulative[i] *= s
+                    for key in keys:
+                        version[key] += 1
+                clipped = bool(np.any(s <= self.cfg.min_scale) or np.any(s >= self.cfg.max_scale))
+                seen[i] = None if clipped else tuple(version[key] for key in keys)
             if worst <= self.cfg.tolerance / 10:
                 return k + 1, True
         return self.cfg.iterations, False

@@ -19,7 +19,7 @@ class EqualizeWeightsConfig(PassConfig):
         description="At most this many rounds over all pairs (chains of 3+ layers need several to converge).",
     )
     tolerance: float = Field(
-        default=1e-3, gt=0, lt=1,
+        default=1e-2, gt=0, lt=1,
         description=(
             "Leave the graph untouched when no channel would move by more than this (|ln s| <= tolerance); rounds "
             "stop once a round moves no channel by more than tolerance / 10."
