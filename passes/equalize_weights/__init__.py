@@ -15,8 +15,10 @@ Pairs: Conv → Conv (grouped; for a depthwise Conv input channel ``c`` maps to 
 depthwise layer is the second layer of one pair and the first of the next), Gemm / MatMul with constant
 weights, Conv → global pool → Flatten → Gemm, and one producer read by several layers (one ``s`` for all of
 them, balancing ``r1`` against the largest reader range). Chains of 3+ layers are iterated: each round
-equalizes every pair with the current weights, until a round moves no channel by more than
-``tolerance / 10`` (or ``iterations`` rounds). Run after ``fuse_batchnorm`` so BN scales are in the weights.
+equalizes every pair with the current weights (sweeping forward, then backward; a pair none of whose weights
+changed since it was equalized is not recomputed), until a round moves no channel by more than
+``tolerance / 10`` (or ``iterations`` rounds: long plain chains such as VGG19's 17 pairs do not converge in 50
+rounds, which the decision says). Run after ``fuse_batchnorm`` so BN scales are in the weights.
 
 Idempotence: the whole rewrite is kept only when some channel moves by more than ``tolerance`` (|ln s| >
 tolerance, cumulated over rounds); on an equalized model a second run leaves the graph untouched.
