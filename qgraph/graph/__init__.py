@@ -6,7 +6,7 @@
   names across every scope (``handle.unique_name``); scopes (``handle.scopes()``); Kahn toposort; export with
   provenance tags. The pipeline tags every node a pass creates with the pass's name.
 - Graph operations (``ops``), O(what they touch) and valid in any scope: `const_value`, `set_const`,
-  `producer`, `consumers`, `redirect` (replace every use of a tensor), `detach`, `unlink`, `rebuild`,
+  `producer`, `consumers`, `redirect` (replace every use of a tensor), `renew_const`, `detach`, `unlink`, `rebuild`,
   `graph_scopes`, `node_subgraphs`, `dependencies`, `topological_order`, `tensor_shape`, `tensor_dtype`.
 - Checks (``checks``): `check_model` on every input model, `check_structure` after every pass.
 - `MatchResult` (``match``): how a pass says "this pattern does not apply here, because ...".
@@ -38,6 +38,7 @@ from .ops import (
     proto_subgraphs,
     rebuild,
     redirect,
+    renew_const,
     set_const,
     tensor_dtype,
     tensor_shape,
@@ -77,6 +78,7 @@ __all__ = [
     "proto_subgraphs",
     "rebuild",
     "redirect",
+    "renew_const",
     "set_const",
     "tensor_dtype",
     "tensor_shape",

@@ -145,6 +145,18 @@ def set_const(tensor: gs.Tensor, values: np.ndarray) -> None:
     tensor.to_constant(values)
 
 
+def renew_const(tensor: gs.Tensor, values: np.ndarray) -> gs.Tensor:
+    """Give constant ``tensor`` new ``values`` as a *new* constant of the same name that takes over every use
+    (O(fan-out)); returns it. Unlike `set_const`, the change is visible to the pipeline's change measure, which
+    compares wiring and constants' identities, not their values (rescaled weights keep shape and dtype)."""
+    if not isinstance(tensor, gs.Constant):
+        set_const(tensor, values)
+        return tensor
+    new = gs.Constant(tensor.name, values)
+    redirect(tensor, new)
+    return new
+
+
 def consumers(tensor: gs.Tensor) -> list[gs.Node]:
     """Distinct consumer nodes of ``tensor`` in every scope, in first-use order."""
     seen: dict[int, gs.Node] = {}

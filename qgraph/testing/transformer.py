@@ -16,6 +16,7 @@ class _Encoder:
         self.graph = model.graph
         self.opset = opset
         self.rng = np.random.default_rng(seed)
+        self.outliers: tuple[np.ndarray, np.ndarray] | None = None  # (channels, gains) of every LayerNorm
 
     def const(self, name: str, array: np.ndarray) -> str:
         add_initializer(self.graph, name, array)
@@ -41,6 +42,9 @@ class _Encoder:
     def layer_norm(self, name: str, x: str, width: int) -> str:
         gamma = self.rng.uniform(0.8, 1.2, width).astype(np.float32)
         beta = self.rng.normal(0.0, 0.05, width).astype(np.float32)
+        if self.outliers is not None:
+            channels, gains = self.outliers
+            gamma[channels] *= gains
         scale, shift = self.const(f"{name}.weight", gamma), self.const(f"{name}.bias", beta)
         if self.opset >= 17:
             return self.node("LayerNormalization", name, [x, scale, shift], axis=-1, epsilon=1e-12)
@@ -78,6 +82,7 @@ def transformer_encoder(
     seed: int = 0,
     dynamic: bool = True,
     mask_value: float = -10000.0,
+    outlier_channels: int = 0,
 ) -> onnx.ModelProto:
     """Build a small BERT-like (post-LN) encoder with onnx.helper for transformer quantization tests.
 
@@ -92,6 +97,8 @@ def transformer_encoder(
     MatMul+Add → erf Gelu (Div, Erf, Add, Mul, Mul) → MatMul+Add → residual Add → LayerNormalization.
     LayerNormalization is the opset-17 op; below 17 it is decomposed (ReduceMean/Sub/Pow/Sqrt/Div) as
     exporters do. Weights are seeded Xavier-normal, biases N(0, 0.02). Output: ``last_hidden_state``.
+    ``outlier_channels`` > 0 multiplies the LayerNorm γ of that many fixed (seeded) channels by 20-100x, the
+    systematic activation outliers of trained BERT-style encoders (what SmoothQuant targets).
     Supports opset 13 and later.
     """
     if opset < 13:
@@ -102,6 +109,10 @@ def transformer_encoder(
     ffn = ffn or 4 * d_model
     model = new_model(opset, f"transformer_encoder_{layers}x{d_model}")
     enc = _Encoder(model, opset, seed)
+    if outlier_channels:
+        pick = np.random.default_rng([seed, 11])
+        channels = pick.choice(d_model, size=min(outlier_channels, d_model), replace=False)
+        enc.outliers = (channels, pick.uniform(20.0, 100.0, channels.size).astype(np.float32))
     graph = model.graph
     batch_dim: int | str = "batch" if dynamic else 1
     seq_dim: int | str = "seq" if dynamic else seq

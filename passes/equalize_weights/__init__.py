@@ -1,0 +1,204 @@
+"""``equalize_weights``: cross-layer equalization (Nagel et al. 2019, "Data-Free Quantization Through Weight
+Equalization and Bias Correction", section 4.1).
+
+For ``y = W2 · f(W1 · x + b1)`` with ``f`` positively homogeneous per channel (``f(x / s) = f(x) / s`` for
+``s > 0``: ReLU, LeakyReLU, PReLU, pooling, identity; see `chains` for the exact list and why ReLU6, HardSwish
+and HardSigmoid are skipped), moving ``s_i`` across channel ``i``
+
+    W1[i] ← W1[i] / s_i,   b1[i] ← b1[i] / s_i,   W2[:, i] ← W2[:, i] · s_i
+
+keeps the float function. With per-channel weight ranges ``r1_i = max|W1[i, ...]|`` and ``r2_i = max|W2[:, i,
+...]|``, ``s_i = sqrt(r1_i · r2_i) / r2_i`` makes both ranges ``sqrt(r1_i · r2_i)``: channels whose ranges
+differ 100x (depthwise convs after BatchNorm folding) then share one per-tensor scale far better.
+
+Pairs: Conv → Conv (grouped; for a depthwise Conv input channel ``c`` maps to its own output channels, so a
+depthwise layer is the second layer of one pair and the first of the next), Gemm / MatMul with constant
+weights, Conv → global pool → Flatten → Gemm, and one producer read by several layers (one ``s`` for all of
+them, balancing ``r1`` against the largest reader range). Chains of 3+ layers are iterated: each round
+equalizes every pair with the current weights (sweeping forward, then backward; a pair none of whose weights
+changed since it was equalized is not recomputed), until a round moves no channel by more than
+``tolerance / 10`` (or ``iterations`` rounds: long plain chains such as VGG19's 17 pairs do not converge in 50
+rounds, which the decision says). Run after ``fuse_batchnorm`` so BN scales are in the weights.
+
+Idempotence: the whole rewrite is kept only when some channel moves by more than ``tolerance`` (|ln s| >
+tolerance, cumulated over rounds); on an equalized model a second run leaves the graph untouched.
+Skipped with a reason: a tensor with other readers or that is a graph output, a non-equivariant op, shared or
+non-constant weights, mismatched channel axes. Cost per round: O(weights of the pairs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qgraph import GraphHandle, Pass, PassContext, PassResult, register, select
+from qgraph.equalize import as_linear, cle_scales, log_change, scale_const_per_channel
+from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
+
+from .chains import NoSecondLayer, Pair, find_pair
+from .config import EqualizeWeightsConfig
+
+_LINEAR = ("Conv", "Gemm", "MatMul")
+
+
+@register
+class EqualizeWeights(Pass[EqualizeWeightsConfig]):
+    """Cross-layer equalization: ``W1[i] /= s_i``, ``b1[i] /= s_i``, ``W2[:, i] *= s_i`` with
+    ``s_i = sqrt(r1_i · r2_i) / r2_i`` over chains ``W1 → f → W2`` with positively homogeneous ``f``."""
+
+    name = "equalize_weights"
+    config_class = EqualizeWeightsConfig
+    preserves_float = True
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Find the pairs of every scope, equalize them until converged, write the weights back once."""
+        cfg = self.config
+        res = PassResult()
+        selected: set[int] | None = None
+        if not cfg.nodes.is_everything or cfg.nodes.exclude is not None:
+            selection = select(graph, cfg.nodes)
+            res.unmatched.extend(selection.unmatched)
+            selected = {id(n) for n in selection.nodes}
+        pairs = _find_pairs(graph_scopes(graph.graph, cfg.recurse_subgraphs), selected, res)
+        res.matched = len(pairs)
+        if not pairs:
+            res.details = {"pairs": 0}
+            return res
+        state = _Equalizer(pairs, cfg)
+        rounds, converged = state.iterate()
+        moved = [i for i, s in enumerate(state.cumulative) if log_change(s) > cfg.tolerance]
+        res.details = {
+            "pairs": len(pairs),
+            "rounds": rounds,
+            "converged": converged,
+            "equalized": [state.describe(i) for i in moved],
+        }
+        if not moved:
+            res.notes.append(f"{len(pairs)} pair(s) already equalized within tolerance {cfg.tolerance:g}")
+            return res
+        state.write_back()
+        res.rewritten = len(moved)
+        lo = min(float(state.cumulative[i].min()) for i in moved)
+        hi = max(float(state.cumulative[i].max()) for i in moved)
+        res.decisions.append(
+            f"equalized {len(moved)} layer pair(s) in {rounds} round(s) (per-channel scales {lo:.3g}..{hi:.3g})"
+            + ("" if converged else f"; not converged after {rounds} rounds (raise `iterations`)")
+        )
+        return res
+
+
+def _find_pairs(scopes: list[gs.Graph], selected: set[int] | None, res: PassResult) -> list[Pair]:
+    pairs: list[Pair] = []
+    for g in scopes:
+        outputs = {id(t) for t in g.outputs}
+        linear = {id(n): selected is None or id(n) in selected for n in g.nodes if n.op in _LINEAR}
+        for node in g.nodes:
+            if id(node) not in linear or not linear[id(node)]:
+                continue
+            try:
+                pairs.append(find_pair(as_linear(node), outputs, linear))
+            except NoSecondLayer:
+                continue  # a model's last layer: nothing follows it, nothing to report
+            except NoMatch as refusal:
+                res.skip(node.name, str(refusal))
+    return pairs
+
+
+class _Equalizer:
+    """Weights in float64 (shared between pairs: a middle layer belongs to two), cumulative scales per pair."""
+
+    def __init__(self, pairs: list[Pair], cfg: EqualizeWeightsConfig) -> None:
+        self.pairs = pairs
+        self.cfg = cfg
+        self.values: dict[int, np.ndarray] = {}
+        self.tensors: dict[int, gs.Tensor] = {}
+        self.initial: list[tuple[float, float]] = []
+        for p in pairs:
+            for t in [p.first.weight, p.first.bias, *(s.weight for s in p.second), *(c for c, _, _ in p.shifts)]:
+                if t is not None and id(t) not in self.values:
+                    value = const_value(t)
+                    assert value is not None
+                    self.values[id(t)] = value.astype(np.float64)
+                    self.tensors[id(t)] = t
+            self.initial.append(self._spread(p))
+        self.cumulative = [np.ones(p.first.out_channels(self.values[id(p.first.weight)])) for p in pairs]
+
+    def _ranges(self, p: Pair) -> tuple[np.ndarray, np.ndarray]:
+        r1 = p.first.out_ranges(self.values[id(p.first.weight)])
+        r2 = np.max([s.in_ranges(self.values[id(s.weight)]) for s in p.second], axis=0)
+        return r1, r2
+
+    def _spread(self, p: Pair) -> tuple[float, float]:
+        """Ratio of the largest to the smallest nonzero channel range, for layer 1 and layer 2."""
+        out = []
+        for r in self._ranges(p):
+            nz = r[r > 0]
+            out.append(float(nz.max() / nz.min()) if nz.size else 1.0)
+        return out[0], out[1]
+
+    def iterate(self) -> tuple[int, bool]:
+        """Rounds over the pairs until no channel moves by more than tolerance / 10; (rounds, converged).
+
+        Rounds sweep forward and backward in turn (a chain then converges in far fewer rounds), and a pair whose
+        weights no other pair touched since it was equalized is not recomputed (its scales would be 1).
+        """
+        version: dict[int, int] = dict.fromkeys(self.values, 0)
+        seen: list[tuple[int, ...] | None] = [None] * len(self.pairs)
+        order = list(range(len(self.pairs)))
+        for k in range(self.cfg.iterations):
+            worst = 0.0
+            for i in order if k % 2 == 0 else order[::-1]:
+                p = self.pairs[i]
+                keys = [id(p.first.weight), *(id(x.weight) for x in p.second)]
+                if seen[i] == tuple(version[key] for key in keys):
+                    continue
+                r1, r2 = self._ranges(p)
+                s = cle_scales(r1, r2, self.cfg.min_scale, self.cfg.max_scale)
+                change = log_change(s)
+                worst = max(worst, change)
+                if change > 0:
+                    self._apply(p, s)
+                    self.cumulative[i] *= s
+                    for key in keys:
+                        version[key] += 1
+                clipped = bool(np.any(s <= self.cfg.min_scale) or np.any(s >= self.cfg.max_scale))
+                seen[i] = None if clipped else tuple(version[key] for key in keys)
+            if worst <= self.cfg.tolerance / 10:
+                return k + 1, True
+        return self.cfg.iterations, False
+
+    def _apply(self, p: Pair, s: np.ndarray) -> None:
+        inv = 1.0 / s
+        v = self.values
+        v[id(p.first.weight)] = p.first.scale_out(v[id(p.first.weight)], inv)
+        if p.first.bias is not None:
+            scaled = scale_const_per_channel(v[id(p.first.bias)], inv, -1, max(v[id(p.first.bias)].ndim, 1))
+            assert scaled is not None  # shapes checked by as_linear
+            v[id(p.first.bias)] = scaled
+        for const, axis, rank in p.shifts:
+            scaled = scale_const_per_channel(v[id(const)], inv, axis, rank)
+            if scaled is None:
+                raise NoMatch(f"constant {const.name!r} of shape {v[id(const)].shape} is not per channel")
+            v[id(const)] = scaled
+        for second in p.second:
+            v[id(second.weight)] = second.scale_in(v[id(second.weight)], s)
+
+    def describe(self, i: int) -> dict[str, Any]:
+        """Report of pair ``i``: scale range and the channel-range spread of both layers before/after."""
+        p, s = self.pairs[i], self.cumulative[i]
+        before, after = self.initial[i], self._spread(p)
+        return {
+            "pair": p.label,
+            "scale": [round(float(s.min()), 6), round(float(s.max()), 6)],
+            "spread_before": [round(before[0], 3), round(before[1], 3)],
+            "spread_after": [round(after[0], 3), round(after[1], 3)],
+        }
+
+    def write_back(self) -> None:
+        """Cast every touched constant back to its dtype and store it (names kept)."""
+        for key, tensor in self.tensors.items():
+            old = const_value(tensor)
+            assert old is not None
+            renew_const(tensor, self.values[key].astype(old.dtype))

@@ -1,0 +1,198 @@
+"""``smooth_quant``: SmoothQuant (Xiao et al. 2022, "SmoothQuant: Accurate and Efficient Post-Training Quantization
+for Large Language Models"), float-preserving.
+
+Transformer activations have a few channels 20-100x larger than the rest (the same channels on every token), so
+a per-tensor activation scale wastes most codes on them; weights are easy to quantize. For ``Y = X · W``
+(MatMul / Gemm with a constant ``W``) and per input channel ``j``
+
+    s_j = max|X_j|^α / max|W_j|^(1-α),     X ← X · diag(1/s),     W ← diag(s) · W
+
+(``max|X_j|`` over the calibration data, one streamed pass for every tensor; ``max|W_j|`` the largest
+``|W[j, :]|`` over every layer reading X, e.g. Q/K/V after one LayerNorm, which share one ``s``; s clipped to
+``[min_scale, max_scale]``, 1 where a maximum is 0). ``X / s`` is folded into X's producer (see `groups`:
+LayerNormalization γ and β, a Mul/Add constant, a preceding MatMul/Gemm's columns and bias), so the model
+computes the same function with a smoother X. Where the producer cannot absorb it (residual Add, graph input,
+GELU, other readers of X) the group is skipped with that reason, or, with ``insert_mul``, a float
+``Mul(X, 1/s)`` is inserted in front of the group.
+
+``alpha: auto`` scores, per group, every α of ``alpha_grid`` and "no smoothing" by the INT8 error of the group's
+product on sampled calibration rows, ``||X·W - Q(X/s)·Q(diag(s)·W)||² / ||X·W||²`` (uint8 per-tensor activations
+over the exact smoothed range, int8 symmetric weights per column; `qgraph.equalize.smoothing_error`), and keeps
+the best: a group is smoothed only where that lowers the error.
+
+A second run measures ``a'_j = a_j / s_j`` and ``w'_j = w_j · s_j``, so ``s'_j = s_j / s_j = 1`` for any α
+(unless s was clipped): groups within ``tolerance`` are left alone, which makes the pass idempotent.
+Needs calibration data (`requires` refuses without it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
+from qgraph.equalize import log_change, scale_const_per_channel, smoothing_error, smoothing_scales, sole_use
+from qgraph.graph import const_value, rebuild, redirect, renew_const
+
+from .config import SmoothQuantConfig
+from .groups import Group, find_groups
+from .measure import ChannelStats, measure
+
+
+@register
+class SmoothQuant(Pass[SmoothQuantConfig]):
+    """SmoothQuant: ``s_j = max|X_j|^α / max|W_j|^(1-α)``, ``X ← X / s`` (folded upstream), ``W ← diag(s) · W``."""
+
+    name = "smooth_quant"
+    config_class = SmoothQuantConfig
+    preserves_float = True
+
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Refuse without calibration data: the activation maxima are measured."""
+        if ctx.calibration_data is None:
+            raise PassError(
+                "smooth_quant: per-channel activation maxima max|X_j| are measured on calibration data, but none "
+                "was given. Pass `--calibration-data DATA` to `qgraph run` (an .npz with one array per input, a "
+                "folder of .npz, or module:function), or `calibration_data=` to Pipeline.run."
+            )
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Find the groups, measure their inputs once, rescale the groups that move by more than tolerance."""
+        cfg = self.config
+        res = PassResult()
+        selected: set[int] | None = None
+        if not cfg.nodes.is_everything or cfg.nodes.exclude is not None:
+            selection = select(graph, cfg.nodes)
+            res.unmatched.extend(selection.unmatched)
+            selected = {id(n) for n in selection.nodes}
+        skips: list[tuple[str, str]] = []
+        groups = find_groups(graph.graph, selected, cfg.insert_mul, skips)
+        for node, reason in skips:
+            res.skip(node, reason)
+        res.matched = len(groups)
+        res.details = {"groups": len(groups), "smoothed": []}
+        if not groups:
+            return res
+        auto = cfg.alpha == "auto"
+        stats = measure(graph, ctx, [g.x.name for g in groups], cfg.sample_rows if auto else 0)
+        self._order = {id(n): i for i, n in enumerate(graph.graph.nodes)}
+        self._inserts: dict[int, list[gs.Node]] = {}
+        inserted = 0
+        for group in groups:
+            st = stats[group.x.name]
+            a = st.absmax
+            w = np.max([layer.in_ranges(layer.value()) for layer in group.layers], axis=0)
+            if a.shape != w.shape:
+                res.skip(group.layers[0].node.name, f"{group.x.name!r} has {a.size} channels, weights {w.size}")
+                continue
+            alpha, s = self._choose(group, st, a, w)
+            if s is None:
+                res.skip(group.layers[0].node.name, f"alpha auto: smoothing {group.x.name!r} would not lower the "
+                         "INT8 error on the sampled rows")
+                continue
+            if log_change(s) <= cfg.tolerance:
+                continue
+            inserted += self._apply(graph, group, s)
+            res.rewritten += 1
+            res.details["smoothed"].append({**_describe(group, a, w, s), "alpha": alpha})
+        if self._inserts:  # every inserted Mul goes in front of its group's first layer, in one pass
+            rebuild(graph.graph, replacements=self._inserts)
+        res.nodes_added = inserted
+        if res.rewritten:
+            lo = min(d["scale"][0] for d in res.details["smoothed"])
+            hi = max(d["scale"][1] for d in res.details["smoothed"])
+            alphas = sorted({d["alpha"] for d in res.details["smoothed"]})
+            shown = "/".join(f"{x:g}" for x in alphas) + (" (auto)" if cfg.alpha == "auto" else "")
+            res.decisions.append(
+                f"smoothed {res.rewritten} input(s) of {len(groups)} (alpha {shown}, scales {lo:.3g}..{hi:.3g}"
+                + (f", {inserted} float Mul inserted" if inserted else "") + ")"
+            )
+        return res
+
+    def _choose(
+        self, group: Group, st: ChannelStats, a: np.ndarray, w: np.ndarray
+    ) -> tuple[float, np.ndarray | None]:
+        """``(α, s)``: the configured α, or with ``auto`` the grid α with the least sampled INT8 error (s None when
+        no smoothing at all scores best)."""
+        cfg = self.config
+        if cfg.alpha != "auto":
+            return float(cfg.alpha), smoothing_scales(a, w, float(cfg.alpha), cfg.min_scale, cfg.max_scale)
+        x = st.rows_sample()
+        mat = np.concatenate([layer.matrix(layer.value()) for layer in group.layers], axis=1)
+        low, high = st.low, st.high
+        assert low is not None and high is not None
+
+        def error(s: np.ndarray) -> float:
+            return smoothing_error(x, mat, s, low, high, per_channel=cfg.weights_per_channel)
+
+        best: tuple[float, float, np.ndarray | None] = (error(np.ones_like(a)), 0.0, None)
+        for alpha in cfg.alpha_grid:
+            s = smoothing_scales(a, w, alpha, cfg.min_scale, cfg.max_scale)
+            e = error(s)
+            if e < best[0]:
+                best = (e, alpha, s)
+        return best[1], best[2]
+
+    def _apply(self, graph: GraphHandle, group: Group, s: np.ndarray) -> int:
+        """Rescale the group's weights by ``s`` and put ``1 / s`` upstream; returns the nodes added (0 or 1)."""
+        inv = 1.0 / s
+        for layer in group.layers:
+            renew_const(layer.weight, layer.scale_in(layer.value(), s).astype(_dtype(layer.weight)))
+        if group.fold is None:
+            return self._insert_mul(graph, group, inv)
+        for node, index in group.fold.consts:
+            const = node.inputs[index]
+            value = const_value(const)
+            assert value is not None
+            scaled = scale_const_per_channel(value, inv, -1, max(value.ndim, 1))
+            assert scaled is not None  # checked by plan_fold
+            if sole_use(const, node):
+                renew_const(const, scaled)
+            else:  # shared (one 0.5 for every GELU): this node gets its own copy
+                node.inputs[index] = gs.Constant(graph.unique_name(f"{const.name}/smoothed", kind="tensor"), scaled)
+        for layer in group.fold.layers:
+            renew_const(layer.weight, layer.scale_out(layer.value(), inv).astype(_dtype(layer.weight)))
+            if layer.bias is not None:
+                bias = const_value(layer.bias)
+                assert bias is not None
+                scaled = scale_const_per_channel(bias, inv, -1, max(bias.ndim, 1))
+                assert scaled is not None
+                renew_const(layer.bias, scaled)
+        return 0
+
+    def _insert_mul(self, graph: GraphHandle, group: Group, inv: np.ndarray) -> int:
+        x = group.x
+        dtype = _dtype(group.layers[0].weight)
+        factor = gs.Constant(graph.unique_name(f"{x.name}/smooth_scale", kind="tensor"), inv.astype(dtype))
+        smoothed = gs.Variable(graph.unique_name(f"{x.name}/smoothed", kind="tensor"), dtype=x.dtype)
+        redirect(x, smoothed, keep=group.others)
+        node = gs.Node("Mul", graph.unique_name(f"{x.name}/smooth"), inputs=[x, factor], outputs=[smoothed])
+        graph.tag(node, self.name)
+        first = min((layer.node for layer in group.layers), key=lambda n: self._order[id(n)])
+        self._inserts[id(first)] = [node, first]
+        return 1
+
+
+def _dtype(tensor: gs.Tensor) -> np.dtype:
+    value = const_value(tensor)
+    assert value is not None
+    return value.dtype
+
+
+def _describe(group: Group, a: np.ndarray, w: np.ndarray, s: np.ndarray) -> dict[str, Any]:
+    """Per group: the layers, where 1/s went, the scale range and the activation outlier ratio before/after."""
+
+    def ratio(v: np.ndarray) -> float:
+        med = float(np.median(v))
+        return round(float(v.max()) / med, 3) if med > 0 else float("inf")
+
+    return {
+        "input": group.x.name,
+        "layers": [layer.node.name for layer in group.layers],
+        "absorbed_by": group.fold.label() if group.fold is not None else "inserted Mul",
+        "scale": [round(float(s.min()), 6), round(float(s.max()), 6)],
+        "activation_max_over_median": [ratio(a), ratio(a / s)],
+        "weight_max_over_median": [ratio(w), ratio(w * s)],
+    }
