@@ -45,7 +45,7 @@ from pydantic import Field
 from qgraph import GraphHandle, NodeSelector, Pass, PassConfig, PassContext, PassResult, register
 from qgraph.layer_data import Twin, channel_means, with_twins
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
-from qgraph.weight_correction import calibration_batches, candidates, require
+from qgraph.weight_correction import calibration_batches, candidates, require, unavailable
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
@@ -100,6 +100,10 @@ class CorrectBias(Pass[CorrectBiasConfig]):
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Measure the mean output errors and fold them into the biases (module docstring)."""
         res = PassResult()
+        why = unavailable(graph, ctx)
+        if why is not None:
+            res.decisions.append(why)
+            return res
         cands = candidates(NAME, graph, ctx, self.config.nodes)
         res.unmatched = cands.unmatched
         for node, reason in cands.skipped:

@@ -36,7 +36,7 @@ from qgraph import GraphHandle, NodeSelector, Pass, PassConfig, PassContext, Pas
 from qgraph.layer_data import RowSpec, sample_inputs
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
 from qgraph.rounding import optimize_rounding, rounding_objective, second_moments
-from qgraph.weight_correction import calibration_batches, candidates, require, row_spec
+from qgraph.weight_correction import calibration_batches, candidates, require, row_spec, unavailable
 
 __all__ = ["OptimizeRounding", "OptimizeRoundingConfig"]
 
@@ -85,6 +85,10 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
         """Optimize the layers group by group (module docstring)."""
         cfg = self.config
         res = PassResult()
+        why = unavailable(graph, ctx)
+        if why is not None:
+            res.decisions.append(why)
+            return res
         deadline = time.perf_counter() + cfg.time_budget_s if cfg.time_budget_s is not None else None
         cands = candidates(NAME, graph, ctx, cfg.nodes)
         res.unmatched = cands.unmatched

@@ -34,18 +34,23 @@ class Candidates:
 
 
 def require(pass_name: str, graph: GraphHandle, ctx: PassContext) -> None:
-    """`PassError` saying how to fix it when there is no calibration data, no float reference, or no quantized
-    weighted layer to correct."""
-    if ctx.calibration_data is None:
-        raise PassError(f"{pass_name}: needs calibration data to measure the layers on: give --calibration-data "
-                        "(or the recipe's calibration.data).")
+    """`PassError` saying how to fix it when the pass is misplaced (no float reference: not after a quantizing
+    pass in a pipeline)."""
     if ctx.float_reference is None:
         raise PassError(f"{pass_name}: needs the float model: run it in a pipeline after the quantizing pass "
                         "(`- pass: insert_qdq` before it in the same recipe).")
+
+
+def unavailable(graph: GraphHandle, ctx: PassContext) -> str | None:
+    """Why a correction pass has nothing to do here (reported as its decision, so a ready recipe still runs on a
+    model quantized from a ranges file, or one whose layers all stayed float), or None."""
+    if ctx.calibration_data is None:
+        return ("not run: no calibration data to measure the layers on (give --calibration-data or the recipe's "
+                "calibration.data)")
     layers, _ = find_layers(graph)
     if not layers:
-        raise PassError(f"{pass_name}: the model has no Conv/Gemm/MatMul with a weight behind Q/DQ to correct: put "
-                        "`- pass: insert_qdq` before it in the recipe.")
+        return "not run: no Conv/Gemm/MatMul with a weight behind Q/DQ to correct"
+    return None
 
 
 def candidates(pass_name: str, graph: GraphHandle, ctx: PassContext, selector: NodeSelector | None) -> Candidates:

@@ -49,8 +49,8 @@ def test_every_preset_has_a_recipe_named_after_it() -> None:
     assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(PRESETS)
     for name in PRESETS:
         recipe = Recipe.from_yaml(RECIPES / f"{name}.yaml")
-        assert recipe.name == name and recipe.passes[-1].name == "insert_qdq"
-        assert recipe.passes[-1].config.preset == name  # type: ignore[attr-defined]
+        quantizer = next(p for p in recipe.passes if p.name == "insert_qdq")
+        assert recipe.name == name and quantizer.config.preset == name  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", CNN_RECIPES)
