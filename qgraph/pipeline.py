@@ -146,6 +146,7 @@ class Pipeline:
         keep_stages: bool = False,
         samples: int | None = None,
         data_layout: DataLayout = "auto",
+        keep_input: bool = True,
     ) -> PipelineResult:
         """Run every pass on a copy of ``model`` and return the result (the input is never modified).
 
@@ -185,6 +186,10 @@ class Pipeline:
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
+        kept = source if keep_input or keep_stages or verify else None
+        if kept is None:
+            ctx.input_model = None
+        del source  # the handle owns the weights now: without `kept`, the loaded protobuf is freed here
         stages: list[onnx.ModelProto] = []
         for i, step in enumerate(self._with_target_opset()):
             target_step = isinstance(step, _ToTargetOpset)
@@ -206,9 +211,10 @@ class Pipeline:
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
                 previous = current
         out = handle.to_onnx()
+        handle.release()  # free the float weights now, not at the next cyclic garbage collection
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, source, stages, data)
+        return PipelineResult(out, records, kept, stages, data)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
