@@ -65,7 +65,7 @@ def run(self, *a, **k):
     return orig(self, *a, **k)
 Pipeline.run = run
 from qgraph.cli import main
-sys.argv = ["qgraph", *sys.argv[2:]]
+sys.argv = ["qgraph", *sys.argv[1:]]
 try:
     main()
 except SystemExit as exc:

@@ -259,15 +259,45 @@ def quantize(
     ``x / scale`` is computed in float32 like onnxruntime.  Saturation clips to the full
     range of ``dtype`` (not the narrow or reduced one).  ``axis`` selects the channel axis
     for per-channel ``scale``/``zero_point`` of shape ``(C,)``.
+
+    Runs in float32 in place, a slab of at most `QUANTIZE_CHUNK` elements at a time along the first axis, so a
+    weight costs its integer result plus one bounded scratch buffer. Exact: ``round(x / scale)`` is an integer
+    float32 and the zero point an integer of at most 16 bits, so their float32 sum is exact whenever it lies in
+    the integer range; outside it the sum stays outside (rounding is monotonic) and saturates to the same bound.
     """
     dt = QuantDtype(dtype)
     xa = np.asarray(x, dtype=np.float32)
     s = _broadcast_param(np.asarray(scale, dtype=np.float32), xa.ndim, axis)
     z = _broadcast_param(np.asarray(zero_point, dtype=np.float64), xa.ndim, axis)
     qmin, qmax = dtype_range(dt)
-    q: npt.NDArray[np.float64] = np.rint(xa / s).astype(np.float64) + z
-    out: npt.NDArray[Any] = np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+    out: npt.NDArray[Any] = np.empty(xa.shape, dt.numpy_dtype)
+    if xa.ndim == 0 or xa.size == 0 or max(abs(qmin), abs(qmax)) > 2**16:
+        q: npt.NDArray[np.float64] = np.rint(xa / s).astype(np.float64) + z
+        out[...] = np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+        return out
+    zf = z.astype(np.float32)
+    add_zero = bool(np.any(zf))
+    rows = max(1, QUANTIZE_CHUNK // max(1, xa[0].size))
+    buf = np.empty((min(rows, xa.shape[0]), *xa.shape[1:]), np.float32)
+    for start in range(0, xa.shape[0], rows):
+        stop = min(start + rows, xa.shape[0])
+        part = buf[: stop - start]
+        np.divide(xa[start:stop], _rows(s, start, stop), out=part)
+        np.rint(part, out=part)
+        if add_zero:
+            np.add(part, _rows(zf, start, stop), out=part)
+        np.clip(part, qmin, qmax, out=part)
+        out[start:stop] = part  # exact: integers within the dtype's range
     return out
+
+
+#: Elements quantized per slab (float32 scratch: 16 MB).
+QUANTIZE_CHUNK = 1 << 22
+
+
+def _rows(p: npt.NDArray[Any], start: int, stop: int) -> npt.NDArray[Any]:
+    """Rows ``start:stop`` of a broadcast parameter when it varies along the first axis, else the parameter."""
+    return p[start:stop] if p.ndim and p.shape[0] > 1 else p
 
 
 def dequantize(

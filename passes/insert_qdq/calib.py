@@ -81,7 +81,7 @@ def calibrate(
         )
     batch = ctx.calibration.batch_size
     data = ctx.calibration_data
-    model = graph.to_onnx()
+    model, held = graph.weightless_export()  # sessions read the graph's weights in place: no second copy
     cal = collect_ranges(
         model,
         missing,
@@ -90,6 +90,7 @@ def calibrate(
         options=dict(cfg.activations.method_options),
         progress=ctx.progress("calibrating"),
         robust_percentile=OUTLIER_PERCENTILE if cfg.outliers.skip else None,
+        weights={name: value for name, (value, _) in held.items()},
     )
     count = next(iter(cal.values())).num_updates if cal else 0
     notes.append(

@@ -16,7 +16,7 @@ values into the exported protobuf one tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -177,3 +177,48 @@ def placeholders_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
         del g.initializer[:]
         g.initializer.extend(kept)
     return out
+
+
+def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of a `weightless` export with ``weights`` written into its placeholders (for code that needs one
+    self-contained protobuf)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    fill_weights(out, {name: (value, None) for name, value in weights.items()})
+    return out
+
+
+def split_weights(
+    model: onnx.ModelProto, min_bytes: int = DETACH_BYTES
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A `weightless` copy of ``model`` (top-level initializers of at least ``min_bytes`` in plain ``raw_data`` form
+    become placeholders) and those initializers' values as numpy arrays; ``model`` is not modified, and its
+    weights are copied once (into the arrays), never into a second protobuf."""
+    out = onnx.ModelProto()
+    _copy_fields(model, out, skip="graph")
+    _copy_fields(model.graph, out.graph, skip="initializer")
+    weights: dict[str, np.ndarray] = {}
+    for t in model.graph.initializer:
+        if _materializable(t) and len(t.raw_data) >= min_bytes and t.name not in weights:
+            arr = np.empty(tuple(t.dims), _PLAIN[t.data_type])
+            arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(t.raw_data, np.uint8)
+            weights[t.name] = arr
+            holder = out.graph.initializer.add(name=t.name, data_type=t.data_type)
+            holder.dims.extend(t.dims)
+            holder.data_location = onnx.TensorProto.EXTERNAL
+            holder.external_data.add(key="location", value=PLACEHOLDER)
+        else:
+            out.graph.initializer.append(t)
+    return out, weights
+
+
+def _copy_fields(src: onnx.ModelProto | onnx.GraphProto, dst: onnx.ModelProto | onnx.GraphProto, skip: str) -> None:
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
