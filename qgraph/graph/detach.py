@@ -58,6 +58,20 @@ def _materializable(t: onnx.TensorProto) -> bool:
             and not t.HasField("segment") and not t.metadata_props and not t.string_data)
 
 
+def _nbytes(t: onnx.TensorProto) -> int:
+    return int(np.prod(t.dims, dtype=np.int64)) * _PLAIN[t.data_type].itemsize
+
+
+def _array(t: onnx.TensorProto) -> np.ndarray:
+    """A writable array of a plain tensor's ``raw_data`` (each read of ``raw_data`` copies it: read it once)."""
+    raw = t.raw_data
+    arr = np.empty(tuple(t.dims), _PLAIN[t.data_type])
+    if len(raw) != arr.nbytes:
+        raise ValueError(f"tensor {t.name!r}: raw_data holds {len(raw)} bytes, its dims need {arr.nbytes}")
+    arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, np.uint8)
+    return arr
+
+
 def detach_constants(root: gs.Graph, min_bytes: int = DETACH_BYTES) -> None:
     """Make every constant of ``root`` independent of the ModelProto it was imported from (module docstring)."""
     for c in constants(root):
@@ -70,11 +84,8 @@ def detach_constants(root: gs.Graph, min_bytes: int = DETACH_BYTES) -> None:
             own.CopyFrom(proto)
             c._values = SparseValues(own)
             continue
-        if _materializable(proto) and len(proto.raw_data) >= min_bytes:
-            dtype = _PLAIN[proto.data_type]
-            arr = np.empty(tuple(proto.dims), dtype)
-            arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(proto.raw_data, np.uint8)
-            c._values = arr
+        if _materializable(proto) and _nbytes(proto) >= min_bytes:
+            c._values = _array(proto)
             continue
         own_t = onnx.TensorProto()
         own_t.CopyFrom(proto)
@@ -199,10 +210,8 @@ def split_weights(
     _copy_fields(model.graph, out.graph, skip="initializer")
     weights: dict[str, np.ndarray] = {}
     for t in model.graph.initializer:
-        if _materializable(t) and len(t.raw_data) >= min_bytes and t.name not in weights:
-            arr = np.empty(tuple(t.dims), _PLAIN[t.data_type])
-            arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(t.raw_data, np.uint8)
-            weights[t.name] = arr
+        if _materializable(t) and _nbytes(t) >= min_bytes and t.name not in weights:
+            weights[t.name] = _array(t)
             holder = out.graph.initializer.add(name=t.name, data_type=t.data_type)
             holder.dims.extend(t.dims)
             holder.data_location = onnx.TensorProto.EXTERNAL
