@@ -164,11 +164,8 @@ class Pipeline:
             for cb in listeners:
                 cb(event)
 
-        if isinstance(model, (str, Path)):
-            source = load_model(model)
-        else:
-            source = onnx.ModelProto()
-            source.CopyFrom(model)
+        # A model given in memory is read, never copied or modified: the handle owns copies of what it keeps.
+        source = load_model(model) if isinstance(model, (str, Path)) else model
         # Content hash: the same model gives the same provenance whether given as a path or in memory.
         input_hash = model_fingerprint(source)
         check_model(source)

@@ -34,11 +34,10 @@ def lower(
     check_opset(opset, "--opset")
     need_positive(tolerance, "--tolerance")
     check_output(output, inputs=[model])
-    source = load_model(model)
-    current = model_opset(source, opset)
+    current = model_opset(load_model(model), opset)  # freed at once: the pipeline loads the file itself
     name = "lower_opset" if opset <= current else "raise_opset"
     result = Pipeline([get_pass(name)(opset=opset)], name=f"{name}-{opset}").run(
-        source, verify=verify, verify_tolerance=tolerance)
+        model, verify=verify, verify_tolerance=tolerance, keep_input=False)
     for note in [*result.records[0].result.decisions, *result.records[0].result.notes]:
         say(note)
     result.save(output)
