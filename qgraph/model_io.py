@@ -14,7 +14,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -164,7 +164,7 @@ def save_model(
     target = Path(path)
     use_external = external_data if external_data is not None else _too_large(model)
     if not use_external:
-        return write_atomic(target, model.SerializeToString(deterministic=True))
+        return write_atomic(target, lambda f: write_streamed(model, f))
     folder = target.parent if str(target.parent) else Path(".")
     data_name = target.name + ".data"
     folder.mkdir(parents=True, exist_ok=True)
@@ -182,6 +182,60 @@ def save_model(
         except OSError as exc:
             raise WriteError(f"cannot write {folder / data_name}: {exc.strerror or exc}. Nothing was written.") from exc
     return write_atomic(target, proto)
+
+
+#: Field numbers of ``ModelProto.graph`` and ``GraphProto.initializer``.
+_GRAPH_FIELD, _INITIALIZER_FIELD = 7, 5
+
+
+def write_streamed(model: onnx.ModelProto, f: IO[bytes]) -> None:
+    """Write ``model.SerializeToString(deterministic=True)`` to ``f`` byte for byte, one initializer at a time.
+
+    Serializing a whole model needs two more copies of it in flight (protobuf's buffer and the Python bytes);
+    this writes the fields in field-number order (as deterministic serialization does) with the graph's
+    initializers serialized one by one, their lengths known up front from ``ByteSize()``."""
+    graph = model.graph
+    g_head, g_tail = _split_fields(graph, _INITIALIZER_FIELD, onnx.GraphProto)
+    m_head, m_tail = _split_fields(model, _GRAPH_FIELD, onnx.ModelProto)
+    inits = [(t, t.ByteSize()) for t in graph.initializer]
+    init_tag = _varint((_INITIALIZER_FIELD << 3) | 2)
+    g_len = len(g_head) + len(g_tail) + sum(len(init_tag) + len(_varint(n)) + n for _, n in inits)
+    f.write(m_head)
+    if model.HasField("graph"):
+        f.write(_varint((_GRAPH_FIELD << 3) | 2) + _varint(g_len) + g_head)
+        for t, n in inits:
+            f.write(init_tag + _varint(n))
+            f.write(t.SerializeToString(deterministic=True))
+        f.write(g_tail)
+    f.write(m_tail)
+
+
+def _split_fields(msg: Any, number: int, kind: Any) -> tuple[bytes, bytes]:
+    """Serialized fields of ``msg`` numbered below and above ``number`` (the field itself left out)."""
+    head, tail = kind(), kind()
+    for fd, value in msg.ListFields():
+        if fd.number == number:
+            continue
+        dst = head if fd.number < number else tail
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+    return head.SerializeToString(deterministic=True), tail.SerializeToString(deterministic=True)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
 
 
 def _externalize(model: onnx.ModelProto, f: IO[bytes], location: str) -> Callable[[], None]:
