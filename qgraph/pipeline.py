@@ -8,6 +8,7 @@ a byte-identical file.
 
 from __future__ import annotations
 
+import gc
 import math
 import resource
 import time
@@ -218,6 +219,7 @@ class Pipeline:
         nodes_before, opset_before = len(handle.graph.nodes), handle.opset
         start = time.perf_counter()
         result, measured = run_pass(p, index, handle, ctx)
+        gc.collect()  # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now
         if target_step:
             result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} after the "
                                     "last pass, as the recipe's target asks")

@@ -260,10 +260,9 @@ def quantize(
     range of ``dtype`` (not the narrow or reduced one).  ``axis`` selects the channel axis
     for per-channel ``scale``/``zero_point`` of shape ``(C,)``.
 
-    Runs in float32 in place, a slab of at most `QUANTIZE_CHUNK` elements at a time along the first axis, so a
-    weight costs its integer result plus one bounded scratch buffer. Exact: ``round(x / scale)`` is an integer
-    float32 and the zero point an integer of at most 16 bits, so their float32 sum is exact whenever it lies in
-    the integer range; outside it the sum stays outside (rounding is monotonic) and saturates to the same bound.
+    Runs in float32 in place, `QUANTIZE_CHUNK` elements at a time (a weight costs its integer result plus one
+    bounded scratch). Exact: ``round(x / scale) + zp`` in float32 is exact inside the (<= 16-bit) integer range,
+    and a sum outside it stays outside (rounding is monotonic), saturating to the same bound.
     """
     dt = QuantDtype(dtype)
     xa = np.asarray(x, dtype=np.float32)
@@ -291,8 +290,7 @@ def quantize(
     return out
 
 
-#: Elements quantized per slab (float32 scratch: 16 MB).
-QUANTIZE_CHUNK = 1 << 22
+QUANTIZE_CHUNK = 1 << 22  #: elements quantized per slab (float32 scratch: 16 MB)
 
 
 def _rows(p: npt.NDArray[Any], start: int, stop: int) -> npt.NDArray[Any]:

@@ -342,6 +342,7 @@ class GraphHandle:
         """Replace the whole graph with ``model`` (for passes that rewrite protos, e.g. opset lowering); ``held``
         gives the weights of a model rewritten from `weightless_export` back to its placeholders."""
         tags, metadata, walks = self.tags, self.metadata, self.walks
+        self.release()  # the old graph's node <-> tensor cycles would keep its weights until a cyclic collection
         self.__init__(model)  # type: ignore[misc]
         if held:
             attach_weights(self.graph, held)
