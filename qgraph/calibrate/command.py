@@ -82,9 +82,9 @@ def calibrate_recipe(
     method = method or chosen_method
     options = {**chosen_options, **(options or {})} if method == chosen_method else dict(options or {})
     source = open_data_source(spec, samples=samples or recipe.calibration.samples).bind(graph)
-    names = float_activations(graph)
     fingerprint = model_fingerprint(graph)
     graph, weights = split_weights(graph)  # one copy of the weights (numpy), read in place by the sessions
+    names = float_activations(graph)  # shape inference on the weightless protobuf: no copies of the weights
     hasher = hashlib.sha256()
     batch = recipe.calibration.batch_size
     calibrations = collect_ranges(
