@@ -25,6 +25,7 @@ from qgraph.contract import run_pass
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model, describe
+from qgraph.graph.detach import fill_weights
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
@@ -208,8 +209,10 @@ class Pipeline:
                     record.verify = self._verify(p, i, previous, current, verify_feeds, verify_tolerance)
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
                 previous = current
-        out = handle.to_onnx()
-        handle.release()  # free the float weights now, not at the next cyclic garbage collection
+        out, held = handle.weightless_export()
+        handle.release()  # the graph lets go of its weights: `held` is their last owner
+        fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
+        del held
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
         return PipelineResult(out, records, kept, stages, data)

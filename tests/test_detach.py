@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qgraph import GraphHandle, Pipeline, get_pass, load_model, save_model
+from qgraph.errors import ModelError, WriteError
 from qgraph.calibrate.session import Additions, calibration_session
 from qgraph.graph.detach import PLACEHOLDER, fill_weights, is_placeholder, split_weights, with_weights
 from qgraph.testing import conv_bn_net
@@ -154,3 +155,48 @@ def test_external_data_round_trip_touches_only_the_output(tmp_path: Path) -> Non
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5 * float(np.abs(ref[0]).max()))
     reloaded = load_model(out)
     assert _bytes(reloaded.graph.node[0]) == _bytes(result.model.graph.node[0])
+
+
+def _big_model() -> onnx.ModelProto:
+    """Large raw tensors (over the 1 MiB streaming threshold) beside small and non-raw ones, plus metadata."""
+    model = _mixed_model()
+    rng = np.random.default_rng(3)
+    model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal((600, 600)).astype(np.float32), "big"))
+    model.graph.initializer[-1].doc_string = "after raw_data in field order"
+    model.graph.initializer.append(numpy_helper.from_array(np.arange(300_000, dtype=np.int64), "big_i64"))
+    model.metadata_props.add(key="k", value="v")
+    return model
+
+
+def test_streamed_write_and_sizes_equal_protobufs() -> None:
+    import io
+
+    from qgraph.model_io import serialized_size, tensor_size, write_streamed
+
+    model = _big_model()
+    buf = io.BytesIO()
+    write_streamed(model, buf)
+    assert buf.getvalue() == _bytes(model)
+    assert serialized_size(model) == model.ByteSize()
+    assert [tensor_size(t) for t in model.graph.initializer] == [t.ByteSize() for t in model.graph.initializer]
+
+
+def test_read_header_skips_the_graph(tmp_path: Path) -> None:
+    from qgraph.model_io import read_header
+
+    model = _big_model()
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    header = read_header(tmp_path / "m.onnx")
+    model.ClearField("graph")
+    assert _bytes(header) == _bytes(model)
+    (tmp_path / "bad.onnx").write_bytes(b"\xff\xff\xff")
+    with pytest.raises(ModelError):
+        read_header(tmp_path / "bad.onnx")
+
+
+def test_streamed_write_refuses_a_raw_data_that_does_not_match_its_dims(tmp_path: Path) -> None:
+    model = _big_model()
+    model.graph.initializer[-2].dims[0] = 601  # 601 x 600 floats declared, 600 x 600 stored
+    with pytest.raises(WriteError, match="'big'"):
+        save_model(model, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()

@@ -254,7 +254,8 @@ def test_quantize_bias_tiny_scale_raises_weight_scale() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_quantize_slabs_equal_the_float64_formula(
-    dtype: QuantDtype, rows: int, cols: int, axis: int | None, magnitude: float, seed: int, monkeypatch: pytest.MonkeyPatch
+    dtype: QuantDtype, rows: int, cols: int, axis: int | None, magnitude: float, seed: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The in-place float32 slab path gives exactly ``clip(rint(float32(x / s)) + zp)`` computed in float64, for
     slabs smaller than the tensor (several chunks) and values far outside the integer range."""

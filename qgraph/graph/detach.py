@@ -16,6 +16,7 @@ values into the exported protobuf one tensor at a time.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -62,6 +63,13 @@ def _nbytes(t: onnx.TensorProto) -> int:
     return int(np.prod(t.dims, dtype=np.int64)) * _PLAIN[t.data_type].itemsize
 
 
+def _lazy_bytes(c: gs.Constant) -> int:
+    lazy = c._values
+    if isinstance(lazy, LazyValues) and not isinstance(lazy, SparseValues) and lazy.tensor.data_type in _PLAIN:
+        return _nbytes(lazy.tensor)
+    return 0
+
+
 def _array(t: onnx.TensorProto) -> np.ndarray:
     """A writable array of a plain tensor's ``raw_data`` (each read of ``raw_data`` copies it: read it once)."""
     raw = t.raw_data
@@ -73,8 +81,11 @@ def _array(t: onnx.TensorProto) -> np.ndarray:
 
 
 def detach_constants(root: gs.Graph, min_bytes: int = DETACH_BYTES) -> None:
-    """Make every constant of ``root`` independent of the ModelProto it was imported from (module docstring)."""
-    for c in constants(root):
+    """Make every constant of ``root`` independent of the ModelProto it was imported from (module docstring).
+
+    Largest first: each copy briefly needs the tensor's bytes twice (protobuf hands ``raw_data`` out as a copy),
+    and that is cheapest while few arrays exist yet."""
+    for c in sorted(constants(root), key=_lazy_bytes, reverse=True):
         lazy = c._values
         if not isinstance(lazy, LazyValues):
             continue
@@ -131,19 +142,26 @@ def is_placeholder(t: onnx.TensorProto) -> bool:
         e.key == "location" and e.value == PLACEHOLDER for e in t.external_data)
 
 
-def fill_weights(model: onnx.ModelProto, held: Held) -> None:
-    """Write ``values`` into the placeholders of ``model`` (every scope), one tensor at a time, as graphsurgeon's
-    exporter would have written them (name, dims, data_type, raw_data, and ``data_location`` when it had one)."""
+def fill_weights(model: onnx.ModelProto, held: Held, consume: bool = False) -> None:
+    """Write ``held`` into the placeholders of ``model`` (every scope), one tensor at a time, as graphsurgeon's
+    exporter would have written them (name, dims, data_type, raw_data, and ``data_location`` when it had one).
+    ``consume`` drops each entry of ``held`` after its last use, so an array whose only other owner is gone is
+    freed as soon as it is written (the protobuf then grows while the arrays shrink)."""
     from .ops import proto_scopes
 
-    for g in proto_scopes(model.graph):
-        for t in _placeholders(g):
-            arr, location = held[t.name]
-            t.ClearField("external_data")
-            t.ClearField("data_location")
-            t.raw_data = arr.tobytes()
-            if location is not None:
-                t.data_location = location  # type: ignore[assignment]  # the enum is an int
+    targets = [t for g in proto_scopes(model.graph) for t in _placeholders(g)]
+    uses = collections.Counter(t.name for t in targets)
+    for t in targets:
+        arr, location = held[t.name]
+        t.ClearField("external_data")
+        t.ClearField("data_location")
+        t.raw_data = arr.tobytes()
+        if location is not None:
+            t.data_location = location  # type: ignore[assignment]  # the enum is an int
+        del arr
+        uses[t.name] -= 1
+        if consume and not uses[t.name]:
+            del held[t.name]
 
 
 def _placeholders(g: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
