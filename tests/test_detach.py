@@ -13,8 +13,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qgraph import GraphHandle, Pipeline, get_pass, load_model, save_model
-from qgraph.errors import ModelError, WriteError
 from qgraph.calibrate.session import Additions, calibration_session
+from qgraph.errors import ModelError, WriteError
 from qgraph.graph.detach import PLACEHOLDER, fill_weights, is_placeholder, split_weights, with_weights
 from qgraph.testing import conv_bn_net
 
