@@ -91,7 +91,7 @@ class DynamicQuantizer:
         em.node("Mul", f"{name}/scale_mul", [xs, ws], [sc], target=target)
         node.outputs.clear()
         node.inputs.clear()
-        release_float(em.g, w_t)
+        release_float(em, w_t)
         self.replaced.add(id(node))
         if bias is None:
             em.node("Mul", f"{name}/rescale", [accf, sc], [y], target=target)

@@ -56,6 +56,13 @@ class Emitter:
         self.g = graph
         self.new_nodes: list[gs.Node] = []
         self._zero_points: dict[tuple[str, tuple[int, ...], bytes], gs.Constant] = {}
+        self._outputs: set[int] | None = None
+
+    def scope_outputs(self) -> set[int]:
+        """ids of the output tensors of every scope (computed once: passes rewire nodes, never outputs)."""
+        if self._outputs is None:
+            self._outputs = {id(t) for g in self.g.scopes() for t in g.outputs}
+        return self._outputs
 
     def zero_point(self, base: str, value: npt.NDArray[Any]) -> gs.Constant:
         """Zero-point initializer ``<base>/zero_point``; equal zero points share one initializer."""
@@ -128,10 +135,10 @@ def finite_constant(value: npt.NDArray[Any], tensor: str, node: str) -> None:
         )
 
 
-def release_float(graph: GraphHandle, t: gs.Tensor) -> None:
+def release_float(em: Emitter, t: gs.Tensor) -> None:
     """Free a float initializer's values once its integer replacement took over its last reader: one float copy of
     a weight at a time, not all of them beside all the integer ones (an unread initializer is never exported)."""
-    if isinstance(t, gs.Constant) and not t.outputs and not graph.is_graph_output(t):
+    if isinstance(t, gs.Constant) and not t.outputs and id(t) not in em.scope_outputs():
         t.values = np.empty((0,), np.float32)
 
 
@@ -252,7 +259,7 @@ class WeightQuantizer:
             self._shared[key] = dq
         node.inputs[unit.weight_index] = dq
         if self.fmt != "float_qdq":
-            release_float(self.em.g, w_t)
+            release_float(self.em, w_t)
         qwt = QuantizedWeight(w_t.name, label(node), node.op, math.qw, np.asarray(scale), np.asarray(zp), axis)
         qwt.transposed = bool(node.op == "Gemm" and int(node.attrs.get("transB", 0)))
         self.weights.append(qwt)
