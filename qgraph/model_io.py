@@ -22,6 +22,10 @@ from google.protobuf.message import DecodeError
 from qgraph.errors import ModelError, WriteError
 from qgraph.graph.checks import check_unique_names
 from qgraph.outputs import temporary_file, write_atomic
+from qgraph.proto_stream import read_header, serialized_size, tensor_size, write_streamed
+
+__all__ = ["external_data_files", "file_fingerprint", "load_model", "model_fingerprint", "read_header", "save_model",
+           "serialized_size", "tensor_size", "write_streamed"]
 
 #: Protobuf's hard limit; beyond it tensors must live in external data.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -164,7 +168,7 @@ def save_model(
     target = Path(path)
     use_external = external_data if external_data is not None else _too_large(model)
     if not use_external:
-        return write_atomic(target, model.SerializeToString(deterministic=True))
+        return write_atomic(target, lambda f: write_streamed(model, f))
     folder = target.parent if str(target.parent) else Path(".")
     data_name = target.name + ".data"
     folder.mkdir(parents=True, exist_ok=True)
@@ -225,7 +229,7 @@ def _externalize(model: onnx.ModelProto, f: IO[bytes], location: str) -> Callabl
 def _too_large(model: onnx.ModelProto) -> bool:
     total = 0
     for t in _all_tensors(model):
-        total += len(t.raw_data) if t.HasField("raw_data") else t.ByteSize()
+        total += tensor_size(t)  # not len(raw_data) nor ByteSize(): both copy the data
         if total > PROTOBUF_LIMIT - (64 << 20):
             return True
     return False

@@ -8,6 +8,7 @@ a byte-identical file.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import resource
@@ -25,6 +26,7 @@ from qgraph.contract import run_pass
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model, describe
+from qgraph.graph.detach import fill_weights
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
@@ -147,6 +149,7 @@ class Pipeline:
         keep_stages: bool = False,
         samples: int | None = None,
         data_layout: DataLayout = "auto",
+        keep_input: bool = True,
     ) -> PipelineResult:
         """Run every pass on a copy of ``model`` and return the result (the input is never modified).
 
@@ -164,11 +167,8 @@ class Pipeline:
             for cb in listeners:
                 cb(event)
 
-        if isinstance(model, (str, Path)):
-            source = load_model(model)
-        else:
-            source = onnx.ModelProto()
-            source.CopyFrom(model)
+        # A model given in memory is read, never copied or modified: the handle owns copies of what it keeps.
+        source = load_model(model) if isinstance(model, (str, Path)) else model
         # Content hash: the same model gives the same provenance whether given as a path or in memory.
         input_hash = model_fingerprint(source)
         check_model(source)
@@ -186,6 +186,10 @@ class Pipeline:
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
+        kept = source if keep_input or keep_stages or verify else None
+        if kept is None:
+            ctx.input_model = None
+        del source  # the handle owns the weights now: without `kept`, the loaded protobuf is freed here
         stages: list[onnx.ModelProto] = []
         steps = self._with_target_opset()
         # wants_reference[i]: a pass at i or later reads ctx.float_reference (exported once, only then)
@@ -214,16 +218,20 @@ class Pipeline:
                     record.verify = self._verify(p, i, previous, current, verify_feeds, verify_tolerance)
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
                 previous = current
-        out = handle.to_onnx()
+        out, held = handle.weightless_export()
+        handle.release()  # the graph lets go of its weights: `held` is their last owner
+        fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
+        del held
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, source, stages, data)
+        return PipelineResult(out, records, kept, stages, data)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
         nodes_before, opset_before = len(handle.graph.nodes), handle.opset
         start = time.perf_counter()
         result, measured = run_pass(p, index, handle, ctx)
+        gc.collect()  # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now
         if target_step:
             result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} after the "
                                     "last pass, as the recipe's target asks")

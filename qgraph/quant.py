@@ -2,7 +2,8 @@
 
 This module is the single place where integer ranges, scales, zero points and the
 QuantizeLinear / DequantizeLinear arithmetic are defined.  Everything is vectorized numpy
-and works elementwise for per-channel parameters.
+and works elementwise for per-channel parameters.  It is longer than 400 lines on purpose: the
+quantization math stays in one place rather than spread over modules.
 
 Conventions (they match ONNX ``QuantizeLinear`` / ``DequantizeLinear``):
 
@@ -259,15 +260,43 @@ def quantize(
     ``x / scale`` is computed in float32 like onnxruntime.  Saturation clips to the full
     range of ``dtype`` (not the narrow or reduced one).  ``axis`` selects the channel axis
     for per-channel ``scale``/``zero_point`` of shape ``(C,)``.
+
+    Runs in float32 in place, `QUANTIZE_CHUNK` elements at a time (a weight costs its integer result plus one
+    bounded scratch). Exact: ``round(x / scale) + zp`` in float32 is exact inside the (<= 16-bit) integer range,
+    and a sum outside it stays outside (rounding is monotonic), saturating to the same bound.
     """
     dt = QuantDtype(dtype)
     xa = np.asarray(x, dtype=np.float32)
     s = _broadcast_param(np.asarray(scale, dtype=np.float32), xa.ndim, axis)
     z = _broadcast_param(np.asarray(zero_point, dtype=np.float64), xa.ndim, axis)
     qmin, qmax = dtype_range(dt)
-    q: npt.NDArray[np.float64] = np.rint(xa / s).astype(np.float64) + z
-    out: npt.NDArray[Any] = np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+    out: npt.NDArray[Any] = np.empty(xa.shape, dt.numpy_dtype)
+    if xa.ndim == 0 or xa.size == 0 or max(abs(qmin), abs(qmax)) > 2**16:
+        q: npt.NDArray[np.float64] = np.rint(xa / s).astype(np.float64) + z
+        out[...] = np.clip(q, qmin, qmax).astype(dt.numpy_dtype)
+        return out
+    zf = z.astype(np.float32)
+    add_zero = bool(np.any(zf))
+    rows = max(1, QUANTIZE_CHUNK // max(1, xa[0].size))
+    buf = np.empty((min(rows, xa.shape[0]), *xa.shape[1:]), np.float32)
+    for start in range(0, xa.shape[0], rows):
+        stop = min(start + rows, xa.shape[0])
+        part = buf[: stop - start]
+        np.divide(xa[start:stop], _rows(s, start, stop), out=part)
+        np.rint(part, out=part)
+        if add_zero:
+            np.add(part, _rows(zf, start, stop), out=part)
+        np.clip(part, qmin, qmax, out=part)
+        out[start:stop] = part  # exact: integers within the dtype's range
     return out
+
+
+QUANTIZE_CHUNK = 1 << 22  #: elements quantized per slab (float32 scratch: 16 MB)
+
+
+def _rows(p: npt.NDArray[Any], start: int, stop: int) -> npt.NDArray[Any]:
+    """Rows ``start:stop`` of a broadcast parameter when it varies along the first axis, else the parameter."""
+    return p[start:stop] if p.ndim and p.shape[0] > 1 else p
 
 
 def dequantize(

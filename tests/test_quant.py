@@ -241,3 +241,41 @@ def test_quantize_bias_tiny_scale_raises_weight_scale() -> None:
     assert np.all(res.scale >= MIN_SCALE**2)
     # dequantized bias is still accurate to a relative 1e-9
     np.testing.assert_allclose(res.values[:3] * res.scale[:3].astype(np.float64), bias[:3], rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    dtype=st.sampled_from(SMALL_TYPES),
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 7),
+    axis=st.sampled_from([None, 0, 1]),
+    magnitude=st.floats(1e-3, 1e6),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_slabs_equal_the_float64_formula(
+    dtype: QuantDtype, rows: int, cols: int, axis: int | None, magnitude: float, seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The in-place float32 slab path gives exactly ``clip(rint(float32(x / s)) + zp)`` computed in float64, for
+    slabs smaller than the tensor (several chunks) and values far outside the integer range."""
+    import qgraph.quant as quant
+
+    monkeypatch.setattr(quant, "QUANTIZE_CHUNK", 2 * cols)  # two rows per slab: exercises chunk boundaries
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * magnitude).astype(np.float32)
+    qmin, qmax = dtype_range(dtype)
+    channels = x.shape[axis] if axis is not None else 1
+    scale = (rng.random(channels) * 0.5 + 1e-3).astype(np.float32)
+    zp = rng.integers(qmin, qmax + 1, channels)
+    if axis is None:
+        scale, zp = scale[0], zp[0]
+    shape = [1, 1]
+    if axis is not None:
+        shape[axis] = channels
+    s = np.reshape(scale, shape) if axis is not None else scale
+    z = np.reshape(zp, shape) if axis is not None else zp
+    expected = np.clip(np.rint(x / s).astype(np.float64) + z, qmin, qmax)
+    got = quantize(x, scale, zp, dtype, axis)
+    assert got.dtype == dtype.numpy_dtype and got.shape == x.shape
+    np.testing.assert_array_equal(got.astype(np.float64), expected)

@@ -103,7 +103,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         )
     batch = ctx.calibration.batch_size
     data = ctx.calibration_data
-    model = graph.to_onnx()
+    model, held = graph.weightless_export()  # sessions read the graph's weights in place: no second copy
     cal = collect_ranges(
         model,
         missing,
@@ -112,6 +112,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         options=observer_options(cfg),
         progress=ctx.progress("calibrating"),
         robust_percentile=OUTLIER_PERCENTILE if cfg.outliers.skip else None,
+        weights={name: value for name, (value, _) in held.items()},
     )
     count = next(iter(cal.values())).num_updates if cal else 0
     notes.append(

@@ -20,7 +20,7 @@ import onnx_graphsurgeon as gs
 from qgraph.quant import QuantSpec, quantize
 
 from .placement import Unit
-from .weights import Emitter, finite_constant, quantize_weight_values
+from .weights import Emitter, finite_constant, quantize_weight_values, release_float
 from .wmath import lopsided
 
 
@@ -56,7 +56,7 @@ class DynamicQuantizer:
         w = em.g.constant_value(w_t)
         assert w is not None
         finite_constant(w, w_t.name, node.name)
-        w = w.astype(np.float32)
+        w = w.astype(np.float32, copy=False)
         alpha = 1.0
         bias: gs.Tensor | None = None
         if node.op == "Gemm":
@@ -91,6 +91,7 @@ class DynamicQuantizer:
         em.node("Mul", f"{name}/scale_mul", [xs, ws], [sc], target=target)
         node.outputs.clear()
         node.inputs.clear()
+        release_float(em, w_t)
         self.replaced.add(id(node))
         if bias is None:
             em.node("Mul", f"{name}/rescale", [accf, sc], [y], target=target)

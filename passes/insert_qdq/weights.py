@@ -56,6 +56,13 @@ class Emitter:
         self.g = graph
         self.new_nodes: list[gs.Node] = []
         self._zero_points: dict[tuple[str, tuple[int, ...], bytes], gs.Constant] = {}
+        self._outputs: set[int] | None = None
+
+    def scope_outputs(self) -> set[int]:
+        """ids of the output tensors of every scope (computed once: passes rewire nodes, never outputs)."""
+        if self._outputs is None:
+            self._outputs = {id(t) for g in self.g.scopes() for t in g.outputs}
+        return self._outputs
 
     def zero_point(self, base: str, value: npt.NDArray[Any]) -> gs.Constant:
         """Zero-point initializer ``<base>/zero_point``; equal zero points share one initializer."""
@@ -128,6 +135,13 @@ def finite_constant(value: npt.NDArray[Any], tensor: str, node: str) -> None:
         )
 
 
+def release_float(em: Emitter, t: gs.Tensor) -> None:
+    """Free a float initializer's values once its integer replacement took over its last reader: one float copy of
+    a weight at a time, not all of them beside all the integer ones (an unread initializer is never exported)."""
+    if isinstance(t, gs.Constant) and not t.outputs and id(t) not in em.scope_outputs():
+        t.values = np.empty((0,), np.float32)
+
+
 def check_finite_weights(graph: GraphHandle, units: list[Unit]) -> None:
     """`finite_constant` on the weight and bias of every weighted unit."""
     for unit in units:
@@ -196,13 +210,16 @@ class WeightQuantizer:
             bias = b.astype(np.float32) if beta == 1.0 else (b.astype(np.float64) * beta).astype(np.float32)
         return w, spec, bias
 
-    def prepare(self, units: list[tuple[Unit, float | None]], min_group: int = 4) -> None:
-        """Precompute the arithmetic of same-shaped layers in stacks (see `wmath`)."""
+    def prepare(self, units: list[tuple[Unit, float | None]], min_group: int = 4, max_bytes: int = 1 << 20) -> None:
+        """Precompute the arithmetic of same-shaped layers of at most ``max_bytes`` in stacks (see `wmath`): the
+        per-call overhead it removes only matters for small layers, and a stack is a copy of its weights."""
         groups: dict[tuple[Any, ...], list[tuple[Unit, npt.NDArray[np.float32], Any, float | None]]] = {}
         for unit, s_in in units:
             if unit.weight_index is None:
                 continue
             w, spec, bias = self._inputs(unit, s_in)
+            if w.nbytes > max_bytes:
+                continue
             key = (w.shape, spec.axis, spec.symmetric, None if bias is None else bias.shape)
             groups.setdefault(key, []).append((unit, w, bias, s_in))
         for (_, axis, symmetric, bshape), members in groups.items():
@@ -241,6 +258,8 @@ class WeightQuantizer:
             dq = self._emit_weight(w_t, w, math.qw, scale, zp, axis if scale.ndim else None)
             self._shared[key] = dq
         node.inputs[unit.weight_index] = dq
+        if self.fmt != "float_qdq":
+            release_float(self.em, w_t)
         qwt = QuantizedWeight(w_t.name, label(node), node.op, math.qw, np.asarray(scale), np.asarray(zp), axis)
         qwt.transposed = bool(node.op == "Gemm" and int(node.attrs.get("transB", 0)))
         self.weights.append(qwt)

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from qgraph.errors import PassError
-from qgraph.graph import NoMatch, is_default_domain
+from qgraph.graph import NoMatch, is_default_domain, placeholders_as_inputs
 from qgraph.opsets import MIN_OPSET, max_opset
 
 from .adapters import load_adapters
@@ -124,7 +124,7 @@ def raise_model(model: onnx.ModelProto, target_opset: int) -> RaisingResult:
             imp.version = target_opset
     fix_ir_version(converted, lowering=False)
     try:
-        onnx.checker.check_model(converted, full_check=True)
+        onnx.checker.check_model(placeholders_as_inputs(converted), full_check=True)
     except Exception as exc:
         raise PassError(f"raising to opset {target_opset} produced an invalid model ({exc}); nothing written") from None
     return RaisingResult(converted, src, target_opset, counts, dropped)
@@ -156,7 +156,9 @@ def _pass_classes() -> tuple[type, type]:
 
         def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
             """Raise the whole model; a `PassError` leaves the graph untouched."""
-            res = raise_model(graph.to_onnx(), self.config.opset)
+            model, held = graph.weightless_export()  # the converter never needs the weights' bytes
+            res = raise_model(model, self.config.opset)
+            del model
             out = PassResult(
                 details={
                     "source_opset": res.source_opset,
@@ -166,7 +168,7 @@ def _pass_classes() -> tuple[type, type]:
                 }
             )
             if res.source_opset != res.target_opset:
-                graph.replace_model(res.model)
+                graph.replace_model(res.model, held)
                 out.rewritten = sum(res.adapters.values()) + len(res.dropped_attributes)
                 out.notes.append(f"opset {res.source_opset} -> {res.target_opset}")
             return out

@@ -28,7 +28,9 @@ class LowerOpset(Pass[LowerOpsetConfig]):
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Lower the whole model (refusals raise `LoweringError`, a `PassError`, before anything changes)."""
-        res = lower_model(graph.to_onnx(), self.config.opset)
+        model, held = graph.weightless_export()  # lowering never needs the weights' bytes
+        res = lower_model(model, self.config.opset)
+        del model
         out = PassResult(
             details={
                 "source_opset": res.source_opset,
@@ -43,6 +45,6 @@ class LowerOpset(Pass[LowerOpsetConfig]):
         out.matched = out.rewritten = sum(res.ops.values())
         out.nodes_added = max(0, res.nodes_after - res.nodes_before)
         out.nodes_removed = max(0, res.nodes_before - res.nodes_after)
-        graph.replace_model(res.model)
+        graph.replace_model(res.model, held)
         out.notes.append(f"opset {res.source_opset} -> {res.target_opset}")
         return out

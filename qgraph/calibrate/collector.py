@@ -48,6 +48,7 @@ from qgraph.calibrate.session import (
     session_options,
 )
 from qgraph.errors import DataError, ModelError
+from qgraph.graph.detach import with_weights
 from qgraph.opsets import model_opset
 from qgraph.quant import ActivationRange
 
@@ -144,6 +145,7 @@ def collect_ranges(
     large_model_bytes: int = LARGE_MODEL_BYTES,
     robust_percentile: float | None = None,
     optimize: bool = True,
+    weights: Mapping[str, npt.NDArray[Any]] | None = None,
 ) -> dict[str, TensorCalibration]:
     """Calibrate ``tensor_names`` of ``model`` on ``data`` with one observer per tensor.
 
@@ -163,6 +165,8 @@ def collect_ranges(
         large_model_bytes: serialized size above which external data is used.
         robust_percentile: also estimate this percentile of ``|x|`` per tensor (outlier ratio).
         optimize: run with onnxruntime's graph optimizations (module docstring).
+        weights: values of the placeholders when ``model`` is a weightless export
+            (`qgraph.GraphHandle.weightless_export`): sessions read them in place, no serialized copy is made.
 
     Raises:
         ModelError: unknown tensor, initializer, or tensor inside a subgraph.
@@ -174,14 +178,14 @@ def collect_ranges(
     observers = {name: make_observer(method, name, axes.get(name), **opts) for name in tensor_names}
     robust = {name: RobustMagnitude(robust_percentile) for name in observers} if robust_percentile else {}
     _check_tensors(model, list(observers))
-    run = _Run(progress, providers, data_hasher, large_model_bytes, optimize)
+    run = _Run(progress, providers, data_hasher, large_model_bytes, optimize, weights)
     if method == "minmax" and not axes and not opts.get("moving_average") and _in_graph_ok(model):
         minmax = {k: v for k, v in observers.items() if isinstance(v, MinMaxObserver)}
         if _collect_in_graph(model, minmax, robust, data, run):
             return {n: TensorCalibration.from_observer(o, robust.get(n)) for n, o in observers.items()}
     feeders = {n: _Tee(o, robust[n]) if n in robust else o for n, o in observers.items()}
     observe(model, feeders, data, progress=progress, providers=providers, data_hasher=data_hasher,
-            large_model_bytes=large_model_bytes, optimize=optimize)
+            large_model_bytes=large_model_bytes, optimize=optimize, weights=weights)
     return {n: TensorCalibration.from_observer(o, robust.get(n)) for n, o in observers.items()}
 
 
@@ -194,6 +198,7 @@ class _Run:
     data_hasher: Hasher | None
     large_model_bytes: int
     optimize: bool
+    weights: Mapping[str, npt.NDArray[Any]] | None = None
 
 
 def _in_graph_ok(model: onnx.ModelProto) -> bool:
@@ -226,7 +231,7 @@ def _collect_in_graph(
             try:
                 sess = stack.enter_context(calibration_session(
                     model, additions, optimize=run.optimize, providers=run.providers,
-                    large_model_bytes=run.large_model_bytes,
+                    large_model_bytes=run.large_model_bytes, weights=run.weights,
                 ))
             except ModelError:
                 if feeds is not None:
@@ -274,7 +279,8 @@ def _confirm(model: onnx.ModelProto, names: list[str], arrays: Mapping[str, Any]
     if not names:
         return []
     with calibration_session(model, Additions(outputs=fetch_outputs(model, names)), optimize=run.optimize,
-                             providers=run.providers, large_model_bytes=run.large_model_bytes) as sess:
+                             providers=run.providers, large_model_bytes=run.large_model_bytes,
+                             weights=run.weights) as sess:
         values = run_session(sess, names, arrays, index)
     nan = [n for n, v in zip(names, values, strict=True) if not np.isfinite(np.asarray(v)).all()]
     if nan:
@@ -292,6 +298,7 @@ def observe(
     data_hasher: Hasher | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
     optimize: bool = True,
+    weights: Mapping[str, npt.NDArray[Any]] | None = None,
 ) -> int:
     """Feed every tensor named in ``observers`` (any mix of observer types, or anything with
     ``update(x, sample_index)``) for all of ``data``; returns the number of feeds processed.
@@ -304,6 +311,8 @@ def observe(
     graph_inputs = [vi.name for vi in model.graph.input if vi.name not in inits]
     source, total = open_data(data)
     if segmentable(model):
+        if weights:  # segments build their own sessions from protobufs: give them the weights
+            model = with_weights(model, weights)
         validated = (arrays for _, arrays in feeds_of(source, set(graph_inputs), data_hasher))
         after = (lambda i: progress(i + 1, total)) if progress is not None else None
         return observe_segmented(model, observers, validated, optimization=session_options(optimize)
@@ -312,7 +321,7 @@ def observe(
     fetch = [n for n in observers if n not in graph_inputs]
     done = 0
     with calibration_session(model, Additions(outputs=fetch_outputs(model, fetch)), optimize=optimize,
-                             providers=providers, large_model_bytes=large_model_bytes) as sess:
+                             providers=providers, large_model_bytes=large_model_bytes, weights=weights) as sess:
         for index, arrays in feeds_of(source, session_inputs(sess), data_hasher):
             outputs = run_session(sess, fetch, arrays, index) if fetch else []
             for name in from_feed:

@@ -20,6 +20,7 @@ from qgraph.calibrate.ranges_file import write_ranges
 from qgraph.calibrate.robust import ROBUST_PERCENTILE
 from qgraph.data import DataSource, batched, open_data_source
 from qgraph.errors import RecipeError
+from qgraph.graph.detach import split_weights
 from qgraph.model_io import model_fingerprint
 from qgraph.pipeline import Pipeline
 from qgraph.recipe import Recipe
@@ -45,7 +46,7 @@ def prepared_model(recipe: Recipe, model: str | Path | onnx.ModelProto) -> onnx.
         if not p.preserves_float:
             break
         prep.append(p)
-    return Pipeline(prep, name=recipe.name).run(model).model if prep else _copy_or_load(model)
+    return Pipeline(prep, name=recipe.name).run(model, keep_input=False).model if prep else _copy_or_load(model)
 
 
 def _copy_or_load(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
@@ -84,17 +85,19 @@ def calibrate_recipe(
         for key, value in _activation_grid(recipe).items():
             options.setdefault(key, value)
     source = open_data_source(spec, samples=samples or recipe.calibration.samples).bind(graph)
-    names = float_activations(graph)
+    fingerprint = model_fingerprint(graph)
+    graph, weights = split_weights(graph)  # one copy of the weights (numpy), read in place by the sessions
+    names = float_activations(graph)  # shape inference on the weightless protobuf: no copies of the weights
     hasher = hashlib.sha256()
     batch = recipe.calibration.batch_size
     calibrations = collect_ranges(
         graph, names, lambda: batched(source, batch), method, options=options, progress=progress,
-        data_hasher=hasher, robust_percentile=ROBUST_PERCENTILE,
+        data_hasher=hasher, robust_percentile=ROBUST_PERCENTILE, weights=weights,
     )
     if on_result is not None:
         on_result(calibrations)
     return write_ranges(
-        output, calibrations, model_fingerprint=model_fingerprint(graph), data_fingerprint=hasher.hexdigest(),
+        output, calibrations, model_fingerprint=fingerprint, data_fingerprint=hasher.hexdigest(),
         method=method, options=options,
     )
 

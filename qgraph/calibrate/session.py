@@ -8,16 +8,20 @@ external data (one tensor in memory at a time) and loaded from there.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto
 
 from qgraph.errors import ModelError
+from qgraph.graph.detach import split_weights
 
 #: Serialized size above which the calibration model goes through external data (2 GB - 64 MB).
 LARGE_MODEL_BYTES = 2**31 - 1 - (64 << 20)
@@ -81,14 +85,21 @@ def calibration_session(
     optimize: bool = True,
     providers: Sequence[str] | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
+    weights: Mapping[str, npt.NDArray[Any]] | None = None,
 ) -> Iterator[ort.InferenceSession]:
     """A session over ``model`` + ``additions`` (see module docstring).
+
+    ``weights`` gives the values of a weightless export's placeholders (`qgraph.GraphHandle.weightless_export`):
+    onnxruntime reads them in place (``add_external_initializers``), so the session holds no serialized copy.
 
     Raises:
         ModelError: onnxruntime cannot load the model, or an initializer's external data is not loaded.
     """
     opts = session_options(optimize)
     provs = list(providers) if providers else ["CPUExecutionProvider"]
+    if weights is None:  # the session reads the weights in place; the protobuf it parses holds none
+        model, weights = split_weights(model)
+    held = _share_weights(opts, weights) if weights else []  # kept alive as long as the session
     extra = sum(t.ByteSize() for t in additions.initializers)
     if _serialized_size(model) + extra <= large_model_bytes:
         aug = onnx.ModelProto()
@@ -97,10 +108,20 @@ def calibration_session(
         aug.graph.initializer.extend(additions.initializers)
         aug.graph.output.extend(additions.outputs)
         yield create_session(aug.SerializeToString(), opts, provs)
+        del held
         return
     with tempfile.TemporaryDirectory(prefix="qgraph-calib-") as tmp:
         path = _write_with_external_data(model, additions, Path(tmp))
         yield create_session(str(path), opts, provs)
+
+
+def _share_weights(opts: ort.SessionOptions, weights: Mapping[str, npt.NDArray[Any]]) -> list[ort.OrtValue]:
+    names = list(weights)
+    values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
+    # onnxruntime still prepacks MatMul/Gemm weights into kernel layout (its own copy of those): disabling that
+    # changes MatMul's float rounding, hence calibration ranges and the output bytes, so it stays on.
+    opts.add_external_initializers(names, values)
+    return values
 
 
 def create_session(src: str | bytes, opts: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:

@@ -26,7 +26,7 @@ def lower(
     tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
 ) -> None:
     """Rewrite MODEL so it is valid at --opset and computes the same results (lowering or raising)."""
-    from qgraph.model_io import load_model
+    from qgraph.model_io import load_model, read_header
     from qgraph.opsets import check_opset
     from qgraph.pass_api import get_pass
     from qgraph.pipeline import Pipeline
@@ -34,11 +34,12 @@ def lower(
     check_opset(opset, "--opset")
     need_positive(tolerance, "--tolerance")
     check_output(output, inputs=[model])
-    source = load_model(model)
-    current = model_opset(source, opset)
+    if not Path(model).is_file():
+        load_model(model)  # raises the usual ModelError (missing file, a folder)
+    current = model_opset(read_header(model), opset)  # the opset without reading the weights: the pipeline does
     name = "lower_opset" if opset <= current else "raise_opset"
     result = Pipeline([get_pass(name)(opset=opset)], name=f"{name}-{opset}").run(
-        source, verify=verify, verify_tolerance=tolerance)
+        model, verify=verify, verify_tolerance=tolerance, keep_input=False)
     for note in [*result.records[0].result.decisions, *result.records[0].result.notes]:
         say(note)
     result.save(output)

@@ -23,6 +23,7 @@ import onnx
 from qgraph.diff.protos import ModelIndex, NodeRef, describe_attribute, dtype_name, tensor_digest, tensor_nbytes
 from qgraph.diff.provenance import json_or_none, metadata_changes, provenance_reasons
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
+from qgraph.model_io import serialized_size
 
 
 @dataclass
@@ -49,7 +50,7 @@ class ModelFacts:
             nodes=len(idx.nodes),
             initializers=len(idx.initializers),
             initializer_bytes=sum(tensor_nbytes(t) for t in idx.initializers.values()),
-            model_bytes=int(m.ByteSize()),
+            model_bytes=serialized_size(m),  # ByteSize() would serialize the whole model
             file_bytes=_file_bytes(Path(path), m) if path is not None else None,
         )
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from .checks import check_acyclic, check_model, check_structure, check_unique_names, cycle_message
+from .detach import placeholders_as_inputs
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
 from .match import MatchResult, NoMatch
 from .ops import (
@@ -73,6 +74,7 @@ __all__ = [
     "node_subgraphs",
     "onnx_type_name",
     "outer_inputs",
+    "placeholders_as_inputs",
     "producer",
     "proto_scopes",
     "proto_subgraphs",

@@ -30,15 +30,15 @@ class TypeKeeper:
     def _record(self, proto: onnx.GraphProto, graph: gs.Graph) -> None:
         for info in [*proto.input, *proto.output, *proto.value_info]:
             if not _gs_can_export(info.type):
-                self.types[info.name] = info.type
+                self.types[info.name] = _own(info.type)
         if len(proto.node) != len(graph.nodes):  # graphsurgeon keeps node order; anything else is not ours to fix
             return
         for pnode, gnode in zip(proto.node, graph.nodes, strict=True):
             for attr in pnode.attribute:
                 if attr.type == onnx.AttributeProto.TYPE_PROTO and attr.name not in gnode.attrs:
-                    gnode.attrs[attr.name] = attr.tp  # onnx.helper.make_attribute exports a TypeProto as is
+                    gnode.attrs[attr.name] = _own(attr.tp)  # onnx.helper.make_attribute exports a TypeProto as is
                 elif attr.type == onnx.AttributeProto.TYPE_PROTOS and attr.name not in gnode.attrs:
-                    gnode.attrs[attr.name] = list(attr.type_protos)
+                    gnode.attrs[attr.name] = [_own(tp) for tp in attr.type_protos]
 
     def export(self, graph: gs.Graph) -> onnx.ModelProto:
         """``gs.export_onnx(graph)`` with the recorded types put back."""
@@ -61,6 +61,14 @@ class TypeKeeper:
                     if info.name in self.types:
                         info.type.CopyFrom(self.types[info.name])
         return model
+
+
+def _own(tp: onnx.TypeProto) -> onnx.TypeProto:
+    """A copy of ``tp`` in its own protobuf: a reference into the model would keep the whole model (every weight)
+    in memory (`qgraph.graph.detach`)."""
+    copy = onnx.TypeProto()
+    copy.CopyFrom(tp)
+    return copy
 
 
 def _gs_can_export(tp: onnx.TypeProto) -> bool:

@@ -27,6 +27,7 @@ from qgraph.graph.ops import is_default_domain
 from qgraph.ir_version import normalize_ir_version
 
 from .checks import gs_cycle_message
+from .detach import Held, attach_weights, detach_constants, fill_weights, weightless
 from .gs_compat import TypeKeeper
 from .ops import Inferred, const_value, graph_scopes, topological_order
 from .shapes import static_shapes
@@ -82,6 +83,7 @@ class GraphHandle:
         except Exception as exc:  # graphsurgeon raises bare exceptions on malformed graphs
             raise ModelError(f"the model's graph cannot be imported: {type(exc).__name__}: {exc}") from exc
         self._types = TypeKeeper(model, self.graph)
+        detach_constants(self.graph)  # the graph owns its weights: the caller's proto can be freed
         # graphsurgeon shares these protos with the input model: copy so passes never edit the caller's model.
         self.graph.import_domains = [
             onnx.helper.make_opsetid(d.domain, d.version) for d in self.graph.import_domains or []
@@ -146,7 +148,7 @@ class GraphHandle:
         """Shape and element type of every tensor in every scope after ONNX shape inference (run once per change
         on a weight-free export; what inference cannot find is absent)."""
         if self._shapes is None:
-            self._shapes = static_shapes(self.to_onnx())
+            self._shapes = static_shapes(self.to_onnx(weights=False))
         return self._shapes
 
     def _build_index(self) -> GraphIndex:
@@ -287,11 +289,23 @@ class GraphHandle:
         self.changed()
 
     # ------------------------------------------------------------------ export
-    def to_onnx(self) -> onnx.ModelProto:
-        """Export to a ModelProto with model-level fields, tags and metadata restored and a sane IR."""
+    def to_onnx(self, weights: bool = True) -> onnx.ModelProto:
+        """Export to a ModelProto with model-level fields, tags and metadata restored and a sane IR.
+
+        Weights are written into the export one tensor at a time (never a second whole copy in flight); with
+        ``weights=False`` tensors of at least `DETACH_BYTES` are data-less placeholders (`qgraph.graph.detach`):
+        for shape inference, opset conversion and sessions given the weights separately (`weightless_export`)."""
+        model, held = self.weightless_export()
+        if weights:
+            fill_weights(model, held)
+        return model
+
+    def weightless_export(self) -> tuple[onnx.ModelProto, Held]:
+        """The export with large weights as placeholders, and those weights by name (values and data location)."""
         self.walks["export"] += 1
         try:
-            model = self._types.export(self.graph)
+            with weightless(self.graph) as held:
+                model = self._types.export(self.graph)
         except Exception as exc:
             raise ModelError(f"the rewritten graph cannot be exported: {type(exc).__name__}: {exc}") from exc
         model.ir_version = self._model_fields.ir_version
@@ -312,7 +326,7 @@ class GraphHandle:
                 if tag is not None:
                     node.doc_string = TAG_PREFIX + tag
         normalize_ir_version(model)
-        return model
+        return model, held
 
     def release(self) -> None:
         """Break the graph's node <-> tensor reference cycles so it is freed at once by reference counting (the
@@ -324,10 +338,14 @@ class GraphHandle:
             g.nodes.clear()
         self._drop_caches()
 
-    def replace_model(self, model: onnx.ModelProto) -> None:
-        """Replace the whole graph with ``model`` (for passes that rewrite protos, e.g. opset lowering)."""
+    def replace_model(self, model: onnx.ModelProto, held: Held | None = None) -> None:
+        """Replace the whole graph with ``model`` (for passes that rewrite protos, e.g. opset lowering); ``held``
+        gives the weights of a model rewritten from `weightless_export` back to its placeholders."""
         tags, metadata, walks = self.tags, self.metadata, self.walks
+        self.release()  # the old graph's node <-> tensor cycles would keep its weights until a cyclic collection
         self.__init__(model)  # type: ignore[misc]
+        if held:
+            attach_weights(self.graph, held)
         self.tags = {**tags, **self.tags}
         self.metadata = {**metadata, **self.metadata}
         self.walks = walks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import onnx
 
+from .detach import is_placeholder
 from .ops import Inferred, Shape, proto_scopes
 
 #: Initializers at most this large stay in the model given to shape inference (Reshape targets etc.).
@@ -17,9 +18,9 @@ def static_shapes(model: onnx.ModelProto) -> Inferred:
     O(nodes) and copies no weights. Returns what inference could find; never raises.
     """
     graph = model.graph
-    big = [t for t in graph.initializer if _proto_bytes(t) > _SHAPE_INFERENCE_KEEP_BYTES]
+    big = [t for t in graph.initializer if _big(t)]
     if big:
-        small = [t for t in graph.initializer if _proto_bytes(t) <= _SHAPE_INFERENCE_KEEP_BYTES]
+        small = [t for t in graph.initializer if not _big(t)]
         for t in big:
             graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
         del graph.initializer[:]
@@ -41,6 +42,10 @@ def static_shapes(model: onnx.ModelProto) -> Inferred:
         for init in g.initializer:
             shapes[init.name] = (tuple(int(d) for d in init.dims), int(init.data_type))
     return shapes
+
+
+def _big(t: onnx.TensorProto) -> bool:
+    return _proto_bytes(t) > _SHAPE_INFERENCE_KEEP_BYTES or is_placeholder(t)
 
 
 def _proto_bytes(t: onnx.TensorProto) -> int:

@@ -1,0 +1,74 @@
+"""Peak memory of the CLI on a generated ~150 MB model, measured in a child process (``ru_maxrss`` from ``os.wait4``):
+`qgraph run` (static INT8 with calibration) and `qgraph lower` stay within the issue's ceiling ``2 x S + 300 MB``
+(S = weight bytes). Not timing-based; about 10 s each. `benchmarks/bench_memory.py` measures 0.5-1.2 GB models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH, LAYERS = 2048, 9  # 9 x 16 MB float32 weights
+
+
+def _gemm_chain(folder: Path, external: bool) -> tuple[Path, Path, int]:
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(LAYERS):
+        w = (rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) * np.float32(1 / np.sqrt(WIDTH)))
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(np.zeros(WIDTH, np.float32), f"b{i}")]
+        nodes += [helper.make_node("Gemm", [x, f"w{i}", f"b{i}"], [f"g{i}"], name=f"gemm{i}"),
+                  helper.make_node("Relu", [f"g{i}"], [f"r{i}"], name=f"relu{i}")]
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, WIDTH])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, WIDTH])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    path = folder / "chain.onnx"
+    onnx.save(model, str(path), save_as_external_data=external, location="chain.onnx.data")
+    data = folder / "calib.npz"
+    np.savez(data, x=rng.standard_normal((4, 1, WIDTH)).astype(np.float32))
+    weights = sum(int(np.prod(t.dims)) * 4 for t in inits)
+    return path, data, weights
+
+
+#: Runs the command from a fresh, small interpreter: a child forked from pytest would count pytest's own resident
+#: memory in its ``ru_maxrss``.
+_LAUNCH = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+_, status, usage = os.wait4(proc.pid, 0)
+sys.stderr.write(proc.stderr.read().decode())
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+
+
+def _peak_mb(args: list[str]) -> float:
+    qgraph = str(Path(sys.executable).with_name("qgraph"))
+    done = subprocess.run([sys.executable, "-c", _LAUNCH, qgraph, *args], capture_output=True, text=True, check=True)
+    code, maxrss_kb = done.stdout.split()
+    assert code == "0", done.stderr
+    return int(maxrss_kb) / 1024.0
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_run_peak_rss_within_two_model_sizes(tmp_path: Path, external: bool) -> None:
+    model, data, weights = _gemm_chain(tmp_path, external)
+    ceiling = 2 * weights / 2**20 + 300
+    peak = _peak_mb(["run", str(ROOT / "recipes" / "ort-x86-vnni.yaml"), str(model), "-o", str(tmp_path / "q.onnx"),
+                     "-q", "--calibration-data", str(data)])
+    assert peak <= ceiling, f"qgraph run peaked at {peak:.0f} MB > 2 x {weights / 2**20:.0f} + 300 MB"
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    assert sum(n.op_type == "DequantizeLinear" for n in q.graph.node) >= 2 * LAYERS
+
+
+def test_lower_peak_rss_within_two_model_sizes(tmp_path: Path) -> None:
+    model, _, weights = _gemm_chain(tmp_path, external=False)
+    ceiling = 2 * weights / 2**20 + 300
+    peak = _peak_mb(["lower", str(model), "--opset", "13", "-o", str(tmp_path / "low.onnx")])
+    assert peak <= ceiling, f"qgraph lower peaked at {peak:.0f} MB > 2 x {weights / 2**20:.0f} + 300 MB"
