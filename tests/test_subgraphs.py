@@ -122,3 +122,39 @@ def test_graft_refuses_a_body_whose_outputs_were_renamed() -> None:
     renamed.graph.output[1].name = "other"
     with pytest.raises(BodyError, match="renamed its outputs"):
         graft_body(model, body, renamed)
+
+
+def test_large_weights_inside_a_branch_calibrate() -> None:
+    """A branch holding its own large initializer (as folding inside a body leaves them): the calibration session
+    gets its values (onnxruntime takes shared external initializers for the top graph only)."""
+    from qgraph.graph.detach import DETACH_BYTES
+
+    rng = np.random.default_rng(3)
+    n = int(np.ceil(np.sqrt(DETACH_BYTES))) + 8  # still over the threshold once quantized to int8
+    w = numpy_helper.from_array((rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32), "inner_w")
+
+    def branch(name: str, scale: float) -> onnx.GraphProto:
+        k = numpy_helper.from_array(np.array(scale, np.float32), f"{name}_k")
+        nodes = [helper.make_node("MatMul", ["x", "inner_w" if name == "then" else "outer_w"], [f"{name}_m"],
+                                  name=f"{name}/matmul"),
+                 helper.make_node("Mul", [f"{name}_m", f"{name}_k"], [f"{name}_y"], name=f"{name}/mul")]
+        inits = [w, k] if name == "then" else [k]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_y", 1, [1, n])], inits)
+
+    outer = numpy_helper.from_array((rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32), "outer_w")
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["h"], then_branch=branch("then", 1.0), else_branch=branch("else", 2.0),
+                          name="switch"),
+         helper.make_node("MatMul", ["h", "outer_w"], ["y"], name="head")],  # calibrated with the If inside
+        "big_branch", [helper.make_tensor_value_info("x", 1, [1, n]), helper.make_tensor_value_info("c", 9, [])],
+        [helper.make_tensor_value_info("y", 1, [1, n])], [outer])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = [{"x": rng.standard_normal((1, n)).astype(np.float32), "c": np.array(i % 2 == 0)} for i in range(8)]
+    res = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(
+        model, calibration_data=CallableSource(lambda: feeds, "both branches"))
+    result = res.records[0].result
+    assert result.details["subgraph_nodes_quantized_static"] == 2, result.decisions
+    assert "head" in {u["node"] for u in result.details["quantized"]}
+    for f in feeds[:2]:
+        ref, got = _run(model, [f]), _run(res.model, [f])
+        assert _sqnr(ref, got) > 25

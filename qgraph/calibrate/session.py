@@ -21,7 +21,8 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from qgraph.errors import ModelError
-from qgraph.graph.detach import split_weights
+from qgraph.graph import proto_scopes
+from qgraph.graph.detach import is_placeholder, split_weights
 
 #: Serialized size above which the calibration model goes through external data (2 GB - 64 MB).
 LARGE_MODEL_BYTES = 2**31 - 1 - (64 << 20)
@@ -99,6 +100,8 @@ def calibration_session(
     provs = list(providers) if providers else ["CPUExecutionProvider"]
     if weights is None:  # the session reads the weights in place; the protobuf it parses holds none
         model, weights = split_weights(model)
+    if weights:
+        model, weights = _fill_nested(model, weights)
     held = _share_weights(opts, weights) if weights else []  # kept alive as long as the session
     extra = sum(t.ByteSize() for t in additions.initializers)
     if _serialized_size(model) + extra <= large_model_bytes:
@@ -113,6 +116,26 @@ def calibration_session(
     with tempfile.TemporaryDirectory(prefix="qgraph-calib-") as tmp:
         path = _write_with_external_data(model, additions, Path(tmp))
         yield create_session(str(path), opts, provs)
+
+
+def _fill_nested(
+    model: onnx.ModelProto, weights: Mapping[str, npt.NDArray[Any]]
+) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
+    """onnxruntime takes external initializers for the top graph only: placeholders inside If/Loop bodies get their
+    values written into a copy of ``model``; returns it and the weights left to share (the top graph's)."""
+    top = {t.name for t in model.graph.initializer if is_placeholder(t)}
+    if not any(is_placeholder(t) for g in proto_scopes(model.graph)[1:] for t in g.initializer):
+        return model, {k: v for k, v in weights.items() if k in top}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in proto_scopes(out.graph)[1:]:
+        for t in g.initializer:
+            if is_placeholder(t):
+                arr = np.ascontiguousarray(weights[t.name])
+                t.ClearField("external_data")
+                t.ClearField("data_location")
+                t.raw_data = arr.tobytes()
+    return out, {k: v for k, v in weights.items() if k in top}
 
 
 def _share_weights(opts: ort.SessionOptions, weights: Mapping[str, npt.NDArray[Any]]) -> list[ort.OrtValue]:
