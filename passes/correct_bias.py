@@ -42,10 +42,10 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from qgraph import GraphHandle, NodeSelector, Pass, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, NodeSelector, PassConfig, PassContext, PassResult, register
 from qgraph.layer_data import Twin, channel_means, with_twins
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
-from qgraph.weight_correction import calibration_batches, candidates, require, unavailable
+from qgraph.weight_correction import CorrectionPass, calibration_batches
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
@@ -80,7 +80,7 @@ def _rms(x: npt.NDArray[np.float64]) -> float:
 
 
 @register
-class CorrectBias(Pass[CorrectBiasConfig]):
+class CorrectBias(CorrectionPass[CorrectBiasConfig]):
     """Empirical bias correction: b += mean output error per output channel of each quantized layer.
 
     Needs calibration data and the float model (run it after ``insert_qdq`` in the same recipe). ``mode: local``
@@ -90,24 +90,13 @@ class CorrectBias(Pass[CorrectBiasConfig]):
 
     name = NAME
     config_class = CorrectBiasConfig
-    preserves_float = False
-    needs_float_reference = True
-
-    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
-        """Calibration data, the float reference and at least one quantized layer."""
-        require(NAME, graph, ctx)
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Measure the mean output errors and fold them into the biases (module docstring)."""
         res = PassResult()
-        why = unavailable(graph, ctx)
-        if why is not None:
-            res.decisions.append(why)
+        cands = self.start(graph, ctx, self.config.nodes, res)
+        if cands is None:
             return res
-        cands = candidates(NAME, graph, ctx, self.config.nodes)
-        res.unmatched = cands.unmatched
-        for node, reason in cands.skipped:
-            res.skip(node, reason)
         layers = []
         for layer in cands.layers:
             res.matched += 1

@@ -32,11 +32,11 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from qgraph import GraphHandle, NodeSelector, Pass, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, NodeSelector, PassConfig, PassContext, PassResult, register
 from qgraph.layer_data import RowSpec, sample_inputs
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
 from qgraph.rounding import optimize_rounding, rounding_objective, second_moments
-from qgraph.weight_correction import calibration_batches, candidates, require, row_spec, unavailable
+from qgraph.weight_correction import CorrectionPass, calibration_batches, row_spec
 
 __all__ = ["OptimizeRounding", "OptimizeRoundingConfig"]
 
@@ -64,7 +64,7 @@ def _sqnr_db(signal: float, noise: float) -> float:
 
 
 @register
-class OptimizeRounding(Pass[OptimizeRoundingConfig]):
+class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
     """Adaptive rounding: per quantized layer, choose floor/ceil per weight to minimise E||W x - Ŵ x||².
 
     Needs calibration data and the float model (run it after ``insert_qdq`` in the same recipe); scales and zero
@@ -74,26 +74,15 @@ class OptimizeRounding(Pass[OptimizeRoundingConfig]):
 
     name = NAME
     config_class = OptimizeRoundingConfig
-    preserves_float = False
-    needs_float_reference = True
-
-    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
-        """Calibration data, the float reference and at least one quantized layer."""
-        require(NAME, graph, ctx)
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Optimize the layers group by group (module docstring)."""
         cfg = self.config
         res = PassResult()
-        why = unavailable(graph, ctx)
-        if why is not None:
-            res.decisions.append(why)
-            return res
         deadline = time.perf_counter() + cfg.time_budget_s if cfg.time_budget_s is not None else None
-        cands = candidates(NAME, graph, ctx, cfg.nodes)
-        res.unmatched = cands.unmatched
-        for node, reason in cands.skipped:
-            res.skip(node, reason)
+        cands = self.start(graph, ctx, cfg.nodes, res)
+        if cands is None:
+            return res
         work: list[tuple[QuantLayer, RowSpec]] = []
         for layer in cands.layers:
             spec = row_spec(layer)

@@ -13,7 +13,7 @@ from qgraph.model_io import load_model, save_model
 from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult, Skipped, get_pass, register
 from qgraph.pipeline import Pipeline, PipelineEvent, PipelineResult
 from qgraph.recipe import Recipe
-from qgraph.selectors import NodeSelector, Selection, SubgraphRange, select
+from qgraph.selectors import NodeSelector, Selection, SubgraphRange, select, selected_ids
 
 __all__ = [
     "DataError",
@@ -42,4 +42,5 @@ __all__ = [
     "register",
     "save_model",
     "select",
+    "selected_ids",
 ]

@@ -24,6 +24,7 @@ from onnx import helper, numpy_helper
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 from qgraph.errors import DataError
+from qgraph.graph import insert_after_producers
 
 _PREFIX = "qgraph_layer"
 
@@ -54,15 +55,7 @@ def _augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph
-    ordered: list[onnx.NodeProto] = []
-    for node in g.node:
-        ordered.append(node)
-        for t in node.output:
-            ordered.extend(after.pop(t, []))
-    for rest in after.values():
-        ordered.extend(rest)
-    del g.node[:]
-    g.node.extend(ordered)
+    insert_after_producers(g, after)
     g.initializer.extend(inits)
     declared = {o.name for o in g.output}
     g.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in outputs if o not in declared)

@@ -127,6 +127,16 @@ def select(graph: GraphHandle, selector: NodeSelector) -> Selection:
     return Selection([nodes[i] for i in sorted(chosen)], unmatched)
 
 
+def selected_ids(graph: GraphHandle, selector: NodeSelector) -> tuple[set[int] | None, list[str]]:
+    """For passes that also walk nested graphs: ``id()`` of every selected node, or None when ``selector`` takes
+    every node (no include criterion, no ``exclude``: `select` resolves only the top graph, so None also admits the
+    nodes of If/Loop/Scan bodies); and the criteria that matched nothing."""
+    if selector.is_everything and selector.exclude is None:
+        return None, []
+    selection = select(graph, selector)
+    return {id(n) for n in selection.nodes}, list(selection.unmatched)
+
+
 def _endpoints(graph: GraphHandle, name: str, as_start: bool) -> set[int] | None:
     idx = graph.index
     if name in idx.by_name:

@@ -1,5 +1,6 @@
-"""What the weight-correction passes (``correct_bias``, ``optimize_rounding``) share: their preconditions, the
-layers they may correct with the float weights behind them, calibration batches, and per-layer row geometry.
+"""What the weight-correction passes (``correct_bias``, ``optimize_rounding``) share: their base class
+(`CorrectionPass`: preconditions and first steps), the layers they may correct with the float weights behind them,
+calibration batches, and per-layer row geometry.
 
 Both run after a quantizing pass (``insert_qdq``) and compare with `PassContext.float_reference`, the model as it
 was before the first float-changing pass: layers are matched by their output tensor, whose name quantization
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +20,7 @@ from qgraph.data import Feed, batched
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle
 from qgraph.layer_data import RowSpec
-from qgraph.pass_api import PassContext
+from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult
 from qgraph.qlayers import QuantLayer, find_layers
 from qgraph.selectors import NodeSelector, select
 
@@ -78,6 +80,35 @@ def candidates(pass_name: str, graph: GraphHandle, ctx: PassContext, selector: N
         raise PassError(f"{pass_name}: none of the {len(layers)} quantized layer(s) has a float weight in the float "
                         "reference: quantize in the same recipe (`- pass: insert_qdq` before this pass).")
     return out
+
+
+C = TypeVar("C", bound=PassConfig)
+
+
+class CorrectionPass(Pass[C]):
+    """Base of the weight-correction passes: they change float results, read `PassContext.float_reference`, need
+    it (`require`), and start the same way (`start`). Subclasses set ``name``, ``config_class`` and `run`."""
+
+    preserves_float: ClassVar[bool] = False
+    needs_float_reference: ClassVar[bool] = True
+
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Calibration data, the float reference and at least one quantized layer."""
+        require(self.name, graph, ctx)
+
+    def start(self, graph: GraphHandle, ctx: PassContext, selector: NodeSelector | None,
+              res: PassResult) -> Candidates | None:
+        """The `candidates` (restricted to ``selector``), their unmatched criteria and skipped layers reported in
+        ``res``; or None, with `unavailable`'s reason as ``res``'s decision, when there is nothing to do here."""
+        why = unavailable(graph, ctx)
+        if why is not None:
+            res.decisions.append(why)
+            return None
+        cands = candidates(self.name, graph, ctx, selector)
+        res.unmatched = cands.unmatched
+        for node, reason in cands.skipped:
+            res.skip(node, reason)
+        return cands
 
 
 def calibration_batches(ctx: PassContext) -> Iterable[Feed]:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph import GraphHandle, Pass, PassContext, PassResult, register, select
+from qgraph import GraphHandle, Pass, PassContext, PassResult, register, selected_ids
 from qgraph.equalize import as_linear, cle_scales, log_change, scale_const_per_channel
 from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
 
@@ -56,11 +56,8 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
         """Find the pairs of every scope, equalize them until converged, write the weights back once."""
         cfg = self.config
         res = PassResult()
-        selected: set[int] | None = None
-        if not cfg.nodes.is_everything or cfg.nodes.exclude is not None:
-            selection = select(graph, cfg.nodes)
-            res.unmatched.extend(selection.unmatched)
-            selected = {id(n) for n in selection.nodes}
+        selected, unmatched = selected_ids(graph, cfg.nodes)
+        res.unmatched.extend(unmatched)
         pairs = _find_pairs(graph_scopes(graph.graph, cfg.recurse_subgraphs), selected, res)
         res.matched = len(pairs)
         if not pairs:

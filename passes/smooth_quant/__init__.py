@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, select
+from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
 from qgraph.equalize import log_change, scale_const_per_channel, smoothing_error, smoothing_scales, sole_use
 from qgraph.graph import const_value, rebuild, redirect, renew_const
 
@@ -62,11 +62,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         """Find the groups, measure their inputs once, rescale the groups that move by more than tolerance."""
         cfg = self.config
         res = PassResult()
-        selected: set[int] | None = None
-        if not cfg.nodes.is_everything or cfg.nodes.exclude is not None:
-            selection = select(graph, cfg.nodes)
-            res.unmatched.extend(selection.unmatched)
-            selected = {id(n) for n in selection.nodes}
+        selected, unmatched = selected_ids(graph, cfg.nodes)
+        res.unmatched.extend(unmatched)
         skips: list[tuple[str, str]] = []
         groups = find_groups(graph.graph, selected, cfg.insert_mul, skips)
         for node, reason in skips:

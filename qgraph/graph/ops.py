@@ -8,7 +8,8 @@ Everything here works on onnx-graphsurgeon objects through their own producer/co
 - `const_value` reads an initializer or a ``Constant`` node output in any scope;
 - `redirect` moves every consumer of one tensor to another in O(fan-out) (graphsurgeon's own list
   bookkeeping is O(fan-out) per consumer, O(fan-out²) for a whole fan-out);
-- `detach` and `rebuild` drop and insert nodes in one pass over the node list;
+- `detach` and `rebuild` drop and insert nodes in one pass over the node list (`insert_after_producers`, its
+  twin on a GraphProto, places in-graph reductions);
 - `topological_order` is Kahn's algorithm (iterative: graphsurgeon's recursive sort overflows on long chains).
 
 Shapes and dtypes after shape inference come from `GraphHandle.shapes` (cached until the graph changes).
@@ -17,7 +18,7 @@ Shapes and dtypes after shape inference come from `GraphHandle.shapes` (cached u
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -80,6 +81,24 @@ def proto_scopes(root: onnx.GraphProto) -> list[onnx.GraphProto]:
             scopes.extend(proto_subgraphs(node))
         i += 1
     return scopes
+
+
+def insert_after_producers(graph: onnx.GraphProto, after: Mapping[str, Sequence[onnx.NodeProto]]) -> None:
+    """Put the nodes ``after[t]`` right after the node that produces tensor ``t`` in ``graph`` (in place, one walk
+    over the node list); those of a tensor no node produces (a graph input, an initializer) go at the end.
+
+    For in-graph reductions: a reduction placed right after its tensor's producer lets onnxruntime free the tensor
+    as soon as it is reduced, where one appended at the end would keep every reduced activation alive to the end."""
+    pending = {t: list(nodes) for t, nodes in after.items()}
+    ordered: list[onnx.NodeProto] = []
+    for node in graph.node:
+        ordered.append(node)
+        for t in node.output:
+            ordered.extend(pending.pop(t, []))
+    for rest in pending.values():
+        ordered.extend(rest)
+    del graph.node[:]
+    graph.node.extend(ordered)
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:

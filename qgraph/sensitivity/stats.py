@@ -14,6 +14,7 @@ from qgraph import GraphHandle
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 from qgraph.fallback import float_source, is_dq, qparams
+from qgraph.graph import insert_after_producers
 
 
 # ----------------------------------------------------------------------------- range / clipping statistics
@@ -115,17 +116,8 @@ def _add_reductions(model: onnx.ModelProto, per_tensor: dict[str, _Pair]) -> dic
             g.output.append(helper.make_value_info(n_out, onnx.TypeProto()))
         out[name] = tuple(names)
         after.setdefault(fq, []).extend(nodes)
-    # Right after the DequantizeLinear they read: each activation is reduced as soon as it exists and can be freed
-    # (appended at the end, every activation would stay alive until the end of the run).
-    ordered: list[onnx.NodeProto] = []
-    for node in g.node:
-        ordered.append(node)
-        for t in node.output:
-            ordered.extend(after.pop(t, []))
-    for rest in after.values():
-        ordered.extend(rest)
-    del g.node[:]
-    g.node.extend(ordered)
+    # Right after the DequantizeLinear they read: each activation is reduced as soon as it exists and can be freed.
+    insert_after_producers(g, after)
     return out
 
 
