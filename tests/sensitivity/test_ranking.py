@@ -238,7 +238,8 @@ def encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_one_run_ranking_on_a_transformer_is_as_stable_as_the_exact_measure(encoder: Path) -> None:
     """Past its two Softmax pairs the encoder's exact gains are ~0.01 dB, below the measure's own noise: the
     exact top-10 changes with the evaluation set. The one-run top-10 must match the exact one at least as well
-    as two exact top-10s on independent sets match each other, and contain every distinguishable node."""
+    as two exact top-10s on independent sets match each other, contain every distinguishable node, and contain
+    at least 7 of the exact top-10 of the gains averaged over the sets."""
     ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
     target = parse_target("sqnr:99")
     cands, _ = candidate_nodes(qdq)
@@ -261,3 +262,6 @@ def test_one_run_ranking_on_a_transformer_is_as_stable_as_the_exact_measure(enco
     distinct = {n for n in tops[0] if mean[n] > floor}
     assert {"layer0/attn/softmax", "layer1/attn/softmax"} <= distinct
     assert distinct <= set(one_tops[0]) and set(one_tops[0][:2]) == {"layer0/attn/softmax", "layer1/attn/softmax"}
+    # Against the exact gains averaged over the three sets (a steadier exact top-10) the issue's bar holds.
+    pooled = set(sorted(mean, key=lambda n: -mean[n])[:10])
+    assert min(len(pooled & set(t)) for t in one_tops) >= 7
