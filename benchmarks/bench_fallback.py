@@ -4,6 +4,7 @@ Run on demand::
 
     python benchmarks/bench_fallback.py [--blocks 140] [--agreement-blocks 30] [--samples 16]
                                         [--transformer-layers 53 --transformer-width 128] [--full-transformer]
+                                        [--repeats 3] [--skip cnn agreement transformer]
 
 Models (built here, no downloads):
 
@@ -22,7 +23,11 @@ float, so that is the most any fallback reaches). The peer is
 the previous method, the exact leave-one-out measure (one full evaluation per candidate): its time is
 extrapolated from ``--exact-sample`` measured candidates. ``agreement`` ranks a smaller CNN
 (``--agreement-blocks``) and a 2-layer transformer encoder (onnxruntime QDQ) both ways and reports how many of
-the exact top-10 the one-run top-10 contains.
+the exact top-10 the one-run top-10 contains, on the evaluation set and on ``--repeats`` independent sets of the
+same size. Next to it, the exact measure's own stability: its top-10 overlap between every two sets
+(self-agreement; a ranking cannot be expected to agree with the exact one better than that), and the noise floor
+(twice the largest standard deviation over the sets of an exact top-10 gain) with how many of the exact top-10
+nodes whose mean gain exceeds it (distinguishable from noise) the one-run top-10 contains.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     from qgraph import load_model
     from qgraph.compare import make_session
     from qgraph.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs, run_batches
-    from qgraph.sensitivity.ranking import candidate_nodes, rank_nodes, sensitivity_report
+    from qgraph.sensitivity.ranking import candidate_nodes
     from qgraph.sensitivity.search import auto_fallback
     from qgraph.sensitivity.targets import parse_target
 
@@ -84,20 +89,58 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         return {"int8": min(d.sqnr_db for d in ev.measure(()).diffs),
                 "all_float": min(d.sqnr_db for d in all_float.diffs), "candidates": len(cands),
                 "exact_eval_s": float(np.mean([m.seconds for m in sample]))}
-    # agreement
+    # agreement, on the evaluation set and on ``--repeats`` independent sets of the same size
+    runs = [_agreement_run(ev, target, cands)]
+    for i in range(1, args.repeats + 1):
+        b = load_feeds(str(folder / f"eval_r{i}.npz"), fm)
+        runs.append(_agreement_run(Evaluator(qm, b, reference_outputs(fm, b)), target, cands))
+    return {"candidates": len(cands), **_agreement_summary(runs)}
+
+
+def _agreement_run(ev: Any, target: Any, cands: list[tuple[str, str]]) -> dict[str, Any]:
+    """Exact (leave-one-out) and one-run rankings of ``cands`` on one evaluation set."""
+    from qgraph.sensitivity.ranking import rank_nodes, sensitivity_report
+
+    t = time.perf_counter()
     exact = sensitivity_report(ev, target, cands, stats=False)
-    exact_s = time.perf_counter() - start
+    exact_s = time.perf_counter() - t
     t = time.perf_counter()
     one = rank_nodes(ev, target, cands, ev.measure(()))
-    one_s = time.perf_counter() - t
-    top_exact = [r.name for r in exact.ranked()[:10]]
-    top_one = [r.name for r in one.ranked()[:10]]
-    # exact_top: 20 (the first 20 of the one-run ranking measured exactly, re-ranked): read off the exact table
-    gain = {r.name: r.sensitivity for r in exact.rows}
-    refined = sorted((r.name for r in one.ranked()[:20]), key=lambda n: -gain[n])[:10]
-    return {"exact_s": exact_s, "one_s": one_s, "candidates": len(cands),
-            "overlap": len(set(top_exact) & set(top_one)), "top_exact": top_exact, "top_one": top_one,
-            "overlap_exact_top20": len(set(top_exact) & set(refined))}
+    return {"exact_s": exact_s, "one_s": time.perf_counter() - t,
+            "gain": {r.name: r.sensitivity for r in exact.rows},
+            "top_exact": [r.name for r in exact.ranked()[:10]], "order_one": [r.name for r in one.ranked()]}
+
+
+def _agreement_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Top-10 overlaps: one-run vs exact per set, exact vs exact across sets, and over distinguishable nodes.
+
+    Noise floor: the exact gain of node ``n`` measured on the ``R`` independent sets has standard deviation
+    ``σ_n``; ``floor = 2 max_n σ_n`` over the exact top-10 of the first set. A node is distinguishable when its
+    mean gain exceeds that floor; ``overlap_distinct`` counts the distinguishable nodes of the exact top-10 that
+    the one-run top-10 contains."""
+    first = runs[0]
+    names = list(first["gain"])
+    gains = np.array([[r["gain"][n] for n in names] for r in runs])
+    mean = dict(zip(names, gains.mean(0), strict=True))
+    std = dict(zip(names, gains.std(0, ddof=1) if len(runs) > 1 else 0 * gains[0], strict=True))
+    floor = 2 * max(std[n] for n in first["top_exact"])
+    top_one = first["order_one"][:10]
+    distinct = [n for n in first["top_exact"] if mean[n] > floor]
+    pairs = [(a, b) for i, a in enumerate(runs) for b in runs[i + 1:]]
+    return {
+        "exact_s": first["exact_s"], "one_s": first["one_s"], "sets": len(runs),
+        "top_exact": first["top_exact"], "top_one": top_one,
+        "overlap": len(set(first["top_exact"]) & set(top_one)),
+        # exact gains averaged over all the sets (R times the samples): a steadier exact top-10
+        "overlap_pooled": len(set(sorted(names, key=lambda n: -mean[n])[:10]) & set(top_one)),
+        "overlap_mean": float(np.mean([len(set(r["top_exact"]) & set(r["order_one"][:10])) for r in runs])),
+        "self_agreement": [len(set(a["top_exact"]) & set(b["top_exact"])) for a, b in pairs],
+        "floor_db": floor, "distinct": len(distinct), "overlap_distinct": len(set(distinct) & set(top_one)),
+        "top_gains": [round(first["gain"][n], 4) for n in first["top_exact"]],
+        # exact_top: 20 (the first 20 of the one-run ranking measured exactly, re-ranked)
+        "overlap_exact_top20": len(set(first["top_exact"]) & set(
+            sorted(first["order_one"][:20], key=lambda n: -first["gain"][n])[:10])),
+    }
 
 
 def _spawn(mode: str, folder: Path, **extra: Any) -> dict[str, Any]:
@@ -116,7 +159,7 @@ def _spawn(mode: str, folder: Path, **extra: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- models
-def _cnn(folder: Path, blocks: int, samples: int) -> None:
+def _cnn(folder: Path, blocks: int, samples: int, repeats: int = 0) -> None:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
     from qgraph.testing import fragile_resnet
@@ -132,11 +175,12 @@ def _cnn(folder: Path, blocks: int, samples: int) -> None:
 
     quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
                     per_channel=True)
-    np.savez(folder / "eval.npz",
-             input=np.random.default_rng(1).standard_normal((samples, 8, 16, 16)).astype(np.float32))
+    for i in range(repeats + 1):  # eval.npz, then independent sets of the same size for the repeats
+        np.savez(folder / ("eval.npz" if i == 0 else f"eval_r{i}.npz"),
+                 input=np.random.default_rng(1 + 100 * i).standard_normal((samples, 8, 16, 16)).astype(np.float32))
 
 
-def _small_transformer(folder: Path, samples: int) -> None:
+def _small_transformer(folder: Path, samples: int, repeats: int = 0) -> None:
     """A 2-layer encoder INT8 by onnxruntime's quantize_static (its Softmax pairs are the fragile layers)."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
@@ -151,8 +195,10 @@ def _small_transformer(folder: Path, samples: int) -> None:
             return next(feeds, None)
 
     quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ)
-    data = transformer_encoder_inputs(samples, seed=2)
-    np.savez(folder / "eval.npz", **{k: np.concatenate([f[k] for f in data]) for k in data[0]})
+    for i in range(repeats + 1):
+        data = transformer_encoder_inputs(samples, seed=2 + 100 * i)
+        np.savez(folder / ("eval.npz" if i == 0 else f"eval_r{i}.npz"),
+                 **{k: np.concatenate([f[k] for f in data]) for k in data[0]})
 
 
 def _transformer(folder: Path, layers: int, width: int, samples: int) -> int:
@@ -173,6 +219,18 @@ def _transformer(folder: Path, layers: int, width: int, samples: int) -> int:
 
 
 # ----------------------------------------------------------------------------- table
+def _agreement_row(name: str, a: dict[str, Any]) -> str:
+    print(f"{name}: exact top-10 {a['top_exact']}\n  gains (dB) {a['top_gains']}\n  one-run top-10 {a['top_one']}")
+    selfs = a["self_agreement"]
+    return (f"| {name}: agreement | {a['one_s']:.1f} (exact {a['exact_s']:.0f}) | {a['peak_rss_mb']:.0f} | - | "
+            f"top-10 overlap {a['overlap']}/10 over {a['candidates']} candidates (mean {a['overlap_mean']:.1f} "
+            f"over {a['sets']} eval sets, {a['overlap_pooled']}/10 with exact gains averaged over them; "
+            f"{a['overlap_exact_top20']}/10 with exact_top: 20); "
+            f"exact self-agreement across eval sets {min(selfs, default=10)}-{max(selfs, default=10)}/10 "
+            f"(mean {np.mean(selfs) if selfs else 10:.1f}); noise floor {a['floor_db']:.4f} dB: "
+            f"{a['overlap_distinct']}/{a['distinct']} distinguishable exact top-10 nodes in the one-run top-10 |")
+
+
 def _row(name: str, r: dict[str, Any], base_rss: float, extra: str = "") -> str:
     rss = r["peak_rss_mb"]
     return f"| {name} | {r.get('seconds', 0.0):.1f} | {rss:.0f} | {rss / base_rss:.2f}x | {extra} |"
@@ -186,6 +244,8 @@ def main() -> None:
     p.add_argument("--reach", type=float, default=0.75, help="target: this fraction of the reachable SQNR gain")
     p.add_argument("--max-time", type=float, default=240.0)
     p.add_argument("--exact-sample", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="agreement: independent evaluation sets (same size) the exact measure is repeated on")
     p.add_argument("--transformer-layers", type=int, default=53)
     p.add_argument("--transformer-width", type=int, default=128)
     p.add_argument("--full-transformer", action="store_true", help="width 704: about 1.3 GB of float weights")
@@ -224,26 +284,13 @@ def main() -> None:
             ]
             print(auto["message"])
         if "agreement" not in args.skip:
-            folder = Path(tmp) / "small"
-            _cnn(folder, args.agreement_blocks, args.samples)
-            agree = _spawn("agreement", folder)
-            lines.append(
-                f"| cnn {args.agreement_blocks} blocks: agreement | {agree['one_s']:.1f} "
-                f"(exact {agree['exact_s']:.0f}) | {agree['peak_rss_mb']:.0f} | - | "
-                f"top-10 overlap {agree['overlap']}/10 over {agree['candidates']} candidates "
-                f"({agree['overlap_exact_top20']}/10 with exact_top: 20) |"
-            )
-            print("exact top-10:", agree["top_exact"], "\none-run top-10:", agree["top_one"])
-            folder = Path(tmp) / "small_tr"
-            _small_transformer(folder, args.samples)
-            agree = _spawn("agreement", folder)
-            lines.append(
-                f"| transformer 2 layers (onnxruntime QDQ): agreement | {agree['one_s']:.1f} "
-                f"(exact {agree['exact_s']:.0f}) | {agree['peak_rss_mb']:.0f} | - | "
-                f"top-10 overlap {agree['overlap']}/10 over {agree['candidates']} candidates "
-                f"({agree['overlap_exact_top20']}/10 with exact_top: 20) |"
-            )
-            print("exact top-10:", agree["top_exact"], "\none-run top-10:", agree["top_one"])
+            for name, build in ((f"cnn {args.agreement_blocks} blocks", lambda f: _cnn(
+                    f, args.agreement_blocks, args.samples, args.repeats)),
+                    ("transformer 2 layers (onnxruntime QDQ)", lambda f: _small_transformer(
+                        f, args.samples, args.repeats))):
+                folder = Path(tmp) / name.split()[0]
+                build(folder)
+                lines.append(_agreement_row(name, _spawn("agreement", folder, repeats=args.repeats)))
         if "transformer" not in args.skip:
             folder = Path(tmp) / "tr"
             nodes = _transformer(folder, args.transformer_layers, width, args.samples)

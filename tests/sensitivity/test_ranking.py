@@ -211,3 +211,57 @@ def test_qgraph_run_exits_1_keeps_the_best_model_and_says_what_was_tried(
     assert sum(n.op_type == "DequantizeLinear" for n in kept.graph.node) < sum(
         n.op_type == "DequantizeLinear" for n in onnx.load(fragile / "qdq.onnx").graph.node
     )
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer transformer encoder INT8 by onnxruntime's quantize_static, and three independent eval sets."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+
+    folder = tmp_path_factory.mktemp("encoder")
+    onnx.save(transformer_encoder(layers=2, d_model=64, heads=4, seq=16), folder / "float.onnx")
+    feeds = iter(transformer_encoder_inputs(16, seed=1))
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(feeds, None)
+
+    quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ)
+    for i in range(3):
+        data = transformer_encoder_inputs(16, seed=2 + 100 * i)
+        np.savez(folder / f"eval{i}.npz", **{k: np.concatenate([f[k] for f in data]) for k in data[0]})
+    return folder
+
+
+def test_one_run_ranking_on_a_transformer_is_as_stable_as_the_exact_measure(encoder: Path) -> None:
+    """Past its two Softmax pairs the encoder's exact gains are ~0.01 dB, below the measure's own noise: the
+    exact top-10 changes with the evaluation set. The one-run top-10 must match the exact one at least as well
+    as two exact top-10s on independent sets match each other, contain every distinguishable node, and contain
+    at least 7 of the exact top-10 of the gains averaged over the sets."""
+    ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
+    target = parse_target("sqnr:99")
+    cands, _ = candidate_nodes(qdq)
+    gains, tops, overlaps, one_tops = [], [], [], []
+    for i in range(3):
+        batches = load_feeds(str(encoder / f"eval{i}.npz"), ref)
+        ev = Evaluator(qdq, batches, reference_outputs(ref, batches))
+        exact = sensitivity_report(ev, target, cands, stats=False)
+        gains.append({r.name: r.sensitivity for r in exact.rows})
+        tops.append({r.name for r in exact.ranked()[:10]})
+        one_tops.append([r.name for r in rank_nodes(ev, target, cands, ev.measure(())).ranked()[:10]])
+        overlaps.append(len(set(one_tops[-1]) & tops[-1]))
+    self_agreement = [len(tops[a] & tops[b]) for a, b in ((0, 1), (0, 2), (1, 2))]
+    assert min(self_agreement) < 10  # the exact ranking itself is unstable here
+    assert np.mean(overlaps) >= np.mean(self_agreement) and min(overlaps) >= min(self_agreement)
+    # Noise floor: twice the largest spread (std over the sets) of an exact top-10 gain.
+    table = np.array([[g[n] for n, _ in cands] for g in gains])
+    mean, std = dict(zip((n for n, _ in cands), table.mean(0), strict=True)), table.std(0, ddof=1)
+    floor = 2 * max(s for (n, _), s in zip(cands, std, strict=True) if n in tops[0])
+    distinct = {n for n in tops[0] if mean[n] > floor}
+    assert {"layer0/attn/softmax", "layer1/attn/softmax"} <= distinct
+    assert distinct <= set(one_tops[0]) and set(one_tops[0][:2]) == {"layer0/attn/softmax", "layer1/attn/softmax"}
+    # Against the exact gains averaged over the three sets (a steadier exact top-10) the issue's bar holds.
+    pooled = set(sorted(mean, key=lambda n: -mean[n])[:10])
+    assert min(len(pooled & set(t)) for t in one_tops) >= 7
