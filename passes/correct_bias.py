@@ -45,7 +45,7 @@ from pydantic import Field
 from qgraph import GraphHandle, NodeSelector, PassConfig, PassContext, PassResult, register
 from qgraph.layer_data import Twin, channel_means, with_twins
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
-from qgraph.weight_correction import CorrectionPass, calibration_batches
+from qgraph.weight_correction import CorrectionPass, calibration_batches, weightless
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
@@ -73,6 +73,13 @@ class CorrectBiasConfig(PassConfig):
 
 def _tensors(layers: list[QuantLayer]) -> dict[str, tuple[int, bool]]:
     return {la.output: (la.channels, la.node.op == "Conv" and la.output == la.node.outputs[0].name) for la in layers}
+
+
+def _means(graph: GraphHandle, ctx: PassContext, tensors: dict[str, tuple[int, bool]]
+           ) -> dict[str, npt.NDArray[np.float64]]:
+    """`channel_means` of the current graph, its session reading the graph's weights in place."""
+    model, shared = weightless(graph)
+    return channel_means(model, tensors, calibration_batches(ctx), shared)
 
 
 def _rms(x: npt.NDArray[np.float64]) -> float:
@@ -138,14 +145,16 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
                weights: dict[str, npt.NDArray[np.float32]]) -> tuple[dict[str, dict[str, float]], int, int]:
         """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins."""
         assert ctx.float_reference is not None
-        biases = float_biases(ctx.float_reference, layers)
+        biases = float_biases(ctx.float_reference, layers, ctx.float_reference_weights)
         twins = [Twin(la.node.outputs[0].name, weights[la.output], biases[la.output].astype(np.float32),
                       f"{la.output}/qgraph_float_twin") for la in layers]
         tensors = _tensors(layers)
         tensors.update({t.output: tensors[la.output] for t, la in zip(twins, layers, strict=True)})
 
         def errors() -> dict[str, npt.NDArray[np.float64]]:
-            means = channel_means(with_twins(graph.to_onnx(), twins), tensors, calibration_batches(ctx))
+            # weightless: the session reads the graph's arrays and the reference's float weights in place
+            model, shared = weightless(graph)
+            means = channel_means(with_twins(model, twins, shared), tensors, calibration_batches(ctx), shared)
             return {la.output: means[t.output] - means[la.output] for t, la in zip(twins, layers, strict=True)}
 
         per_layer: dict[str, dict[str, float]] = {}
@@ -165,12 +174,13 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
                 layers: list[QuantLayer]) -> tuple[dict[str, dict[str, float]], int, int]:
         """E[y_float] - E[y_quant] against the float model, all at once or in rounds (module docstring)."""
         assert ctx.float_reference is not None
-        target = channel_means(ctx.float_reference, _tensors(layers), calibration_batches(ctx))
+        target = channel_means(ctx.float_reference, _tensors(layers), calibration_batches(ctx),
+                               ctx.float_reference_weights)
         groups = self._groups(layers)
         per_layer: dict[str, dict[str, float]] = {}
         clipped = 0
         for group in groups:
-            measured = channel_means(graph.to_onnx(), _tensors(group), calibration_batches(ctx))
+            measured = _means(graph, ctx, _tensors(group))
             for layer in group:
                 delta = target[layer.output] - measured[layer.output]
                 changed, c = self._apply(layer, delta)
@@ -179,7 +189,7 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             graph.changed()
         runs = len(groups) + 1
         if self.config.measure_after:
-            left = channel_means(graph.to_onnx(), _tensors(layers), calibration_batches(ctx))
+            left = _means(graph, ctx, _tensors(layers))
             runs += 1
             for layer in layers:
                 per_layer[layer.name]["mean_error_rms_after"] = _rms(target[layer.output] - left[layer.output])

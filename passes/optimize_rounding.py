@@ -36,7 +36,7 @@ from qgraph import GraphHandle, NodeSelector, PassConfig, PassContext, PassResul
 from qgraph.layer_data import RowSpec, sample_inputs
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
 from qgraph.rounding import optimize_rounding, rounding_objective, second_moments
-from qgraph.weight_correction import CorrectionPass, calibration_batches, row_spec
+from qgraph.weight_correction import CorrectionPass, calibration_batches, row_spec, weightless
 
 __all__ = ["OptimizeRounding", "OptimizeRoundingConfig"]
 
@@ -97,13 +97,15 @@ class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
                 res.details["biases_created"] = created
                 graph.toposort()  # the new bias DequantizeLinear nodes were appended: once, not per layer
         assert ctx.float_reference is not None
-        biases = float_biases(ctx.float_reference, [la for la, _ in work])
+        biases = float_biases(ctx.float_reference, [la for la, _ in work], ctx.float_reference_weights)
         per_layer: dict[str, dict[str, float | int]] = {}
         for group in self._groups(work):
             if deadline is not None and time.perf_counter() > deadline:
                 break
-            samples = sample_inputs(graph.to_onnx(), [s for _, s in group], calibration_batches(ctx),
-                                    cfg.max_rows, cfg.seed)
+            model, shared = weightless(graph)  # the session reads the graph's arrays in place
+            samples = sample_inputs(model, [s for _, s in group], calibration_batches(ctx), cfg.max_rows, cfg.seed,
+                                    shared)
+            del model, shared
             for (layer, _), rows in zip(group, samples, strict=True):
                 if deadline is not None and time.perf_counter() > deadline:
                     break

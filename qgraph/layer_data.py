@@ -13,8 +13,9 @@ is ``max_rows x K`` per layer whatever the data. A Conv row is the receptive fie
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,7 @@ from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.graph import insert_after_producers
+from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
 
 _PREFIX = "qgraph_layer"
 
@@ -62,10 +64,11 @@ def _augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
     return out
 
 
-def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]],
-                  batches: Iterable[Feed]) -> dict[str, npt.NDArray[np.float64]]:
+def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], batches: Iterable[Feed],
+                  weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
     """Per-channel mean of each tensor over every batch: ``tensors[name] = (channels, channel_first)`` (axis 1 for
-    Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf."""
+    Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
+    values of a weightless ``model``'s placeholders, read in place by the session (`qgraph.compare.make_session`)."""
     opset = _opset(model)
     after: dict[str, list[onnx.NodeProto]] = {}
     inits: list[onnx.TensorProto] = []
@@ -76,7 +79,7 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]],
         inits.extend(consts)
         fetch[name] = outs
     names = [o for pair in fetch.values() for o in pair]
-    session = make_session(_augment(model, after, inits, names), mem_pattern=False)
+    session = make_session(_augment(model, after, inits, names), mem_pattern=False, weights=weights)
     sums = {name: np.zeros(c, np.float64) for name, (c, _) in tensors.items()}
     rows = dict.fromkeys(tensors, 0.0)
     for feed in batches:
@@ -180,13 +183,16 @@ def _fold(res: _Reservoir, x: npt.NDArray[np.float32], spec: RowSpec, max_rows: 
 
 
 def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Iterable[Feed], max_rows: int,
-                  seed: int = 0) -> list[npt.NDArray[np.float32]]:
+                  seed: int = 0, weights: Mapping[str, npt.NDArray[Any]] | None = None
+                  ) -> list[npt.NDArray[np.float32]]:
     """A uniform sample of at most ``max_rows`` rows ``(G, n, K)`` of each spec's input over every batch (module
-    docstring); one streamed run of ``model`` fetching the input tensors. `DataError` on NaN/Inf."""
+    docstring); one streamed run of ``model`` fetching the input tensors. `DataError` on NaN/Inf. ``weights`` as
+    in `channel_means`."""
     names = list(dict.fromkeys(s.tensor for s in specs))
     inputs = {i.name for i in model.graph.input}
     fetched = [n for n in names if n not in inputs]
-    session = make_session(_augment(model, {}, [], fetched), mem_pattern=False) if fetched else None
+    session = (make_session(_augment(model, {}, [], fetched), mem_pattern=False, weights=weights) if fetched
+               else None)
     rng = np.random.default_rng(seed)
     reservoirs = [_Reservoir() for _ in specs]
     for feed in batches:
@@ -218,16 +224,32 @@ class Twin:
     output: str
 
 
-def with_twins(model: onnx.ModelProto, twins: Sequence[Twin]) -> onnx.ModelProto:
+def _twin_tensor(value: npt.NDArray[np.float32], name: str,
+                 weights: dict[str, npt.NDArray[Any]] | None) -> onnx.TensorProto:
+    if weights is None or value.nbytes < DETACH_BYTES:
+        return numpy_helper.from_array(value, name)
+    weights[name] = value  # shared, not copied: the session reads it in place
+    t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype))
+    t.dims.extend(value.shape)
+    t.data_location = onnx.TensorProto.EXTERNAL
+    t.external_data.add(key="location", value=PLACEHOLDER)
+    return t
+
+
+def with_twins(model: onnx.ModelProto, twins: Sequence[Twin],
+               weights: dict[str, npt.NDArray[Any]] | None = None) -> onnx.ModelProto:
     """A copy of ``model`` where each twin's layer gets a float copy right after it: the same op and attributes on
-    the same input 0, with the float weight and bias (Conv/Gemm: input 2, Gemm ``beta = 1``; MatMul: an Add)."""
+    the same input 0, with the float weight and bias (Conv/Gemm: input 2, Gemm ``beta = 1``; MatMul: an Add).
+
+    With ``weights`` (a weightless ``model``'s placeholder values), large twin tensors are placeholders too and
+    their arrays are added to ``weights`` (shared): the copy then holds no weights at all."""
     by_output = {n.output[0]: n for n in model.graph.node if n.output}
     after: dict[str, list[onnx.NodeProto]] = {}
     inits: list[onnx.TensorProto] = []
     for k, twin in enumerate(twins):
         node = by_output[twin.node_output]
         p = f"{_PREFIX}_twin/{k}/"
-        inits += [numpy_helper.from_array(twin.weight, p + "w"), numpy_helper.from_array(twin.bias, p + "b")]
+        inits += [_twin_tensor(twin.weight, p + "w", weights), _twin_tensor(twin.bias, p + "b", weights)]
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.name = p + "node"

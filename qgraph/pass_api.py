@@ -135,6 +135,7 @@ class PassContext:
         #: Free-form cache passes may share (e.g. calibration results keyed by graph fingerprint).
         self.cache: dict[str, Any] = {}
         self._float_reference: onnx.ModelProto | None = None
+        self._float_weights: dict[str, np.ndarray] = {}
 
     @property
     def float_reference(self) -> onnx.ModelProto | None:
@@ -144,12 +145,23 @@ class PassContext:
 
         Read-only. The pipeline exports it once, and only when a pass of the recipe declares
         ``needs_float_reference = True``; None otherwise (and when no float-changing pass ran before the asking
-        pass: the reference is then the model that pass received)."""
+        pass: the reference is then the model that pass received).
+
+        The pipeline exports it weightless (`qgraph.GraphHandle.weightless_export`): its large initializers are
+        placeholders whose values are `float_reference_weights` (the arrays the graph owned then, shared, not
+        copied); `qgraph.graph.with_weights` makes a self-contained copy when one is needed."""
         return self._float_reference
 
-    def set_float_reference(self, model: onnx.ModelProto | None) -> None:
-        """Record the float reference (the pipeline does this; tests and scripts running passes by hand may)."""
+    @property
+    def float_reference_weights(self) -> dict[str, np.ndarray]:
+        """Values of the float reference's weightless placeholders by name (empty for a self-contained one)."""
+        return self._float_weights
+
+    def set_float_reference(self, model: onnx.ModelProto | None, weights: dict[str, np.ndarray] | None = None) -> None:
+        """Record the float reference and, for a weightless one, its placeholders' values (the pipeline does
+        this; tests and scripts running passes by hand may)."""
         self._float_reference = model
+        self._float_weights = dict(weights or {})
 
     def fix_inputs(self, values: dict[str, np.ndarray]) -> None:
         """Tell the pipeline that graph inputs became constants (``specialize_inputs``): from now on, calibration

@@ -205,7 +205,10 @@ class Pipeline:
             if ctx.float_reference is None and wants_reference[i] and (not p.preserves_float or
                                                                       p.needs_float_reference):
                 # the model before the first float-changing pass (or before the pass that asks, if none ran)
-                ctx.set_float_reference(handle.to_onnx())
+                # weightless, sharing the graph's arrays: no second copy of the weights (later passes replace
+                # arrays, they never write into them)
+                reference, held = handle.weightless_export()
+                ctx.set_float_reference(reference, {name: value for name, (value, _) in held.items()})
             record = self._run_one(i, p, handle, ctx, target_step)
             records.append(record)
             emit(PipelineEvent("pass_end", total, i, p.name, record.seconds, record.peak_rss_mb, record.result))

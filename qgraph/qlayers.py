@@ -14,6 +14,7 @@ Gemm ``transB=0`` and MatMul: ``B^T``). `rows` and `from_rows` convert.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.fallback import QParams, is_dq, is_q, qparams
 from qgraph.graph import GraphHandle, is_default_domain
+from qgraph.graph.detach import is_placeholder
 from qgraph.quant import _broadcast_param, dequantize, shift_int32_bias
 
 WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
@@ -264,9 +266,19 @@ def ensure_bias(graph: GraphHandle, layer: QuantLayer, tag: str) -> bool:
     return True
 
 
-def float_weights(reference: onnx.ModelProto, layers: list[QuantLayer]) -> dict[str, npt.NDArray[np.float32]]:
+def _tensor_value(proto: onnx.TensorProto, weights: Mapping[str, npt.NDArray[Any]] | None) -> npt.NDArray[Any]:
+    """A reference tensor's values: its placeholder's entry in ``weights`` (shared, not copied), else its data."""
+    if weights is not None and is_placeholder(proto):
+        return weights[proto.name]
+    return onnx.numpy_helper.to_array(proto)
+
+
+def float_weights(reference: onnx.ModelProto, layers: list[QuantLayer],
+                  weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float32]]:
     """The float weight of each layer in ``reference``, keyed by layer output: the constant input 1 of the
-    weighted node there that produces the same output tensor (original tensors keep their names)."""
+    weighted node there that produces the same output tensor (original tensors keep their names). ``weights``:
+    the values of a weightless reference's placeholders (`PassContext.float_reference_weights`); float32 arrays
+    are returned as they are, not copied (read-only use)."""
     wanted = {layer.node.outputs[0].name: layer.output for layer in layers}
     inits = {t.name: t for t in reference.graph.initializer}
     consts = {n.output[0]: n.attribute[0].t for n in reference.graph.node
@@ -276,13 +288,15 @@ def float_weights(reference: onnx.ModelProto, layers: list[QuantLayer]) -> dict[
         if n.op_type in WEIGHTED_OPS and n.output and n.output[0] in wanted and len(n.input) > 1:
             proto = inits.get(n.input[1]) or consts.get(n.input[1])
             if proto is not None and proto.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
-                out[wanted[n.output[0]]] = onnx.numpy_helper.to_array(proto).astype(np.float32)
+                out[wanted[n.output[0]]] = np.asarray(_tensor_value(proto, weights), np.float32)
     return out
 
 
-def float_biases(reference: onnx.ModelProto, layers: list[QuantLayer]) -> dict[str, npt.NDArray[np.float64]]:
+def float_biases(reference: onnx.ModelProto, layers: list[QuantLayer],
+                 weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
     """The float bias ``(C,)`` each layer adds in ``reference`` (Conv/Gemm input 2 times Gemm's ``beta``, or the
-    constant operand of the Add producing the layer output after a MatMul); zeros for a layer without one."""
+    constant operand of the Add producing the layer output after a MatMul); zeros for a layer without one.
+    ``weights`` as in `float_weights`."""
     inits = {t.name: t for t in reference.graph.initializer}
     by_output = {n.output[0]: n for n in reference.graph.node if n.output}
     out: dict[str, npt.NDArray[np.float64]] = {}
@@ -294,10 +308,10 @@ def float_biases(reference: onnx.ModelProto, layers: list[QuantLayer]) -> dict[s
             proto = inits.get(owner.input[2])
             beta = next((a.f for a in owner.attribute if a.name == "beta"), 1.0) if owner.op_type == "Gemm" else 1.0
             if proto is not None:
-                value = np.broadcast_to(onnx.numpy_helper.to_array(proto).astype(np.float64).reshape(-1) * beta, (c,))
+                value = np.broadcast_to(_tensor_value(proto, weights).astype(np.float64).reshape(-1) * beta, (c,))
         elif owner is not None and owner.op_type == "Add":
             proto = next((inits[i] for i in owner.input if i in inits), None)
             if proto is not None and int(np.prod(proto.dims)) in (1, c):
-                value = np.broadcast_to(onnx.numpy_helper.to_array(proto).astype(np.float64).reshape(-1), (c,))
+                value = np.broadcast_to(_tensor_value(proto, weights).astype(np.float64).reshape(-1), (c,))
         out[layer.output] = np.array(value)
     return out

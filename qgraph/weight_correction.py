@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import onnx
 
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
@@ -67,7 +68,7 @@ def candidates(pass_name: str, graph: GraphHandle, ctx: PassContext, selector: N
     assert ctx.float_reference is not None
     from qgraph.qlayers import float_weights
 
-    weights = float_weights(ctx.float_reference, layers)
+    weights = float_weights(ctx.float_reference, layers, ctx.float_reference_weights)
     for layer in layers:
         w = weights.get(layer.output)
         if w is None or w.shape != layer.weight.values.shape:
@@ -109,6 +110,11 @@ class CorrectionPass(Pass[C]):
         for node, reason in cands.skipped:
             res.skip(node, reason)
         return cands
+def weightless(graph: GraphHandle) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
+    """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
+    `qgraph.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the weights."""
+    model, held = graph.weightless_export()
+    return model, {name: value for name, (value, _) in held.items()}
 
 
 def calibration_batches(ctx: PassContext) -> Iterable[Feed]:

@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, ClassVar
 
+import numpy as np
 import onnx
 import pytest
+from onnx import helper, numpy_helper
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, Pipeline
+from qgraph.graph.detach import is_placeholder, with_weights
 from qgraph.pass_api import PassConfig
 
 
@@ -63,12 +66,43 @@ def test_nothing_is_exported_when_no_pass_asks(small_model: onnx.ModelProto, mon
     calls: list[Any] = []
     original = PassContext.set_float_reference
 
-    def counted(self: PassContext, model: onnx.ModelProto | None) -> None:
+    def counted(self: PassContext, model: onnx.ModelProto | None, weights: dict[str, Any] | None = None) -> None:
         calls.append(model)
-        original(self, model)
+        original(self, model, weights)
 
     monkeypatch.setattr(PassContext, "set_float_reference", counted)
     Pipeline(list(_passes(toy_passes))).run(small_model)
     assert calls == []
     Pipeline([*_passes(toy_passes), _Recorder()]).run(small_model)
     assert len(calls) == 1
+
+
+class _WeightRecorder(_Recorder):
+    """Records the float reference and its placeholders' values."""
+
+    name = "toy_weight_recorder"
+    weights: ClassVar[list[dict[str, Any]]] = []
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        type(self).seen.append(ctx.float_reference)
+        type(self).weights.append(dict(ctx.float_reference_weights))
+        return PassResult()
+
+
+def test_reference_is_weightless_and_shares_the_graph_arrays() -> None:
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096  # 16 KB: above DETACH_BYTES
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    _WeightRecorder.seen.clear()
+    _WeightRecorder.weights.clear()
+    Pipeline([_WeightRecorder()]).run(model)
+    (ref,), (weights,) = _WeightRecorder.seen, _WeightRecorder.weights
+    assert ref is not None
+    (init,) = ref.graph.initializer
+    assert is_placeholder(init) and not init.raw_data  # no second copy of the weights in the protobuf
+    np.testing.assert_array_equal(weights["w"], w)
+    full = with_weights(ref, weights)
+    np.testing.assert_array_equal(numpy_helper.to_array(full.graph.initializer[0]), w)
