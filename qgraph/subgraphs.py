@@ -6,10 +6,10 @@ or a ``Loop`` body. So a pass that must calibrate a body works on the body as a 
 - `standalone_body` turns ``node.<attr>`` (a top-level ``If``'s ``then_branch``/``else_branch``, a ``Loop``'s
   ``body``) into a `onnx.ModelProto` whose inputs are the body's formal inputs plus every outer-scope tensor it
   reads (outer initializers become its own initializers);
-- `body_feeds` runs the whole model on the calibration data once and returns the standalone body's inputs at
-  each execution of the body: for an ``If`` the outer tensors of the samples whose condition selects the branch,
-  for a ``Loop`` the formal inputs of every iteration (exposed as extra scan outputs of a copy of the loop) with
-  the outer tensors repeated;
+- `body_feeds` runs the whole model on the calibration data once, for every body together, and returns each
+  standalone body's inputs at each execution of the body: for an ``If`` the outer tensors of the samples whose
+  condition selects the branch, for a ``Loop`` the formal inputs of every iteration (exposed as extra scan outputs
+  of a copy of the loop) with the outer tensors repeated;
 - `graft_body` puts the transformed body back in place of the original (outer tensors stay outer).
 
 Nested control flow needs nothing more: the standalone body still holds its own nested ``If``/``Loop``, and a pass
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -40,7 +41,7 @@ class BodyError(Exception):
 class Body:
     """A body made standalone: the model, the outer tensors it reads, which of them are inputs."""
 
-    node: str
+    node: onnx.NodeProto  # the If/Loop node of the model the body came from (graft_body edits it in place)
     attr: str
     model: onnx.ModelProto
     outer: list[str]  # every outer-scope name the body reads
@@ -89,90 +90,110 @@ def outer_names(body: onnx.GraphProto) -> list[str]:
     return [u for u in used if u and u not in defined]
 
 
-def _types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # an un-inferable model still has its declared inputs/outputs
-        inferred = model
-    g = inferred.graph
-    return {v.name: v.type for v in [*g.input, *g.value_info, *g.output]}
+@dataclass
+class ModelFacts:
+    """What extracting bodies needs from the whole model, computed once (not once per body)."""
+
+    initializers: dict[str, onnx.TensorProto]
+    constants: dict[str, onnx.NodeProto]
+    types: dict[str, onnx.TypeProto]
+    inputs: set[str]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> ModelFacts:
+        """Initializers, Constant nodes, inferred types and graph inputs of ``model``'s top graph."""
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model)
+        except Exception:  # an un-inferable model still has its declared inputs/outputs
+            inferred = model
+        g = inferred.graph
+        return cls({i.name: i for i in model.graph.initializer},
+                   {n.output[0]: n for n in model.graph.node if n.op_type == "Constant" and n.output},
+                   {v.name: v.type for v in [*g.input, *g.value_info, *g.output]},
+                   {i.name for i in model.graph.input})
 
 
-def standalone_body(model: onnx.ModelProto, node: onnx.NodeProto, attr: str,
-                    types: dict[str, onnx.TypeProto] | None = None) -> Body:
+def standalone_body(model: onnx.ModelProto, node: onnx.NodeProto, attr: str, facts: ModelFacts | None = None) -> Body:
     """``node.<attr>`` as a model of its own (see module docs); `BodyError` when an outer tensor's type is
-    unknown."""
+    unknown. ``facts`` (`ModelFacts.of(model)`) is shared when extracting several bodies."""
+    facts = facts if facts is not None else ModelFacts.of(model)
     body = _body(node, attr)
     outer = outer_names(body)
-    inits = {i.name: i for i in model.graph.initializer}
-    consts = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant" and n.output}
-    types = types if types is not None else _types(model)
     inputs = list(body.input)
     initializers = list(body.initializer)
     fed: list[str] = []
     extra_nodes: list[onnx.NodeProto] = []
     for name in outer:
-        if name in inits:
-            initializers.append(inits[name])
-        elif name in consts:
-            extra_nodes.append(consts[name])
-        elif name in types and types[name].HasField("tensor_type"):
-            inputs.append(helper.make_value_info(name, types[name]))
+        if name in facts.initializers:
+            initializers.append(facts.initializers[name])
+        elif name in facts.constants:
+            extra_nodes.append(facts.constants[name])
+        elif name in facts.types and facts.types[name].HasField("tensor_type"):
+            inputs.append(helper.make_value_info(name, facts.types[name]))
             fed.append(name)
         else:
             raise BodyError(f"the type of outer tensor {name!r} read by {node.name or node.op_type}.{attr} is unknown")
     graph = helper.make_graph([*extra_nodes, *body.node], f"{node.name}.{attr}", inputs, list(body.output),
                               initializers, value_info=list(body.value_info))
     standalone = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    return Body(node.name, attr, standalone, outer, fed)
+    return Body(node, attr, standalone, outer, fed)
 
 
-def _loop_probe(model: onnx.ModelProto, node: onnx.NodeProto) -> tuple[onnx.ModelProto, list[str]]:
-    """A copy of ``model`` whose loop ``node`` also returns, stacked over iterations, its body's formal inputs."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    target = next(n for n in probe.graph.node if n.name == node.name and n.op_type == "Loop")
-    body = _body(target, "body")
+def _lift_loop_inputs(probe: onnx.ModelProto, loop: onnx.NodeProto) -> list[str]:
+    """Make ``loop`` (a node of ``probe``, edited in place) also return its body's formal inputs, stacked over
+    iterations; the names of those extra outputs."""
+    body = _body(loop, "body")
     stacked: list[str] = []
-    for i, formal in enumerate(body.input):
+    for i, formal in enumerate(list(body.input)):
         lifted = f"{formal.name}__qgraph_iter"
         body.node.append(helper.make_node("Identity", [formal.name], [lifted], name=f"{lifted}/identity"))
         body.output.append(helper.make_value_info(lifted, formal.type))
-        out = f"{node.name}__qgraph_input_{i}"
-        target.output.append(out)
+        out = f"{loop.name}__qgraph_input_{i}"
+        loop.output.append(out)
         stacked.append(out)
-    return probe, stacked
+    return stacked
 
 
-def body_feeds(model: onnx.ModelProto, body: Body, data: Iterable[Feed], limit: int) -> list[Feed]:
-    """The standalone body's inputs at each of its executions on ``data`` (at most ``limit``)."""
-    node = next(n for n in model.graph.node if n.name == body.node)
-    probe, stacked = (_loop_probe(model, node) if node.op_type == "Loop" else (model, []))
+def body_feeds(model: onnx.ModelProto, found: Sequence[Body], data: Iterable[Feed], limit: int) -> list[list[Feed]]:
+    """Each standalone body's inputs at each of its executions on ``data`` (at most ``limit`` per body), from one
+    session over ``model`` and one pass over the data, whatever the number of bodies."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe_nodes = {n.name: n for n in probe.graph.node}
+    stacked = {b.node.name: _lift_loop_inputs(probe, probe_nodes[b.node.name])
+               for b in found if b.node.op_type == "Loop"}
     graph_inputs = {i.name for i in model.graph.input}
-    cond = list(node.input[:1]) if node.op_type == "If" else []
-    wanted = [n for n in dict.fromkeys([*cond, *body.outer_inputs, *stacked]) if n not in graph_inputs]
+    wanted_all: list[str] = []
+    for b in found:
+        cond = list(b.node.input[:1]) if b.node.op_type == "If" else []
+        wanted_all += [*cond, *b.outer_inputs, *stacked.get(b.node.name, [])]
+    wanted = [n for n in dict.fromkeys(wanted_all) if n not in graph_inputs]
     probe = _with_outputs(probe, wanted)
     session = make_session(probe)
-    feeds: list[Feed] = []
     names = [i.name for i in session.get_inputs()]
+    out: list[list[Feed]] = [[] for _ in found]
     for feed in data:
         fetched = session_run(session, wanted, {k: feed[k] for k in names}) if wanted else []
         values = dict(zip(wanted, fetched, strict=True))
         values.update({k: feed[k] for k in graph_inputs if k in feed})
-        outer = {n: np.asarray(values[n]) for n in body.outer_inputs}
-        if node.op_type == "If":
-            if bool(np.asarray(values[node.input[0]]).reshape(-1)[0]) == (body.attr == "then_branch"):
-                feeds.append(outer)
-        else:
-            formal = [i.name for i in _body(node, "body").input]
-            iterations = len(values[stacked[0]]) if stacked else 0
-            for k in range(iterations):
-                feeds.append({**outer, **{f: np.asarray(values[s][k]) for f, s in zip(formal, stacked, strict=True)}})
-                if len(feeds) >= limit:
-                    break
-        if len(feeds) >= limit:
+        for b, feeds in zip(found, out, strict=True):
+            if len(feeds) < limit:
+                feeds += _executions(b, values, stacked.get(b.node.name, []), limit - len(feeds))
+        if all(len(f) >= limit for f in out):
             break
-    return feeds[:limit]
+    return out
+
+
+def _executions(body: Body, values: dict[str, Any], stacked: list[str], room: int) -> list[Feed]:
+    """The executions of ``body`` one sample's ``values`` hold (at most ``room``)."""
+    outer = {n: np.asarray(values[n]) for n in body.outer_inputs}
+    if body.node.op_type == "If":
+        taken = bool(np.asarray(values[body.node.input[0]]).reshape(-1)[0]) == (body.attr == "then_branch")
+        return [outer] if taken else []
+    formal = [i.name for i in _body(body.node, "body").input]
+    iterations = min(room, len(values[stacked[0]]) if stacked else 0)
+    return [{**outer, **{f: np.asarray(values[s][k]) for f, s in zip(formal, stacked, strict=True)}}
+            for k in range(iterations)]
 
 
 def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
@@ -188,12 +209,12 @@ def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelPro
 def graft_body(model: onnx.ModelProto, body: Body, transformed: onnx.ModelProto) -> None:
     """Replace ``body`` in ``model`` (in place) by ``transformed``'s graph; outer tensors stay outer (the copies of
     outer initializers and Constants that `standalone_body` made are dropped again)."""
-    node = next(n for n in model.graph.node if n.name == body.node)
+    node = body.node
     original = _body(node, body.attr)
     g = transformed.graph
     outer = set(body.outer)
     if [o.name for o in g.output] != [o.name for o in original.output]:
-        raise BodyError(f"{body.node}.{body.attr}: the transformed body renamed its outputs")
+        raise BodyError(f"{node.name}.{body.attr}: the transformed body renamed its outputs")
     new = helper.make_graph(
         [n for n in g.node if not (n.op_type == "Constant" and set(n.output) <= outer)],
         original.name, list(original.input), list(g.output),
@@ -203,5 +224,5 @@ def graft_body(model: onnx.ModelProto, body: Body, transformed: onnx.ModelProto)
             a.g.CopyFrom(new)
 
 
-__all__ = ["BODY_ATTRS", "Body", "BodyError", "bodies", "body_feeds", "graft_body", "outer_names",
+__all__ = ["BODY_ATTRS", "Body", "BodyError", "ModelFacts", "bodies", "body_feeds", "graft_body", "outer_names",
            "standalone_body"]

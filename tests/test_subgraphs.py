@@ -63,7 +63,7 @@ def test_loop_body_feeds_are_the_iterations() -> None:
     (node, attr), = list(bodies(model))
     body = standalone_body(model, node, attr)
     assert outer_names(node.attribute[0].g) == ["w", "b"] and body.outer_inputs == []
-    feeds = body_feeds(model, body, _feeds(4), limit=100)
+    (feeds,) = body_feeds(model, [body], _feeds(4), limit=100)
     assert len(feeds) == 4 * TRIPS
     assert [int(f["i"]) for f in feeds[:TRIPS]] == list(range(TRIPS))
     # Iteration 0 starts from x; iteration k+1 from what the body computed at iteration k.
@@ -72,7 +72,7 @@ def test_loop_body_feeds_are_the_iterations() -> None:
     sess = ort.InferenceSession(body.model.SerializeToString(), providers=["CPUExecutionProvider"])
     _, h1 = sess.run(None, feeds[0])
     np.testing.assert_allclose(feeds[1]["h_in"], h1, rtol=1e-6)
-    assert len(body_feeds(model, body, _feeds(4), limit=5)) == 5
+    assert [len(f) for f in body_feeds(model, [body], _feeds(4), limit=5)] == [5]
 
 
 def test_loop_body_is_quantized_statically() -> None:
@@ -158,3 +158,25 @@ def test_large_weights_inside_a_branch_calibrate() -> None:
     for f in feeds[:2]:
         ref, got = _run(model, [f]), _run(res.model, [f])
         assert _sqnr(ref, got) > 25
+
+
+def test_every_body_is_fed_from_one_session_and_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both branches of an If: one probe session, the data read once (not once per body)."""
+    import qgraph.subgraphs as subgraphs
+    from tests.passes.test_specialize_inputs import _feeds as mode_feeds
+    from tests.passes.test_specialize_inputs import mode_switched_net
+
+    sessions: list[object] = []
+    real = subgraphs.make_session
+    monkeypatch.setattr(subgraphs, "make_session", lambda m: sessions.append(m) or real(m))
+    reads = {"n": 0}
+
+    def data() -> list[dict[str, np.ndarray]]:
+        reads["n"] += 1
+        return mode_feeds(6, mode=1) + mode_feeds(4, mode=0)
+
+    model = mode_switched_net()
+    found = [standalone_body(model, n, a) for n, a in bodies(model)]
+    per_body = body_feeds(model, found, data(), limit=100)
+    assert len(sessions) == 1 and reads["n"] == 1
+    assert {b.attr: len(f) for b, f in zip(found, per_body, strict=True)} == {"then_branch": 6, "else_branch": 4}

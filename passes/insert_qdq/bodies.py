@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from qgraph import GraphHandle, PassContext, PassResult
 from qgraph.data import CallableSource, Feed
-from qgraph.subgraphs import BodyError, bodies, body_feeds, graft_body, standalone_body
+from qgraph.subgraphs import Body, BodyError, ModelFacts, bodies, body_feeds, graft_body, standalone_body
 
 if TYPE_CHECKING:
     from . import InsertQDQ
@@ -32,14 +32,17 @@ def quantize_bodies(quantizer: InsertQDQ, graph: GraphHandle, ctx: PassContext, 
         return outcome
     model = graph.to_onnx()
     limit = min(MAX_BODY_SAMPLES, ctx.calibration.samples or MAX_BODY_SAMPLES)
-    for node, attr in list(bodies(model)):
-        where = f"{node.name or node.op_type}.{attr}"
+    facts = ModelFacts.of(model)  # once for every body: shape inference and the top graph's constants
+    found: list[Body] = []
+    for node, attr in bodies(model):
         try:
-            body = standalone_body(model, node, attr)
-            feeds = body_feeds(model, body, ctx.calibration_data, limit)
+            found.append(standalone_body(model, node, attr, facts))
         except BodyError as exc:
-            res.decisions.append(f"{where}: not calibrated ({exc}); MatMul/Gemm inside are quantized dynamically")
-            continue
+            res.decisions.append(f"{node.name or node.op_type}.{attr}: not calibrated ({exc}); MatMul/Gemm inside "
+                                 "are quantized dynamically")
+    executions = body_feeds(model, found, ctx.calibration_data, limit) if found else []  # one pass for all
+    for body, feeds in zip(found, executions, strict=True):
+        where = f"{body.node.name or body.node.op_type}.{body.attr}"
         if not feeds:
             res.decisions.append(f"{where}: never ran on the calibration data; MatMul/Gemm inside are quantized "
                                  "dynamically, the rest stays float (add samples that take this path)")
