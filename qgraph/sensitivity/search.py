@@ -191,15 +191,17 @@ def auto_fallback(
     """
     pool = make_executor(executor, jobs)
     try:
-        return _auto_fallback(reference, qdq, data, target, keep_float, candidates, max_nodes, max_time, samples,
-                              batch_size, optimization, progress, report_only, exact_top, pool)
+        return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
+                              max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
+                              optimization=optimization, progress=progress, report_only=report_only,
+                              exact_top=exact_top, pool=pool)
     finally:
         if pool is not executor:
             pool.close()
 
 
 def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str | DataSource, target: str | Target,
-                   keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
+                   *, keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor) -> AutoResult:
     """`auto_fallback` with its executor made."""
