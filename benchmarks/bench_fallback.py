@@ -160,21 +160,13 @@ def _spawn(mode: str, folder: Path, **extra: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- models
 def _cnn(folder: Path, blocks: int, samples: int, repeats: int = 0) -> None:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
-    from qgraph.testing import fragile_resnet
+    from qgraph.testing import fragile_resnet, ort_quantize_static
 
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(fragile_resnet(blocks, fragile=_fragile(blocks)), folder / "float.onnx")
     rng = np.random.default_rng(0)
-    feeds = iter([{"input": rng.standard_normal((1, 8, 16, 16)).astype(np.float32)} for _ in range(16)])
-
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(feeds, None)
-
-    quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
-                    per_channel=True)
+    feeds = [{"input": rng.standard_normal((1, 8, 16, 16)).astype(np.float32)} for _ in range(16)]
+    ort_quantize_static(folder / "float.onnx", folder / "qdq.onnx", feeds, per_channel=True)
     for i in range(repeats + 1):  # eval.npz, then independent sets of the same size for the repeats
         np.savez(folder / ("eval.npz" if i == 0 else f"eval_r{i}.npz"),
                  input=np.random.default_rng(1 + 100 * i).standard_normal((samples, 8, 16, 16)).astype(np.float32))
@@ -182,19 +174,11 @@ def _cnn(folder: Path, blocks: int, samples: int, repeats: int = 0) -> None:
 
 def _small_transformer(folder: Path, samples: int, repeats: int = 0) -> None:
     """A 2-layer encoder INT8 by onnxruntime's quantize_static (its Softmax pairs are the fragile layers)."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
-    from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+    from qgraph.testing import ort_quantize_static, transformer_encoder, transformer_encoder_inputs
 
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(transformer_encoder(layers=2, d_model=64, heads=4, seq=16), folder / "float.onnx")
-    feeds = iter(transformer_encoder_inputs(16, seed=1))
-
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(feeds, None)
-
-    quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ)
+    ort_quantize_static(folder / "float.onnx", folder / "qdq.onnx", transformer_encoder_inputs(16, seed=1))
     for i in range(repeats + 1):
         data = transformer_encoder_inputs(samples, seed=2 + 100 * i)
         np.savez(folder / ("eval.npz" if i == 0 else f"eval_r{i}.npz"),

@@ -22,7 +22,7 @@ from qgraph.testing.light import (
     materialize_light_model,
 )
 from qgraph.testing.mobilenet import mobilenet_v2
-from qgraph.testing.runtime import graph_inputs, make_session, random_feeds, run_ort
+from qgraph.testing.runtime import graph_inputs, make_session, ort_quantize_static, random_feeds, run_ort
 from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, fragile_resnet, matmul_add_relu_chain
 from qgraph.testing.transformer import transformer_encoder, transformer_encoder_inputs
 
@@ -39,6 +39,7 @@ __all__ = [
     "materialize_light_model",
     "matmul_add_relu_chain",
     "mobilenet_v2",
+    "ort_quantize_static",
     "random_feeds",
     "run_ort",
     "transformer_encoder",

@@ -73,3 +73,20 @@ def run_ort(
     names = list(output_names) if output_names is not None else None
     results = session.run(names, dict(feeds))
     return [np.asarray(r) for r in results]
+
+
+def ort_quantize_static(float_path: str | Path, out_path: str | Path, feeds: Sequence[Mapping[str, np.ndarray]],
+                        **options: object) -> onnx.ModelProto:
+    """onnxruntime's ``quantize_static`` (QDQ format unless ``options`` say otherwise) calibrated on ``feeds``: the
+    peer quantizer the tests and benchmarks compare with, and a source of QDQ models qgraph did not make."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self) -> Mapping[str, np.ndarray] | None:
+            return next(self.it, None)
+
+    quantize_static(str(float_path), str(out_path), Reader(), **{"quant_format": QuantFormat.QDQ, **options})
+    return onnx.load(str(out_path))

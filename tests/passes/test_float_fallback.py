@@ -183,28 +183,14 @@ def ort_encoder(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict[str, np.ndarray]]]:
     """A BERT-like encoder and its QDQ model from onnxruntime.quantize_static (weights kept float as Q→DQ)."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    from qgraph.testing import ort_quantize_static
 
     folder = tmp_path_factory.mktemp("ff_ort")
     float_model = transformer_encoder(layers=1, d_model=32, heads=2, seq=8)
     onnx.save(float_model, folder / "f.onnx")
     calib = transformer_encoder_inputs(8, seed=1, seq=8, d_model=32)
-
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.it = iter(calib)
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.it, None)
-
-    quantize_static(
-        str(folder / "f.onnx"),
-        str(folder / "q.onnx"),
-        Reader(),
-        quant_format=QuantFormat.QDQ,
-        extra_options={"AddQDQPairToWeight": True},
-    )
-    return float_model, onnx.load(folder / "q.onnx"), transformer_encoder_inputs(2, seed=2, seq=8, d_model=32)
+    qdq = ort_quantize_static(folder / "f.onnx", folder / "q.onnx", calib, extra_options={"AddQDQPairToWeight": True})
+    return float_model, qdq, transformer_encoder_inputs(2, seed=2, seq=8, d_model=32)
 
 
 def test_real_model_everything_back_to_float_equals_float_model(ort_encoder) -> None:  # type: ignore[no-untyped-def]

@@ -27,19 +27,13 @@ FRAGILE = {1: 8.0, 3: 30.0, 5: 16.0, 6: 60.0, 10: 4.0}
 @pytest.fixture(scope="module")
 def fragile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Float model, onnxruntime QDQ (per-channel weights, per-tensor activations) and evaluation data."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    from qgraph.testing import ort_quantize_static
 
     folder = tmp_path_factory.mktemp("fragile")
     onnx.save(fragile_resnet(BLOCKS, fragile=FRAGILE), folder / "float.onnx")
     rng = np.random.default_rng(0)
-    feeds = iter([{"input": rng.standard_normal((1, 8, 16, 16)).astype(np.float32)} for _ in range(16)])
-
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(feeds, None)
-
-    quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
-                    per_channel=True)
+    feeds = [{"input": rng.standard_normal((1, 8, 16, 16)).astype(np.float32)} for _ in range(16)]
+    ort_quantize_static(folder / "float.onnx", folder / "qdq.onnx", feeds, per_channel=True)
     data = np.random.default_rng(1).standard_normal((16, 8, 16, 16)).astype(np.float32)
     np.savez(folder / "eval.npz", input=data)
     return folder
@@ -216,19 +210,11 @@ def test_qgraph_run_exits_1_keeps_the_best_model_and_says_what_was_tried(
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer transformer encoder INT8 by onnxruntime's quantize_static, and three independent eval sets."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
-    from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+    from qgraph.testing import ort_quantize_static, transformer_encoder, transformer_encoder_inputs
 
     folder = tmp_path_factory.mktemp("encoder")
     onnx.save(transformer_encoder(layers=2, d_model=64, heads=4, seq=16), folder / "float.onnx")
-    feeds = iter(transformer_encoder_inputs(16, seed=1))
-
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(feeds, None)
-
-    quantize_static(str(folder / "float.onnx"), str(folder / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ)
+    ort_quantize_static(folder / "float.onnx", folder / "qdq.onnx", transformer_encoder_inputs(16, seed=1))
     for i in range(3):
         data = transformer_encoder_inputs(16, seed=2 + 100 * i)
         np.savez(folder / f"eval{i}.npz", **{k: np.concatenate([f[k] for f in data]) for k in data[0]})

@@ -24,17 +24,9 @@ DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits"
 
 
 def _ort_qdq(float_path: Path, out: Path, feeds: list[dict[str, np.ndarray]], **options: object) -> onnx.ModelProto:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+    from qgraph.testing import ort_quantize_static
 
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.it = iter(feeds)
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.it, None)
-
-    quantize_static(str(float_path), str(out), Reader(), quant_format=QuantFormat.QDQ, **options)
-    return onnx.load(out)
+    return ort_quantize_static(float_path, out, feeds, **options)
 
 
 def _stack(feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
