@@ -15,7 +15,7 @@ from qgraph.target import CpuInfo
 
 from .bodies import BodiesOutcome, quantize_bodies
 from .calib import RangeInfo, calibrate, screen
-from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision
+from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
@@ -104,7 +104,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         forbidden: dict[str, str] = {}
         calib_details: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
-            ranges, calib_details = self._calibrate(graph, ctx, plan.roots, res)
+            ranges, calib_details = self._calibrate(graph, ctx, plan, res)
             forbidden = screen(ranges, cfg)
             joins = wide_joins(plan, ranges, cfg)
             res.decisions += list(joins.values())
@@ -159,10 +159,11 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         return res
 
     def _calibrate(
-        self, graph: GraphHandle, ctx: PassContext, roots: list[str], res: PassResult
+        self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult
     ) -> tuple[dict[str, RangeInfo], dict[str, Any]]:
-        """Calibrated ranges with the bounded ops' known ranges applied; decisions, and the calibration details."""
-        cal = calibrate(graph, ctx, roots, self.config)
+        """Calibrated ranges with the unclipped inputs' observed ranges and the bounded ops' known ranges applied;
+        decisions, and the calibration details."""
+        cal = calibrate(graph, ctx, plan.roots, self.config)
         res.notes += cal.notes
         details = dict(cal.fragile)
         auto = auto_summary(cal.measured)
@@ -170,6 +171,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             details["auto"] = auto
             res.decisions.append(auto_decision(auto))
         ranges = cal.ranges
+        if self.config.activations.unclipped is not None:
+            selection = select(graph, self.config.activations.unclipped)
+            res.unmatched += selection.unmatched
+            ranges, unclipped = unclip(plan, ranges, {id(n) for n in selection.nodes}, cal.overridden)
+            if unclipped:
+                details["unclipped"] = unclipped
+                res.decisions.append(unclip_decision(unclipped))
         if self.config.activations.fixed_ranges:
             ranges, fixed = fix_bounded(graph, ranges, cal.overridden)
             if fixed:

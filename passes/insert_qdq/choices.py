@@ -1,4 +1,8 @@
-"""Range choices made after calibration: known ranges of bounded ops, and the report of ``method: auto``.
+"""Range choices made after calibration: known ranges of bounded ops, unclipped inputs, the report of ``method: auto``.
+
+Unclipped inputs (``activations.unclipped``, a node selector): every quantized tensor a selected node reads gets
+its observed ``[min, max]`` whatever the method chose (a clipped range is a bet that the lost tails are noise; for a
+transformer's outlier features they are the signal).
 
 Known ranges (``activations.fixed_ranges``): a quantized tensor produced by Sigmoid, Softmax, HardSigmoid
 (``[0, 1]``) or Tanh (``[-1, 1]``) gets the range :func:`qgraph.calibrate.bounded_range` gives: the analytic bound
@@ -16,6 +20,7 @@ from qgraph import GraphHandle
 from qgraph.calibrate import TensorCalibration, bounded_range
 
 from .calib import RangeInfo
+from .placement import Plan
 
 #: How many tensors the report lists where ``auto``'s choice mattered most.
 TOP = 5
@@ -78,3 +83,31 @@ def auto_decision(summary: dict[str, Any]) -> str:
                     if r["gain_db"] > 0)
     return (f"calibration method auto chose {counts} tensor(s) by the smallest expected quantization error"
             + (f"; largest gains over minmax: {top}" if top else ""))
+
+
+def unclip(
+    plan: Plan, ranges: dict[str, RangeInfo], readers: set[int], overridden: set[str]
+) -> tuple[dict[str, RangeInfo], dict[str, dict[str, Any]]]:
+    """Ranges where every group read by a node in ``readers`` (ids) spans its observed extremes, and ``root -> what
+    changed`` (hand overrides from a ranges file are left alone). O(quantized tensors)."""
+    out = dict(ranges)
+    changed: dict[str, dict[str, Any]] = {}
+    for tensor, root in plan.tensors.items():
+        r = ranges.get(root)
+        if r is None or root in changed or root in overridden or not plan.readers.get(tensor, set()) & readers:
+            continue
+        lo, hi = min(r.rmin, r.observed_min), max(r.rmax, r.observed_max)
+        if (lo, hi) == (r.rmin, r.rmax):
+            continue
+        out[root] = replace(r, rmin=lo, rmax=hi)
+        changed[root] = {"range": [lo, hi], "calibrated": [r.rmin, r.rmax]}
+    return out, changed
+
+
+def unclip_decision(changed: dict[str, dict[str, Any]]) -> str:
+    """One line for the decisions: how many inputs were widened back to their observed range, with examples."""
+    shown = "; ".join(f"{n}: [{c['range'][0]:.3g}, {c['range'][1]:.3g}] (calibrated [{c['calibrated'][0]:.3g}, "
+                      f"{c['calibrated'][1]:.3g}])" for n, c in list(changed.items())[:3])
+    more = f" (+{len(changed) - 3} more in details)" if len(changed) > 3 else ""
+    return (f"unclipped: {len(changed)} input(s) of the activations.unclipped nodes keep their observed range: "
+            f"{shown}{more}")

@@ -24,6 +24,7 @@ from qgraph.quant import QuantDtype
 from qgraph.target import CpuInfo
 
 from .latency import LatencyOptions
+from .ops import MOVEMENT
 
 #: Op types whose QDQ form onnxruntime's CPU graph optimizer fuses into an integer kernel (or drops).
 ORT_CPU_OPS: tuple[str, ...] = (
@@ -55,6 +56,12 @@ ORT_CPU_OPS: tuple[str, ...] = (
     "Split",
     "Identity",
 )
+
+#: Op types the tensorrt preset quantizes: the inputs of the weighted ops (and of MatMuls of two activations),
+#: with the data-movement ops Q/DQ commute through. Residual Adds, Mul, Concat, pools, Softmax and LayerNorm stay in
+#: TensorRT's higher precision: their int8 forms only add a requantization (TensorRT's Q/DQ placement guidance).
+TENSORRT_OPS: tuple[str, ...] = ("Conv", "ConvTranspose", "Gemm", "MatMul",
+                                 *(op for op in ORT_CPU_OPS if op in MOVEMENT))
 
 #: Presets as data (name -> why + options); validated at import into `PRESETS` (`Preset` objects).
 _PRESET_DATA: dict[str, dict[str, Any]] = {
@@ -106,6 +113,8 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "activations": {"dtype": "int8", "symmetric": True},
         "bias": "float",
         "saturation": "off",
+        "placement": "tensorrt",
+        "op_types": list(TENSORRT_OPS),
     },
     "transformer-ort-x86-vnni": {
         "why": (
@@ -172,6 +181,13 @@ class ActivationOptions(PassConfig):
     )
     method_options: dict[str, Any] = Field(
         default_factory=dict, description="Observer options, e.g. {percentile: 99.99} or {num_bins: 2048}."
+    )
+    unclipped: NodeSelector | None = Field(
+        default=None,
+        description="Nodes whose quantized inputs keep their whole observed range whatever `method` chooses, e.g. "
+        "{op_types: [MatMul]} in a transformer: its LayerNorm outputs carry outlier features on the same channels "
+        "of every token, so clipping them is a systematic error that survives the sentence's mean pooling, while "
+        "`auto`'s per-tensor estimate counts it like rounding noise, which pooling averages away.",
     )
     fixed_ranges: bool = Field(
         default=True,
@@ -254,6 +270,14 @@ class InsertQDQConfig(PassConfig):
         "their output is read by another quantized op (their integer kernel saves little and its output "
         "requantization adds error: residual sums before LayerNorm, sigmoid scores to graph outputs stay float); "
         "always: every one.",
+    )
+    placement: Literal["onnxruntime", "tensorrt"] = Field(
+        default="onnxruntime",
+        description="Where Q/DQ pairs go. onnxruntime: also on the outputs of the ops whose integer kernel needs a "
+        "quantized output (QLinearConv, QLinearAdd, ...: onnxruntime fuses only then); tensorrt: only on the "
+        "inputs of quantized ops (TensorRT's explicit-quantization rule: it fuses the next layer's Q into the "
+        "producing layer itself, so a Conv output going to HardSwish/SiLU, a residual Add or a graph output stays "
+        "float and is rounded once, where an integer op reads it).",
     )
     subgraphs: Literal["static", "dynamic", "skip"] = Field(
         default="static",

@@ -13,7 +13,9 @@ The rules follow what onnxruntime's CPU graph optimizer fuses (its QDQ selectors
   and outputs into one *group* sharing one scale/zero point, so onnxruntime drops the Q/DQ around them and they
   run on integers;
 - a tensor is quantized when a unit reads it or a unit that needs an output Q writes it; then its whole group
-  is, each tensor with one Q/DQ pair shared by all its consumers (no float islands between integer ops).
+  is, each tensor with one Q/DQ pair shared by all its consumers (no float islands between integer ops);
+- ``placement: tensorrt`` drops the output rule: a tensor is quantized only where a unit reads it, and float
+  readers keep the exact tensor (TensorRT fuses the Q into the producing layer itself).
 
 Everything is computed from the name index in O(N).
 """
@@ -341,12 +343,13 @@ class Planner:
     ) -> Plan:
         demanded: dict[str, None] = {}
         readers: dict[str, set[int]] = {}
+        outputs = self.cfg.placement == "onnxruntime"  # tensorrt: Q/DQ on inputs only (config docs)
         for u in units:
             for t in u.act_inputs:
                 demanded[t] = None
                 readers.setdefault(t, set()).add(id(u.node))
             out = u.output
-            if u.needs_q_out and out and (self.idx.consumers.get(out) or out in self.idx.graph_outputs):
+            if outputs and u.needs_q_out and out and (self.idx.consumers.get(out) or out in self.idx.graph_outputs):
                 if out in self.floats and not self._forbidden(uf, out):
                     demanded[out] = None
         tensors: dict[str, str] = {}
@@ -362,7 +365,9 @@ class Planner:
                 root = moving[root].inputs[0].name
             tensors[t] = root
         movement = list({id(n): n for t, n in moving.items() if t in tensors}.values())
-        producers = {id(u.last) for u in units} | {id(n) for n in movement}
+        # An integer producer's consumers all read the DQ (onnxruntime fuses the Q only when it is the sole reader);
+        # with input-only placement no unit writes integers, so float readers keep the exact tensor.
+        producers = {id(u.last) for u in units if outputs} | {id(n) for n in movement}
         for n in movement:
             readers.setdefault(n.inputs[0].name, set()).add(id(n))
         order = {t.name: i for i, t in enumerate(self.g.graph.inputs)}
