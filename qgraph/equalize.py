@@ -227,21 +227,19 @@ def smoothing_error(
     x_max: np.ndarray,
     *,
     per_channel: bool = True,
-    activations: QuantSpec | None = None,
 ) -> float:
     """Relative INT8 error ``||X·W - Q(X / s)·Q(diag(s)·W)||² / ||X·W||²`` of one smoothing choice.
 
     ``x``: sample rows ``[R, K]``; ``w``: ``[K, N]``; ``x_min``/``x_max``: the per-channel observed range of X over
     all calibration data, so the per-tensor activation range after smoothing is exactly
-    ``[min_j x_min_j / s_j, max_j x_max_j / s_j]``, quantized on the ``activations`` grid (default uint8
-    asymmetric, as the x86 presets quantize activations; TensorRT's is int8 symmetric, where a one-sided X keeps
-    half the codes); weights int8 symmetric per output column (``per_channel``) or per tensor. The quantization
-    math is `qgraph.quant`'s.
+    ``[min_j x_min_j / s_j, max_j x_max_j / s_j]`` (uint8 asymmetric, as the x86 presets quantize activations);
+    weights int8 symmetric per output column (``per_channel``) or per tensor. The quantization math is
+    `qgraph.quant`'s.
     """
     xs, ws = x / s[None, :], w * s[:, None]
-    a_spec = activations or QuantSpec(dtype=QuantDtype.UINT8)
+    a_spec = QuantSpec(dtype=QuantDtype.UINT8)
     a_scale, a_zp = compute_scale_zero_point(float(np.min(x_min / s)), float(np.max(x_max / s)), a_spec)
-    xq = fake_quantize(xs, a_scale, a_zp, a_spec.dtype).astype(np.float64)
+    xq = fake_quantize(xs, a_scale, a_zp, QuantDtype.UINT8).astype(np.float64)
     absmax = np.abs(ws).max(axis=0) if per_channel else np.array(np.abs(ws).max())
     w_spec = QuantSpec(dtype=QuantDtype.INT8, symmetric=True, per_channel=per_channel, axis=1 if per_channel else None)
     w_scale, w_zp = compute_scale_zero_point(-absmax, absmax, w_spec)

@@ -16,10 +16,9 @@ GELU, other readers of X) the group is skipped with that reason, or, with ``inse
 ``Mul(X, 1/s)`` is inserted in front of the group.
 
 ``alpha: auto`` scores, per group, every α of ``alpha_grid`` and "no smoothing" by the INT8 error of the group's
-product on sampled calibration rows, ``||X·W - Q(X/s)·Q(diag(s)·W)||² / ||X·W||²`` (per-tensor activations over
-the exact smoothed range on the ``activations`` grid, uint8 asymmetric or int8 symmetric; int8 symmetric weights
-per column; `qgraph.equalize.smoothing_error`), and keeps the best: a group is smoothed only where that lowers
-the error.
+product on sampled calibration rows, ``||X·W - Q(X/s)·Q(diag(s)·W)||² / ||X·W||²`` (uint8 per-tensor activations
+over the exact smoothed range, int8 symmetric weights per column; `qgraph.equalize.smoothing_error`), and keeps
+the best: a group is smoothed only where that lowers the error.
 
 A second run measures ``a'_j = a_j / s_j`` and ``w'_j = w_j · s_j``, so ``s'_j = s_j / s_j = 1`` for any α
 (unless s was clipped): groups within ``tolerance`` are left alone, which makes the pass idempotent.
@@ -36,7 +35,6 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
 from qgraph.equalize import log_change, scale_const_per_channel, smoothing_error, smoothing_scales, sole_use
 from qgraph.graph import const_value, rebuild, redirect, renew_const
-from qgraph.quant import QuantDtype, QuantSpec
 
 from .config import SmoothQuantConfig
 from .groups import Group, find_groups
@@ -120,12 +118,11 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             return float(cfg.alpha), smoothing_scales(a, w, float(cfg.alpha), cfg.min_scale, cfg.max_scale)
         x = st.rows_sample()
         mat = np.concatenate([layer.matrix(layer.value()) for layer in group.layers], axis=1)
-        grid = _GRIDS[cfg.activations]
         low, high = st.low, st.high
         assert low is not None and high is not None
 
         def error(s: np.ndarray) -> float:
-            return smoothing_error(x, mat, s, low, high, per_channel=cfg.weights_per_channel, activations=grid)
+            return smoothing_error(x, mat, s, low, high, per_channel=cfg.weights_per_channel)
 
         best: tuple[float, float, np.ndarray | None] = (error(np.ones_like(a)), 0.0, None)
         for alpha in cfg.alpha_grid:
@@ -173,11 +170,6 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         first = min((layer.node for layer in group.layers), key=lambda n: self._order[id(n)])
         self._inserts[id(first)] = [node, first]
         return 1
-
-
-#: The activation grids `alpha: auto` can score on (``activations`` option).
-_GRIDS = {"uint8": QuantSpec(dtype=QuantDtype.UINT8),
-          "int8_symmetric": QuantSpec(dtype=QuantDtype.INT8, symmetric=True)}
 
 
 def _dtype(tensor: gs.Tensor) -> np.dtype:

@@ -33,12 +33,6 @@ class SmoothQuantConfig(PassConfig):
         default=True,
         description="How the later insert_qdq quantizes weights (per output column or per tensor), for `auto`.",
     )
-    activations: Literal["uint8", "int8_symmetric"] = Field(
-        default="uint8",
-        description="How the later insert_qdq quantizes activations, for `auto`: uint8 asymmetric (the onnxruntime "
-        "x86 presets) or int8_symmetric (zero point 0: the tensorrt preset, where a one-sided X keeps half the "
-        "codes).",
-    )
     min_scale: float = Field(default=1e-5, gt=0, description="Lower clip of s_j.")
     max_scale: float = Field(default=1e5, gt=0, description="Upper clip of s_j.")
     tolerance: float = Field(
