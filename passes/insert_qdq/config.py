@@ -279,6 +279,13 @@ class InsertQDQConfig(PassConfig):
         "producing layer itself, so a Conv output going to HardSwish/SiLU, a residual Add or a graph output stays "
         "float and is rounded once, where an integer op reads it).",
     )
+    depthwise: Literal["int8", "float"] = Field(
+        default="int8",
+        description="Depthwise Conv (group = input channels > 1): int8, or float: left in the runtime's higher "
+        "precision. A depthwise input is quantized per tensor but each output channel reads one input channel, so "
+        "channels whose ranges differ 10-30x (BN-folded HardSwish nets) keep a few codes; the layer is "
+        "memory-bound, so int8 buys little speed on GPUs.",
+    )
     subgraphs: Literal["static", "dynamic", "skip"] = Field(
         default="static",
         description="If/Loop bodies: static: each body is calibrated on the data that reaches it (its inputs at "

@@ -167,6 +167,10 @@ class Planner:
         assert w is not None
         if w.dtype != np.float32:
             return f"weight {ins[widx].name!r} is {w.dtype}, not float32"
+        group = int(node.attrs.get("group", 1))
+        if self.cfg.depthwise == "float" and op == "Conv" and group > 1 and w.ndim > 1 and w.shape[1] == 1:
+            return (f"depthwise Conv (group {group}) left float (depthwise: float): its per-tensor input scale "
+                    "would serve channels of very different ranges")
         x = ins[1 - widx]
         bad = self._act_ok(x)
         if bad:
