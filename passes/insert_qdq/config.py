@@ -185,9 +185,8 @@ class ActivationOptions(PassConfig):
     unclipped: NodeSelector | None = Field(
         default=None,
         description="Nodes whose quantized inputs keep their whole observed range whatever `method` chooses, e.g. "
-        "{op_types: [MatMul]} in a transformer: its LayerNorm outputs carry outlier features on the same channels "
-        "of every token, so clipping them is a systematic error that survives the sentence's mean pooling, while "
-        "`auto`'s per-tensor estimate counts it like rounding noise, which pooling averages away.",
+        "{op_types: [MatMul]} in a transformer: clipping its outlier features (the same channels on every token) "
+        "is a systematic error that mean pooling keeps; `auto` counts it like rounding noise.",
     )
     fixed_ranges: bool = Field(
         default=True,
@@ -273,18 +272,14 @@ class InsertQDQConfig(PassConfig):
     )
     placement: Literal["onnxruntime", "tensorrt"] = Field(
         default="onnxruntime",
-        description="Where Q/DQ pairs go. onnxruntime: also on the outputs of the ops whose integer kernel needs a "
-        "quantized output (QLinearConv, QLinearAdd, ...: onnxruntime fuses only then); tensorrt: only on the "
-        "inputs of quantized ops (TensorRT's explicit-quantization rule: it fuses the next layer's Q into the "
-        "producing layer itself, so a Conv output going to HardSwish/SiLU, a residual Add or a graph output stays "
-        "float and is rounded once, where an integer op reads it).",
+        description="onnxruntime: Q/DQ also on the outputs of ops whose integer kernel needs one (QLinearConv, "
+        "QLinearAdd...); tensorrt: only on the inputs of quantized ops (TensorRT fuses the next layer's Q into the "
+        "producer itself: a Conv output going to HardSwish or a residual Add stays float, rounded once).",
     )
     depthwise: Literal["int8", "float"] = Field(
         default="int8",
-        description="Depthwise Conv (group = input channels > 1): int8, or float: left in the runtime's higher "
-        "precision. A depthwise input is quantized per tensor but each output channel reads one input channel, so "
-        "channels whose ranges differ 10-30x (BN-folded HardSwish nets) keep a few codes; the layer is "
-        "memory-bound, so int8 buys little speed on GPUs.",
+        description="Depthwise Conv (one input channel per group): int8, or float (higher precision): its input "
+        "scale is per tensor while each output reads one channel, so channels 10-30x apart keep a few codes.",
     )
     subgraphs: Literal["static", "dynamic", "skip"] = Field(
         default="static",
