@@ -43,7 +43,9 @@ from qgraph import (
     select,
 )
 from qgraph.executor import ExecutorSpec
-from qgraph.fallback import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
+from qgraph.fallback import PASS_NAME, FallbackOutcome, ReferenceWeights, fall_back, quantized_nodes
+from qgraph.graph.detach import with_weights
+from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.sensitivity.targets import parse_target
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
@@ -102,13 +104,18 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     Rewrite, for a selected node n: ``DQ(Q(x)) → n`` becomes ``x → n`` (weights stored as integers become a
     float constant ``(w_q - zero_point) * scale``); ``n → Q → DQ → graph output`` becomes ``n → graph output``.
     Quantized neighbours keep their own Q/DQ (a shared pair is left in place for them), so they stay
-    quantized and bit-identical. A Relu a quantizer folded into a bypassed Q (zero point at the integer
+    quantized and bit-identical. After a quantizing pass of the same recipe, weights and biases stored as
+    integers take their values from the float reference (`PassContext.float_reference`), else ``DQ(w_q)``.
+    A Relu a quantizer folded into a bypassed Q (zero point at the integer
     minimum) is restored.
     """
 
     name = PASS_NAME
     config_class = FloatFallbackConfig
     preserves_float = False
+    # After insert_qdq in one recipe: nodes going back to float get their float weights back, and auto mode
+    # compares with the true float model (weight rounding and bias correction included).
+    needs_float_reference = True
     pause_gc = False  # auto mode builds a model and a session per evaluation: let their garbage go
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
@@ -137,19 +144,22 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
         res = PassResult()
         outcome = FallbackOutcome()
+        floats = _reference(ctx)
+        weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if self.config.nodes is not None:
             nodes = self._selected(graph)
             res.matched = len(nodes)
-            outcome = fall_back(graph, nodes)
+            outcome = fall_back(graph, nodes, reference=weights)
             _record(res, outcome)
         if self.config.auto is not None:
-            self._auto(graph, ctx, res)
+            self._auto(graph, ctx, res, floats, weights)
         res.rewritten = len(res.details.get("fallen_back", []))
         if not res.rewritten:
             res.notes.append("no node went back to float")
         return res
 
-    def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> None:
+    def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult, floats: onnx.ModelProto | None,
+              weights: ReferenceWeights | None) -> None:
         from qgraph.model_io import load_model
         from qgraph.sensitivity.search import auto_fallback
 
@@ -161,6 +171,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         qdq = graph.to_onnx()
         if auto.reference is not None:
             reference = load_model(auto.reference)
+        elif floats is not None:
+            reference = with_weights(floats, ctx.float_reference_weights)
+            res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
         else:
             reference = _strip_all(qdq)
             res.notes.append(
@@ -180,6 +193,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             exact_top=auto.exact_top,
             progress=_stage_progress(ctx),
             executor=auto.executor,
+            float_weights=weights,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -190,8 +204,18 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                 f"the best model found ({len(result.nodes)} node(s) in float, score {result.score:.6g}) was kept"
             )
         if result.nodes:
-            _record(res, fall_back(graph, select(graph, NodeSelector(names=tuple(result.nodes))).nodes))
+            chosen = select(graph, NodeSelector(names=tuple(result.nodes))).nodes
+            _record(res, fall_back(graph, chosen, reference=weights))
             res.matched += len(result.nodes)
+
+
+def _reference(ctx: PassContext) -> onnx.ModelProto | None:
+    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ), else None."""
+    ref = ctx.float_reference
+    if ref is None or any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
+                          for n in ref.graph.node):
+        return None
+    return ref
 
 
 def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] | None:
@@ -211,7 +235,7 @@ def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] 
 def _record(res: PassResult, outcome: FallbackOutcome) -> None:
     d = res.details
     d.setdefault("fallen_back", []).extend(outcome.fallen_back)
-    for key in ("dequantized_weights", "relu_restored"):
+    for key in ("dequantized_weights", "relu_restored", "float_weights_restored"):
         values = getattr(outcome, key)
         if values:
             d.setdefault(key, []).extend(values)

@@ -33,9 +33,10 @@ from typing import Any
 
 import onnx
 
-from qgraph import ModelError, NodeSelector, Pipeline, Recipe, get_pass
+from qgraph import GraphHandle, ModelError, NodeSelector, Pipeline, Recipe, get_pass, select
 from qgraph.data import DataSource, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
+from qgraph.fallback import ReferenceWeights, fall_back
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.evaluate import (
     Evaluator,
@@ -148,10 +149,16 @@ class AutoResult:
         }
 
 
-def build_model(qdq: onnx.ModelProto, nodes: Sequence[str]) -> onnx.ModelProto:
-    """``qdq`` with ``nodes`` in float, built exactly as `qgraph run PATCH qdq` would build it."""
+def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
+                float_weights: ReferenceWeights | None = None) -> onnx.ModelProto:
+    """``qdq`` with ``nodes`` in float, built exactly as `qgraph run PATCH qdq` would build it (with
+    ``float_weights``: as the pass builds it after ``insert_qdq`` in one recipe, float weights restored)."""
     if not nodes:
         return qdq
+    if float_weights is not None:
+        handle = GraphHandle(qdq)
+        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, reference=float_weights)
+        return handle.to_onnx()
     recipe = _patch_recipe(nodes)
     return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
 
@@ -180,13 +187,16 @@ def auto_fallback(
     report_only: bool = False,
     exact_top: int = 0,
     executor: ExecutorSpec | Executor | None = None,
+    float_weights: ReferenceWeights | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
     ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data,
     ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the
     ranked nodes to measure exactly, ``executor`` where full evaluations run (`qgraph.executor`; default: ``jobs``
-    local processes; one executor serves the whole search). With ``report_only`` the ranking is made and no search.
+    local processes; one executor serves the whole search), ``float_weights`` the float weights that nodes going
+    back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``).
+    With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
     pool = make_executor(executor, jobs)
@@ -194,7 +204,7 @@ def auto_fallback(
         return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
                               optimization=optimization, progress=progress, report_only=report_only,
-                              exact_top=exact_top, pool=pool)
+                              exact_top=exact_top, pool=pool, float_weights=float_weights)
     finally:
         if pool is not executor:
             pool.close()
@@ -203,7 +213,8 @@ def auto_fallback(
 def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str | DataSource, target: str | Target,
                    *, keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
-                   progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor) -> AutoResult:
+                   progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
+                   float_weights: ReferenceWeights | None) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -217,7 +228,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     batches = load_feeds(data, reference, samples=samples, batch_size=batch_size, others=[qdq])
     shapes = {k: (1, *v.shape[1:]) if v.ndim else () for k, v in batches[0].items()}
     refs_per_batch = reference_outputs(reference, batches, optimization)
-    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization)
+    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization,
+                          float_weights=float_weights)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
@@ -227,7 +239,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     int8_score = run.int8_score = tgt.score(base.diffs, base.outputs, run.refs)
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
-    out = AutoResult(build_model(qdq, chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
+    out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
                      threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes)
     if out.target_met and not report_only:
         return _finish(run, out, "the INT8 model already meets the target")
@@ -249,7 +261,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     run.stage_end("search")
     if size:
         out.nodes = [*chosen, *order[:size]]
-        out.model = build_model(qdq, out.nodes)
+        out.model = build_model(qdq, out.nodes, float_weights)
         if run.time_left(1):
             tick = run.reporter("confirmation")
             if tick is not None:
