@@ -38,6 +38,7 @@ from qgraph.data import DataSource, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights, fall_back
 from qgraph.outputs import write_atomic
+from qgraph.sensitivity.cost import CostSpec, LatencyModel, cost_aware_order, latency_summary, measure_latency
 from qgraph.sensitivity.evaluate import (
     Evaluator,
     concat_outputs,
@@ -71,6 +72,7 @@ class AutoResult:
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # of one evaluation sample
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
     evaluations: int = 0  # full model evaluations (baseline, exact measures, search, confirmation)
+    latency: dict[str, float] = field(default_factory=dict)  # modelled (cost table) and measured, see `_latency`
 
     def message(self) -> str:
         """One paragraph: met or not, scores, nodes, why the search stopped, what was tried and how long."""
@@ -80,7 +82,19 @@ class AutoResult:
             f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); float {self.float_score:.6g}, "
             f"full INT8 {self.int8_score:.6g}, best {self.score:.6g} with {len(self.nodes)} node(s) in float"
             f"{': ' + ', '.join(shown) if shown else ''}. Search stopped: {self.stop_reason}. {self.tried()}"
+            f"{self.latency_sentence()}"
         )
+
+    def latency_sentence(self) -> str:
+        """Modelled and measured latency of the chosen model relative to float, as one sentence ('' if none)."""
+        lat, parts = self.latency, []
+        if "modelled_chosen_ratio" in lat:
+            parts.append(f"modelled (cost table) {lat['modelled_chosen_ratio']:.2f}x float "
+                         f"(full INT8 {lat['modelled_int8_ratio']:.2f}x)")
+        if "measured_chosen" in lat:
+            parts.append(f"measured {lat['measured_chosen']:.2f}x float (full INT8 {lat['measured_int8']:.2f}x, "
+                         f"float {lat['measured_float_ms']:.1f} ms)")
+        return f" Latency of the chosen model: {'; '.join(parts)}." if parts else ""
 
     def tried(self) -> str:
         """What was tried and how long each stage took, in one sentence."""
@@ -145,6 +159,7 @@ class AutoResult:
             "steps": [s.to_dict() for s in self.steps],
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
+            "latency": {k: num(v) for k, v in self.latency.items()},
             "sensitivity": self.sensitivity.to_dict() if self.sensitivity else None,
         }
 
@@ -188,6 +203,8 @@ def auto_fallback(
     exact_top: int = 0,
     executor: ExecutorSpec | Executor | None = None,
     float_weights: ReferenceWeights | None = None,
+    costs: CostSpec | None = None,
+    latency_rounds: int = 0,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -195,7 +212,10 @@ def auto_fallback(
     ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the
     ranked nodes to measure exactly, ``executor`` where full evaluations run (`qgraph.executor`; default: ``jobs``
     local processes; one executor serves the whole search), ``float_weights`` the float weights that nodes going
-    back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``).
+    back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``),
+    ``costs`` a latency cost table: the search then ranks by output error bought per added latency
+    (`qgraph.sensitivity.cost`) instead of by error alone, and reports the modelled latency; ``latency_rounds`` > 0
+    times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported).
     With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
@@ -204,7 +224,8 @@ def auto_fallback(
         return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
                               optimization=optimization, progress=progress, report_only=report_only,
-                              exact_top=exact_top, pool=pool, float_weights=float_weights)
+                              exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
+                              latency_rounds=latency_rounds)
     finally:
         if pool is not executor:
             pool.close()
@@ -214,7 +235,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    *, keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
-                   float_weights: ReferenceWeights | None) -> AutoResult:
+                   float_weights: ReferenceWeights | None, costs: CostSpec | None,
+                   latency_rounds: int) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -252,7 +274,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     run.stage_end("ranking")
     if report_only:
         return _finish(run, out, "report only")
-    order = [r.name for r in report.rows]
+    latency = LatencyModel(qdq, costs.table, costs.preset, shapes) if costs is not None else None
+    order = _order(report, latency, chosen)
     cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
@@ -276,7 +299,33 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
             out.score = search.scores[size]
             notes.append("not confirmed: max_time reached (the score is the search's evaluation of the same nodes)")
     out.target_met = tgt.met(out.score, threshold)
+    _latency(out, latency, chosen, latency_rounds, reference, evaluator)
     return _finish(run, out, "target met" if out.target_met else reason)
+
+
+def _order(report: SensitivityReport, latency: LatencyModel | None, base: Sequence[str]) -> list[str]:
+    """The search order: the report's rows (error only), or error bought per added latency."""
+    rows = [r.name for r in report.rows]
+    if latency is None or report.model is None:
+        return rows
+    for name in base:
+        latency.set_float(name)
+    ranked = cost_aware_order(report.model, latency)
+    seen = set(ranked)
+    return ranked + [n for n in rows if n not in seen]
+
+
+def _latency(out: AutoResult, latency: LatencyModel | None, base: Sequence[str], rounds: int,
+             reference: onnx.ModelProto, evaluator: Evaluator) -> None:
+    """Modelled and (``rounds`` > 0) measured latency of the chosen model, into ``out.latency``."""
+    if latency is not None:
+        out.latency.update(latency_summary(latency, base, out.nodes))
+    if rounds > 0 and len(out.nodes) > len(base):
+        feed = {k: v[:1] if v.ndim else v for k, v in evaluator.batches[0].items()}
+        measured = measure_latency({"float": reference, "int8": evaluator.variant(base), "chosen": out.model}, feed,
+                                   rounds)
+        out.latency.update({f"measured_{k}": v for k, v in measured.items() if k != "float"})
+        out.latency["measured_float_ms"] = measured["float_ms"]
 
 
 
