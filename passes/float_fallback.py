@@ -17,6 +17,14 @@ in few full evaluations; see `qgraph.sensitivity.search`)::
         reference: model_float.onnx  # default: this model with every Q/DQ removed
         max_nodes: 8
         executor: {kind: ray}        # measure candidates as Ray tasks (pip install 'qgraph[ray]')
+        cost: latency                # default: buy the error where it costs least latency; error: by error only
+
+With ``cost: latency`` the ranked prefixes follow output error bought per added latency (the cost table of
+``insert_qdq``; a node next to float nodes costs less than an isolated one, which adds a DQ and a Q; see
+`qgraph.sensitivity.cost`), and the summary gives the chosen model's modelled latency and, with
+``latency_rounds`` (default 5), its latency measured in onnxruntime against the float and the INT8 model.
+After ``insert_qdq`` in the same recipe, the search compares with the recipe's float model and the nodes that
+go back to float get their float weights back.
 
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
 nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
@@ -25,8 +33,10 @@ line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import onnx
 from pydantic import Field, field_validator, model_validator
@@ -39,13 +49,16 @@ from qgraph import (
     PassContext,
     PassError,
     PassResult,
+    get_pass,
     register,
     select,
 )
 from qgraph.executor import ExecutorSpec
 from qgraph.fallback import PASS_NAME, FallbackOutcome, ReferenceWeights, fall_back, quantized_nodes
 from qgraph.graph.detach import with_weights
+from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.sensitivity.cost import CostSpec
 from qgraph.sensitivity.targets import parse_target
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
@@ -75,6 +88,22 @@ class AutoFallbackConfig(PassConfig):
         default=None,
         description="Where candidates are measured: {kind: local|ray, address, workers, max_retries}; "
         "default: `jobs` local processes.",
+    )
+    cost: Literal["latency", "error"] = Field(
+        default="latency",
+        description="latency: rank nodes by output error bought per added latency (cost table, Q/DQ boundaries "
+        "counted: a node next to float nodes is cheaper than an isolated one); error: by output error alone.",
+    )
+    latency_table: str | None = Field(
+        default=None, description="Cost table for `cost: latency` (default: the one shipped with insert_qdq)."
+    )
+    latency_preset: str | None = Field(
+        default=None, description="Preset of the cost table to use; default: ort-<target.cpu> if the table has "
+        "it, else the table's only preset.",
+    )
+    latency_rounds: int = Field(
+        default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
+        "rounds and report the ratios (0: do not measure).",
     )
 
     @field_validator("target")
@@ -194,6 +223,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             progress=_stage_progress(ctx),
             executor=auto.executor,
             float_weights=weights,
+            costs=_costs(auto, ctx, res),
+            latency_rounds=auto.latency_rounds,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -207,6 +238,25 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             chosen = select(graph, NodeSelector(names=tuple(result.nodes))).nodes
             _record(res, fall_back(graph, chosen, reference=weights))
             res.matched += len(result.nodes)
+
+
+def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:
+    """The cost table and preset of ``cost: latency`` (None for ``cost: error``)."""
+    if auto.cost == "error":
+        return None
+    if auto.latency_table is not None:
+        table = load_latency_table(auto.latency_table)
+    else:  # the table insert_qdq ships (a data file of that package, read through the registry's module)
+        module = sys.modules[get_pass("insert_qdq").__module__]
+        table = load_latency_table(Path(module.__file__ or "").with_name("latency_table.json"))
+    preset = auto.latency_preset or f"ort-{ctx.target.cpu}"
+    if preset not in table.presets:
+        if auto.latency_preset is not None or len(table.presets) != 1:
+            raise PassError(f"float_fallback: the cost table has no preset {preset!r} (it has "
+                            f"{sorted(table.presets)}); set auto.latency_preset or use auto.cost: error.")
+        preset = next(iter(table.presets))
+        res.notes.append(f"auto: latency costs from the table's preset {preset!r} (target cpu {ctx.target.cpu!r})")
+    return CostSpec(table, preset)
 
 
 def _reference(ctx: PassContext) -> onnx.ModelProto | None:
