@@ -229,13 +229,20 @@ class ReferenceWeights:
                 proto = inits.get(name)
                 if proto is not None and proto.data_type in floats:
                     self.protos[(node.output[0], i)] = proto
+        self.by_name = {name: t for name, t in inits.items() if t.data_type in floats}
 
     def __len__(self) -> int:
         return len(self.protos)
 
-    def get(self, output: str, position: int) -> np.ndarray | None:
-        """The float constant read at input ``position`` by the reference node producing ``output``, if any."""
+    def get(self, output: str, position: int, stored: str = "") -> np.ndarray | None:
+        """The float constant read at input ``position`` by the reference node producing ``output``, else (a
+        quantizer that fused the node with the next one renames its output) the reference constant whose name is
+        ``stored`` (the integer constant's name) without a ``_quantized`` or ``/q`` suffix, if any."""
         proto = self.protos.get((output, position))
+        if proto is None:
+            for suffix in ("_quantized", "/q"):
+                if stored.endswith(suffix) and stored[: -len(suffix)] in self.by_name:
+                    proto = self.by_name[stored[: -len(suffix)]]
         if proto is None:
             return None
         if is_placeholder(proto):
@@ -323,7 +330,7 @@ def _restore(graph: GraphHandle, node: gs.Node, i: int, src: FloatSource, refere
     """The reference's float constant for integer weight input ``i`` of ``node`` (None: none of that shape)."""
     if reference is None or src.weight_dq is None or not node.outputs:
         return None
-    values = reference.get(node.outputs[0].name, i)
+    values = reference.get(node.outputs[0].name, i, src.weight_dq.inputs[0].name)
     q = graph.constant_value(src.weight_dq.inputs[0])
     params = qparams(graph, src.weight_dq)
     if values is None or q is None or params is None or tuple(values.shape) != tuple(q.shape):
