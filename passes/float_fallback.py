@@ -101,6 +101,10 @@ class AutoFallbackConfig(PassConfig):
         default=None, description="Preset of the cost table to use; default: ort-<target.cpu> if the table has "
         "it, else the table's only preset.",
     )
+    max_latency: float | None = Field(
+        default=None, gt=0, description="With cost: latency, keep at most this many times the float model's "
+        "modelled latency (1.0: never slower than float); a target that needs more is reported as not met.",
+    )
     latency_rounds: int = Field(
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
         "rounds and report the ratios (0: do not measure).",
@@ -111,6 +115,12 @@ class AutoFallbackConfig(PassConfig):
     def _parses(cls, value: str) -> str:
         parse_target(value, load=False)
         return value
+
+    @model_validator(mode="after")
+    def _latency_needs_costs(self) -> AutoFallbackConfig:
+        if self.max_latency is not None and self.cost != "latency":
+            raise ValueError("max_latency bounds the modelled latency: it needs cost: latency")
+        return self
 
 
 class FloatFallbackConfig(PassConfig):
@@ -225,6 +235,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             float_weights=weights,
             costs=_costs(auto, ctx, res),
             latency_rounds=auto.latency_rounds,
+            max_latency=auto.max_latency,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())

@@ -38,7 +38,14 @@ from qgraph.data import DataSource, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights, fall_back
 from qgraph.outputs import write_atomic
-from qgraph.sensitivity.cost import CostSpec, LatencyModel, cost_aware_order, latency_summary, measure_latency
+from qgraph.sensitivity.cost import (
+    CostSpec,
+    LatencyModel,
+    cost_aware_order,
+    latency_summary,
+    measure_latency,
+    prefix_latency,
+)
 from qgraph.sensitivity.evaluate import (
     Evaluator,
     concat_outputs,
@@ -153,6 +160,7 @@ class AutoResult:
             "float_score": num(self.float_score),
             "int8_score": num(self.int8_score),
             "nodes": self.nodes,
+            "candidates": self.sensitivity.candidates if self.sensitivity is not None else None,
             "stop_reason": self.stop_reason,
             "stages": {k: round(v, 3) for k, v in self.stages.items()},
             "evaluations": self.evaluations,
@@ -205,6 +213,7 @@ def auto_fallback(
     float_weights: ReferenceWeights | None = None,
     costs: CostSpec | None = None,
     latency_rounds: int = 0,
+    max_latency: float | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -215,7 +224,9 @@ def auto_fallback(
     back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``),
     ``costs`` a latency cost table: the search then ranks by output error bought per added latency
     (`qgraph.sensitivity.cost`) instead of by error alone, and reports the modelled latency; ``latency_rounds`` > 0
-    times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported).
+    times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported);
+    with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's
+    latency (1.0: never slower than float).
     With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
@@ -225,7 +236,7 @@ def auto_fallback(
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
                               optimization=optimization, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
-                              latency_rounds=latency_rounds)
+                              latency_rounds=latency_rounds, max_latency=max_latency)
     finally:
         if pool is not executor:
             pool.close()
@@ -236,7 +247,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
-                   latency_rounds: int) -> AutoResult:
+                   latency_rounds: int, max_latency: float | None) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -277,9 +288,13 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     latency = LatencyModel(qdq, costs.table, costs.preset, shapes) if costs is not None else None
     order = _order(report, latency, chosen)
     cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
+    slow = _latency_cap(latency, order[:cap], max_latency)
+    cap = min(cap, slow) if slow is not None else cap
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
     size, reason = search.run(predicted, max_nodes)
+    if slow is not None and slow == cap and reason.startswith(("max_nodes", "every candidate")):
+        reason = f"max_latency reached: more than {cap} node(s) in float is modelled slower than {max_latency:g}x float"
     out.steps = search.steps
     run.stage_end("search")
     if size:
@@ -301,6 +316,16 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     out.target_met = tgt.met(out.score, threshold)
     _latency(out, latency, chosen, latency_rounds, reference, evaluator)
     return _finish(run, out, "target met" if out.target_met else reason)
+
+
+def _latency_cap(latency: LatencyModel | None, order: Sequence[str], limit: float | None) -> int | None:
+    """The largest prefix of ``order`` whose modelled latency is at most ``limit`` x the float model's (None: no
+    limit or no cost model)."""
+    if latency is None or limit is None:
+        return None
+    bound = limit * latency.all_float()
+    times = prefix_latency(latency, order)
+    return max((m for m, t in enumerate(times) if t <= bound), default=0)
 
 
 def _order(report: SensitivityReport, latency: LatencyModel | None, base: Sequence[str]) -> list[str]:

@@ -169,3 +169,24 @@ def test_pass_summary_shows_latency_and_restores_float_weights(tmp_path: Path) -
     conv = res.details["fallen_back"][0]
     weight = out[next(n for n in restored if n.startswith(f"{conv}/float_input1"))]
     assert any(np.array_equal(weight, v) for v in floats.values() if v.shape == weight.shape)
+
+
+def test_max_latency_bounds_the_search(fragile: tuple[onnx.ModelProto, onnx.ModelProto, str]) -> None:
+    """A latency bound below what the target needs stops the search there and says why."""
+    model, qdq, data = fragile
+    free = auto_fallback(model, qdq, data, "sqnr:30", costs=CostSpec(_table(), "p"),
+                         float_weights=ReferenceWeights(model))
+    lat = LatencyModel(qdq, _table(), "p", {"input": (1, 8, 16, 16)})
+    needed = lat.predict(free.nodes) / lat.all_float()
+    bounded = auto_fallback(model, qdq, data, "sqnr:30", costs=CostSpec(_table(), "p"),
+                            float_weights=ReferenceWeights(model), max_latency=0.9 * needed)
+    assert not bounded.target_met and "max_latency reached" in bounded.stop_reason
+    assert bounded.latency["modelled_chosen_us"] <= 0.9 * needed * lat.all_float() + 1e-6
+
+
+def test_max_latency_needs_latency_costs() -> None:
+    from qgraph import Recipe, RecipeError
+
+    with pytest.raises(RecipeError, match="max_latency"):
+        Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n"
+                         "    auto: {target: 'sqnr:30', cost: error, max_latency: 1.0}\n")
