@@ -42,6 +42,7 @@ import onnx
 from pydantic import Field, field_validator, model_validator
 
 from qgraph import (
+    DataError,
     GraphHandle,
     NodeSelector,
     Pass,
@@ -236,6 +237,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             costs=_costs(auto, ctx, res),
             latency_rounds=auto.latency_rounds,
             max_latency=auto.max_latency,
+            rank_by=auto.cost,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -252,9 +254,17 @@ class FloatFallback(Pass[FloatFallbackConfig]):
 
 
 def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:
-    """The cost table and preset of ``cost: latency`` (None for ``cost: error``)."""
-    if auto.cost == "error":
+    """The cost table and preset: the order of ``cost: latency``, the modelled latency in the summary (with
+    ``cost: error``, None when the table does not apply)."""
+    try:
+        return _table(auto, ctx, res)
+    except (PassError, DataError):
+        if auto.cost == "latency":
+            raise
         return None
+
+
+def _table(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec:
     if auto.latency_table is not None:
         table = load_latency_table(auto.latency_table)
     else:  # the table insert_qdq ships (a data file of that package, read through the registry's module)

@@ -214,6 +214,7 @@ def auto_fallback(
     costs: CostSpec | None = None,
     latency_rounds: int = 0,
     max_latency: float | None = None,
+    rank_by: str = "latency",
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -223,7 +224,8 @@ def auto_fallback(
     local processes; one executor serves the whole search), ``float_weights`` the float weights that nodes going
     back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``),
     ``costs`` a latency cost table: the search then ranks by output error bought per added latency
-    (`qgraph.sensitivity.cost`) instead of by error alone, and reports the modelled latency; ``latency_rounds`` > 0
+    (`qgraph.sensitivity.cost`; ``rank_by="error"``: by error alone all the same) and reports the modelled latency;
+    ``latency_rounds`` > 0
     times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported);
     with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's
     latency (1.0: never slower than float).
@@ -236,7 +238,7 @@ def auto_fallback(
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
                               optimization=optimization, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
-                              latency_rounds=latency_rounds, max_latency=max_latency)
+                              latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by)
     finally:
         if pool is not executor:
             pool.close()
@@ -247,7 +249,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
-                   latency_rounds: int, max_latency: float | None) -> AutoResult:
+                   latency_rounds: int, max_latency: float | None, rank_by: str) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -286,7 +288,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     if report_only:
         return _finish(run, out, "report only")
     latency = LatencyModel(qdq, costs.table, costs.preset, shapes) if costs is not None else None
-    order = _order(report, latency, chosen)
+    order = _order(report, latency if rank_by == "latency" else None, chosen)
     cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
     slow = _latency_cap(latency, order[:cap], max_latency)
     cap = min(cap, slow) if slow is not None else cap
@@ -333,9 +335,11 @@ def _order(report: SensitivityReport, latency: LatencyModel | None, base: Sequen
     rows = [r.name for r in report.rows]
     if latency is None or report.model is None:
         return rows
+    state = latency.snapshot()
     for name in base:
         latency.set_float(name)
     ranked = cost_aware_order(report.model, latency)
+    latency.restore(state)
     seen = set(ranked)
     return ranked + [n for n in rows if n not in seen]
 
