@@ -93,14 +93,16 @@ class AutoResult:
         )
 
     def latency_sentence(self) -> str:
-        """Modelled and measured latency of the chosen model relative to float, as one sentence ('' if none)."""
+        """Modelled and measured latency of the chosen model relative to float, as one sentence ('' if none).
+        "Float" is the reference compared with: after ``insert_qdq`` in a recipe, the prepared float model (its
+        fusions included), which can be faster than the model file the recipe started from."""
         lat, parts = self.latency, []
         if "modelled_chosen_ratio" in lat:
             parts.append(f"modelled (cost table) {lat['modelled_chosen_ratio']:.2f}x float "
                          f"(full INT8 {lat['modelled_int8_ratio']:.2f}x)")
         if "measured_chosen" in lat:
-            parts.append(f"measured {lat['measured_chosen']:.2f}x float (full INT8 {lat['measured_int8']:.2f}x, "
-                         f"float {lat['measured_float_ms']:.1f} ms)")
+            parts.append(f"measured {lat['measured_chosen']:.2f}x the float reference (full INT8 "
+                         f"{lat['measured_int8']:.2f}x, float {lat['measured_float_ms']:.1f} ms)")
         return f" Latency of the chosen model: {'; '.join(parts)}." if parts else ""
 
     def tried(self) -> str:
