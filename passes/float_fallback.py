@@ -184,7 +184,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
         res = PassResult()
         outcome = FallbackOutcome()
-        floats = _reference(ctx)
+        floats = _reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if self.config.nodes is not None:
             nodes = self._selected(graph)
@@ -280,11 +280,17 @@ def _table(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostS
     return CostSpec(table, preset)
 
 
-def _reference(ctx: PassContext) -> onnx.ModelProto | None:
-    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ), else None."""
+def _reference(graph: GraphHandle, ctx: PassContext) -> onnx.ModelProto | None:
+    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ) and it takes the
+    same inputs and gives as many outputs as this graph (a pass such as specialize_inputs may have changed them
+    since), else None."""
     ref = ctx.float_reference
     if ref is None or any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
                           for n in ref.graph.node):
+        return None
+    inits = {t.name for t in ref.graph.initializer}
+    ref_inputs = sorted(i.name for i in ref.graph.input if i.name not in inits)
+    if ref_inputs != sorted(t.name for t in graph.graph.inputs) or len(ref.graph.output) != len(graph.graph.outputs):
         return None
     return ref
 
