@@ -4,7 +4,7 @@ Run on demand (a few minutes on 2 cores; the corpus is built and cached on first
 
     python benchmarks/bench_accuracy.py [--models orientation layout minilm] [--recipe my.yaml]
                                         [--recipe minilm=smooth.yaml] [--tools [vnni ...]] [--json out.json]
-                                        [--keep DIR]
+                                        [--keep DIR] [--eval-samples N]
 
 Per model (see ``real_models.py`` for weights, data and metric), every tool quantizes the same float model
 with the same calibration data, each in a fresh subprocess (wall time of the quantization call):
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -74,12 +75,18 @@ def _prep_recipe(name: str) -> Path:
     return ROOT / "recipes" / ("transformer-ort-x86-vnni.yaml" if name in ENCODERS else "ort-x86-vnni.yaml")
 
 
+def _sizes() -> dict[str, int]:
+    """``n_eval`` from ``--eval-samples`` (passed to the children in ``QGRAPH_BENCH_EVAL``), else the defaults."""
+    n = os.environ.get("QGRAPH_BENCH_EVAL")
+    return {"n_eval": int(n)} if n else {}
+
+
 # ---------------------------------------------------------------------------------------------- children
 def prepare(name: str, folder: Path) -> dict[str, str]:
     """Write ``float.onnx``, ``prep.onnx`` (preparation passes applied), ``cal.npz``, ``eval.npz`` for ``name``."""
     from qgraph import Pipeline, Recipe
 
-    model, cal, ev, spec = rm.load(name)  # the loaders' default sample counts (one definition)
+    model, cal, ev, spec = rm.load(name, **_sizes())  # the loaders' default sample counts unless --eval-samples
     folder.mkdir(parents=True, exist_ok=True)
     paths = {k: str(folder / k) for k in ("float.onnx", "prep.onnx", "cal.npz", "eval.npz")}
     onnx.save(model, paths["float.onnx"])
@@ -104,7 +111,14 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
         res = Pipeline(recipe.passes).run(paths["float.onnx"], calibration_data=paths["cal.npz"], samples=len(feeds))
         seconds = time.perf_counter() - start
         res.save(out)
-        return {"seconds": seconds}
+        row: dict[str, Any] = {"seconds": seconds}
+        for rec in res.records:  # an automatic float_fallback stage: what it kept float and its own latency view
+            auto = rec.result.details.get("auto") if rec.name == "float_fallback" else None
+            if auto:
+                row.update(float_nodes=len(auto["nodes"]), candidates=auto.get("candidates"),
+                           fallback_latency=auto.get("latency", {}), fallback_target_met=auto["target_met"],
+                           fallback_score=auto["score"])
+        return row
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -130,7 +144,7 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
 
 def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int) -> dict[str, Any]:
     """Corpus metric of every model in ``made`` (tool -> path) vs float, and its latency ratio to float."""
-    model, _, ev, spec = rm.load(name)
+    model, _, ev, spec = rm.load(name, **_sizes())
     reference = rm.run_model(model, ev, spec)
     results: dict[str, Any] = {"float": {"metric": rm.score(spec, reference, reference)}}
     sessions = {"float": _session(paths["float.onnx"])}
@@ -213,6 +227,7 @@ def main() -> None:
         "vnni); --recipe files always run; none: only the --recipe files",
     )
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds")
+    parser.add_argument("--eval-samples", type=int, help="held-out samples per model (default: the loader's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", type=Path, help="keep models and data in this folder")
     parser.add_argument("--child", nargs="*")
@@ -227,6 +242,8 @@ def main() -> None:
             res = evaluate(rest[0], json.loads(rest[1]), json.loads(rest[2]), int(rest[3]))
         print(json.dumps(res))
         return
+    if args.eval_samples:
+        os.environ["QGRAPH_BENCH_EVAL"] = str(args.eval_samples)  # read by the children (`_sizes`)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-acc-") as tmp:
         base = args.keep or Path(tmp)
@@ -261,7 +278,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             lines.append((r["model"], r["tool"], f"ERROR {r['error']}", "", ""))
             continue
         lat = f"x{r['latency_ratio']:.2f} ({r['ms']:.1f} ms)" if "latency_ratio" in r else ""
-        lines.append((r["model"], r["tool"], fidelity(r), lat, f"{r['seconds']:.1f} s" if "seconds" in r else ""))
+        quant = f"{r['seconds']:.1f} s" if "seconds" in r else ""
+        if "float_nodes" in r:
+            quant += f", {r['float_nodes']} nodes float"
+        lines.append((r["model"], r["tool"], fidelity(r), lat, quant))
     try:
         from rich.console import Console
         from rich.table import Table

@@ -46,6 +46,7 @@ import numpy as np
 import onnx
 
 FRAGILE = (8.0, 30.0, 16.0, 60.0, 4.0)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fragile(blocks: int) -> dict[int, float]:
@@ -75,9 +76,18 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - start, "ranking_s": r.stages.get("ranking", 0.0),
                 "candidates": r.sensitivity.candidates, "int8": r.int8_score}
     if args.child == "auto":
-        r = auto_fallback(load_model(ref), load_model(qdq), data, args.target, max_time=args.max_time)
+        from qgraph.fallback import ReferenceWeights
+        from qgraph.latency import load_latency_table
+        from qgraph.sensitivity.cost import CostSpec
+
+        # modelled latency from the table insert_qdq ships, whatever the order (cost: error ranks without it)
+        costs = CostSpec(load_latency_table(ROOT / "passes" / "insert_qdq" / "latency_table.json"), "ort-x86-vnni")
+        fm = load_model(ref)
+        r = auto_fallback(fm, load_model(qdq), data, args.target, max_time=args.max_time, costs=costs,
+                          rank_by=args.cost, float_weights=ReferenceWeights(fm), latency_rounds=args.latency_rounds)
         return {"seconds": time.perf_counter() - start, "met": r.target_met, "nodes": len(r.nodes),
-                "score": r.score, "evaluations": r.evaluations, "stages": r.stages, "message": r.message()}
+                "score": r.score, "evaluations": r.evaluations, "stages": r.stages, "message": r.message(),
+                "latency": r.latency}
     fm, qm = load_model(ref), load_model(qdq)
     batches = load_feeds(data, fm)
     ev = Evaluator(qm, batches, reference_outputs(fm, batches))
@@ -237,6 +247,8 @@ def main() -> None:
     p.add_argument("--child")
     p.add_argument("--folder")
     p.add_argument("--target")
+    p.add_argument("--cost", default="latency", choices=["error", "latency"])
+    p.add_argument("--latency-rounds", type=int, default=5, help="onnxruntime timing rounds of the chosen model")
     p.add_argument("--out")
     args = p.parse_args()
     if args.child:
@@ -253,7 +265,9 @@ def main() -> None:
             reach = _spawn("reach", folder, exact_sample=args.exact_sample)
             goal = reach["int8"] + args.reach * (reach["all_float"] - reach["int8"])
             ranking = _spawn("ranking", folder)
-            auto = _spawn("auto", folder, target=f"sqnr:{goal:.2f}", max_time=args.max_time)
+            autos = {c: _spawn("auto", folder, target=f"sqnr:{goal:.2f}", max_time=args.max_time, cost=c,
+                               latency_rounds=args.latency_rounds) for c in ("error", "latency")}
+            auto = autos["error"]
             peer_s = reach["candidates"] * reach["exact_eval_s"]
             lines += [
                 _row(f"cnn {nodes} nodes: one session", session, session["peak_rss_mb"]),
@@ -266,7 +280,15 @@ def main() -> None:
                 f"| cnn: exact leave-one-out (previous method, extrapolated) | {peer_s:.0f} | - | - | "
                 f"{reach['candidates']} evaluations x {reach['exact_eval_s']:.2f} s |",
             ]
-            print(auto["message"])
+            for c, a in autos.items():
+                lat = a["latency"]
+                measured = (f", measured {lat['measured_chosen']:.2f}x (INT8 {lat['measured_int8']:.2f}x)"
+                            if "measured_chosen" in lat else "")
+                lines.append(_row(f"cnn: auto, cost: {c}", a, session["peak_rss_mb"],
+                                  f"met={a['met']}, {a['nodes']} nodes in float, latency modelled "
+                                  f"{lat.get('modelled_chosen_ratio', float('nan')):.2f}x float (INT8 "
+                                  f"{lat.get('modelled_int8_ratio', float('nan')):.2f}x){measured}"))
+                print(a["message"])
         if "agreement" not in args.skip:
             for name, build in ((f"cnn {args.agreement_blocks} blocks", lambda f: _cnn(
                     f, args.agreement_blocks, args.samples, args.repeats)),

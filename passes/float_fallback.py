@@ -17,6 +17,14 @@ in few full evaluations; see `qgraph.sensitivity.search`)::
         reference: model_float.onnx  # default: this model with every Q/DQ removed
         max_nodes: 8
         executor: {kind: ray}        # measure candidates as Ray tasks (pip install 'qgraph[ray]')
+        cost: latency                # default: buy the error where it costs least latency; error: by error only
+
+With ``cost: latency`` the ranked prefixes follow output error bought per added latency (the cost table of
+``insert_qdq``; a node next to float nodes costs less than an isolated one, which adds a DQ and a Q; see
+`qgraph.sensitivity.cost`), and the summary gives the chosen model's modelled latency and, with
+``latency_rounds`` (default 5), its latency measured in onnxruntime against the float and the INT8 model.
+After ``insert_qdq`` in the same recipe, the search compares with the recipe's float model and the nodes that
+go back to float get their float weights back.
 
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
 nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
@@ -25,13 +33,16 @@ line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import onnx
 from pydantic import Field, field_validator, model_validator
 
 from qgraph import (
+    DataError,
     GraphHandle,
     NodeSelector,
     Pass,
@@ -39,11 +50,16 @@ from qgraph import (
     PassContext,
     PassError,
     PassResult,
+    get_pass,
     register,
     select,
 )
 from qgraph.executor import ExecutorSpec
-from qgraph.fallback import PASS_NAME, FallbackOutcome, fall_back, quantized_nodes
+from qgraph.fallback import PASS_NAME, FallbackOutcome, ReferenceWeights, fall_back, quantized_nodes
+from qgraph.graph.detach import with_weights
+from qgraph.latency import load_latency_table
+from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.sensitivity.cost import CostSpec
 from qgraph.sensitivity.targets import parse_target
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
@@ -74,12 +90,38 @@ class AutoFallbackConfig(PassConfig):
         description="Where candidates are measured: {kind: local|ray, address, workers, max_retries}; "
         "default: `jobs` local processes.",
     )
+    cost: Literal["latency", "error"] = Field(
+        default="latency",
+        description="latency: rank nodes by output error bought per added latency (cost table, Q/DQ boundaries "
+        "counted: a node next to float nodes is cheaper than an isolated one); error: by output error alone.",
+    )
+    latency_table: str | None = Field(
+        default=None, description="Cost table for `cost: latency` (default: the one shipped with insert_qdq)."
+    )
+    latency_preset: str | None = Field(
+        default=None, description="Preset of the cost table to use; default: ort-<target.cpu> if the table has "
+        "it, else the table's only preset.",
+    )
+    max_latency: float | None = Field(
+        default=None, gt=0, description="With cost: latency, keep at most this many times the float model's "
+        "modelled latency (1.0: never slower than float); a target that needs more is reported as not met.",
+    )
+    latency_rounds: int = Field(
+        default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
+        "rounds and report the ratios (0: do not measure).",
+    )
 
     @field_validator("target")
     @classmethod
     def _parses(cls, value: str) -> str:
         parse_target(value, load=False)
         return value
+
+    @model_validator(mode="after")
+    def _latency_needs_costs(self) -> AutoFallbackConfig:
+        if self.max_latency is not None and self.cost != "latency":
+            raise ValueError("max_latency bounds the modelled latency: it needs cost: latency")
+        return self
 
 
 class FloatFallbackConfig(PassConfig):
@@ -102,13 +144,18 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     Rewrite, for a selected node n: ``DQ(Q(x)) → n`` becomes ``x → n`` (weights stored as integers become a
     float constant ``(w_q - zero_point) * scale``); ``n → Q → DQ → graph output`` becomes ``n → graph output``.
     Quantized neighbours keep their own Q/DQ (a shared pair is left in place for them), so they stay
-    quantized and bit-identical. A Relu a quantizer folded into a bypassed Q (zero point at the integer
+    quantized and bit-identical. After a quantizing pass of the same recipe, weights and biases stored as
+    integers take their values from the float reference (`PassContext.float_reference`), else ``DQ(w_q)``.
+    A Relu a quantizer folded into a bypassed Q (zero point at the integer
     minimum) is restored.
     """
 
     name = PASS_NAME
     config_class = FloatFallbackConfig
     preserves_float = False
+    # After insert_qdq in one recipe: nodes going back to float get their float weights back, and auto mode
+    # compares with the true float model (weight rounding and bias correction included).
+    needs_float_reference = True
     pause_gc = False  # auto mode builds a model and a session per evaluation: let their garbage go
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
@@ -137,19 +184,22 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
         res = PassResult()
         outcome = FallbackOutcome()
+        floats = _reference(graph, ctx)
+        weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if self.config.nodes is not None:
             nodes = self._selected(graph)
             res.matched = len(nodes)
-            outcome = fall_back(graph, nodes)
+            outcome = fall_back(graph, nodes, reference=weights)
             _record(res, outcome)
         if self.config.auto is not None:
-            self._auto(graph, ctx, res)
+            self._auto(graph, ctx, res, floats, weights)
         res.rewritten = len(res.details.get("fallen_back", []))
         if not res.rewritten:
             res.notes.append("no node went back to float")
         return res
 
-    def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> None:
+    def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult, floats: onnx.ModelProto | None,
+              weights: ReferenceWeights | None) -> None:
         from qgraph.model_io import load_model
         from qgraph.sensitivity.search import auto_fallback
 
@@ -161,6 +211,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         qdq = graph.to_onnx()
         if auto.reference is not None:
             reference = load_model(auto.reference)
+        elif floats is not None:
+            reference = with_weights(floats, ctx.float_reference_weights)
+            res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
         else:
             reference = _strip_all(qdq)
             res.notes.append(
@@ -180,6 +233,11 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             exact_top=auto.exact_top,
             progress=_stage_progress(ctx),
             executor=auto.executor,
+            float_weights=weights,
+            costs=_costs(auto, ctx, res),
+            latency_rounds=auto.latency_rounds,
+            max_latency=auto.max_latency,
+            rank_by=auto.cost,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -190,8 +248,51 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                 f"the best model found ({len(result.nodes)} node(s) in float, score {result.score:.6g}) was kept"
             )
         if result.nodes:
-            _record(res, fall_back(graph, select(graph, NodeSelector(names=tuple(result.nodes))).nodes))
+            chosen = select(graph, NodeSelector(names=tuple(result.nodes))).nodes
+            _record(res, fall_back(graph, chosen, reference=weights))
             res.matched += len(result.nodes)
+
+
+def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:
+    """The cost table and preset: the order of ``cost: latency``, the modelled latency in the summary (with
+    ``cost: error``, None when the table does not apply)."""
+    try:
+        return _table(auto, ctx, res)
+    except (PassError, DataError):
+        if auto.cost == "latency":
+            raise
+        return None
+
+
+def _table(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec:
+    if auto.latency_table is not None:
+        table = load_latency_table(auto.latency_table)
+    else:  # the table insert_qdq ships (a data file of that package, read through the registry's module)
+        module = sys.modules[get_pass("insert_qdq").__module__]
+        table = load_latency_table(Path(module.__file__ or "").with_name("latency_table.json"))
+    preset = auto.latency_preset or f"ort-{ctx.target.cpu}"
+    if preset not in table.presets:
+        if auto.latency_preset is not None or len(table.presets) != 1:
+            raise PassError(f"float_fallback: the cost table has no preset {preset!r} (it has "
+                            f"{sorted(table.presets)}); set auto.latency_preset or use auto.cost: error.")
+        preset = next(iter(table.presets))
+        res.notes.append(f"auto: latency costs from the table's preset {preset!r} (target cpu {ctx.target.cpu!r})")
+    return CostSpec(table, preset)
+
+
+def _reference(graph: GraphHandle, ctx: PassContext) -> onnx.ModelProto | None:
+    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ) and it takes the
+    same inputs and gives as many outputs as this graph (a pass such as specialize_inputs may have changed them
+    since), else None."""
+    ref = ctx.float_reference
+    if ref is None or any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
+                          for n in ref.graph.node):
+        return None
+    inits = {t.name for t in ref.graph.initializer}
+    ref_inputs = sorted(i.name for i in ref.graph.input if i.name not in inits)
+    if ref_inputs != sorted(t.name for t in graph.graph.inputs) or len(ref.graph.output) != len(graph.graph.outputs):
+        return None
+    return ref
 
 
 def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] | None:
@@ -211,7 +312,7 @@ def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] 
 def _record(res: PassResult, outcome: FallbackOutcome) -> None:
     d = res.details
     d.setdefault("fallen_back", []).extend(outcome.fallen_back)
-    for key in ("dequantized_weights", "relu_restored"):
+    for key in ("dequantized_weights", "relu_restored", "float_weights_restored"):
         values = getattr(outcome, key)
         if values:
             d.setdefault(key, []).extend(values)

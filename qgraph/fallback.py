@@ -18,6 +18,11 @@ fallen-back node is the one that gets rewired), and a neighbour that reads a ``D
 output gets that pair on a renamed output, so it stays quantized and bit-identical. Q/DQ nodes that serve no
 one afterwards are removed by one cleanup.
 
+With the float model the QDQ model was made from (`ReferenceWeights`: the pipeline's float reference, whose
+tensors carry the same names), a weight stored as integers is restored to its float value instead: the constant
+input at the same position of the reference node producing the same output tensor (so BatchNorm folding,
+equalization and bias correction of the quantized model are undone only for the nodes that go back to float).
+
 Quantizers fold ``Relu`` into the ``QuantizeLinear`` after a Conv/MatMul when its range starts at 0 (onnxruntime
 does). Bypassing such a pair would silently drop the Relu, so when a bypassed pair clamps at exactly 0 and the
 tensor's producer is not already non-negative, a ``Relu`` is inserted on the float path (``<tensor>/relu``).
@@ -25,7 +30,7 @@ tensor's producer is not already non-negative, a ``Relu`` is inserted on the flo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +39,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
+from qgraph.graph.detach import is_placeholder
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.quant import dequantize as quant_dequantize
 from qgraph.quant import fake_quantize_counted
@@ -204,6 +210,46 @@ def dq_inputs(graph: GraphHandle, node: gs.Node) -> list[int]:
     return [i for i, t in enumerate(node.inputs) if (p := graph.producer(t)) is not None and is_dq(p)]
 
 
+class ReferenceWeights:
+    """Float constant inputs of a reference model's nodes, looked up by ``(first output name, input position)``.
+
+    Built in one walk over the reference; values are converted on lookup (only the nodes that go back to float
+    pay), and a weightless reference reads its placeholders from ``weights`` (shared, not copied). Picklable."""
+
+    def __init__(self, reference: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> None:
+        self.weights = dict(weights or {})
+        inits = {t.name: t for t in reference.graph.initializer}
+        floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                  onnx.TensorProto.BFLOAT16)
+        self.protos: dict[tuple[str, int], onnx.TensorProto] = {}
+        for node in reference.graph.node:
+            if not node.output:
+                continue
+            for i, name in enumerate(node.input):
+                proto = inits.get(name)
+                if proto is not None and proto.data_type in floats:
+                    self.protos[(node.output[0], i)] = proto
+        self.by_name = {name: t for name, t in inits.items() if t.data_type in floats}
+
+    def __len__(self) -> int:
+        return len(self.protos)
+
+    def get(self, output: str, position: int, stored: str = "") -> np.ndarray | None:
+        """The float constant read at input ``position`` by the reference node producing ``output``, else (a
+        quantizer that fused the node with the next one renames its output) the reference constant whose name is
+        ``stored`` (the integer constant's name) without a ``_quantized`` or ``/q`` suffix, if any."""
+        proto = self.protos.get((output, position))
+        if proto is None:
+            for suffix in ("_quantized", "/q"):
+                if stored.endswith(suffix) and stored[: -len(suffix)] in self.by_name:
+                    proto = self.by_name[stored[: -len(suffix)]]
+        if proto is None:
+            return None
+        if is_placeholder(proto):
+            return self.weights.get(proto.name)
+        return onnx.numpy_helper.to_array(proto)
+
+
 @dataclass
 class FallbackOutcome:
     """What `fall_back` did, node by node."""
@@ -214,13 +260,16 @@ class FallbackOutcome:
     ignored_qdq: int = 0  # Q/DQ nodes in the selection (they are what gets removed, not what is selected)
     dequantized_weights: list[str] = field(default_factory=list)  # new float constants from integer weights
     relu_restored: list[str] = field(default_factory=list)  # tensors given back the Relu a quantizer folded
+    float_weights_restored: list[str] = field(default_factory=list)  # constants taken from the float reference
     still_quantized_for: dict[str, list[str]] = field(default_factory=dict)  # node -> consumers keeping Q/DQ
     nodes_added: int = 0
     nodes_removed: int = 0
 
 
-def fall_back(graph: GraphHandle, targets: Iterable[gs.Node], tag: str = PASS_NAME) -> FallbackOutcome:
-    """Return ``targets`` to float in place (see module docs). Bounded walks: 2 index builds, 1 cleanup."""
+def fall_back(graph: GraphHandle, targets: Iterable[gs.Node], tag: str = PASS_NAME,
+              reference: ReferenceWeights | None = None) -> FallbackOutcome:
+    """Return ``targets`` to float in place (see module docs); weights stored as integers take their float value
+    from ``reference`` when it has one of the same shape. Bounded walks: 2 index builds, 1 cleanup."""
     out = FallbackOutcome()
     nodes_before = len(graph.graph.nodes)
     chosen: list[gs.Node] = []
@@ -244,7 +293,9 @@ def fall_back(graph: GraphHandle, targets: Iterable[gs.Node], tag: str = PASS_NA
     added: list[gs.Node] = []
     for node, plan in zip(chosen, plans, strict=True):
         for i, src in plan:
-            node.inputs[i] = _materialize(graph, src, consts, relus, added, out, tag)
+            restored = _restore(graph, node, i, src, reference, out)
+            node.inputs[i] = restored if restored is not None else _materialize(graph, src, consts, relus, added, out,
+                                                                                 tag)
     graph.graph.nodes.extend(added)
     graph.changed()  # consumer lists moved: rebuild the index once before looking at the output side
     n_relus = len(added)
@@ -272,6 +323,21 @@ def fall_back(graph: GraphHandle, targets: Iterable[gs.Node], tag: str = PASS_NA
     out.nodes_added = len(added)
     out.nodes_removed = nodes_before + len(added) - len(graph.graph.nodes)
     return out
+
+
+def _restore(graph: GraphHandle, node: gs.Node, i: int, src: FloatSource, reference: ReferenceWeights | None,
+             out: FallbackOutcome) -> gs.Constant | None:
+    """The reference's float constant for integer weight input ``i`` of ``node`` (None: none of that shape)."""
+    if reference is None or src.weight_dq is None or not node.outputs:
+        return None
+    values = reference.get(node.outputs[0].name, i, src.weight_dq.inputs[0].name)
+    q = graph.constant_value(src.weight_dq.inputs[0])
+    params = qparams(graph, src.weight_dq)
+    if values is None or q is None or params is None or tuple(values.shape) != tuple(q.shape):
+        return None
+    const = gs.Constant(graph.unique_name(f"{node.name}/float_input{i}"), np.asarray(values, params.scale.dtype))
+    out.float_weights_restored.append(const.name)
+    return const
 
 
 def _materialize(

@@ -21,7 +21,7 @@ from qgraph import DataError, GraphHandle, ModelError, NodeSelector, select
 from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.executor import Executor, ExecutorSpec, make_executor
-from qgraph.fallback import fall_back
+from qgraph.fallback import ReferenceWeights, fall_back
 
 Progress = Callable[[int, int], None]
 
@@ -107,19 +107,22 @@ class Evaluator:
         *,
         keep_outputs: bool = False,
         optimization: str = "all",
+        float_weights: ReferenceWeights | None = None,
     ) -> None:
         self.qdq = qdq
+        self.float_weights = float_weights
         self.batches = batches
         self.reference = reference
         self.keep_outputs = keep_outputs
         self.optimization = optimization
 
     def variant(self, nodes: Sequence[str]) -> onnx.ModelProto:
-        """The QDQ model with ``nodes`` fallen back (the model itself when ``nodes`` is empty)."""
+        """The QDQ model with ``nodes`` fallen back (the model itself when ``nodes`` is empty), their integer
+        weights restored from ``float_weights`` when given."""
         if not nodes:
             return self.qdq
         handle = GraphHandle(self.qdq)
-        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes)
+        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, reference=self.float_weights)
         try:
             return handle.to_onnx()
         finally:

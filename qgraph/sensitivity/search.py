@@ -33,10 +33,19 @@ from typing import Any
 
 import onnx
 
-from qgraph import ModelError, NodeSelector, Pipeline, Recipe, get_pass
+from qgraph import GraphHandle, ModelError, NodeSelector, Pipeline, Recipe, get_pass, select
 from qgraph.data import DataSource, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
+from qgraph.fallback import ReferenceWeights, fall_back
 from qgraph.outputs import write_atomic
+from qgraph.sensitivity.cost import (
+    CostSpec,
+    LatencyModel,
+    cost_aware_order,
+    latency_summary,
+    measure_latency,
+    prefix_latency,
+)
 from qgraph.sensitivity.evaluate import (
     Evaluator,
     concat_outputs,
@@ -70,6 +79,7 @@ class AutoResult:
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # of one evaluation sample
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
     evaluations: int = 0  # full model evaluations (baseline, exact measures, search, confirmation)
+    latency: dict[str, float] = field(default_factory=dict)  # modelled (cost table) and measured, see `_latency`
 
     def message(self) -> str:
         """One paragraph: met or not, scores, nodes, why the search stopped, what was tried and how long."""
@@ -79,7 +89,21 @@ class AutoResult:
             f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); float {self.float_score:.6g}, "
             f"full INT8 {self.int8_score:.6g}, best {self.score:.6g} with {len(self.nodes)} node(s) in float"
             f"{': ' + ', '.join(shown) if shown else ''}. Search stopped: {self.stop_reason}. {self.tried()}"
+            f"{self.latency_sentence()}"
         )
+
+    def latency_sentence(self) -> str:
+        """Modelled and measured latency of the chosen model relative to float, as one sentence ('' if none).
+        "Float" is the reference compared with: after ``insert_qdq`` in a recipe, the prepared float model (its
+        fusions included), which can be faster than the model file the recipe started from."""
+        lat, parts = self.latency, []
+        if "modelled_chosen_ratio" in lat:
+            parts.append(f"modelled (cost table) {lat['modelled_chosen_ratio']:.2f}x float "
+                         f"(full INT8 {lat['modelled_int8_ratio']:.2f}x)")
+        if "measured_chosen" in lat:
+            parts.append(f"measured {lat['measured_chosen']:.2f}x the float reference (full INT8 "
+                         f"{lat['measured_int8']:.2f}x, float {lat['measured_float_ms']:.1f} ms)")
+        return f" Latency of the chosen model: {'; '.join(parts)}." if parts else ""
 
     def tried(self) -> str:
         """What was tried and how long each stage took, in one sentence."""
@@ -138,20 +162,28 @@ class AutoResult:
             "float_score": num(self.float_score),
             "int8_score": num(self.int8_score),
             "nodes": self.nodes,
+            "candidates": self.sensitivity.candidates if self.sensitivity is not None else None,
             "stop_reason": self.stop_reason,
             "stages": {k: round(v, 3) for k, v in self.stages.items()},
             "evaluations": self.evaluations,
             "steps": [s.to_dict() for s in self.steps],
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
+            "latency": {k: num(v) for k, v in self.latency.items()},
             "sensitivity": self.sensitivity.to_dict() if self.sensitivity else None,
         }
 
 
-def build_model(qdq: onnx.ModelProto, nodes: Sequence[str]) -> onnx.ModelProto:
-    """``qdq`` with ``nodes`` in float, built exactly as `qgraph run PATCH qdq` would build it."""
+def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
+                float_weights: ReferenceWeights | None = None) -> onnx.ModelProto:
+    """``qdq`` with ``nodes`` in float, built exactly as `qgraph run PATCH qdq` would build it (with
+    ``float_weights``: as the pass builds it after ``insert_qdq`` in one recipe, float weights restored)."""
     if not nodes:
         return qdq
+    if float_weights is not None:
+        handle = GraphHandle(qdq)
+        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, reference=float_weights)
+        return handle.to_onnx()
     recipe = _patch_recipe(nodes)
     return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
 
@@ -180,13 +212,26 @@ def auto_fallback(
     report_only: bool = False,
     exact_top: int = 0,
     executor: ExecutorSpec | Executor | None = None,
+    float_weights: ReferenceWeights | None = None,
+    costs: CostSpec | None = None,
+    latency_rounds: int = 0,
+    max_latency: float | None = None,
+    rank_by: str = "latency",
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
     ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data,
     ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the
     ranked nodes to measure exactly, ``executor`` where full evaluations run (`qgraph.executor`; default: ``jobs``
-    local processes; one executor serves the whole search). With ``report_only`` the ranking is made and no search.
+    local processes; one executor serves the whole search), ``float_weights`` the float weights that nodes going
+    back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``),
+    ``costs`` a latency cost table: the search then ranks by output error bought per added latency
+    (`qgraph.sensitivity.cost`; ``rank_by="error"``: by error alone all the same) and reports the modelled latency;
+    ``latency_rounds`` > 0
+    times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported);
+    with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's
+    latency (1.0: never slower than float).
+    With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
     pool = make_executor(executor, jobs)
@@ -194,7 +239,8 @@ def auto_fallback(
         return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
                               optimization=optimization, progress=progress, report_only=report_only,
-                              exact_top=exact_top, pool=pool)
+                              exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
+                              latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by)
     finally:
         if pool is not executor:
             pool.close()
@@ -203,7 +249,9 @@ def auto_fallback(
 def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str | DataSource, target: str | Target,
                    *, keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
-                   progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor) -> AutoResult:
+                   progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
+                   float_weights: ReferenceWeights | None, costs: CostSpec | None,
+                   latency_rounds: int, max_latency: float | None, rank_by: str) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -217,7 +265,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     batches = load_feeds(data, reference, samples=samples, batch_size=batch_size, others=[qdq])
     shapes = {k: (1, *v.shape[1:]) if v.ndim else () for k, v in batches[0].items()}
     refs_per_batch = reference_outputs(reference, batches, optimization)
-    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization)
+    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization,
+                          float_weights=float_weights)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
@@ -227,7 +276,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     int8_score = run.int8_score = tgt.score(base.diffs, base.outputs, run.refs)
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
-    out = AutoResult(build_model(qdq, chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
+    out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
                      threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes)
     if out.target_met and not report_only:
         return _finish(run, out, "the INT8 model already meets the target")
@@ -240,16 +289,21 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     run.stage_end("ranking")
     if report_only:
         return _finish(run, out, "report only")
-    order = [r.name for r in report.rows]
+    latency = LatencyModel(qdq, costs.table, costs.preset, shapes) if costs is not None else None
+    order = _order(report, latency if rank_by == "latency" else None, chosen)
     cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
+    slow = _latency_cap(latency, order[:cap], max_latency)
+    cap = min(cap, slow) if slow is not None else cap
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
     size, reason = search.run(predicted, max_nodes)
+    if slow is not None and slow == cap and reason.startswith(("max_nodes", "every candidate")):
+        reason = f"max_latency reached: more than {cap} node(s) in float is modelled slower than {max_latency:g}x float"
     out.steps = search.steps
     run.stage_end("search")
     if size:
         out.nodes = [*chosen, *order[:size]]
-        out.model = build_model(qdq, out.nodes)
+        out.model = build_model(qdq, out.nodes, float_weights)
         if run.time_left(1):
             tick = run.reporter("confirmation")
             if tick is not None:
@@ -264,7 +318,45 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
             out.score = search.scores[size]
             notes.append("not confirmed: max_time reached (the score is the search's evaluation of the same nodes)")
     out.target_met = tgt.met(out.score, threshold)
+    _latency(out, latency, chosen, latency_rounds, reference, evaluator)
     return _finish(run, out, "target met" if out.target_met else reason)
+
+
+def _latency_cap(latency: LatencyModel | None, order: Sequence[str], limit: float | None) -> int | None:
+    """The largest prefix of ``order`` whose modelled latency is at most ``limit`` x the float model's (None: no
+    limit or no cost model)."""
+    if latency is None or limit is None:
+        return None
+    bound = limit * latency.all_float()
+    times = prefix_latency(latency, order)
+    return max((m for m, t in enumerate(times) if t <= bound), default=0)
+
+
+def _order(report: SensitivityReport, latency: LatencyModel | None, base: Sequence[str]) -> list[str]:
+    """The search order: the report's rows (error only), or error bought per added latency."""
+    rows = [r.name for r in report.rows]
+    if latency is None or report.model is None:
+        return rows
+    state = latency.snapshot()
+    for name in base:
+        latency.set_float(name)
+    ranked = cost_aware_order(report.model, latency)
+    latency.restore(state)
+    seen = set(ranked)
+    return ranked + [n for n in rows if n not in seen]
+
+
+def _latency(out: AutoResult, latency: LatencyModel | None, base: Sequence[str], rounds: int,
+             reference: onnx.ModelProto, evaluator: Evaluator) -> None:
+    """Modelled and (``rounds`` > 0) measured latency of the chosen model, into ``out.latency``."""
+    if latency is not None:
+        out.latency.update(latency_summary(latency, base, out.nodes))
+    if rounds > 0 and len(out.nodes) > len(base):
+        feed = {k: v[:1] if v.ndim else v for k, v in evaluator.batches[0].items()}
+        measured = measure_latency({"float": reference, "int8": evaluator.variant(base), "chosen": out.model}, feed,
+                                   rounds)
+        out.latency.update({f"measured_{k}": v for k, v in measured.items() if k != "float"})
+        out.latency["measured_float_ms"] = measured["float_ms"]
 
 
 

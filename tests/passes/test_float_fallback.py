@@ -270,3 +270,28 @@ def test_float_and_qdq_models_must_match(ort_encoder, shared: onnx.ModelProto, t
     np.savez(tmp_path / "eval.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
     with pytest.raises(ModelError, match="do not match"):
         auto_fallback(float_model, shared, str(tmp_path / "eval.npz"), "cosine:0.99")
+
+
+def test_reference_weights_make_everything_back_to_float_the_float_model(tmp_path: Path) -> None:
+    """onnxruntime QDQ with weights and biases stored as integers and Relus fused into the convs (outputs
+    renamed): with the float model's weights (`ReferenceWeights`, found by output or by the integer constant's
+    name) every node back in float gives the float model's outputs; with ``DQ(w_q)`` the weight rounding stays."""
+    from qgraph.fallback import ReferenceWeights, fall_back
+    from qgraph.testing import ort_quantize_static
+    from qgraph.testing.synthetic import fragile_resnet
+
+    model = fragile_resnet(blocks=3, fragile={1: 30.0})
+    onnx.save(model, tmp_path / "f.onnx")
+    rng = np.random.default_rng(0)
+    feeds = [{"input": rng.standard_normal((1, 8, 16, 16)).astype(np.float32)} for _ in range(4)]
+    qdq = ort_quantize_static(tmp_path / "f.onnx", tmp_path / "q.onnx", feeds)
+    outs = {}
+    for label, reference in (("float", ReferenceWeights(model)), ("rounded", None)):
+        handle = GraphHandle(qdq)
+        outcome = fall_back(handle, quantized_nodes(handle), reference=reference)
+        assert len(outcome.float_weights_restored) == (2 * 8 if reference else 0)  # 8 Conv/Gemm x (weight, bias)
+        outs[label] = make_session(handle.to_onnx()).run(None, feeds[0])
+    ref = make_session(model).run(None, feeds[0])
+    for r, got in zip(ref, outs["float"], strict=True):
+        assert np.max(np.abs(got - r)) <= 1e-5 * np.max(np.abs(r))
+    assert max(np.max(np.abs(g - r)) / np.max(np.abs(r)) for r, g in zip(ref, outs["rounded"], strict=True)) > 1e-4
