@@ -153,8 +153,8 @@ def boxes(prob: np.ndarray) -> np.ndarray:
         d = bh * bw * UNCLIP / (2 * (bh + bw))
         if min(bh, bw) + 2 * d < 5:
             continue
-        y0, x0 = max(0, int(round(y0 - d))), max(0, int(round(x0 - d)))
-        y1, x1 = min(h, int(round(y1 + d))), min(w, int(round(x1 + d)))
+        y0, x0 = max(0, round(y0 - d)), max(0, round(x0 - d))
+        y1, x1 = min(h, round(y1 + d)), min(w, round(x1 + d))
         out.append((y0, x0, y1, x1))
     return np.array(out, np.int64).reshape(-1, 4)
 
