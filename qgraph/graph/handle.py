@@ -30,7 +30,7 @@ from .checks import gs_cycle_message
 from .detach import Held, attach_weights, detach_constants, fill_weights, weightless
 from .gs_compat import TypeKeeper
 from .ops import Inferred, const_value, graph_scopes, topological_order
-from .shapes import static_shapes
+from .shapes import shapes_with_inputs, static_shapes
 
 
 def _log_to_stderr(*args: Any, **kwargs: Any) -> None:
@@ -150,6 +150,20 @@ class GraphHandle:
         if self._shapes is None:
             self._shapes = static_shapes(self.to_onnx(weights=False))
         return self._shapes
+
+    def dynamic_inputs(self) -> list[str]:
+        """Graph inputs with a dimension of no fixed size (symbolic or unknown), or no shape at all."""
+        return [
+            t.name
+            for t in self.graph.inputs
+            if t.shape is None or any(not isinstance(d, int) or d < 0 for d in t.shape)
+        ]
+
+    def shapes_for(self, dims: dict[str, tuple[int, ...]]) -> Inferred:
+        """Like `shapes`, with the graph inputs in ``dims`` given those sizes (not cached: one inference per
+        call). For decisions that need concrete sizes on a model with dynamic inputs, e.g. a calibration
+        sample's shapes for the latency cost model."""
+        return shapes_with_inputs(self.to_onnx(weights=False), dims)
 
     def _build_index(self) -> GraphIndex:
         self.walks["index"] += 1

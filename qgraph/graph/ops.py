@@ -345,15 +345,19 @@ def topological_order(nodes: Sequence[gs.Node]) -> list[gs.Node] | None:
 
 
 def tensor_shape(tensor: gs.Tensor, inferred: Inferred | None = None) -> Shape | None:
-    """Shape of ``tensor`` with unknown dims as None: from the tensor itself, else from ``inferred``."""
+    """Shape of ``tensor`` with unknown dims as None: from the tensor itself, its unknown (symbolic) dims filled
+    from ``inferred`` where that has the same rank (e.g. sizes inferred from a calibration sample's input
+    shape), else from ``inferred``."""
     if isinstance(tensor, gs.Constant):
         return tuple(int(d) for d in tensor.shape)
     shape = tensor.shape
+    other = inferred[tensor.name][0] if inferred is not None and tensor.name in inferred else None
     if shape is not None:
-        return tuple(d if isinstance(d, int) and d >= 0 else None for d in shape)
-    if inferred is not None and tensor.name in inferred:
-        return inferred[tensor.name][0]
-    return None
+        own = tuple(d if isinstance(d, int) and d >= 0 else None for d in shape)
+        if other is None or len(other) != len(own) or None not in own:
+            return own
+        return tuple(o if o is not None else i for o, i in zip(own, other, strict=True))
+    return other
 
 
 def tensor_dtype(tensor: gs.Tensor, inferred: Inferred | None = None) -> np.dtype | None:

@@ -44,6 +44,23 @@ def static_shapes(model: onnx.ModelProto) -> Inferred:
     return shapes
 
 
+def shapes_with_inputs(model: onnx.ModelProto, dims: dict[str, tuple[int, ...]]) -> Inferred:
+    """`static_shapes` of ``model`` (changed in place: pass an export) with the graph inputs named in ``dims``
+    given those sizes, e.g. a calibration sample's where the model's are symbolic (``p2o.DynamicDimension.0``).
+    Stored intermediate and output shapes are dropped first, so symbolic sizes recorded by an exporter do not
+    shadow the sizes inference now finds."""
+    for info in model.graph.input:
+        if info.name in dims:
+            shape = info.type.tensor_type.shape
+            shape.Clear()
+            for d in dims[info.name]:
+                shape.dim.add().dim_value = int(d)
+    del model.graph.value_info[:]
+    for out in model.graph.output:
+        out.type.tensor_type.ClearField("shape")
+    return static_shapes(model)
+
+
 def _big(t: onnx.TensorProto) -> bool:
     return _proto_bytes(t) > _SHAPE_INFERENCE_KEEP_BYTES or is_placeholder(t)
 

@@ -124,3 +124,47 @@ def test_bench_accuracy_tools_and_extra_recipes(rm: ModuleType, tmp_path: Path) 
     assert all(bench._recipe_path(t).exists() for t in cnn + enc if t.startswith("qgraph:"))
     assert bench.tools_for("minilm", [], ["vnni"]) == ["qgraph:ort-x86-vnni", "qgraph:transformer-ort-x86-vnni"]
     assert bench.tools_for("layout", [str(mine)], []) == [f"recipe:{mine}"]  # --tools alone: only the recipes
+
+
+def test_ocr_det_inputs_and_db_boxes(rm: ModuleType) -> None:
+    _need("rapidocr_onnxruntime")  # not imported: its __init__ needs cv2 (installed --no-deps)
+    _need("skimage")
+    _need("scipy")
+    ocr = rm.ocr_module()
+    feeds = rm.ocr_samples(8, 3, *rm.OCR_EVAL)
+    assert all(f["x"].shape == (1, 3, 736, 736) and f["x"].dtype == np.float32 for f in feeds)
+    assert -1.0 <= min(float(f["x"].min()) for f in feeds) and max(float(f["x"].max()) for f in feeds) <= 1.0
+    assert not set(ocr.words(0)[:500]) <= set(ocr.words(1))  # the two vocabularies are different topics
+    model = onnx.load(str(rm.package_file("rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx", "")))
+    out = model.graph.output[0].name
+    spec = rm.EvalSpec("d", "slices", (out,), slices=(rm.Slice("prob", out),), extra={"db_boxes": out})
+    maps = rm.run_model(model, feeds[:1], spec)  # a printed page: the detector finds its lines
+    prob = maps[0][out]
+    assert prob.shape == (1, 1, 736, 736) and len(ocr.boxes(prob)) >= 3
+    # the metric: identical maps agree fully; a map with its lower half erased loses the boxes there
+    cut = {out: prob.copy()}
+    cut[out][..., 368:, :] = 0.0
+    same, half = rm.score(spec, maps, maps), rm.score(spec, maps, [cut])
+    assert same["box_f1"] == 1.0 and same["mask_iou"] == 1.0
+    kept = ocr.boxes(cut[out])
+    assert half["box_precision"] == 1.0 and half["box_recall"] < 1.0 and len(kept) < len(ocr.boxes(prob))
+    assert half["mask_iou"] < 1.0 and half["slices_db"]["prob"] < 30
+
+
+def test_db_boxes_on_drawn_maps(rm: ModuleType) -> None:
+    _need("scipy")
+    ocr = rm.ocr_module()
+    prob = np.zeros((64, 96), np.float32)
+    prob[20:30, 20:75] = 0.9  # a text line: 11 x 56 after the 2x2 dilation, mean 0.80 >= box_thresh
+    prob[40:41, 5:30] = 0.9  # one pixel high: 2 after dilation, below the minimum side 3
+    prob[50:60, 70:90] = 0.35  # above thresh, but its mean (0.30 after dilation) is below box_thresh 0.5
+    got = ocr.boxes(prob)
+    assert got.shape == (1, 4)
+    y0, x0, y1, x1 = (int(v) for v in got[0])
+    d = 11 * 56 * 1.6 / (2 * (11 + 56))  # the unclip distance: area * ratio / perimeter
+    assert y1 - y0 == pytest.approx(11 + 2 * d, abs=1.01) and x1 - x0 == pytest.approx(56 + 2 * d, abs=1.01)
+    assert y0 <= 20 - int(d) and x1 >= 75 + int(d)
+    moved = got + np.array([0, 30, 0, 30])  # shifted by 30 of its 71 columns: IoU 41/101 < 0.5
+    assert ocr.box_iou(got, moved)[0, 0] == pytest.approx((x1 - x0 - 30) / (x1 - x0 + 30))
+    f1 = ocr.box_f1([prob], [np.roll(prob, 30, axis=1)])
+    assert f1["box_f1"] == 0.0 and f1["boxes_float"] == 1.0

@@ -243,3 +243,39 @@ def test_decisions_are_locally_optimal_and_never_worse_than_all_float(
             assert (q <= f + 1e-9) if d.int8[i] else (f <= q + 1e-9)
     all_float = Decision([i in forced for i in range(len(costs))], [])
     assert d.total(costs, edges) <= all_float.total(costs, edges) + 1e-6
+
+
+def _dynamic(model: Any) -> Any:
+    """``model`` with symbolic batch/height/width on its input and no stored intermediate or output shapes (as
+    Paddle's exporter writes a detector: ``p2o.DynamicDimension.k``)."""
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    dims = out.graph.input[0].type.tensor_type.shape.dim
+    for i in (0, 2, 3):
+        dims[i].Clear()
+        dims[i].dim_param = f"dyn{i}"
+    del out.graph.value_info[:]
+    for o in out.graph.output:
+        for k, d in enumerate(o.type.tensor_type.shape.dim):
+            d.Clear()
+            d.dim_param = f"out{k}"
+    return out
+
+
+def test_dynamic_inputs_are_costed_at_the_calibration_shapes(tmp_path: Path) -> None:
+    static = tiny_cnn()
+    model = _dynamic(static)
+    feeds = feeds_for(static, 4)  # the static model's sizes: what the data (and deployment) feeds
+    table = _table(tmp_path, [_conv_entry(int8_us=500.0, float_us=10.0)])
+    opts = {"preset": "ort-x86-vnni", "latency": {"mode": "table", "table": str(table)}}
+    result = quantize(model, feeds, **opts).records[0].result
+    # without sizes the convs had no cost and stayed int8; at the sample's sizes the table keeps both float
+    kept = [s for s in result.skipped if s.reason.startswith("kept float for speed")]
+    assert len(kept) == 2 and "int8 500 µs" in kept[0].reason
+    shape = list(feeds[0]["input"].shape) if "input" in feeds[0] else list(next(iter(feeds[0].values())).shape)
+    assert any("dynamic dimensions" in d and str(shape) in d for d in result.decisions), result.decisions
+    same = quantize(static, feeds, **opts).records[0].result  # static inputs: no such decision, same outcome
+    assert not any("dynamic dimensions" in d for d in same.decisions)
+    assert [s.reason for s in same.skipped if s.reason.startswith("kept float")] == [s.reason for s in kept]
