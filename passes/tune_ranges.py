@@ -129,8 +129,10 @@ class TuneRanges(Pass[TuneRangesConfig]):
         """Calibration data and the float reference (``insert_qdq`` earlier in the recipe)."""
         if ctx.calibration_data is None:
             raise PassError(f"{NAME}: needs calibration data (--calibration-data or the recipe's calibration).")
-        if ctx.float_reference is None:
-            raise PassError(f"{NAME}: needs the float model: run it after `insert_qdq` in the same recipe.")
+        quantized = any(n.op == "QuantizeLinear" for g in graph.scopes() for n in g.nodes)
+        if ctx.float_reference is None or not quantized:
+            raise PassError(f"{NAME}: needs a quantized model and its float reference: run it after `insert_qdq` "
+                            "in the same recipe.")
         if any(not 0 < f <= 2 for f in self.config.factors):
             raise PassError(f"{NAME}: factors must be in (0, 2], got {list(self.config.factors)}.")
 
@@ -150,6 +152,10 @@ class TuneRanges(Pass[TuneRangesConfig]):
         del reference
         pairs = _pairs(graph)
         res.matched = len(pairs)
+        inner = sum(n.op == "QuantizeLinear" for g in graph.subgraphs() for n in g.nodes)
+        if inner:
+            res.decisions.append(f"{inner} QuantizeLinear node(s) inside If/Loop bodies are not tuned (the top graph "
+                                 "only): `specialize_inputs` inlines an If chosen by an input")
         start = time.perf_counter()
         best = self._score(graph, feeds, names, ref)
         first, chosen, evaluations, reached = best, {}, 1, 0
@@ -167,8 +173,8 @@ class TuneRanges(Pass[TuneRangesConfig]):
             pair.apply(keep, graph)
             if keep != 1.0:
                 chosen[pair.qs[0].inputs[0].name] = keep
-        graph.changed()
-        graph.cleanup()
+        if chosen:
+            graph.cleanup()  # the constants no pair reads any more
         res.rewritten = len(chosen)
         res.details = {"score_before_db": first, "score_after_db": best, "factors": chosen, "pairs": len(pairs),
                        "evaluations": evaluations, "samples": len(feeds)}
