@@ -7,8 +7,9 @@
 Rows: the float model; onnxruntime ``quantize_static`` (QDQ, per-channel) on the specialized float graph; qgraph
 recipes (``RECIPES``): the ready ``ort-x86-vnni`` recipe on the unspecialized model (bodies quantized statically)
 and after ``specialize_inputs`` (sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's
-options), with the STFT front end left float, with ``optimize_rounding``, and with an auto ``float_fallback``
-(target ``sqnr:30``, searched on the calibration data).
+options), with the STFT front end left float, with ``optimize_rounding``, with an auto ``float_fallback``
+(target ``sqnr:30``, searched on the calibration data), and with ``tune_ranges`` (output-aware activation
+ranges, with and without the STFT in INT8).
 
 Columns (held-out chunks; the float model's outputs are the reference): SQNR of the speech probability
 (``output``) and of the recurrent state (``stateN``); the share of the squared probability error carried by the
@@ -58,6 +59,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "specialized, STFT float": _recipe([], NO_STFT),
     "specialized, STFT float, optimize_rounding": _recipe([{"pass": "optimize_rounding"}], NO_STFT),
     "specialized, STFT float, rounding, fallback 30": _recipe([{"pass": "optimize_rounding"}, FALLBACK], NO_STFT),
+    "specialized, insert_qdq, tune_ranges": _recipe([{"pass": "tune_ranges"}]),
+    "specialized, STFT float, tune_ranges": _recipe([{"pass": "tune_ranges"}], NO_STFT),
 }
 
 
