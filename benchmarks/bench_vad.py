@@ -8,8 +8,8 @@ Rows: the float model; onnxruntime ``quantize_static`` (QDQ, per-channel) on the
 recipes (``RECIPES``): the ready ``ort-x86-vnni`` recipe on the unspecialized model (bodies quantized statically)
 and after ``specialize_inputs`` (sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's
 options), with the STFT front end left float, with ``optimize_rounding``, with an auto ``float_fallback``
-(target ``sqnr:30``, searched on the calibration data), and with ``tune_ranges`` (output-aware activation
-ranges, with and without the STFT in INT8).
+(target ``sqnr:30``, searched on the calibration data), with ``tune_ranges`` (output-aware activation
+ranges, with and without the STFT in INT8), and with ``quantize_lstm`` too (the LSTM as DynamicQuantizeLSTM).
 
 Columns (held-out chunks; the float model's outputs are the reference): SQNR of the speech probability
 (``output``) and of the recurrent state (``stateN``); the share of the squared probability error carried by the
@@ -61,6 +61,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "specialized, STFT float, rounding, fallback 30": _recipe([{"pass": "optimize_rounding"}, FALLBACK], NO_STFT),
     "specialized, insert_qdq, tune_ranges": _recipe([{"pass": "tune_ranges"}]),
     "specialized, STFT float, tune_ranges": _recipe([{"pass": "tune_ranges"}], NO_STFT),
+    "specialized, insert_qdq, tune_ranges, quantize_lstm": _recipe([{"pass": "tune_ranges"},
+                                                                    {"pass": "quantize_lstm"}]),
 }
 
 
@@ -128,7 +130,8 @@ def int8_convs(model: onnx.ModelProto) -> str:
     convs = [n for g in scopes for n in g.node if n.op_type == "Conv"]
     fused = [n.name.split("__")[-1].removesuffix("/Conv") for n in convs
              if n.input[1] in dequantized and (n.output[0] in quantized or relu.get(n.output[0]) in quantized)]
-    return f"{len(fused)}/{len(convs)}: {' '.join(fused)}"
+    lstm = sum(n.op_type == "DynamicQuantizeLSTM" for g in scopes for n in g.node)
+    return f"{len(fused)}/{len(convs)}: {' '.join(fused)}" + (f" + {lstm} LSTM" if lstm else "")
 
 
 def main() -> None:
