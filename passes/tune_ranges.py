@@ -14,10 +14,12 @@ values and gives the rest finer steps; zero points are kept) and keeps the best 
 where ``y`` are the float reference's outputs (`PassContext.float_reference`: the model before ``insert_qdq``)
 and ``ŷ`` the quantized model's, on at most ``samples`` calibration samples. This is coordinate descent: each
 pair is tuned with the earlier pairs' choices in place; a factor is kept only when it gains more than
-``min_gain_db``. The int32 biases of the layers reading a re-scaled pair are re-quantized to the new input scale
-(``b_q' = round(b_q / f)`` with bias scale ``s_x f s_w``), so onnxruntime's fused QLinearConv/QGemm see
-consistent scales. Cost: one evaluation per (pair, factor); ``time_budget_s`` stops between pairs (pairs not
-reached keep their range, reported). The score is measured on calibration data: check it on held-out data.
+``min_gain_db``; with ``sweeps`` > 1 the pairs are visited again (every factor and 1, so an early narrowing can
+be undone once later pairs changed). The int32 biases of the layers reading a re-scaled pair are re-quantized
+to the new input scale (``b_q' = round(b_q / f)`` with bias scale ``s_x f s_w``), so onnxruntime's fused
+QLinearConv/QGemm see consistent scales. Cost: one evaluation per (pair, factor, sweep); ``time_budget_s``
+stops between pairs (pairs not reached keep their range, reported). The score is measured on calibration data:
+check it on held-out data. Not a fixed point: a second run re-measures and may narrow again.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class TuneRangesConfig(PassConfig):
         "(0, 2]; below 1 narrows the range).")
     samples: int = Field(default=256, ge=1, description="Calibration samples the output score is measured on.")
     min_gain_db: float = Field(default=0.05, ge=0, description="Keep a factor only if the score gains more.")
+    sweeps: int = Field(default=1, ge=1, le=8, description="Passes over the pairs; a later pass re-tries every "
+                        "factor (and 1) on each pair with the other pairs' choices in place.")
     time_budget_s: float | None = Field(
         default=None, gt=0, description="Stop after this many seconds (pairs not reached keep their range).")
 
@@ -158,21 +162,25 @@ class TuneRanges(Pass[TuneRangesConfig]):
                                  "only): `specialize_inputs` inlines an If chosen by an input")
         start = time.perf_counter()
         best = self._score(graph, feeds, names, ref)
-        first, chosen, evaluations, reached = best, {}, 1, 0
-        for pair in pairs:
-            if cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s:
-                break
-            reached += 1
-            keep = 1.0
-            for f in cfg.factors:
-                pair.apply(f, graph)
-                score = self._score(graph, feeds, names, ref)
-                evaluations += 1
-                if score > best + cfg.min_gain_db:
-                    best, keep = score, f
-            pair.apply(keep, graph)
-            if keep != 1.0:
-                chosen[pair.qs[0].inputs[0].name] = keep
+        first, evaluations, reached = best, 1, 0
+        current = [1.0] * len(pairs)
+        for sweep in range(cfg.sweeps):
+            for k, pair in enumerate(pairs):
+                if cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s:
+                    break
+                reached = max(reached, k + 1)
+                keep = current[k]
+                for f in (cfg.factors if sweep == 0 else (1.0, *cfg.factors)):
+                    if f == current[k]:
+                        continue
+                    pair.apply(f, graph)
+                    score = self._score(graph, feeds, names, ref)
+                    evaluations += 1
+                    if score > best + cfg.min_gain_db:
+                        best, keep = score, f
+                pair.apply(keep, graph)
+                current[k] = keep
+        chosen = {p.qs[0].inputs[0].name: f for p, f in zip(pairs, current, strict=True) if f != 1.0}
         if chosen:
             graph.cleanup()  # the constants no pair reads any more
         res.rewritten = len(chosen)

@@ -98,3 +98,9 @@ def test_needs_insert_qdq_first_and_sane_factors() -> None:
         Pipeline([get_pass("tune_ranges")()]).run(level_switched_net(), calibration_data=data)
     with pytest.raises(PassError, match="factors must be in"):
         _quantize(get_pass("tune_ranges")(factors=(0.5, 3.0)))
+
+
+def test_a_second_sweep_never_loses_and_costs_one_more_pass() -> None:
+    one, two = (_quantize(get_pass("tune_ranges")(sweeps=k)).records[-1].result.details for k in (1, 2))
+    assert two["score_after_db"] >= one["score_after_db"]
+    assert two["evaluations"] == one["evaluations"] + one["pairs"] * 4  # each pair: the 4 other factors of 5
