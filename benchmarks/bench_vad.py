@@ -15,7 +15,9 @@ Columns (held-out chunks; the float model's outputs are the reference): SQNR of 
 (``output``) and of the recurrent state (``stateN``); the share of the squared probability error carried by the
 5 % of chunks with the largest error (the metric's conditioning: a sigmoid output is flat at 0 and 1, so the
 error sits on the few transition chunks); decision agreement at the wheel's threshold 0.5; mean and max
-absolute probability error; INT8/float latency (onnxruntime, batch = one 512-sample chunk, 1 thread,
+absolute probability error; the same agreement and SQNR *streamed*, each model fed its own state chunk
+after chunk over the evaluation utterances as deployed (errors accumulate through the state; only when the
+bench makes its data, not with ``--data``); INT8/float latency (onnxruntime, batch = one 512-sample chunk, 1 thread,
 ORT_ENABLE_ALL, interleaved rounds, median of per-round ratios); which Conv nodes run in int8.
 """
 
@@ -100,6 +102,25 @@ def scores(ref: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray
             "max_err": float(np.abs(p - q).max())}
 
 
+def streamed(model: bytes, audio: list[np.ndarray]) -> np.ndarray:
+    """Probabilities with the model fed its *own* state chunk after chunk (deployment), as `vad_data` streams."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    names = {i.name for i in s.get_inputs()}
+    probs: list[float] = []
+    for wave in audio:
+        state = np.zeros((2, 1, 128), np.float32)
+        context = np.zeros(vad_data.CONTEXT, np.float32)
+        for start in range(0, len(wave) - vad_data.CHUNK + 1, vad_data.CHUNK):
+            x = np.concatenate([context, wave[start:start + vad_data.CHUNK]])[None]
+            feed = {"input": x, "state": state, "sr": np.array(vad_data.RATE, np.int64)}
+            prob, state = s.run(None, {k: v for k, v in feed.items() if k in names})
+            probs.append(float(prob.reshape(-1)[0]))
+            context = x[0, -vad_data.CONTEXT:]
+    return np.array(probs)
+
+
 def latency(models: dict[str, bytes], feeds: list[dict[str, np.ndarray]], rounds: int = 7) -> dict[str, float]:
     """Per model, median over rounds of (its time / float's time) for streaming the chunks one by one."""
     opts = ort.SessionOptions()
@@ -174,22 +195,30 @@ def main() -> None:
                                                "int8_convs": int8_convs(ort_model)}
     ref = outputs(models["float"], feeds)
     rows = {"float": {}, **rows}
+    audio = None if args.data else vad_data.utterances(vad_data.EVAL_TEXT, vad_data.EVAL_VOICES, seed=1)
+    ref_stream = streamed(models["float"], audio) if audio else None
     for name, model in models.items():
         rows[name].update(scores(ref, outputs(model, feeds)))
+        if audio and ref_stream is not None:
+            got = streamed(model, audio)
+            rows[name]["stream_db"] = sqnr(ref_stream, got)
+            rows[name]["stream_agree"] = float(np.mean((ref_stream > 0.5) == (got > 0.5)))
     for name, ratio in latency(models, feeds[:200]).items():
         rows[name]["latency_x"] = ratio
     p = ref[0]
     print(f"{len(feeds)} eval chunks: {np.mean(p > 0.5):.0%} speech, {np.mean((p > 0.05) & (p < 0.95)):.0%} "
           "transition chunks (0.05 < p < 0.95)")
-    print("| row | prob SQNR | state SQNR | error share of worst 5% | agreement @0.5 | MAE / max | latency "
-          "| int8 Conv |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| row | prob SQNR | state SQNR | error share of worst 5% | agreement @0.5 | MAE / max | streamed: SQNR, "
+          "agreement | latency | int8 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         if name == "float":
-            print("| float | reference | | | | | x1.00 | 0/6 |")
+            print("| float | reference | | | | | | x1.00 | 0/6 |")
             continue
+        stream = f"{r['stream_db']:.1f} dB, {r['stream_agree']:.1%}" if "stream_db" in r else "n/a (--data)"
         print(f"| {name} | {r['prob_db']:.1f} dB | {r['state_db']:.1f} dB | {r['top5pct_share']:.0%} | "
-              f"{r['agree']:.1%} | {r['mae']:.4f} / {r['max_err']:.3f} | x{r['latency_x']:.2f} | {r['int8_convs']} |")
+              f"{r['agree']:.1%} | {r['mae']:.4f} / {r['max_err']:.3f} | {stream} | x{r['latency_x']:.2f} | "
+              f"{r['int8_convs']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

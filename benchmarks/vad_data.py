@@ -108,7 +108,19 @@ class Speaker:
 
 
 def utterances(texts: Sequence[str], voices: Sequence[str], seed: int) -> list[np.ndarray]:
-    """Groups of 2-3 sentences with pauses, silence around, a seeded gain and noise floor."""
+    """Groups of 2-3 sentences with pauses, silence around, a seeded gain and noise floor.
+
+    Synthesized in a fresh process: eSpeak NG's output depends on what the library synthesized before in the same
+    process (a few samples of length, different aspiration noise), while the first synthesis after loading it is
+    reproducible, so every call gives the same audio whatever ran before."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_utterances_here, tuple(texts), tuple(voices), seed).result()
+
+
+def _utterances_here(texts: Sequence[str], voices: Sequence[str], seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     speaker = Speaker()
     out: list[np.ndarray] = []
