@@ -570,7 +570,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- vad (appended)
-def load_vad(n_cal: int = 874, n_eval: int = 738) -> RealModel:
+def load_vad(n_cal: int = 874, n_eval: int = 768) -> RealModel:
     """silero-vad 16 kHz (``silero_vad/data/silero_vad.onnx``: STFT, 4 Convs, LSTM and decoder inside ``If``
     branches chosen by ``sr``) on synthesized speech (`vad_data`: eSpeak NG from the ``espeakng-loader`` wheel,
     different sentences and voices for calibration and evaluation). One feed per 32 ms chunk as the wheel streams
