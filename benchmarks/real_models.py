@@ -624,3 +624,33 @@ __all__ = [
     "sqnr_db",
     "stack",
 ]
+
+
+# ---------------------------------------------------------------------------------------------- vad (appended)
+def load_vad(n_cal: int = 874, n_eval: int = 768) -> RealModel:
+    """silero-vad 16 kHz (``silero_vad/data/silero_vad.onnx``: STFT, 4 Convs, LSTM and decoder inside ``If``
+    branches chosen by ``sr``) on synthesized speech (`vad_data`: eSpeak NG from the ``espeakng-loader`` wheel,
+    different sentences and voices for calibration and evaluation). One feed per 32 ms chunk as the wheel streams
+    it: ``input`` [1, 576] (64 samples of context), ``state`` [2, 1, 128] from the float model, ``sr`` 16000.
+    Metric: SQNR of the speech probability and of the recurrent state (``slices``); ``bench_vad.py`` adds the
+    decision agreement at 0.5, the error share of the worst chunks and latency. Needs ``python -m pip install
+    --no-deps silero-vad espeakng-loader``."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import vad_data
+
+    try:
+        path = vad_data.silero_model_path()
+        source = hashlib.sha1(Path(vad_data.__file__).read_bytes()).hexdigest()[:8]  # the data's own code
+        feeds = {split: _cached(f"vad-{split}-{source}", lambda split=split: vad_data.vad_feeds(split))
+                 for split in ("cal", "eval")}
+    except RuntimeError as exc:
+        raise MissingWheel(str(exc)) from exc
+    spec = EvalSpec("vad", "slices", ("output", "stateN"),
+                    slices=(Slice("probability", "output"), Slice("state", "stateN")),
+                    description="silero-vad 16 kHz, 32 ms chunks of synthesized speech with pauses")
+    return RealModel(onnx.load(str(path)), feeds["cal"][:n_cal], feeds["eval"][:n_eval], spec)
+
+
+LOADERS["vad"] = load_vad

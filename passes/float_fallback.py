@@ -61,6 +61,7 @@ from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.sensitivity.cost import CostSpec
 from qgraph.sensitivity.targets import parse_target
+from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
 
@@ -211,15 +212,22 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         qdq = graph.to_onnx()
         if auto.reference is not None:
             reference = load_model(auto.reference)
+            in_bodies = _strip_bodies(_copy(qdq)) if next(bodies(qdq), None) is not None else 0
         elif floats is not None:
             reference = with_weights(floats, ctx.float_reference_weights)
             res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
+            in_bodies = _strip_bodies(_copy(qdq)) if next(bodies(qdq), None) is not None else 0
         else:
             reference = _strip_all(qdq)
+            in_bodies = _strip_bodies(reference)
             res.notes.append(
                 "auto: compared with this model with every Q/DQ removed (set auto.reference to the "
                 "float model to include weight quantization error)"
             )
+        if in_bodies:
+            res.notes.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are measured but not "
+                             "candidates (the search covers the top graph): they stay quantized. `specialize_inputs` "
+                             "inlines an If chosen by an input, making its nodes candidates.")
         result = auto_fallback(
             reference,
             qdq,
@@ -335,7 +343,39 @@ def _record(res: PassResult, outcome: FallbackOutcome) -> None:
 
 
 def _strip_all(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with every quantized node in float: the float reference when none is given."""
+    """``model`` with every quantized node of the top graph in float (`_strip_bodies` does the bodies)."""
     handle = GraphHandle(model)
     fall_back(handle, quantized_nodes(handle))
     return handle.to_onnx()
+
+
+def _strip_bodies(model: onnx.ModelProto) -> int:
+    """Every quantized node inside ``model``'s If/Loop bodies (nested ones too) back to float, in place; returns
+    how many there were. Each body is rewritten as a model of its own (`qgraph.subgraphs`) and grafted back, so
+    the baseline of the search includes the error made inside bodies (else a model quantized only there would
+    read as float: "target met" at any target)."""
+    if next(bodies(model), None) is None:
+        return 0
+    found = 0
+    facts = ModelFacts.of(model)
+    for node, attr in list(bodies(model)):
+        try:
+            body = standalone_body(model, node, attr, facts)
+        except BodyError:
+            continue  # not extractable: left as is (its outer types are unknown)
+        handle = GraphHandle(body.model)
+        nodes = quantized_nodes(handle)
+        if nodes:
+            fall_back(handle, nodes)
+        inner = handle.to_onnx()
+        nested = _strip_bodies(inner)
+        if nodes or nested:
+            graft_body(model, body, inner)
+        found += len(nodes) + nested
+    return found
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out

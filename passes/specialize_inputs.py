@@ -44,6 +44,7 @@ class SpecializeInputs(Pass[SpecializeInputsConfig]):
     name = "specialize_inputs"
     config_class = SpecializeInputsConfig
     preserves_float = False  # the model takes fewer inputs: `--verify` cannot feed the original the same way
+    keeps_float_values = True  # same values for the inputs kept: weight correction compares against the result
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Every named input exists and its value fits the input's dtype and shape."""

@@ -23,6 +23,7 @@ import onnxruntime as ort
 
 from qgraph.data import Feed, model_inputs
 from qgraph.errors import DataError, ModelError, VerificationError
+from qgraph.graph.detach import fill_nested
 from qgraph.model_io import PROTOBUF_LIMIT, save_model
 
 
@@ -51,6 +52,8 @@ def make_session(
     opts.log_severity_level = 3
     if optimized_model_path:
         opts.optimized_model_filepath = optimized_model_path
+    if weights and not isinstance(model, (str, Path)):
+        model, weights = fill_nested(model, weights)  # placeholders inside If/Loop bodies get their values
     shared = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for v in (weights or {}).values()]
     if shared:
         opts.add_external_initializers(list(weights or {}), shared)

@@ -140,8 +140,9 @@ class PassContext:
     @property
     def float_reference(self) -> onnx.ModelProto | None:
         """The model as it was right before the first pass that changes float results (``preserves_float =
-        False``, e.g. ``insert_qdq``) ran: float weights and activations after every float-preserving rewrite
-        (folded BatchNorms, lowered opsets), so its tensors carry the names the quantized graph still uses.
+        False``, e.g. ``insert_qdq``; not one that only changes the interface, ``keeps_float_values``) ran: float
+        weights and activations after every float-preserving rewrite (folded BatchNorms, lowered opsets, fixed
+        inputs), so its tensors carry the names the quantized graph still uses.
 
         Read-only. The pipeline exports it once, and only when a pass of the recipe declares
         ``needs_float_reference = True``; None otherwise (and when no float-changing pass ran before the asking
@@ -206,6 +207,11 @@ class Pass(Generic[C]):
     #: Whether the pass reads `PassContext.float_reference` (weight correction after quantization): the pipeline
     #: then keeps a copy of the model as it was before the first float-changing pass.
     needs_float_reference: ClassVar[bool] = False
+    #: For a pass with ``preserves_float = False`` that computes the same float values for the inputs it keeps
+    #: and changes only the interface (``specialize_inputs`` fixes an input: ``--verify`` cannot feed both models
+    #: alike, yet no value changes): the float reference is taken after it, so it has the names and inputs of the
+    #: graph that later passes quantize.
+    keeps_float_values: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -202,8 +202,8 @@ class Pipeline:
                 continue
             emit(PipelineEvent("pass_start", total, i, p.name))
             running.append((i, p.name))
-            if ctx.float_reference is None and wants_reference[i] and (not p.preserves_float or
-                                                                      p.needs_float_reference):
+            changes_values = not (p.preserves_float or p.keeps_float_values)
+            if ctx.float_reference is None and wants_reference[i] and (changes_values or p.needs_float_reference):
                 # the model before the first float-changing pass (or before the pass that asks, if none ran)
                 # weightless, sharing the graph's arrays: no second copy of the weights (later passes replace
                 # arrays, they never write into them)

@@ -200,3 +200,36 @@ def test_streamed_write_refuses_a_raw_data_that_does_not_match_its_dims(tmp_path
     with pytest.raises(WriteError, match="'big'"):
         save_model(model, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_sessions_on_a_weightless_export_fill_the_placeholders_inside_bodies() -> None:
+    """onnxruntime's shared initializers reach the top graph only: a placeholder inside an If branch is written
+    into a copy (and only that one); a model without one is loaded as is."""
+    from qgraph.compare import make_session
+    from qgraph.graph.detach import fill_nested
+
+    rng = np.random.default_rng(0)
+    inner, outer = (rng.standard_normal((32, 32)).astype(np.float32) for _ in range(2))
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "inner"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 32])],
+                             [numpy_helper.from_array(inner, "inner")])
+    other = helper.make_graph([helper.make_node("Identity", ["z"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 32])])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "outer"], ["z"]),
+         helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], [numpy_helper.from_array(outer, "outer")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    export, held = GraphHandle(model).weightless_export()
+    weights = {name: value for name, (value, _) in held.items()}
+    assert set(weights) == {"inner", "outer"}
+    filled, left = fill_nested(export, weights)
+    assert filled is not export and set(left) == {"outer"}
+    assert fill_nested(filled, left) == (filled, left)  # nothing nested left: the model itself
+    x = rng.standard_normal((1, 32)).astype(np.float32)
+    session = make_session(export, weights=weights)
+    for cond, w in ((True, inner), (False, outer)):
+        got = session.run(None, {"x": x, "c": np.array(cond)})[0]
+        np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)

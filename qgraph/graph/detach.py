@@ -208,6 +208,27 @@ def placeholders_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def fill_nested(model: onnx.ModelProto,
+                weights: Mapping[str, np.ndarray]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """For a session on a `weightless` export: onnxruntime's ``add_external_initializers`` reaches only the top
+    graph's initializers, so the placeholders inside ``If``/``Loop`` bodies get their values written into a copy
+    (only those tensors are copied). Returns the model to load (``model`` itself when no body holds one) and the
+    weights left for ``add_external_initializers``."""
+    from .ops import proto_scopes
+
+    nested = {t.name for g in proto_scopes(model.graph)[1:] for t in _placeholders(g)}
+    if not nested & set(weights):
+        return model, dict(weights)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in proto_scopes(out.graph)[1:]:
+        for t in list(_placeholders(g)):
+            if t.name in weights:
+                t.CopyFrom(onnx.numpy_helper.from_array(np.asarray(weights[t.name]), t.name))
+    top = {t.name for t in out.graph.initializer if is_placeholder(t)}
+    return out, {name: value for name, value in weights.items() if name in top}
+
+
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """A copy of a `weightless` export with ``weights`` written into its placeholders (for code that needs one
     self-contained protobuf)."""

@@ -4,7 +4,9 @@
   :func:`light_model_path`, :func:`materialize_light_model`, :func:`cached_light_model`;
 * synthetic graphs: :func:`conv_bn_relu_chain`, :func:`matmul_add_relu_chain`, :func:`conv_bn_net`,
   :func:`mobilenet_v2`,
-  :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`);
+  :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`),
+  :func:`mode_switched_net`, :func:`level_switched_net` (compute in If branches chosen by an input; + their
+  ``*_feeds``);
 * running them: :func:`random_feeds`, :func:`run_ort`.
 
 Every model built here sets its IR version explicitly (the one matching its opset, at most 10), passes
@@ -15,6 +17,7 @@ output is a deterministic function of its arguments (``seed``).
 from __future__ import annotations
 
 from qgraph.testing._common import ir_version_for_opset
+from qgraph.testing.control_flow import level_feeds, level_switched_net, mode_feeds, mode_switched_net
 from qgraph.testing.light import (
     LIGHT_MODEL_NAMES,
     cached_light_model,
@@ -34,11 +37,15 @@ __all__ = [
     "fragile_resnet",
     "graph_inputs",
     "ir_version_for_opset",
+    "level_feeds",
+    "level_switched_net",
     "light_model_path",
     "make_session",
     "materialize_light_model",
     "matmul_add_relu_chain",
     "mobilenet_v2",
+    "mode_feeds",
+    "mode_switched_net",
     "ort_quantize_static",
     "random_feeds",
     "run_ort",

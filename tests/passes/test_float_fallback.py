@@ -295,3 +295,26 @@ def test_reference_weights_make_everything_back_to_float_the_float_model(tmp_pat
     for r, got in zip(ref, outs["float"], strict=True):
         assert np.max(np.abs(got - r)) <= 1e-5 * np.max(np.abs(r))
     assert max(np.max(np.abs(g - r)) / np.max(np.abs(r)) for r, g in zip(ref, outs["rounded"], strict=True)) > 1e-4
+
+
+def test_auto_baseline_sees_the_error_made_inside_if_bodies() -> None:
+    """A model quantized only inside If branches (the compute of a mode-switched net): without `auto.reference`
+    the baseline strips the Q/DQ inside bodies too, so an unreachable target is reported as not met (it read as
+    "the INT8 model already meets the target" when only the top graph was stripped), and the body nodes are named
+    as not being candidates. After `specialize_inputs` the same nodes are top-level candidates and no such note."""
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.testing import mode_feeds, mode_switched_net
+
+    model = mode_switched_net()
+    data = CallableSource(lambda: mode_feeds(16), "mode-1 samples")
+    qdq = get_pass("insert_qdq")(preset="ort-x86-vnni", nodes=NodeSelector(exclude=NodeSelector(names=("head",))))
+    fallback = FloatFallback(auto={"target": "sqnr:80", "max_time": 60})
+    res = Pipeline([qdq, fallback]).run(model, calibration_data=data).records[-1].result
+    body = [n for n in res.notes if "inside If/Loop bodies" in n]
+    assert res.unmet is not None and body and body[0].startswith("auto: 2 quantized node(s)"), res.notes
+    assert 20 < res.details["auto"]["int8_score"] < 80, res.details["auto"]  # was inf: the body error unseen
+    flat = Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}), qdq, fallback]).run(
+        model, calibration_data=data).records[-1].result
+    assert not [n for n in flat.notes if "inside If/Loop bodies" in n]
+    assert flat.details["fallen_back"], flat.decisions  # the branch's nodes were candidates there

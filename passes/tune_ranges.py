@@ -1,0 +1,218 @@
+"""The ``tune_ranges`` pass: per activation Q/DQ pair, the range that gives the best *model output*, searched on
+calibration data after ``insert_qdq``.
+
+Calibration methods (``minmax``, ``mse``, ``auto``...) choose each range from its own tensor: the least expected
+rounding + clipping error *of that tensor*. Where the model weighs small values more than large ones (quiet
+frequency bins of a spectrum that the next layer amplifies, the few chunks of a speech detector whose
+probability is near 0.5), a narrower range than the tensor-optimal one is much better for the output. This pass
+measures that directly. For each activation ``QuantizeLinear → DequantizeLinear`` pair with a per-tensor scale
+``s`` (top graph, graph order), it tries ``s · f`` for each ``f`` in ``factors`` (``f < 1`` clips the largest
+values and gives the rest finer steps; zero points are kept) and keeps the best by::
+
+    score = min over graph outputs o of SQNR_o = 10 log10(Σ y_o² / Σ (ŷ_o - y_o)²)      (dB)
+
+where ``y`` are the float reference's outputs (`PassContext.float_reference`: the model before ``insert_qdq``)
+and ``ŷ`` the quantized model's, on at most ``samples`` calibration samples. This is coordinate descent: each
+pair is tuned with the earlier pairs' choices in place; a factor is kept only when it gains more than
+``min_gain_db``; with ``sweeps`` > 1 the pairs are visited again (every factor and 1, so an early narrowing can
+be undone once later pairs changed). The int32 biases of the layers reading a re-scaled pair are re-quantized
+to the new input scale (``b_q' = round(b_q / f)`` with bias scale ``s_x f s_w``), so onnxruntime's fused
+QLinearConv/QGemm see consistent scales. Cost: one evaluation per (pair, factor, sweep); ``time_budget_s``
+stops between pairs (pairs not reached keep their range, reported). The score is measured on calibration data:
+check it on held-out data. Not a fixed point: a second run re-measures and may narrow again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from pydantic import Field
+
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, register
+from qgraph.compare import make_session, session_run
+from qgraph.data import Feed
+from qgraph.fallback import is_dq, is_q, qparams
+from qgraph.qlayers import find_layers
+
+__all__ = ["TuneRanges", "TuneRangesConfig"]
+
+NAME = "tune_ranges"
+
+
+class TuneRangesConfig(PassConfig):
+    """Factors tried per pair, data used, and time allowed."""
+
+    factors: tuple[float, ...] = Field(
+        default=(0.7, 0.5, 0.35, 0.25), description="Multipliers of each pair's scale tried besides 1 (each in "
+        "(0, 2]; below 1 narrows the range).")
+    samples: int = Field(default=256, ge=1, description="Calibration samples the output score is measured on.")
+    min_gain_db: float = Field(default=0.05, ge=0, description="Keep a factor only if the score gains more.")
+    sweeps: int = Field(default=1, ge=1, le=8, description="Passes over the pairs; a later pass re-tries every "
+                        "factor (and 1) on each pair with the other pairs' choices in place.")
+    time_budget_s: float | None = Field(
+        default=None, gt=0, description="Stop after this many seconds (pairs not reached keep their range).")
+
+
+@dataclass
+class _Pair:
+    """The activation Q/DQ pairs sharing one scale constant (``insert_qdq`` gives a Slice/Reshape/MaxPool output
+    its input's scale so no requantization is needed: they move together), and the int32 biases of the layers
+    reading them."""
+
+    qs: list[gs.Node]
+    dqs: list[gs.Node]
+    scale: gs.Constant
+    biases: list[tuple[gs.Node, gs.Constant, gs.Constant]] = field(default_factory=list)  # (DQ, codes, scale)
+
+    def apply(self, f: float, graph: GraphHandle) -> None:
+        """Scale ``s · f`` on the pair (new constants: shared ones are never edited), biases re-quantized;
+        ``f = 1`` puts the original constants back."""
+        scale = self.scale if f == 1.0 else _const(graph, self.scale, np.asarray(self.scale.values, np.float32) * f)
+        for node in (*self.qs, *self.dqs):
+            node.inputs[1] = scale
+        for dq, codes, bscale in self.biases:
+            if f == 1.0:
+                dq.inputs[0], dq.inputs[1] = codes, bscale
+                continue
+            new = np.clip(np.rint(np.asarray(codes.values, np.float64) / f), -(2**31), 2**31 - 1)
+            dq.inputs[0] = _const(graph, codes, new.astype(np.int32))
+            dq.inputs[1] = _const(graph, bscale, np.asarray(bscale.values, np.float32) * np.float32(f))
+
+
+def _const(graph: GraphHandle, like: gs.Constant, values: np.ndarray) -> gs.Constant:
+    return gs.Constant(graph.unique_name(f"{like.name}/tuned", kind="tensor"),
+                       np.array(values, dtype=np.asarray(like.values).dtype))
+
+
+def _pairs(graph: GraphHandle) -> list[_Pair]:
+    """Activation pairs with a per-tensor constant scale whose readers are all DequantizeLinear."""
+    layers, _ = find_layers(graph)
+    bias_of = {id(la.node): la.bias for la in layers if la.bias is not None and la.bias.kind == "int32"}
+    out: dict[int, _Pair] = {}
+    for q in graph.index.nodes:
+        if not is_q(q) or isinstance(q.inputs[0], gs.Constant) or not isinstance(q.inputs[1], gs.Constant):
+            continue
+        readers = graph.consumers(q.outputs[0])
+        params = qparams(graph, q)
+        if not readers or not all(is_dq(r) and r.inputs[1] is q.inputs[1] for r in readers) or params is None \
+                or params.scale.size != 1:
+            continue
+        pair = out.setdefault(id(q.inputs[1]), _Pair([], [], q.inputs[1]))
+        pair.qs.append(q)
+        pair.dqs += readers
+        for dq in readers:
+            for layer_node in graph.consumers(dq.outputs[0]):
+                ref = bias_of.get(id(layer_node))
+                if ref is None or layer_node.inputs[0] is not dq.outputs[0]:
+                    continue
+                bias_dq = graph.producer(ref.owner.inputs[ref.index])
+                if bias_dq is not None and isinstance(bias_dq.inputs[1], gs.Constant):
+                    pair.biases.append((bias_dq, ref.value, bias_dq.inputs[1]))
+    # a scale constant also read by a pair this pass cannot move (e.g. per-tensor weights) stays as it is
+    return [p for p in out.values() if all(is_q(r) or is_dq(r) for r in p.scale.outputs)
+            and len(p.scale.outputs) == len(p.qs) + len(p.dqs)]
+
+
+@register
+class TuneRanges(Pass[TuneRangesConfig]):
+    """Output-aware activation ranges: per Q/DQ pair, the scale factor with the best model-output SQNR (module
+    docstring: objective, search, cost)."""
+
+    name = NAME
+    config_class = TuneRangesConfig
+    preserves_float = False
+    needs_float_reference = True
+    pause_gc = False  # one model export and session per evaluation
+
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Calibration data and the float reference (``insert_qdq`` earlier in the recipe)."""
+        if ctx.calibration_data is None:
+            raise PassError(f"{NAME}: needs calibration data (--calibration-data or the recipe's calibration).")
+        quantized = any(n.op == "QuantizeLinear" for g in graph.scopes() for n in g.nodes)
+        if ctx.float_reference is None or not quantized:
+            raise PassError(f"{NAME}: needs a quantized model and its float reference: run it after `insert_qdq` "
+                            "in the same recipe.")
+        if any(not 0 < f <= 2 for f in self.config.factors):
+            raise PassError(f"{NAME}: factors must be in (0, 2], got {list(self.config.factors)}.")
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        """Coordinate descent over the pairs (module docstring)."""
+        cfg = self.config
+        res = PassResult()
+        assert ctx.calibration_data is not None and ctx.float_reference is not None
+        feeds: list[Feed] = []
+        for feed in ctx.calibration_data:
+            feeds.append(feed)
+            if len(feeds) >= cfg.samples:
+                break
+        reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
+        names = [o.name for o in reference.get_outputs()]
+        ref = [session_run(reference, names, f) for f in feeds]
+        del reference
+        pairs = _pairs(graph)
+        res.matched = len(pairs)
+        inner = sum(n.op == "QuantizeLinear" for g in graph.subgraphs() for n in g.nodes)
+        if inner:
+            res.decisions.append(f"{inner} QuantizeLinear node(s) inside If/Loop bodies are not tuned (the top graph "
+                                 "only): `specialize_inputs` inlines an If chosen by an input")
+        start = time.perf_counter()
+        best = self._score(graph, feeds, names, ref)
+        first, evaluations, reached = best, 1, 0
+        current = [1.0] * len(pairs)
+        for sweep in range(cfg.sweeps):
+            for k, pair in enumerate(pairs):
+                if cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s:
+                    break
+                reached = max(reached, k + 1)
+                keep = current[k]
+                for f in (cfg.factors if sweep == 0 else (1.0, *cfg.factors)):
+                    if f == current[k]:
+                        continue
+                    pair.apply(f, graph)
+                    score = self._score(graph, feeds, names, ref)
+                    evaluations += 1
+                    if score > best + cfg.min_gain_db:
+                        best, keep = score, f
+                pair.apply(keep, graph)
+                current[k] = keep
+        chosen = {p.qs[0].inputs[0].name: f for p, f in zip(pairs, current, strict=True) if f != 1.0}
+        if chosen:
+            graph.cleanup()  # the constants no pair reads any more
+        res.rewritten = len(chosen)
+        res.details = {"score_before_db": first, "score_after_db": best, "factors": chosen, "pairs": len(pairs),
+                       "evaluations": evaluations, "samples": len(feeds)}
+        res.decisions.append(
+            f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over outputs, "
+            f"{len(feeds)} calibration samples) {_db(first)} -> {_db(best)} in {evaluations} evaluation(s)"
+            + "".join(f"; {t} x{f:g}" for t, f in list(chosen.items())[:5])
+            + (f" (+{len(chosen) - 5} more)" if len(chosen) > 5 else ""))
+        if reached < len(pairs):
+            res.decisions.append(f"time budget reached: {len(pairs) - reached} pair(s) not tuned")
+        return res
+
+    @staticmethod
+    def _score(graph: GraphHandle, feeds: list[Feed], names: list[str], ref: list[list[Any]]) -> float:
+        """min over outputs of the output SQNR (dB) on ``feeds``."""
+        model, held = graph.weightless_export()
+        session = make_session(model, weights={n: v for n, (v, _) in held.items()})
+        signal = np.zeros(len(names))
+        noise = np.zeros(len(names))
+        for feed, r in zip(feeds, ref, strict=True):
+            for k, (a, b) in enumerate(zip(r, session_run(session, names, feed), strict=True)):
+                a64 = np.asarray(a, np.float64)
+                signal[k] += float(np.sum(a64 * a64))
+                noise[k] += float(np.sum((a64 - np.asarray(b, np.float64)) ** 2))
+        if not np.all(np.isfinite(noise)):
+            return -math.inf  # NaN/Inf output never reads as "no error"
+        per_output = [math.inf if n == 0 else 10 * math.log10(max(s, 1e-300) / n)
+                      for s, n in zip(signal, noise, strict=True)]
+        return float(min(per_output))
+
+
+def _db(v: float) -> str:
+    return f"{v:.2f} dB" if math.isfinite(v) else str(v)

@@ -1,0 +1,86 @@
+"""Models whose compute sits in ``If`` branches chosen by an input (a sample rate, a mode flag), as voice-activity
+and multi-rate audio models are exported."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def _branch(name: str, weight: str) -> onnx.GraphProto:
+    conv = helper.make_node("Conv", ["x", weight], [f"{name}_c"], pads=[1, 1, 1, 1], name=f"{name}/conv")
+    relu = helper.make_node("Relu", [f"{name}_c"], [f"{name}_y"], name=f"{name}/relu")
+    return helper.make_graph([conv, relu], name, [], [helper.make_tensor_value_info(f"{name}_y", 1, None)])
+
+
+def mode_switched_net(seed: int = 0) -> onnx.ModelProto:
+    """``y = Conv(If(mode == 1) {Relu(Conv(x, W1))} else {Relu(Conv(x, W2))}, W3)``: the compute sits in branches.
+    Inputs ``x`` float [1, 3, 8, 8] and ``mode`` int64 scalar; output ``y`` [1, 4, 8, 8]."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.4, s).astype(np.float32), n)
+             for n, s in (("w1", (8, 3, 3, 3)), ("w2", (8, 3, 3, 3)), ("w3", (4, 8, 3, 3)))]
+    inits.append(numpy_helper.from_array(np.array(1, np.int64), "one"))
+    nodes = [
+        helper.make_node("Equal", ["mode", "one"], ["is_one"], name="eq"),
+        helper.make_node("If", ["is_one"], ["h"], name="switch", then_branch=_branch("then", "w1"),
+                         else_branch=_branch("else", "w2")),
+        helper.make_node("Conv", ["h", "w3"], ["y"], pads=[1, 1, 1, 1], name="head"),
+    ]
+    graph = helper.make_graph(nodes, "switched", [
+        helper.make_tensor_value_info("x", 1, [1, 3, 8, 8]), helper.make_tensor_value_info("mode", 7, [])],
+        [helper.make_tensor_value_info("y", 1, [1, 4, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def mode_feeds(n: int, mode: int = 1, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """``n`` feeds of `mode_switched_net` (standard normal ``x``) with ``mode`` fixed."""
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32), "mode": np.array(mode, np.int64)}
+            for _ in range(n)]
+
+
+def level_switched_net(seed: int = 0) -> onnx.ModelProto:
+    """A model whose output needs a narrower activation range than the tensor-optimal one, inside
+    ``If(mode == 1)``: ``y = Tanh(Conv1d(Relu(Conv1d(x, W1, b1)), W2, b2))`` where channel 0 of the hidden
+    tensor ``h`` is 50x louder than the others but W2 reads it at 1/100: its values set ``h``'s range (and
+    dominate ``h``'s own quantization error) yet barely reach ``y``, while the other channels get few levels.
+    Inputs ``x`` [1, 4, 32] (`level_feeds`) and ``mode``; output ``y`` [1, 8, 32]."""
+    rng = np.random.default_rng(seed)
+    w1 = rng.normal(0, 0.5, (16, 4, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.25, (8, 16, 3)).astype(np.float32)
+    w1[0] *= 50
+    w2[:, 0] /= 100
+    nodes = [helper.make_node("Conv", ["x", "lw1", "lb1"], ["c1"], pads=[1, 1], name="then/conv1"),
+             helper.make_node("Relu", ["c1"], ["h"], name="then/relu"),
+             helper.make_node("Conv", ["h", "lw2", "lb2"], ["c2"], pads=[1, 1], name="then/conv2"),
+             helper.make_node("Tanh", ["c2"], ["y_then"], name="then/tanh")]
+    then = helper.make_graph(nodes, "then", [], [helper.make_tensor_value_info("y_then", 1, None)])
+    other = helper.make_graph([helper.make_node("Tanh", ["x8"], ["y_else"], name="else/tanh")], "else", [],
+                              [helper.make_tensor_value_info("y_else", 1, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Equal", ["mode", "one"], ["is_one"], name="eq"),
+         helper.make_node("Tile", ["x", "two"], ["x8"], name="tile"),
+         helper.make_node("If", ["is_one"], ["y"], name="switch", then_branch=then, else_branch=other)],
+        "levels", [helper.make_tensor_value_info("x", 1, [1, 4, 32]), helper.make_tensor_value_info("mode", 7, [])],
+        [helper.make_tensor_value_info("y", 1, [1, 8, 32])],
+        [numpy_helper.from_array(w1, "lw1"), numpy_helper.from_array(w2, "lw2"),
+         numpy_helper.from_array(rng.normal(0, 0.1, 16).astype(np.float32), "lb1"),
+         numpy_helper.from_array(rng.normal(0, 0.1, 8).astype(np.float32), "lb2"),
+         numpy_helper.from_array(np.array(1, np.int64), "one"),
+         numpy_helper.from_array(np.array([1, 2, 1], np.int64), "two")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def level_feeds(n: int, seed: int = 1, mode: int = 1) -> list[dict[str, np.ndarray]]:
+    """``n`` feeds of `level_switched_net` (standard normal ``x``)."""
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 4, 32)).astype(np.float32), "mode": np.array(mode, np.int64)}
+            for _ in range(n)]
+
+
+__all__ = ["level_feeds", "level_switched_net", "mode_feeds", "mode_switched_net"]

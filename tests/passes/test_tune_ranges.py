@@ -1,0 +1,106 @@
+"""``tune_ranges``: output-aware activation ranges after ``insert_qdq`` (on a model whose compute sits in an If
+branch, specialized first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from qgraph import PassError, Pipeline, PipelineResult
+from qgraph.data import CallableSource
+from qgraph.pass_api import get_pass
+from qgraph.testing import level_feeds, level_switched_net
+
+MINMAX = {"preset": "ort-x86-vnni", "activations": {"method": "minmax"}}
+
+
+def _quantize(*after: Any, specialize: bool = True) -> PipelineResult:
+    data = CallableSource(lambda: level_feeds(64), "64 samples, mode 1")
+    first = [get_pass("specialize_inputs")(inputs={"mode": 1})] if specialize else []
+    return Pipeline([*first, get_pass("insert_qdq")(**MINMAX), *after]).run(level_switched_net(),
+                                                                           calibration_data=data)
+
+
+def _outputs(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in s.get_inputs()}
+    return np.concatenate([s.run(None, {k: v for k, v in f.items() if k in names})[0] for f in feeds])
+
+
+def _sqnr(model: onnx.ModelProto) -> float:
+    held_out = level_feeds(64, seed=7)
+    ref = _outputs(level_switched_net(), held_out).astype(np.float64)
+    return float(10 * np.log10((ref**2).sum() / ((ref - _outputs(model, held_out)) ** 2).sum()))
+
+
+def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _node(model: onnx.ModelProto, op: str, first_input: str) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if n.op_type == op and n.input[0] == first_input)
+
+
+def test_narrowing_the_loud_hidden_range_lowers_the_output_error() -> None:
+    """h's range is set by a channel the next layer barely reads: the output wants it clipped (module docstring
+    of `qgraph.testing.control_flow.level_switched_net`)."""
+    plain, tuned = _quantize(), _quantize(get_pass("tune_ranges")())
+    result = tuned.records[-1].result
+    assert result.details["factors"]["h"] <= 0.35, result.details
+    assert result.details["score_after_db"] > result.details["score_before_db"] + 3
+    assert _sqnr(tuned.model) > _sqnr(plain.model) + 5  # held-out: 12.4 -> 19.8 dB when written
+
+
+def test_pair_shares_its_new_scale_and_the_reading_bias_follows() -> None:
+    plain, tuned = _quantize(), _quantize(get_pass("tune_ranges")())
+    f = tuned.records[-1].result.details["factors"]["h"]
+    a, b = _inits(plain.model), _inits(tuned.model)
+    q_a, q_b = _node(plain.model, "QuantizeLinear", "h"), _node(tuned.model, "QuantizeLinear", "h")
+    dq_b = _node(tuned.model, "DequantizeLinear", q_b.output[0])
+    assert dq_b.input[1] == q_b.input[1] and q_b.input[2] == q_a.input[2]  # one scale, zero point kept
+    np.testing.assert_allclose(b[q_b.input[1]], a[q_a.input[1]] * np.float32(f), rtol=1e-6)
+    values = []
+    for m, inits in ((plain.model, a), (tuned.model, b)):
+        conv = next(n for n in m.graph.node if n.name == "then/conv2")
+        producer = {o: n for n in m.graph.node for o in n.output}
+        bias_dq, w_dq, x_dq = (producer[conv.input[i]] for i in (2, 1, 0))
+        bias_scale = inits[bias_dq.input[1]]
+        np.testing.assert_allclose(bias_scale, inits[x_dq.input[1]] * inits[w_dq.input[1]], rtol=1e-6)  # s_x s_w
+        values.append((inits[bias_dq.input[0]].astype(np.float64) * bias_scale, bias_scale))
+    (before, _), (after, step) = values
+    assert np.all(np.abs(after - before) <= step)  # the same bias on the new grid
+
+
+def test_nothing_to_gain_changes_nothing() -> None:
+    """Factors above 1 only widen ranges here (no clipping happens at minmax): no pair is changed, and the model
+    is the one insert_qdq wrote."""
+    plain, tuned = _quantize(), _quantize(get_pass("tune_ranges")(factors=(1.5, 2.0)))
+    result = tuned.records[-1].result
+    assert result.rewritten == 0 and not result.details["factors"] and not tuned.records[-1].changed
+    assert _inits(plain.model).keys() == _inits(tuned.model).keys()
+
+
+def test_pairs_inside_bodies_are_left_and_said() -> None:
+    tuned = _quantize(get_pass("tune_ranges")(), specialize=False)
+    result = tuned.records[-1].result
+    assert result.matched == 0 and result.rewritten == 0
+    assert any("inside If/Loop bodies are not tuned" in d for d in result.decisions), result.decisions
+
+
+def test_needs_insert_qdq_first_and_sane_factors() -> None:
+    data = CallableSource(lambda: level_feeds(4), "4 samples")
+    with pytest.raises(PassError, match="after `insert_qdq`"):
+        Pipeline([get_pass("tune_ranges")()]).run(level_switched_net(), calibration_data=data)
+    with pytest.raises(PassError, match="factors must be in"):
+        _quantize(get_pass("tune_ranges")(factors=(0.5, 3.0)))
+
+
+def test_a_second_sweep_never_loses_and_costs_one_more_pass() -> None:
+    one, two = (_quantize(get_pass("tune_ranges")(sweeps=k)).records[-1].result.details for k in (1, 2))
+    assert two["score_after_db"] >= one["score_after_db"]
+    assert two["evaluations"] == one["evaluations"] + one["pairs"] * 4  # each pair: the 4 other factors of 5
