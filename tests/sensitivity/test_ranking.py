@@ -3,7 +3,6 @@ agreement with the exact per-node measure, evaluations needed, max_time, session
 
 from __future__ import annotations
 
-import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -131,12 +130,13 @@ def test_unmet_target_keeps_the_best_model_and_says_why(fragile: Path) -> None:
 
 def test_max_time_is_respected(fragile: Path) -> None:
     ref, qdq = onnx.load(fragile / "float.onnx"), onnx.load(fragile / "qdq.onnx")
-    start = time.monotonic()
     result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", max_time=0.05)
-    elapsed = time.monotonic() - start
     assert not result.target_met and "max_time (0.05 s) reached" in result.stop_reason
-    one_eval = max([s.seconds for s in result.steps], default=0.05)
-    assert result.seconds <= 0.05 + 2 * one_eval + 1.0 and elapsed < 15
+    # counted, not timed (a wall-clock bound fails on a loaded machine): the budget is spent by the baseline and
+    # the one-run ranking, so no search step and no confirmation run; without the budget the same search runs both
+    assert result.evaluations == 1 and not result.steps and "confirmation" not in result.stages, result.tried()
+    unbounded = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200")
+    assert unbounded.steps and unbounded.evaluations > 1
 
 
 def test_sessions_are_built_and_released_one_at_a_time(fragile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
