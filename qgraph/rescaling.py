@@ -84,10 +84,20 @@ def relative_rescaling(a: onnx.ModelProto, b: onnx.ModelProto) -> Rescaling:
     return out
 
 
-def undo_rescaling(value: np.ndarray, axis: int, factors: np.ndarray) -> np.ndarray | None:
-    """``value / factors`` along ``axis`` (None when the value's shape does not fit the record)."""
-    if value.ndim == 0 or not -value.ndim <= axis < value.ndim or value.shape[axis] != factors.size:
+def channel_shape(ndim: int, axis: int, channels: int) -> list[int] | None:
+    """``[1, .., channels, .., 1]`` (``channels`` at ``axis``) to broadcast factors, None when it cannot fit."""
+    if ndim == 0 or not -ndim <= axis < ndim:
         return None
-    shape = [1] * value.ndim
-    shape[axis] = factors.size
-    return np.asarray(value / factors.reshape(shape).astype(value.dtype))
+    shape = [1] * ndim
+    shape[axis] = channels
+    return shape
+
+
+def undo_rescaling(value: np.ndarray, axis: int, factors: np.ndarray, *, inverse: bool = False) -> np.ndarray | None:
+    """``value / factors`` along ``axis`` (``value · factors`` with ``inverse``: A's value in B's scale); None
+    when the value's shape does not fit the record."""
+    shape = channel_shape(value.ndim, axis, factors.size)
+    if shape is None or value.shape[axis] != factors.size:
+        return None
+    f = factors.reshape(shape).astype(value.dtype)
+    return np.asarray(value * f if inverse else value / f)

@@ -136,6 +136,7 @@ class NumericDiff:
             "worst": [d.to_dict() for d in self.worst(top)],
             "layers": [d.to_dict() for d in self.layers],
             "skipped": self.skipped,
+            "rescaled": self.rescaled,
             "nonfinite": [d.to_dict() for d in self.nonfinite()],
             "problem": self.problem(),
             "evaluation": self.evaluation,

@@ -291,3 +291,35 @@ def test_diff_against_the_model_before_equalization_shows_quantization_not_resca
     stripped.metadata_props.extend(kept)
     raw = {d.tensor: d.sqnr_db for d in numeric_diff(original, stripped, feeds).layers}
     assert min(raw[t] for t in common) < min(against_eq[t] for t in common) - 10.0
+
+
+def test_culprits_against_the_model_before_equalization_match_the_equalized_reference(tmp_path: Any) -> None:
+    """The Q/DQ attribution sees the values B quantizes: A's equalized tensors are put in B's scale (and the
+    probe that applies one pair alone uses the step s / f), so its numbers match the equalized reference's."""
+    from qgraph.diff import attribute
+    from qgraph.testing.synthetic import conv_bn_relu_chain
+
+    original = conv_bn_relu_chain(3, channels=8, spatial=8, seed=4)
+    w = next(t for t in original.graph.initializer if t.name == "block0/conv.weight")
+    scaled = numpy_helper.to_array(w) * np.geomspace(0.05, 20.0, 8, dtype=np.float32).reshape(-1, 1, 1, 1)
+    w.CopyFrom(numpy_helper.from_array(scaled.astype(np.float32), "block0/conv.weight"))
+    onnx.save(original, tmp_path / "f.onnx")
+    rng = np.random.default_rng(1)
+    feeds = [{"input": rng.standard_normal((1, 8, 8, 8)).astype(np.float32)} for _ in range(4)]
+    eq = Pipeline([FuseBatchNorm(), EqualizeWeights()]).run(str(tmp_path / "f.onnx")).model
+    onnx.save(eq, tmp_path / "eq.onnx")
+    np.savez(tmp_path / "cal.npz", input=np.concatenate([f["input"] for f in feeds]))
+    qdq = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(str(tmp_path / "eq.onnx"),
+                                                             calibration_data=str(tmp_path / "cal.npz")).model
+    by_eq = {c.point.tensor: c for c in attribute(eq, qdq, feeds, exact_top=50).culprits
+             if c.point.kind == "activation"}
+    by_orig = {c.point.tensor: c for c in attribute(original, qdq, feeds, exact_top=50).culprits
+               if c.point.kind == "activation"}
+    rescaled = [t for t in by_eq if t.startswith("block0/")]
+    assert rescaled
+    for t in rescaled:
+        e, o = by_eq[t], by_orig[t]
+        assert o.local_sqnr_db == pytest.approx(e.local_sqnr_db, abs=0.5), t
+        assert o.stats.clip_fraction() == pytest.approx(e.stats.clip_fraction(), abs=1e-3), t
+        assert o.alone_sqnr_db is not None and e.alone_sqnr_db is not None
+        assert o.alone_sqnr_db == pytest.approx(e.alone_sqnr_db, abs=1.0), t
