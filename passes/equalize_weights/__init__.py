@@ -22,6 +22,8 @@ rounds, which the decision says). Run after ``fuse_batchnorm`` so BN scales are 
 
 Idempotence: the whole rewrite is kept only when some channel moves by more than ``tolerance`` (|ln s| >
 tolerance, cumulated over rounds); on an equalized model a second run leaves the graph untouched.
+The per-channel factors ``1/s`` of every tensor between two equalized layers are recorded in the model's metadata
+(`qgraph.rescaling`), so `qgraph diff` against the model before equalization compares them without the rescaling.
 Skipped with a reason: a tensor with other readers or that is a graph output, a non-equivariant op, shared or
 non-constant weights, mismatched channel axes. Cost per round: O(weights of the pairs).
 """
@@ -36,6 +38,7 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle, Pass, PassContext, PassResult, register, selected_ids
 from qgraph.equalize import as_linear, cle_scales, log_change, scale_const_per_channel
 from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
+from qgraph.rescaling import record_rescaling
 
 from .chains import NoSecondLayer, Pair, find_pair
 from .config import EqualizeWeightsConfig
@@ -76,6 +79,9 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
             res.notes.append(f"{len(pairs)} pair(s) already equalized within tolerance {cfg.tolerance:g}")
             return res
         state.write_back()
+        # The tensors between the layers now hold x / s: record it so a diff against the model before can undo it.
+        record_rescaling(graph.metadata, {name: (axis, 1.0 / state.cumulative[i])
+                                          for i in moved for name, axis in pairs[i].scaled})
         res.rewritten = len(moved)
         lo = min(float(state.cumulative[i].min()) for i in moved)
         hi = max(float(state.cumulative[i].max()) for i in moved)

@@ -47,6 +47,8 @@ class Pair:
     second: list[LinearLayer]
     path: list[gs.Node] = field(default_factory=list)
     shifts: list[tuple[gs.Tensor, int, int]] = field(default_factory=list)  # (constant, channel axis, rank)
+    #: Tensors from ``first``'s output to ``second``'s input, with their channel axis: they hold ``x / s``.
+    scaled: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -149,6 +151,7 @@ def step(node: gs.Node, t: gs.Tensor, walk: _Walk) -> None:
     else:
         raise NoMatch(f"{op} {node.name!r} is not scale-equivariant (f(x/s) ≠ f(x)/s) or moves channels")
     walk.pair.path.append(node)
+    walk.pair.scaled.append((node.outputs[0].name, walk.axis))
 
 
 def _second(users: list[gs.Node], t: gs.Tensor, walk: _Walk, channels: int) -> list[LinearLayer]:
@@ -174,6 +177,7 @@ def find_pair(first: LinearLayer, outputs: set[int], linear: dict[int, bool]) ->
     walk = _Walk(first)
     channels = walk.channels
     t = first.node.outputs[0]
+    walk.pair.scaled.append((t.name, walk.axis))
     for _ in range(64):  # paths are short; a bound keeps a pathological graph linear
         users = consumers(t)
         if id(t) in outputs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.progress import (
@@ -140,6 +140,13 @@ def sensitivity(
     metric: MetricOption = None,
     exact_top: Annotated[int, typer.Option("--exact-top", min=0, help="Measure the first K ranked nodes exactly "
                                            "(one full evaluation each).")] = 10,
+    cost: Annotated[Literal["latency", "error"], typer.Option("--cost",
+                                      help="Order of the fallback search (as float_fallback's auto.cost): error "
+                                      "= by output error alone; latency = by output error bought per added "
+                                      "latency (insert_qdq's cost table).")] = "error",
+    latency_preset: Annotated[str | None, typer.Option("--latency-preset", help="Preset of the cost table for "
+                                                       "--cost latency (default: the table's only one).")
+                              ] = None,
 ) -> None:
     """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
     exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the
@@ -153,6 +160,6 @@ def sensitivity(
     code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs or 1, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
                        quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,
-                       exact_top=exact_top, executor=spec)
+                       exact_top=exact_top, executor=spec, cost=cost, latency_preset=latency_preset)
     if code:
         raise typer.Exit(code)

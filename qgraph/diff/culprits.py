@@ -29,6 +29,7 @@ from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.quant_points import PointStats, QuantPoint, channels_first, find_points
 from qgraph.quant import dequantize
+from qgraph.rescaling import Rescaling, channel_shape, relative_rescaling, undo_rescaling
 
 #: Points measured exactly (A with only that pair) by default; the rest are ranked by their local noise.
 EXACT_TOP = 16
@@ -174,7 +175,8 @@ def attribute(
         return out
     stats = [PointStats(p.channels) for p in points]
     _weight_stats(ia, ib, points, stats, out.notes)
-    _activation_stats(a, ia, points, stats, feeds, max_bytes)
+    rescaled = relative_rescaling(a, b)  # equalized tensors: B quantizes f·x where A holds x (`qgraph.rescaling`)
+    _activation_stats(a, ia, points, stats, feeds, max_bytes, rescaled)
     culprits = []
     for p, s in zip(points, stats, strict=True):
         if not s.count.sum():
@@ -183,7 +185,7 @@ def attribute(
         reason, channel = explain(p, s)
         culprits.append(Culprit(p, s, channel, reason))
     culprits.sort(key=lambda c: -c.stats.noise_ratio())
-    _measure(a, b, culprits[:exact_top], feeds, out)
+    _measure(a, b, culprits[:exact_top], feeds, out, rescaled)
     measured = sorted((c for c in culprits if c.output_noise is not None), key=lambda c: -(c.output_noise or 0.0))
     out.culprits = measured + [c for c in culprits if c.output_noise is None]
     out.seconds = time.perf_counter() - start
@@ -226,8 +228,10 @@ def _same_weight(p: QuantPoint, w: np.ndarray) -> bool:
 
 
 def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[QuantPoint],
-                      stats: Sequence[PointStats], feeds: list[Feed], max_bytes: int) -> None:
-    """Activations: stream A's values of every quantized tensor (graph inputs straight from the feeds)."""
+                      stats: Sequence[PointStats], feeds: list[Feed], max_bytes: int,
+                      rescaled: Rescaling | None = None) -> None:
+    """Activations: stream A's values of every quantized tensor (graph inputs straight from the feeds), in B's
+    scale where a float-preserving pass rescaled the tensor per channel."""
     wanted: dict[str, list[int]] = {}
     for i, p in enumerate(points):
         if p.kind == "activation" and p.in_reference:
@@ -248,8 +252,11 @@ def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[Quant
     for _, values in stream_tensors(a, chunks, feeds):
         for t, v in values.items():
             if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+                in_b = undo_rescaling(v, *rescaled[t], inverse=True) if rescaled and t in rescaled else v
+                if in_b is None:
+                    continue
                 for i in wanted[t]:
-                    stats[i].add(points[i], v)
+                    stats[i].add(points[i], in_b)
         del values
 
 
@@ -280,7 +287,7 @@ def _noise_ratio(refs: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> f
 
 
 def _measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit], feeds: list[Feed],
-             out: Attribution) -> None:
+             out: Attribution, rescaled: Rescaling | None = None) -> None:
     """Fill ``output_noise``/``contribution`` of ``culprits`` (A with only that pair), and B's ``η``."""
     refs = _outputs(a, feeds)
     out.output_noise = _noise_ratio(refs, _outputs(b, feeds))
@@ -293,7 +300,7 @@ def _measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit]
         if c.point.kind == "activation" and opset < 11:
             out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no Round)")
             continue
-        with _only_this_pair(work, c) as probe:
+        with _only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
             if probe is None:
                 continue
             c.output_noise = _noise_ratio(refs, _outputs(work, feeds))
@@ -304,8 +311,9 @@ def _measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit]
 class _only_this_pair:
     """Apply one pair to ``work`` (A) in place and undo it on exit."""
 
-    def __init__(self, work: onnx.ModelProto, culprit: Culprit) -> None:
-        self.work, self.c = work, culprit
+    def __init__(self, work: onnx.ModelProto, culprit: Culprit, rescaled: tuple[int, np.ndarray] | None = None
+                 ) -> None:
+        self.work, self.c, self.rescaled = work, culprit, rescaled
         self.undo: list[Any] = []
 
     def __enter__(self) -> object | None:
@@ -343,7 +351,15 @@ class _only_this_pair:
             shape[p.axis % len(shape)] = p.channels
         qmin, qmax = p.qrange
         dt = np.dtype(self.c.stats.value_dtype)
-        consts = {"s": np.asarray(p.scale, dt).reshape(shape), "z": np.asarray(p.zero_point, dt).reshape(shape),
+        scale = np.asarray(p.scale, np.float64).reshape(shape)
+        if self.rescaled is not None:  # B quantizes f·x: on A's x that is the step s / f per channel
+            axis, f = self.rescaled
+            fit = channel_shape(self.c.stats.ndim or 0, axis, f.size)
+            if fit is None or (p.axis is not None and p.axis % len(fit) != axis % len(fit)):
+                return None
+            scale = scale.reshape(fit if p.axis is not None else [1] * len(fit)) / f.reshape(fit)
+            shape = fit if p.axis is not None else shape
+        consts = {"s": scale.astype(dt), "z": np.asarray(p.zero_point, dt).reshape(shape),
                   "lo": np.asarray(qmin, dt), "hi": np.asarray(qmax, dt)}
         inits = [numpy_helper.from_array(v, f"{base}/{k}") for k, v in consts.items()]
 

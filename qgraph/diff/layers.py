@@ -84,6 +84,8 @@ class NumericDiff:
     attribution: Any = None
     #: Top-1 agreement and metric of both models on the evaluation data (`qgraph.diff.compare_outputs`).
     evaluation: dict[str, Any] | None = None
+    #: Tensors compared after undoing a recorded per-channel rescaling (cross-layer equalization).
+    rescaled: list[str] = field(default_factory=list)
 
     def nonfinite(self) -> list[LayerDiff]:
         """Tensors holding NaN/Inf in either model, in graph order (outputs first)."""
@@ -134,6 +136,7 @@ class NumericDiff:
             "worst": [d.to_dict() for d in self.worst(top)],
             "layers": [d.to_dict() for d in self.layers],
             "skipped": self.skipped,
+            "rescaled": self.rescaled,
             "nonfinite": [d.to_dict() for d in self.nonfinite()],
             "problem": self.problem(),
             "evaluation": self.evaluation,

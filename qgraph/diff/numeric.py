@@ -1,7 +1,9 @@
 """Layer-by-layer numeric diff of two models on the same inputs, in bounded memory.
 
 Every float tensor produced in both models under the same name (QDQ keeps original names) is exposed as an
-extra graph output; both models run in onnxruntime with graph optimizations disabled. Tensors are processed in
+extra graph output (a tensor a float-preserving pass rescaled per channel, recorded by `qgraph.rescaling`, is
+compared after dividing B's value by the recorded factors); both models run in onnxruntime with graph
+optimizations disabled. Tensors are processed in
 chunks whose estimated activation size stays under ``max_bytes`` (one pair of sessions per chunk), and every
 (reference, candidate) pair is folded into a `DiffAccumulator` and dropped right away, so memory holds one
 sample's activations of one chunk, never all activations of both models.
@@ -31,6 +33,7 @@ from qgraph.data import DataSource, Feed
 from qgraph.diff.layers import LayerDiff, NumericDiff
 from qgraph.diff.protos import ModelIndex
 from qgraph.errors import DataError, ModelError
+from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 _SMALL_CONSTANT = 64  # initializers up to this many elements keep their data for shape inference
@@ -224,6 +227,7 @@ def numeric_diff(
     n_samples = 0
     runs = 0
     chunks = plan_chunks(sizes, max_bytes)
+    rescaled = relative_rescaling(a, b)  # tensors a float-preserving pass rescaled per channel (equalization)
     for ci, values in stream_pairs(a, b, pairs, feeds, chunks=chunks, samples=samples):
         runs = max(runs, ci + 1)
         if ci == 0:
@@ -232,7 +236,7 @@ def numeric_diff(
             if isinstance(v, str):
                 skipped[pairs[i][0]] = v
             else:
-                accs[i].add(v[0], v[1])
+                accs[i].add(v[0], _undo(rescaled, pairs[i][1], v[1]))
         del values  # do not keep this sample's activations alive while the next one is computed
     if n_samples == 0:
         raise DataError("the numeric diff got no samples: the data is empty. Give at least one sample.")
@@ -257,7 +261,18 @@ def numeric_diff(
     wanted = set(out_pairs)
     outputs = [d for d in results if (d.tensor, d.candidate or d.tensor) in wanted]
     ordered = sorted(layers.values(), key=lambda d: d.order)
-    return NumericDiff(n_samples, ordered, outputs, skipped, runs, noise_floor_db, jump_db)
+    out = NumericDiff(n_samples, ordered, outputs, skipped, runs, noise_floor_db, jump_db)
+    out.rescaled = sorted(t for t in rescaled if t in layers)
+    return out
+
+
+def _undo(rescaled: Rescaling, name: str, value: np.ndarray) -> np.ndarray:
+    """B's ``value`` of ``name`` in A's scale when a recorded rescaling applies (see `qgraph.rescaling`)."""
+    record = rescaled.get(name)
+    if record is None:
+        return value
+    undone = undo_rescaling(value, *record)
+    return value if undone is None else undone
 
 
 def _noise(sqnr_db: float) -> float:

@@ -223,7 +223,10 @@ class PointStats:
         deq = (cs - z.reshape(-1, 1)) * s.reshape(-1, 1)
         self.count += cs.shape[1]
         self.signal += (deq * deq).sum(axis=1)
-        self.rounding += cs.shape[1] * np.broadcast_to(s * s / 12.0, self.channels)
+        # A channel whose codes all sit at the zero point stored zeros (the quantizer's scale for an all-zero
+        # channel is a placeholder): it is exact, not s²/12 of noise on a zero signal (an infinite ratio).
+        live = np.any(cs != z.reshape(-1, 1), axis=1)
+        self.rounding += np.where(live, cs.shape[1] * np.broadcast_to(s * s / 12.0, self.channels), 0.0)
         # The largest value of a channel sits at the limit by construction (min/max ranges): count the rest.
         at_limit = ((cs <= qmin) | (cs >= qmax)).sum(axis=1)
         self.clipped += np.maximum(at_limit - 1, 0)

@@ -143,6 +143,10 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
     """Print the numeric diff: outputs, where the error first jumps, layers that introduced it, worst."""
     console.print(f"[bold]numeric diff[/] on {n.samples} sample(s), {len(n.layers)} tensors compared "
                   f"in {n.runs} run(s); {len(n.skipped)} skipped")
+    if n.rescaled:
+        console.print(f"{len(n.rescaled)} tensor(s) rescaled by equalization (recorded per-channel factors undone "
+                      f"before comparing): {', '.join(n.rescaled[:4])}{' ...' if len(n.rescaled) > 4 else ''}",
+                      markup=False, highlight=False)
     console.print(_rich_table("outputs", _OUT_HEAD, _output_rows(n.outputs)))
     if n.evaluation is not None:
         console.print(evaluation_line(n.evaluation), markup=False, highlight=False)

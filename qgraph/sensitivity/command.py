@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from qgraph import RecipeError, load_model, save_model
+from qgraph import RecipeError, get_pass, load_model, save_model
 from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
+from qgraph.latency import load_latency_table
 from qgraph.outputs import write_atomic
+from qgraph.sensitivity.cost import CostSpec
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
 from qgraph.sensitivity.stats import matmul_flops
@@ -215,8 +218,12 @@ def run_command(
     metric: str | None = None,
     exact_top: int = DEFAULT_EXACT_TOP,
     executor: ExecutorSpec | None = None,
+    cost: str = "error",
+    latency_preset: str | None = None,
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
+
+    ``cost``: the search order, as ``float_fallback``'s ``auto.cost`` (latency: `cost_spec`'s table).
 
     ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
     every metric (also one named in ``target``) is called as ``metric(outputs, labels)``."""
@@ -258,6 +265,7 @@ def run_command(
             progress=on_progress,
             exact_top=exact_top,
             executor=run,
+            costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost,
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:
@@ -299,3 +307,16 @@ def run_command(
     if result.nodes:  # the decision, as a recipe patch, on stdout
         out.print(result.patch_yaml() or "", markup=False, highlight=False, end="", soft_wrap=True)
     return 0 if result.target_met else 1
+
+
+def cost_spec(preset: str | None = None) -> CostSpec:
+    """The latency cost table ``insert_qdq`` ships (a data file next to its module, found through the pass
+    registry) with ``preset``, or the table's only preset when ``preset`` is None."""
+    module = sys.modules[get_pass("insert_qdq").__module__]
+    table = load_latency_table(Path(module.__file__ or "").with_name("latency_table.json"))
+    if preset is None and len(table.presets) == 1:
+        preset = next(iter(table.presets))
+    if preset not in table.presets:
+        raise RecipeError(f"--latency-preset: the cost table has no preset {preset!r} (it has "
+                          f"{sorted(table.presets)}); pick one of them or use --cost error.")
+    return CostSpec(table, preset)

@@ -221,3 +221,58 @@ def test_points_are_found_whatever_the_names(quantized: dict[str, Path]) -> None
     assert weight.axis == 0 and weight.channels == 32 and weight.codes is not None
     scale = numpy_helper.to_array(next(t for t in b.graph.initializer if t.name == f"{WEIGHT}/scale"))
     assert np.array_equal(weight.scale, scale)
+
+
+def test_codes_only_all_zero_channel_is_exact_not_the_worst() -> None:
+    # silero-vad's STFT basis has an all-zero row (the sine at frequency 0), stored with the placeholder scale
+    # 1.0: read from the codes it must not be the worst channel with an infinite noise ratio and range [0, 0].
+    rng = np.random.default_rng(0)
+    codes = rng.integers(-127, 128, size=(6, 4, 3)).astype(np.int8)
+    codes[2] = 0
+    scale = np.full(6, 0.01, np.float32)
+    scale[2] = 1.0
+    p = QuantPoint("w", "conv", "weight", "dq", None, scale, np.zeros(6, np.int8), QuantDtype.INT8, 0,
+                   codes=codes, in_reference=False)
+    stats = PointStats(6)
+    stats.add_codes(p, codes)
+    from qgraph.diff.culprits import explain
+
+    assert stats.channel_noise_ratio()[2] == 0.0
+    assert np.isfinite(stats.noise_ratio())
+    _, channel = explain(p, stats)
+    assert channel != 2
+
+
+def test_observed_range_covers_every_evaluation_sample(tmp_path: Path) -> None:
+    # Sample 0 is silence (all zeros): the observed range and clip fraction of every activation pair must be
+    # over all samples, equal to the min/max of the reference's values over the whole evaluation set.
+    from qgraph.diff import diff_files
+    from qgraph.diff.numeric import stream_tensors
+    from qgraph.testing.synthetic import conv_bn_relu_chain
+
+    model = conv_bn_relu_chain(2, channels=4, spatial=6, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 1, 4, 6, 6)).astype(np.float32)
+    cal = rng.standard_normal((6, 1, 4, 6, 6)).astype(np.float32)
+    x[0] = 0.0
+    onnx.save(model, tmp_path / "f.onnx")
+    np.savez(tmp_path / "eval.npz", input=x)
+    np.savez(tmp_path / "cal.npz", input=cal)
+    recipe = Recipe.from_dict({"name": "t", "passes": [{"pass": "fuse_batchnorm"},
+                                                        {"pass": "insert_qdq", "preset": "ort-x86-vnni"}]})
+    onnx.save(recipe.pipeline().run(tmp_path / "f.onnx", calibration_data=tmp_path / "cal.npz").model,
+              tmp_path / "q.onnx")
+    _, numeric = diff_files(tmp_path / "f.onnx", tmp_path / "q.onnx", inputs=tmp_path / "eval.npz")
+    assert numeric is not None and numeric.attribution is not None and numeric.attribution.samples == 6
+    acts = [c for c in numeric.attribution.culprits if c.point.kind == "activation"]
+    assert acts
+    names = [c.point.tensor for c in acts if c.point.tensor != "input"]
+    values: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for _, got in stream_tensors(model, [names], [{"input": s} for s in x]):
+        for n, v in got.items():
+            values[n].append(v)
+    for c in acts:
+        d = c.to_dict()
+        every = x if c.point.tensor == "input" else np.stack(values[c.point.tensor])
+        assert d["observed_range"] == pytest.approx([float(every.min()), float(every.max())], rel=1e-6)
+        assert c.stats.count.sum() == every.size

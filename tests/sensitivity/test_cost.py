@@ -3,6 +3,7 @@ buys output error cheapest, and the pass's reporting of modelled and measured la
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -190,3 +191,30 @@ def test_max_latency_needs_latency_costs() -> None:
     with pytest.raises(RecipeError, match="max_latency"):
         Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n"
                          "    auto: {target: 'sqnr:30', cost: error, max_latency: 1.0}\n")
+
+
+def test_cli_cost_choice_orders_the_search_by_latency_or_error(
+    fragile: tuple[onnx.ModelProto, onnx.ModelProto, str], tmp_path: Path
+) -> None:
+    """``qgraph sensitivity --cost latency`` ranks with insert_qdq's cost table (the result models latency);
+    ``--cost error`` ranks by error alone (no cost table); anything else is a usage error."""
+    from typer.testing import CliRunner
+
+    from qgraph.cli import app
+
+    _, _, data = fragile
+    folder = Path(data).parent
+    runs = {}
+    for cost in ("latency", "error"):
+        out = tmp_path / f"{cost}.json"
+        result = CliRunner().invoke(app, ["sensitivity", str(folder / "float.onnx"), str(folder / "qdq.onnx"),
+                                          "--data", data, "--target", "sqnr:30", "--exact-top", "2", "--cost", cost,
+                                          "--json", str(out), "-q"])
+        assert result.exit_code in (0, 1), result.output
+        runs[cost] = json.loads(out.read_text())
+    lat = runs["latency"]["latency"]
+    assert lat["modelled_float_us"] > 0 and lat["modelled_int8_ratio"] > 0
+    assert runs["error"]["latency"] == {}
+    bad = CliRunner().invoke(app, ["sensitivity", str(folder / "float.onnx"), str(folder / "qdq.onnx"),
+                                   "--data", data, "--cost", "speed", "-q"])
+    assert bad.exit_code == 2 and "speed" in bad.output
