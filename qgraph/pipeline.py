@@ -222,7 +222,8 @@ class Pipeline:
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
                 previous = current
         out, held = handle.weightless_export()
-        handle.release()  # the graph lets go of its weights: `held` is their last owner
+        handle.release()  # the graph lets go of its weights: `held` is their last owner...
+        gc.collect()  # ...once the tensors' own reference cycles (tensor <-> its consumer lists) are collected
         fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
         del held
         _write_provenance(out, self.to_dict(), input_hash, records)
