@@ -75,6 +75,10 @@ def session_options(optimize: bool) -> ort.SessionOptions:
     opts.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
+    # Without prepacking, onnxruntime keeps no kernel-layout copy of the MatMul/Gemm weights (on a transformer or a
+    # VGG's FC layers, nearly one more copy of the model). MatMul then accumulates in another order: ranges move
+    # by float32 rounding only (measured <= 1.5e-6 relative on a 6-layer encoder), the same on every run.
+    opts.add_session_config_entry("session.disable_prepacking", "1")
     return opts
 
 
@@ -141,8 +145,6 @@ def _fill_nested(
 def _share_weights(opts: ort.SessionOptions, weights: Mapping[str, npt.NDArray[Any]]) -> list[ort.OrtValue]:
     names = list(weights)
     values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
-    # onnxruntime still prepacks MatMul/Gemm weights into kernel layout (its own copy of those): disabling that
-    # changes MatMul's float rounding, hence calibration ranges and the output bytes, so it stays on.
     opts.add_external_initializers(names, values)
     return values
 
