@@ -22,7 +22,7 @@ from onnx import TensorProto
 
 from qgraph.errors import ModelError
 from qgraph.graph import proto_scopes
-from qgraph.graph.detach import is_placeholder, split_weights
+from qgraph.graph.detach import is_placeholder, placeholders_as_inputs, split_weights
 
 #: Serialized size above which the calibration model goes through external data (2 GB - 64 MB).
 LARGE_MODEL_BYTES = 2**31 - 1 - (64 << 20)
@@ -91,11 +91,12 @@ def calibration_session(
     providers: Sequence[str] | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
     weights: Mapping[str, npt.NDArray[Any]] | None = None,
-) -> Iterator[ort.InferenceSession]:
+) -> Iterator[ort.InferenceSession | WeightFedSession]:
     """A session over ``model`` + ``additions`` (see module docstring).
 
     ``weights`` gives the values of a weightless export's placeholders (`qgraph.GraphHandle.weightless_export`):
-    onnxruntime reads them in place (``add_external_initializers``), so the session holds no serialized copy.
+    they become graph inputs fed from these arrays (`WeightFedSession`), read in place: neither the protobuf nor
+    the session holds a copy.
 
     Raises:
         ModelError: onnxruntime cannot load the model, or an initializer's external data is not loaded.
@@ -106,16 +107,16 @@ def calibration_session(
         model, weights = split_weights(model)
     if weights:
         model, weights = _fill_nested(model, weights)
-    held = _share_weights(opts, weights) if weights else []  # kept alive as long as the session
     extra = sum(t.ByteSize() for t in additions.initializers)
     if _serialized_size(model) + extra <= large_model_bytes:
-        aug = onnx.ModelProto()
-        aug.CopyFrom(model)
+        aug = placeholders_as_inputs(model) if weights else onnx.ModelProto()
+        if not weights:
+            aug.CopyFrom(model)
         aug.graph.node.extend(additions.nodes)
         aug.graph.initializer.extend(additions.initializers)
         aug.graph.output.extend(additions.outputs)
-        yield create_session(aug.SerializeToString(), opts, provs)
-        del held
+        session = create_session(aug.SerializeToString(), opts, provs)
+        yield WeightFedSession(session, weights) if weights else session
         return
     with tempfile.TemporaryDirectory(prefix="qgraph-calib-") as tmp:
         path = _write_with_external_data(model, additions, Path(tmp))
@@ -142,11 +143,27 @@ def _fill_nested(
     return out, {k: v for k, v in weights.items() if k in top}
 
 
-def _share_weights(opts: ort.SessionOptions, weights: Mapping[str, npt.NDArray[Any]]) -> list[ort.OrtValue]:
-    names = list(weights)
-    values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
-    opts.add_external_initializers(names, values)
-    return values
+class WeightFedSession:
+    """An ``ort.InferenceSession`` whose large weights are graph inputs, fed from the caller's arrays on every run.
+
+    onnxruntime reads a fed array in place, while it copies initializers given through ``add_external_initializers``
+    into the session (measured with onnxruntime 1.31: one more copy of the weights per session). ``get_inputs``
+    lists the data inputs only; ``run`` adds the weights to the feed; anything else is the session's."""
+
+    def __init__(self, session: ort.InferenceSession, weights: Mapping[str, npt.NDArray[Any]]) -> None:
+        self.session = session
+        self.weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
+
+    def get_inputs(self) -> list[Any]:
+        """The session's inputs without the weights."""
+        return [i for i in self.session.get_inputs() if i.name not in self.weights]
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], *args: Any) -> list[Any]:
+        """``session.run`` with the weights added to ``input_feed``."""
+        return list(self.session.run(output_names, {**input_feed, **self.weights}, *args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
 
 
 def create_session(src: str | bytes, opts: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
