@@ -20,6 +20,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto
 
+from qgraph.compare import WeightFedSession
 from qgraph.errors import ModelError
 from qgraph.graph import proto_scopes
 from qgraph.graph.detach import is_placeholder, placeholders_as_inputs, split_weights
@@ -91,7 +92,7 @@ def calibration_session(
     providers: Sequence[str] | None = None,
     large_model_bytes: int = LARGE_MODEL_BYTES,
     weights: Mapping[str, npt.NDArray[Any]] | None = None,
-) -> Iterator[ort.InferenceSession | WeightFedSession]:
+) -> Iterator[ort.InferenceSession]:
     """A session over ``model`` + ``additions`` (see module docstring).
 
     ``weights`` gives the values of a weightless export's placeholders (`qgraph.GraphHandle.weightless_export`):
@@ -141,29 +142,6 @@ def _fill_nested(
                 t.ClearField("data_location")
                 t.raw_data = arr.tobytes()
     return out, {k: v for k, v in weights.items() if k in top}
-
-
-class WeightFedSession:
-    """An ``ort.InferenceSession`` whose large weights are graph inputs, fed from the caller's arrays on every run.
-
-    onnxruntime reads a fed array in place, while it copies initializers given through ``add_external_initializers``
-    into the session (measured with onnxruntime 1.31: one more copy of the weights per session). ``get_inputs``
-    lists the data inputs only; ``run`` adds the weights to the feed; anything else is the session's."""
-
-    def __init__(self, session: ort.InferenceSession, weights: Mapping[str, npt.NDArray[Any]]) -> None:
-        self.session = session
-        self.weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
-
-    def get_inputs(self) -> list[Any]:
-        """The session's inputs without the weights."""
-        return [i for i in self.session.get_inputs() if i.name not in self.weights]
-
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], *args: Any) -> list[Any]:
-        """``session.run`` with the weights added to ``input_feed``."""
-        return list(self.session.run(output_names, {**input_feed, **self.weights}, *args))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.session, name)
 
 
 def create_session(src: str | bytes, opts: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
