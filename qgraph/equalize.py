@@ -24,6 +24,7 @@ passes. Everything is computed in float64 and cast back to the weight's dtype on
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,6 +147,56 @@ class LinearLayer:
             per = s.reshape(self.group, 1, cg).repeat(m // self.group, axis=1).reshape(m, cg)
             return np.asarray(w * per.reshape(m, cg, *((1,) * (w.ndim - 2))))
         return np.asarray(w * (s[None, :] if self.transposed else s[:, None]))
+
+
+    def scaled_ranges(self, w: np.ndarray, out_f: np.ndarray, in_f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(out_ranges, in_ranges)`` of ``scale_in(scale_out(w, out_f), in_f)`` (in float64), read block by block
+        along axis 0: memory O(block), never a float64 copy of the whole weight."""
+        if self.kind == "conv":
+            m, cg = w.shape[0], w.shape[1]
+            out_r, per = np.empty(m), np.empty((m, cg))
+            for lo, hi, blk in self._blocks(w, out_f, in_f):
+                a = np.abs(blk)
+                out_r[lo:hi] = a.reshape(hi - lo, -1).max(axis=1)
+                per[lo:hi] = a.reshape(hi - lo, cg, -1).max(axis=2)
+            return out_r, per.reshape(self.group, m // self.group, cg).max(axis=1).reshape(-1)
+        rows, cols = np.empty(w.shape[0]), np.zeros(w.shape[1])
+        for lo, hi, blk in self._blocks(w, out_f, in_f):
+            a = np.abs(blk)
+            rows[lo:hi] = a.max(axis=1)
+            np.maximum(cols, a.max(axis=0), out=cols)
+        return (rows, cols) if self.transposed else (cols, rows)  # axis 0 holds outputs iff transposed
+
+    def scaled(self, w: np.ndarray, out_f: np.ndarray, in_f: np.ndarray) -> np.ndarray:
+        """``scale_in(scale_out(w, out_f), in_f)`` computed in float64 block by block, cast to ``w``'s dtype."""
+        out = np.empty_like(w)
+        for lo, hi, blk in self._blocks(w, out_f, in_f):
+            out[lo:hi] = blk
+        return out
+
+    def _blocks(
+        self, w: np.ndarray, out_f: np.ndarray, in_f: np.ndarray, block_bytes: int = 32 << 20
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(lo, hi, W[lo:hi] · factors)`` in float64 over axis 0 (Conv and transposed Gemm: output channels;
+        MatMul / Gemm ``transB = 0``: input channels)."""
+        step = max(1, block_bytes // max(1, 8 * (w.size // max(1, w.shape[0]))))
+        per = None
+        if self.kind == "conv":
+            m, cg = w.shape[0], w.shape[1]
+            per = in_f.reshape(self.group, 1, cg).repeat(m // self.group, axis=1).reshape(m, cg)
+        for lo in range(0, w.shape[0], step):
+            hi = min(lo + step, w.shape[0])
+            blk = w[lo:hi].astype(np.float64)
+            if per is not None:
+                blk *= out_f[lo:hi].reshape((-1,) + (1,) * (w.ndim - 1))
+                blk *= per[lo:hi].reshape(hi - lo, w.shape[1], *((1,) * (w.ndim - 2)))
+            elif self.transposed:
+                blk *= out_f[lo:hi, None]
+                blk *= in_f[None, :]
+            else:
+                blk *= in_f[lo:hi, None]
+                blk *= out_f[None, :]
+            yield lo, hi, blk
 
 
 def _float_const(tensor: gs.Tensor, what: str) -> np.ndarray:

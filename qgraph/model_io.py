@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
@@ -127,10 +128,11 @@ def file_fingerprint(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(model: onnx.ModelProto) -> str:
+def model_fingerprint(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> str:
     """sha256 of the graph's content (nodes, initializers, I/O, opsets), independent of metadata.
 
-    Streams piece by piece, so it works for models over the 2 GB protobuf limit.
+    Streams piece by piece, so it works for models over the 2 GB protobuf limit. ``weights`` gives the values of
+    a weightless model's top-level placeholders (`qgraph.graph.detach`): the hash is the filled model's.
     """
     h = hashlib.sha256()
     g = model.graph
@@ -138,7 +140,9 @@ def model_fingerprint(model: onnx.ModelProto) -> str:
         h.update(part.SerializeToString(deterministic=True))
     for t in g.initializer:
         h.update(f"{t.name}:{t.data_type}:{list(t.dims)};".encode())
-        if t.HasField("raw_data"):
+        if weights is not None and t.name in weights and t.data_location == onnx.TensorProto.EXTERNAL:
+            h.update(np.ascontiguousarray(weights[t.name]).data)  # = raw_data once filled
+        elif t.HasField("raw_data"):
             h.update(t.raw_data)
         else:
             h.update(t.SerializeToString(deterministic=True))

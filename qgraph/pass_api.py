@@ -160,9 +160,15 @@ class PassContext:
 
     def set_float_reference(self, model: onnx.ModelProto | None, weights: dict[str, np.ndarray] | None = None) -> None:
         """Record the float reference and, for a weightless one, its placeholders' values (the pipeline does
-        this; tests and scripts running passes by hand may)."""
+        this; tests and scripts running passes by hand may).
+
+        The values are the graph's own arrays (no copy): they are made read-only here, so a later pass that
+        writes into a weight in place raises instead of silently changing the reference; passes replace arrays
+        (`qgraph.graph.set_const`, `renew_const`)."""
         self._float_reference = model
         self._float_weights = dict(weights or {})
+        for value in self._float_weights.values():
+            value.setflags(write=False)
 
     def fix_inputs(self, values: dict[str, np.ndarray]) -> None:
         """Tell the pipeline that graph inputs became constants (``specialize_inputs``): from now on, calibration

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import onnx
 
 from qgraph._version import __version__
@@ -94,6 +95,8 @@ class PipelineResult:
     stages: list[onnx.ModelProto] = field(default_factory=list)
     #: The bound calibration data the passes saw (None without data); reports reuse it for fidelity.
     calibration_data: DataSource | None = None
+    #: With ``run(weightless=True)``: the values of ``model``'s placeholders by name (`qgraph.graph.detach`).
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
@@ -150,6 +153,7 @@ class Pipeline:
         samples: int | None = None,
         data_layout: DataLayout = "auto",
         keep_input: bool = True,
+        weightless: bool = False,
     ) -> PipelineResult:
         """Run every pass on a copy of ``model`` and return the result (the input is never modified).
 
@@ -157,7 +161,9 @@ class Pipeline:
         structural diffs and per-stage fidelity); it costs one export per pass and memory for each stage.
         ``samples`` caps the calibration samples read (default: the recipe's ``calibration.samples``);
         ``data_layout`` says how stacked arrays map to samples (`qgraph.data`). When the recipe's target names an
-        opset, the model is converted to it after the last pass (a recorded step of its own).
+        opset, the model is converted to it after the last pass (a recorded step of its own). ``weightless``
+        returns the output with its large weights as placeholders and their arrays in ``result.weights`` (for a
+        caller that hands them to onnxruntime: no protobuf copy of them is made).
         """
         if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
             raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
@@ -222,12 +228,15 @@ class Pipeline:
                     emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
                 previous = current
         out, held = handle.weightless_export()
-        handle.release()  # the graph lets go of its weights: `held` is their last owner
-        fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
+        handle.release()  # the graph lets go of its weights: `held` is their last owner...
+        gc.collect()  # ...once the tensors' own reference cycles (tensor <-> its consumer lists) are collected
+        weights = {name: value for name, (value, _) in held.items()} if weightless else {}
+        if not weightless:
+            fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
         del held
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, kept, stages, data)
+        return PipelineResult(out, records, kept, stages, data, weights)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:

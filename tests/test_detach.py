@@ -86,7 +86,11 @@ def test_handle_owns_its_weights() -> None:
         t.ClearField("float_data")
     assert _bytes(handle.to_onnx()) == before
     w = handle.graph.tensors()["w"]
-    assert isinstance(w, gs.Constant) and isinstance(w._values, np.ndarray) and w._values.flags.writeable
+    assert isinstance(w, gs.Constant) and isinstance(w._values, np.ndarray)
+    # a view of the bytes protobuf handed out (no second copy): read-only, passes replace weights
+    assert not w._values.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        w._values[...] = 0
     listed = handle.graph.tensors()["listed"]  # not in raw_data form: kept as a protobuf of its own
     assert isinstance(listed, gs.Constant) and not isinstance(listed._values, np.ndarray)
 

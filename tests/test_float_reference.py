@@ -106,3 +106,45 @@ def test_reference_is_weightless_and_shares_the_graph_arrays() -> None:
     np.testing.assert_array_equal(weights["w"], w)
     full = with_weights(ref, weights)
     np.testing.assert_array_equal(numpy_helper.to_array(full.graph.initializer[0]), w)
+
+
+class _InPlaceWriter(Pass[_RecorderConfig]):
+    """Writes into the graph's weight array in place (what a pass must never do once the reference exists)."""
+
+    name = "toy_in_place_writer"
+    config_class = _RecorderConfig
+    preserves_float = False
+    needs_float_reference: ClassVar[bool] = True
+    error: ClassVar[list[str]] = []
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        from qgraph.graph import const_value
+
+        node = next(n for n in graph.graph.nodes if n.op == "MatMul")
+        value = const_value(node.inputs[1])
+        assert value is not None
+        try:
+            value[0, 0] = 123.0
+        except ValueError as exc:
+            type(self).error.append(str(exc))
+        return PassResult()
+
+
+def test_shared_weight_arrays_are_read_only_so_an_in_place_write_raises() -> None:
+    """The reference shares the graph's arrays (no copy): writing into one would silently change the reference,
+    so the arrays are read-only once it exists; the reference keeps the original value."""
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    _InPlaceWriter.error.clear()
+    _WeightRecorder.weights.clear()
+    out = Pipeline([_InPlaceWriter(), _WeightRecorder()]).run(model).model
+    (message,) = _InPlaceWriter.error
+    assert "read-only" in message
+    (weights,) = _WeightRecorder.weights
+    assert not weights["w"].flags.writeable
+    np.testing.assert_array_equal(weights["w"], w)
+    np.testing.assert_array_equal(numpy_helper.to_array(out.graph.initializer[0]), w)

@@ -88,3 +88,53 @@ def test_run_with_bias_correction_peak_rss_within_two_model_sizes(tmp_path: Path
     q = onnx.load(str(tmp_path / "q.onnx"))
     history = next(p.value for p in q.metadata_props if "passes" in p.key or "recipe" in p.key)
     assert "correct_bias" in history
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_calibrate_peak_rss_within_two_model_sizes(tmp_path: Path, external: bool) -> None:
+    """`qgraph calibrate` on the Gemm chain (measured 406 MB, ceiling 588): the weights once as arrays plus
+    onnxruntime's session copy; calibration sessions keep no prepacked copy of MatMul/Gemm weights."""
+    model, data, weights = _gemm_chain(tmp_path, external)
+    ceiling = 2 * weights / 2**20 + 300
+    ranges = tmp_path / "ranges.json"
+    peak = _peak_mb(["calibrate", str(ROOT / "recipes" / "ort-x86-vnni.yaml"), str(model), "-o", str(ranges),
+                     "--calibration-data", str(data)])
+    assert peak <= ceiling, f"qgraph calibrate peaked at {peak:.0f} MB > 2 x {weights / 2**20:.0f} + 300 MB"
+    assert ranges.stat().st_size > 0
+
+
+def _rss_mb() -> float:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
+def test_sessions_over_shared_weights_hold_no_copy_of_them() -> None:
+    """Calibration and measuring sessions over a weightless model read the caller's arrays in place (fed as
+    inputs): onnxruntime copies initializers given through ``add_external_initializers`` (64 MB more here) and
+    prepacks MatMul weights (64 MB more again)."""
+    from qgraph.calibrate.session import Additions, calibration_session
+    from qgraph.compare import make_session, session_run
+    from qgraph.graph.detach import split_weights
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4096, 4096), dtype=np.float32)  # 64 MB
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4096])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4096])],
+                              [numpy_helper.from_array(w, "w")])
+    weightless, weights = split_weights(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                          ir_version=9))
+    x = rng.standard_normal((2, 4096), dtype=np.float32)
+    before = _rss_mb()
+    with calibration_session(weightless, Additions(), weights=weights) as sess:
+        assert [i.name for i in sess.get_inputs()] == ["x"]  # the weights are not data inputs
+        (y,) = session_run(sess, ["y"], {"x": x})
+        grown = _rss_mb() - before
+    np.testing.assert_allclose(y, x @ w, rtol=1e-4, atol=1e-3)
+    assert grown < 32, f"the calibration session grew RSS by {grown:.0f} MB over 64 MB of shared weights"
+    before = _rss_mb()
+    session = make_session(weightless, weights=weights)
+    (y,) = session_run(session, ["y"], {"x": x})
+    grown = _rss_mb() - before
+    np.testing.assert_allclose(y, x @ w, rtol=1e-4, atol=1e-3)
+    assert grown < 32, f"make_session grew RSS by {grown:.0f} MB over 64 MB of shared weights"

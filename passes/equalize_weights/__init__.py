@@ -36,7 +36,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, register, selected_ids
-from qgraph.equalize import as_linear, cle_scales, log_change, scale_const_per_channel
+from qgraph.equalize import LinearLayer, as_linear, cle_scales, log_change, scale_const_per_channel
 from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
 from qgraph.rescaling import record_rescaling
 
@@ -110,27 +110,51 @@ def _find_pairs(scopes: list[gs.Graph], selected: set[int] | None, res: PassResu
 
 
 class _Equalizer:
-    """Weights in float64 (shared between pairs: a middle layer belongs to two), cumulative scales per pair."""
+    """Layer weights stay the graph's arrays: each carries float64 factors per output and input channel (a middle
+    layer belongs to two pairs), applied block by block when ranges are read and once at `write_back`, so memory
+    is O(channels) plus one block, not a float64 copy of every weight. Biases and shifts (small) are float64."""
 
     def __init__(self, pairs: list[Pair], cfg: EqualizeWeightsConfig) -> None:
         self.pairs = pairs
         self.cfg = cfg
-        self.values: dict[int, np.ndarray] = {}
+        self.values: dict[int, np.ndarray] = {}  # biases and shifts
         self.tensors: dict[int, gs.Tensor] = {}
+        self.layers: dict[int, LinearLayer] = {}  # weight tensor id -> its layer
+        self.factors: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # weight id -> (out factor, in factor)
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # weight id -> (out ranges, in ranges)
         self.initial: list[tuple[float, float]] = []
         for p in pairs:
-            for t in [p.first.weight, p.first.bias, *(s.weight for s in p.second), *(c for c, _, _ in p.shifts)]:
+            for layer in [p.first, *p.second]:
+                key = id(layer.weight)
+                if key not in self.layers:
+                    w = self._weight(key, layer.weight)
+                    self.layers[key] = layer
+                    self.factors[key] = (np.ones(layer.out_channels(w)), np.ones(layer.in_channels(w)))
+            for t in [p.first.bias, *(c for c, _, _ in p.shifts)]:
                 if t is not None and id(t) not in self.values:
                     value = const_value(t)
                     assert value is not None
                     self.values[id(t)] = value.astype(np.float64)
                     self.tensors[id(t)] = t
             self.initial.append(self._spread(p))
-        self.cumulative = [np.ones(p.first.out_channels(self.values[id(p.first.weight)])) for p in pairs]
+        self.cumulative = [np.ones(len(self.factors[id(p.first.weight)][0])) for p in pairs]
+
+    def _weight(self, key: int, tensor: gs.Tensor | None = None) -> np.ndarray:
+        if tensor is not None:
+            self.tensors[key] = tensor
+        value = const_value(self.tensors[key])
+        assert value is not None
+        return value
+
+    def _layer_ranges(self, key: int) -> tuple[np.ndarray, np.ndarray]:
+        """(out, in) ranges of a weight with its factors applied; cached until its factors change."""
+        if key not in self._cache:
+            self._cache[key] = self.layers[key].scaled_ranges(self._weight(key), *self.factors[key])
+        return self._cache[key]
 
     def _ranges(self, p: Pair) -> tuple[np.ndarray, np.ndarray]:
-        r1 = p.first.out_ranges(self.values[id(p.first.weight)])
-        r2 = np.max([s.in_ranges(self.values[id(s.weight)]) for s in p.second], axis=0)
+        r1 = self._layer_ranges(id(p.first.weight))[0]
+        r2 = np.max([self._layer_ranges(id(s.weight))[1] for s in p.second], axis=0)
         return r1, r2
 
     def _spread(self, p: Pair) -> tuple[float, float]:
@@ -147,7 +171,7 @@ class _Equalizer:
         Rounds sweep forward and backward in turn (a chain then converges in far fewer rounds), and a pair whose
         weights no other pair touched since it was equalized is not recomputed (its scales would be 1).
         """
-        version: dict[int, int] = dict.fromkeys(self.values, 0)
+        version: dict[int, int] = dict.fromkeys(self.layers, 0)
         seen: list[tuple[int, ...] | None] = [None] * len(self.pairs)
         order = list(range(len(self.pairs)))
         for k in range(self.cfg.iterations):
@@ -175,7 +199,9 @@ class _Equalizer:
     def _apply(self, p: Pair, s: np.ndarray) -> None:
         inv = 1.0 / s
         v = self.values
-        v[id(p.first.weight)] = p.first.scale_out(v[id(p.first.weight)], inv)
+        first = id(p.first.weight)
+        self.factors[first][0][:] *= inv  # W1[i] /= s_i
+        self._cache.pop(first, None)
         if p.first.bias is not None:
             scaled = scale_const_per_channel(v[id(p.first.bias)], inv, -1, max(v[id(p.first.bias)].ndim, 1))
             assert scaled is not None  # shapes checked by as_linear
@@ -186,7 +212,8 @@ class _Equalizer:
                 raise NoMatch(f"constant {const.name!r} of shape {v[id(const)].shape} is not per channel")
             v[id(const)] = scaled
         for second in p.second:
-            v[id(second.weight)] = second.scale_in(v[id(second.weight)], s)
+            self.factors[id(second.weight)][1][:] *= s  # W2[:, i] *= s_i
+            self._cache.pop(id(second.weight), None)
 
     def describe(self, i: int) -> dict[str, Any]:
         """Report of pair ``i``: scale range and the channel-range spread of both layers before/after."""
@@ -200,8 +227,20 @@ class _Equalizer:
         }
 
     def write_back(self) -> None:
-        """Cast every touched constant back to its dtype and store it (names kept)."""
+        """Cast every touched constant back to its dtype and store it (names kept). Weights are computed block by
+        block into a new array; the replaced constant is pointed at it so the old array is freed now (the detached
+        constant itself waits for the cyclic collector), keeping one weight in flight."""
         for key, tensor in self.tensors.items():
             old = const_value(tensor)
             assert old is not None
-            renew_const(tensor, self.values[key].astype(old.dtype))
+            if key in self.layers:
+                out_f, in_f = self.factors[key]
+                if np.all(out_f == 1.0) and np.all(in_f == 1.0):
+                    continue
+                new = self.layers[key].scaled(old, out_f, in_f)
+            else:
+                new = self.values[key].astype(old.dtype)
+            del old
+            renew_const(tensor, new)
+            if isinstance(tensor, gs.Constant):
+                tensor.values = new

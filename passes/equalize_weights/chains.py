@@ -70,7 +70,7 @@ class _Walk:
         assert w is not None
         self.rank: int | None = int(w.ndim) if first.kind == "conv" else (2 if first.node.op == "Gemm" else None)
         self.pooled = False  # spatial dims are 1 (after a global pool)
-        self.channels = first.out_channels(first.value())
+        self.channels = first.out_channels(w)
         self.pair = Pair(first, [])
 
 
@@ -165,7 +165,8 @@ def _second(users: list[gs.Node], t: gs.Tensor, walk: _Walk, channels: int) -> l
             raise NoMatch(f"{user.name!r} reads {t.name!r} other than as its data input")
         if walk.axis != (1 if layer.kind == "conv" else -1):
             raise NoMatch(f"{user.op} {user.name!r} reads the channels on another axis")
-        w = layer.value()
+        w = const_value(layer.weight)  # only its shape: never a float64 copy of a large weight
+        assert w is not None  # as_linear checked it
         if layer.in_channels(w) != channels:
             raise NoMatch(f"{user.name!r} has {layer.in_channels(w)} input channels, {channels} expected")
         out.append(layer)

@@ -9,10 +9,12 @@ graph gets an error, not a silent mismatch.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from qgraph.calibrate.collector import TensorCalibration, collect_ranges
@@ -20,7 +22,8 @@ from qgraph.calibrate.ranges_file import write_ranges
 from qgraph.calibrate.robust import ROBUST_PERCENTILE
 from qgraph.data import DataSource, batched, open_data_source
 from qgraph.errors import RecipeError
-from qgraph.graph.detach import split_weights
+from qgraph.graph import proto_scopes
+from qgraph.graph.detach import is_placeholder, split_weights, with_weights
 from qgraph.model_io import model_fingerprint
 from qgraph.pipeline import Pipeline
 from qgraph.recipe import Recipe
@@ -47,6 +50,22 @@ def prepared_model(recipe: Recipe, model: str | Path | onnx.ModelProto) -> onnx.
             break
         prep.append(p)
     return Pipeline(prep, name=recipe.name).run(model, keep_input=False).model if prep else _copy_or_load(model)
+
+
+def _prepared_weightless(
+    recipe: Recipe, model: str | Path | onnx.ModelProto
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """`prepared_model` as a weightless export and its placeholders' values: the weights once, as arrays (filling
+    a protobuf and splitting it again held them twice). Weights inside subgraphs are filled (sessions share only
+    the top graph's)."""
+    prep = [p for p in itertools.takewhile(lambda p: p.preserves_float, recipe.passes)]
+    if not prep:
+        return split_weights(_copy_or_load(model))
+    result = Pipeline(prep, name=recipe.name).run(model, keep_input=False, weightless=True)
+    graph, weights = result.model, result.weights
+    if any(is_placeholder(t) for g in proto_scopes(graph.graph)[1:] for t in g.initializer):
+        return split_weights(with_weights(graph, weights))
+    return graph, weights
 
 
 def _copy_or_load(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
@@ -77,7 +96,7 @@ def calibrate_recipe(
     spec = data if data is not None else recipe.calibration.data
     if spec is None:
         raise RecipeError("no calibration data: pass --calibration-data or set calibration.data in the recipe.")
-    graph = prepared_model(recipe, model)
+    graph, weights = _prepared_weightless(recipe, model)
     chosen_method, chosen_options = _method_from_recipe(recipe)
     method = method or chosen_method
     options = {**chosen_options, **(options or {})} if method == chosen_method else dict(options or {})
@@ -85,8 +104,7 @@ def calibrate_recipe(
         for key, value in _activation_grid(recipe).items():
             options.setdefault(key, value)
     source = open_data_source(spec, samples=samples or recipe.calibration.samples).bind(graph)
-    fingerprint = model_fingerprint(graph)
-    graph, weights = split_weights(graph)  # one copy of the weights (numpy), read in place by the sessions
+    fingerprint = model_fingerprint(graph, weights)  # the filled model's, as ranges files always recorded
     names = float_activations(graph)  # shape inference on the weightless protobuf: no copies of the weights
     hasher = hashlib.sha256()
     batch = recipe.calibration.batch_size

@@ -8,7 +8,8 @@ subsample, since the rare extremes themselves are not needed in it, which keeps 
 * each update keeps every ``k``-th value of the flattened tensor, ``k = max(1, size // per_update)``
   (between ``per_update`` and ``2 * per_update`` values); the in-graph collector takes the same
   values with ``Slice`` (:mod:`qgraph.calibrate.reduce`), so both paths give the same estimate;
-* at most ``limit`` values are kept, in one preallocated buffer: when it is full, every other kept
+* at most ``limit`` values are kept, in one buffer grown by doubling (about 1 MB at its bound, so a model with
+  hundreds of tensors calibrated on a few samples does not pay the bound for each): when it is full, every other kept
   value is dropped and later updates are thinned by twice as much (``2**level``), so all updates stay
   equally represented.  Each value is touched O(1) times on average: cost is linear in the data.
 """
@@ -34,7 +35,7 @@ class RobustMagnitude:
         if limit < 2 * per_update:
             raise ValueError("limit must hold at least two updates")
         self.percentile, self.per_update, self.limit = percentile, per_update, limit
-        self.buffer = np.empty(0, dtype=np.float32)  # allocated on the first value
+        self.buffer = np.empty(0, dtype=np.float32)  # grown as values come
         self.size = 0
         self.level = 0  # later updates keep every (2 ** level)-th of their values
 
@@ -48,9 +49,11 @@ class RobustMagnitude:
         chunk = np.asarray(values).ravel()[:: 1 << self.level]
         if chunk.size == 0:
             return
-        if self.buffer.size == 0:
-            self.buffer = np.empty(self.limit + 2 * self.per_update, dtype=np.float32)
         end = self.size + chunk.size
+        if end > self.buffer.size:  # grown by doubling up to its bound: a few updates of hundreds of tensors stay small
+            grown = np.empty(max(end, min(2 * self.buffer.size, self.limit + 2 * self.per_update)), np.float32)
+            grown[: self.size] = self.buffer[: self.size]
+            self.buffer = grown
         np.abs(chunk, out=self.buffer[self.size : end], casting="unsafe")
         self.size = end
         while self.size > self.limit:

@@ -5,7 +5,7 @@ message's memory only when nothing refers to any part of it, so one such pointer
 weight) alive, and reading ``.values`` adds a numpy copy beside it: two copies of the weights for the whole run.
 
 `detach_constants` breaks that link once, at import: a large initializer in plain ``raw_data`` form becomes a numpy
-array (the form graphsurgeon exports byte for byte as it was read: name, dims, data_type, raw_data and the
+array (read-only; the form graphsurgeon exports byte for byte as it was read: name, dims, data_type, raw_data and the
 data_location it had), every other tensor is copied into a protobuf of its own (small: anything not in
 ``raw_data`` form). After it the source ModelProto can be freed, leaving one copy of the weights: the numpy arrays.
 
@@ -71,13 +71,15 @@ def _lazy_bytes(c: gs.Constant) -> int:
 
 
 def _array(t: onnx.TensorProto) -> np.ndarray:
-    """A writable array of a plain tensor's ``raw_data`` (each read of ``raw_data`` copies it: read it once)."""
+    """A read-only array over a plain tensor's ``raw_data``: protobuf hands ``raw_data`` out as a new bytes object
+    (a copy: read it once), and the array is a view of that object, not a second copy of it (which put the largest
+    tensor three times in memory during the import). Passes replace weights, they never write into them."""
     raw = t.raw_data
-    arr = np.empty(tuple(t.dims), _PLAIN[t.data_type])
-    if len(raw) != arr.nbytes:
-        raise ValueError(f"tensor {t.name!r}: raw_data holds {len(raw)} bytes, its dims need {arr.nbytes}")
-    arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, np.uint8)
-    return arr
+    dtype = _PLAIN[t.data_type]
+    need = _nbytes(t)
+    if len(raw) != need:
+        raise ValueError(f"tensor {t.name!r}: raw_data holds {len(raw)} bytes, its dims need {need}")
+    return np.frombuffer(raw, dtype).reshape(tuple(t.dims))
 
 
 def detach_constants(root: gs.Graph, min_bytes: int = DETACH_BYTES) -> None:
@@ -155,13 +157,24 @@ def fill_weights(model: onnx.ModelProto, held: Held, consume: bool = False) -> N
         arr, location = held[t.name]
         t.ClearField("external_data")
         t.ClearField("data_location")
-        t.raw_data = arr.tobytes()
+        t.raw_data = _raw(arr)
         if location is not None:
             t.data_location = location  # type: ignore[assignment]  # the enum is an int
         del arr
         uses[t.name] -= 1
         if consume and not uses[t.name]:
             del held[t.name]
+
+
+def _raw(arr: np.ndarray) -> bytes:
+    """``arr.tobytes()``, without the copy when ``arr`` is an imported weight (a view of its ``raw_data`` bytes)."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if (isinstance(base, bytes) and len(base) == arr.nbytes and arr.flags.c_contiguous and arr.dtype.byteorder != ">"
+            and arr.ctypes.data == np.frombuffer(base, np.uint8).ctypes.data):
+        return base
+    return arr.tobytes()
 
 
 def _placeholders(g: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
@@ -213,12 +226,13 @@ def fill_nested(model: onnx.ModelProto,
     """For a session on a `weightless` export: onnxruntime's ``add_external_initializers`` reaches only the top
     graph's initializers, so the placeholders inside ``If``/``Loop`` bodies get their values written into a copy
     (only those tensors are copied). Returns the model to load (``model`` itself when no body holds one) and the
-    weights left for ``add_external_initializers``."""
+    weights left to feed (the top graph's placeholders)."""
     from .ops import proto_scopes
 
     nested = {t.name for g in proto_scopes(model.graph)[1:] for t in _placeholders(g)}
     if not nested & set(weights):
-        return model, dict(weights)
+        top = {t.name for t in model.graph.initializer if is_placeholder(t)}
+        return model, {name: value for name, value in weights.items() if name in top}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for g in proto_scopes(out.graph)[1:]:
