@@ -121,7 +121,10 @@ class _Equalizer:
         self.tensors: dict[int, gs.Tensor] = {}
         self.layers: dict[int, LinearLayer] = {}  # weight tensor id -> its layer
         self.factors: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # weight id -> (out factor, in factor)
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # weight id -> (out ranges, in ranges)
+        # weight id -> [out ranges, in ranges, out valid, in valid]: a factor change on one side scales that side's
+        # ranges exactly (the factor is uniform along it) and only stales the other side, so a layer that is only
+        # ever first (or only second) in its pairs is read once; only middle layers of chains are re-read
+        self._cache: dict[int, list[Any]] = {}
         self.initial: list[tuple[float, float]] = []
         for p in pairs:
             for layer in [p.first, *p.second]:
@@ -146,15 +149,26 @@ class _Equalizer:
         assert value is not None
         return value
 
-    def _layer_ranges(self, key: int) -> tuple[np.ndarray, np.ndarray]:
-        """(out, in) ranges of a weight with its factors applied; cached until its factors change."""
-        if key not in self._cache:
-            self._cache[key] = self.layers[key].scaled_ranges(self._weight(key), *self.factors[key])
-        return self._cache[key]
+    def _layer_ranges(self, key: int, side: int) -> np.ndarray:
+        """Output (``side`` 0) or input (1) channel ranges of a weight with its factors applied."""
+        c = self._cache.get(key)
+        if c is None or not c[2 + side]:
+            out_r, in_r = self.layers[key].scaled_ranges(self._weight(key), *self.factors[key])
+            c = self._cache[key] = [out_r, in_r, True, True]
+        return np.asarray(c[side])
+
+    def _rescaled(self, key: int, side: int, factor: np.ndarray) -> None:
+        """The factors of ``side`` were multiplied by ``factor``: that side's ranges scale by it exactly
+        (max_j |f_i w_ij g_j| = f_i max_j |w_ij g_j|), the other side's must be read again."""
+        c = self._cache.get(key)
+        if c is not None:
+            if c[2 + side]:
+                c[side] = c[side] * factor
+            c[3 - side] = False
 
     def _ranges(self, p: Pair) -> tuple[np.ndarray, np.ndarray]:
-        r1 = self._layer_ranges(id(p.first.weight))[0]
-        r2 = np.max([self._layer_ranges(id(s.weight))[1] for s in p.second], axis=0)
+        r1 = self._layer_ranges(id(p.first.weight), 0)
+        r2 = np.max([self._layer_ranges(id(s.weight), 1) for s in p.second], axis=0)
         return r1, r2
 
     def _spread(self, p: Pair) -> tuple[float, float]:
@@ -201,7 +215,7 @@ class _Equalizer:
         v = self.values
         first = id(p.first.weight)
         self.factors[first][0][:] *= inv  # W1[i] /= s_i
-        self._cache.pop(first, None)
+        self._rescaled(first, 0, inv)
         if p.first.bias is not None:
             scaled = scale_const_per_channel(v[id(p.first.bias)], inv, -1, max(v[id(p.first.bias)].ndim, 1))
             assert scaled is not None  # shapes checked by as_linear
@@ -213,7 +227,7 @@ class _Equalizer:
             v[id(const)] = scaled
         for second in p.second:
             self.factors[id(second.weight)][1][:] *= s  # W2[:, i] *= s_i
-            self._cache.pop(id(second.weight), None)
+            self._rescaled(id(second.weight), 1, s)
 
     def describe(self, i: int) -> dict[str, Any]:
         """Report of pair ``i``: scale range and the channel-range spread of both layers before/after."""
