@@ -119,24 +119,13 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
                            fallback_latency=auto.get("latency", {}), fallback_target_met=auto["target_met"],
                            fallback_score=auto["score"])
         return row
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_dynamic,
-        quantize_static,
-    )
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    class Reader(CalibrationDataReader):  # type: ignore[misc]
-        def __init__(self) -> None:
-            self.it = iter(feeds)
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.it, None)
+    from qgraph.testing import ort_quantize_static
 
     start = time.perf_counter()
     if tool == "ort_static":
-        quantize_static(paths["prep.onnx"], out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+        ort_quantize_static(paths["prep.onnx"], out, feeds, per_channel=True)
     else:
         quantize_dynamic(paths["prep.onnx"], out, weight_type=QuantType.QInt8, per_channel=True)
     return {"seconds": time.perf_counter() - start}

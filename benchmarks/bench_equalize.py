@@ -51,20 +51,14 @@ def _quality(reference: onnx.ModelProto, candidate: onnx.ModelProto, feeds: Sequ
 
 def _ort_static(model: onnx.ModelProto, feeds: Sequence[Feed], per_channel: bool, op_types: list[str] | None,
                 folder: Path) -> onnx.ModelProto:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantType
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(feeds)
-
-        def get_next(self) -> Feed | None:
-            return next(self.it, None)
+    from qgraph.testing import ort_quantize_static
 
     src, dst = folder / "ort_in.onnx", folder / "ort_out.onnx"
     onnx.save(model, src)
-    quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, op_types_to_quantize=op_types)
-    return onnx.load(str(dst))
+    return ort_quantize_static(src, dst, list(feeds), per_channel=per_channel, activation_type=QuantType.QUInt8,
+                               weight_type=QuantType.QInt8, op_types_to_quantize=op_types)
 
 
 def _row(name: str, float_model: onnx.ModelProto, prepare: list[Pass[Any]],

@@ -126,24 +126,13 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
         per_pass = {r.name: round(r.seconds, 3) for r in res.records}
         kept = sum(s.reason.startswith("kept float for speed") for r in res.records for s in r.result.skipped)
     else:
-        from onnxruntime.quantization import (
-            CalibrationDataReader,
-            QuantFormat,
-            QuantType,
-            quantize_dynamic,
-            quantize_static,
-        )
+        from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        class Reader(CalibrationDataReader):  # type: ignore[misc]
-            def __init__(self) -> None:
-                self.it = iter(feeds(paths["cal.npz"]))
-
-            def get_next(self) -> dict[str, np.ndarray] | None:
-                return next(self.it, None)
+        from qgraph.testing import ort_quantize_static
 
         start = time.perf_counter()
         if tool == "ort_static":
-            quantize_static(paths["prep.onnx"], out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+            ort_quantize_static(paths["prep.onnx"], out, list(feeds(paths["cal.npz"])), per_channel=True)
         else:
             quantize_dynamic(paths["prep.onnx"], out, weight_type=QuantType.QInt8, per_channel=True)
     seconds = time.perf_counter() - start
@@ -281,20 +270,13 @@ def chain(tool: str, layers: int) -> dict[str, Any]:
         InsertQDQ(preset="ort-x86-vnni").run(handle, ctx)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     else:
-        from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
-        class Reader(CalibrationDataReader):  # type: ignore[misc]
-            def __init__(self) -> None:
-                self.it = iter(sample)
-
-            def get_next(self) -> dict[str, np.ndarray] | None:
-                return next(self.it, None)
+        from qgraph.testing import ort_quantize_static
 
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "chain.onnx")
             onnx.save(model, src)
             wall, cpu = time.perf_counter(), time.process_time()
-            quantize_static(src, os.path.join(tmp, "q.onnx"), Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+            ort_quantize_static(src, os.path.join(tmp, "q.onnx"), list(sample), per_channel=True)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"nodes": len(model.graph.node), "seconds": wall, "cpu_seconds": cpu, "peak_rss_mb": rss}
