@@ -33,9 +33,7 @@ line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import onnx
@@ -50,7 +48,6 @@ from qgraph import (
     PassContext,
     PassError,
     PassResult,
-    get_pass,
     register,
     select,
 )
@@ -59,7 +56,7 @@ from qgraph.fallback import PASS_NAME, FallbackOutcome, ReferenceWeights, fall_b
 from qgraph.graph.detach import with_weights
 from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
-from qgraph.sensitivity.cost import CostSpec
+from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import parse_target
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
@@ -275,9 +272,8 @@ def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostS
 def _table(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec:
     if auto.latency_table is not None:
         table = load_latency_table(auto.latency_table)
-    else:  # the table insert_qdq ships (a data file of that package, read through the registry's module)
-        module = sys.modules[get_pass("insert_qdq").__module__]
-        table = load_latency_table(Path(module.__file__ or "").with_name("latency_table.json"))
+    else:
+        table = shipped_latency_table()
     preset = auto.latency_preset or f"ort-{ctx.target.cpu}"
     if preset not in table.presets:
         if auto.latency_preset is not None or len(table.presets) != 1:

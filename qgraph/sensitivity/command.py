@@ -9,7 +9,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from qgraph import RecipeError, get_pass, load_model, save_model
+from qgraph import RecipeError, load_model, save_model
 from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
-from qgraph.latency import load_latency_table
 from qgraph.outputs import write_atomic
-from qgraph.sensitivity.cost import CostSpec
+from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
 from qgraph.sensitivity.stats import matmul_flops
@@ -312,8 +310,7 @@ def run_command(
 def cost_spec(preset: str | None = None) -> CostSpec:
     """The latency cost table ``insert_qdq`` ships (a data file next to its module, found through the pass
     registry) with ``preset``, or the table's only preset when ``preset`` is None."""
-    module = sys.modules[get_pass("insert_qdq").__module__]
-    table = load_latency_table(Path(module.__file__ or "").with_name("latency_table.json"))
+    table = shipped_latency_table()
     if preset is None and len(table.presets) == 1:
         preset = next(iter(table.presets))
     if preset not in table.presets:
