@@ -89,11 +89,12 @@ def prepare(name: str, folder: Path) -> dict[str, str]:
         cal = {inp.name: rng.standard_normal((16, *shape[1:])).astype(np.float32)}
         ev = {inp.name: rng.standard_normal((16, *shape[1:])).astype(np.float32)}
     onnx.save(model, out["float.onnx"])
-    recipe = Recipe.from_yaml(ROOT / "recipes" / f"{PRESET[name]}.yaml")
-    prep_passes = [p for p in recipe.passes if p.name != "insert_qdq"]
-    onnx.save(Pipeline(prep_passes).run(model).model, out["prep.onnx"])
     np.savez(out["cal.npz"], **cal)
     np.savez(out["eval.npz"], **ev)
+    recipe = Recipe.from_yaml(ROOT / "recipes" / f"{PRESET[name]}.yaml")
+    # the float model as the recipe prepares it (every pass before insert_qdq; smooth_quant reads calibration data)
+    prep_passes = recipe.passes[: [p.name for p in recipe.passes].index("insert_qdq")]
+    onnx.save(Pipeline(prep_passes).run(model, calibration_data=out["cal.npz"]).model, out["prep.onnx"])
     return out
 
 
@@ -114,12 +115,14 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
         from qgraph import Pipeline, Recipe
 
         recipe = Recipe.from_yaml(ROOT / "recipes" / f"{PRESET[name]}.yaml")
-        passes = recipe.passes
+        passes = list(recipe.passes)
+        at = [p.name for p in passes].index("insert_qdq")
+        recipe_qdq = passes[at].config.model_dump(exclude_unset=True)
         if tool == "qgraph_auto":  # the recipe with weights.symmetric: auto (zero points on lopsided layers)
             weights = {"symmetric": "auto", "asymmetric_gain": 1.1}
-            passes = [*passes[:-1], InsertQDQ(preset=PRESET[name], weights=weights)]
+            passes[at] = InsertQDQ(**{**recipe_qdq, "weights": weights})
         elif tool in ("qgraph_off", "qgraph_table", "qgraph_measure"):  # the recipe with latency: off / table / measure
-            passes = [*passes[:-1], InsertQDQ(preset=PRESET[name], latency={"mode": tool.split("_")[1]})]
+            passes[at] = InsertQDQ(**{**recipe_qdq, "latency": {"mode": tool.split("_")[1]}})
         start = time.perf_counter()
         res = Pipeline(passes).run(paths["float.onnx"], calibration_data=paths["cal.npz"])
         res.save(out)

@@ -39,7 +39,7 @@ def test_readme_main_job(tmp_path: Path) -> None:
     assert meta["qgraph.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
     stats = json.loads(meta["qgraph.passes"])
     assert [s["pass"] for s in stats] == ["fold_constants", "fuse_bias", "fuse_batchnorm", "fuse_activations",
-                                          "cleanup", "equalize_weights", "insert_qdq", "correct_bias"]
+                                          "cleanup", "equalize_weights", "smooth_quant", "insert_qdq", "correct_bias"]
     assert stats[2]["rewritten"] == 3  # the three BatchNormalization nodes
     ops = [n.op_type for n in out.graph.node]
     assert "BatchNormalization" not in ops and ops.count("QuantizeLinear") >= 4

@@ -258,17 +258,16 @@ class InsertQDQConfig(PassConfig):
     )
     op_types: tuple[str, ...] = Field(default=ORT_CPU_OPS, description="Op types that may be quantized.")
     nodes: NodeSelector = Field(default_factory=NodeSelector, description="Nodes that may be quantized.")
-    activation_matmuls: bool = Field(
-        default=True, description="Also quantize MatMuls whose two inputs are activations (attention)."
-    )
+    activation_matmuls: bool = Field(default=True, description="Also quantize MatMuls of two activations (attention).")
     outliers: OutlierOptions = Field(default_factory=OutlierOptions, description="Masking/outlier screening.")
     joins: JoinOptions = Field(default_factory=JoinOptions, description="Joins of inputs with very different ranges.")
-    elementwise: Literal["integer_fed", "always"] = Field(
+    elementwise: Literal["integer_fed", "on_grid", "always"] = Field(
         default="integer_fed",
         description="Elementwise units (Add, Mul, Concat, pools, Sigmoid, ...): integer_fed: quantized only where "
         "their output is read by another quantized op (their integer kernel saves little and its output "
         "requantization adds error: residual sums before LayerNorm, sigmoid scores to graph outputs stay float); "
-        "always: every one.",
+        "on_grid: and only where every input already is integer, so none adds a rounding (GELU/Softmax after a "
+        "MatMul stay float); always: every one.",
     )
     placement: Literal["onnxruntime", "tensorrt"] = Field(
         default="onnxruntime",

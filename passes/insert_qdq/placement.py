@@ -307,8 +307,9 @@ class Planner:
                 self.skipped.append((label(u.node), why))
             else:
                 kept.append(u)
-        if self.cfg.elementwise == "integer_fed":
-            kept, tails = integer_fed(kept, lambda t: uf.find(t) if t in uf.parent else t)
+        if self.cfg.elementwise != "always":
+            kept, tails = integer_fed(kept, lambda t: uf.find(t) if t in uf.parent else t,
+                                      on_grid=self.cfg.elementwise == "on_grid")
             self.skipped += [(label(u.node), why) for u, why in tails]
         return self._propagate(kept, uf, members, moving)
 

@@ -44,17 +44,51 @@ def float_fed_affine(units: Sequence[Unit], group: Callable[[str], str]) -> set[
     return chosen
 
 
-def integer_fed(units: Sequence[Unit], group: Callable[[str], str]) -> tuple[list[Unit], list[tuple[Unit, str]]]:
+GRID_WHY = ("elementwise op reading a float-computed tensor: left float (its integer kernel would round that input "
+            "first, then its output, where the quantized op reading it rounds once; `elementwise: integer_fed` "
+            "quantizes it)")
+
+
+def off_grid(units: Sequence[Unit], group: Callable[[str], str]) -> set[int]:
+    """Ids of the elementwise units with an activation input that is not already on an integer grid
+    (``elementwise: on_grid``).
+
+    A tensor is on a grid when a unit with a quantized output computes it (Conv, an integer elementwise op) or a
+    weighted/attention unit reads it quantized anyway (its Q/DQ is shared). Quantizing an elementwise op with an
+    input off the grid adds a rounding of that input (the GELU ``x * (1 + erf)`` of a MatMul output, a Softmax of
+    masked scores, the SmoothQuant ``1/s`` Mul): left float, the next quantized op rounds its output once. One pass
+    in graph order; generalizes `float_fed_affine` to every elementwise kind."""
+    grid = {group(t) for u in units if u.kind not in ELEMENTWISE for t in u.act_inputs}
+    grid.update(group(u.output) for u in units if u.kind not in ELEMENTWISE and u.needs_q_out and u.output)
+    chosen: set[int] = set()
+    for unit in units:
+        if unit.kind not in ELEMENTWISE:
+            continue
+        if all(group(t) in grid for t in unit.act_inputs):
+            if unit.output:
+                grid.add(group(unit.output))
+        else:
+            chosen.add(id(unit))
+    return chosen
+
+
+def integer_fed(
+    units: Sequence[Unit], group: Callable[[str], str], on_grid: bool = False
+) -> tuple[list[Unit], list[tuple[Unit, str]]]:
     """``units`` (in graph order) without the elementwise ones no kept unit reads and the `float_fed_affine`
     ones, and those with why (left float: `WHY`, `AFFINE_WHY`).
 
     ``group`` maps a tensor to its data-movement group's root, so Reshape/Transpose/MaxPool between two units
-    count as a direct read."""
+    count as a direct read. With ``on_grid`` the `off_grid` units are left float too (`GRID_WHY`)."""
     affine = float_fed_affine(units, group)
+    grid_float = off_grid(units, group) - affine if on_grid else set()
     read: set[str] = set()
     kept: list[Unit] = []
     skipped: list[tuple[Unit, str]] = []
     for unit in reversed(units):
+        if id(unit) in grid_float:
+            skipped.append((unit, GRID_WHY))
+            continue
         if id(unit) in affine or (unit.kind in ELEMENTWISE and unit.output and group(unit.output) not in read):
             skipped.append((unit, AFFINE_WHY if id(unit) in affine else WHY))
             continue
