@@ -16,8 +16,8 @@ Columns (held-out chunks; the float model's outputs are the reference): SQNR of 
 5 % of chunks with the largest error (the metric's conditioning: a sigmoid output is flat at 0 and 1, so the
 error sits on the few transition chunks); decision agreement at the wheel's threshold 0.5; mean and max
 absolute probability error; the same agreement and SQNR *streamed*, each model fed its own state chunk
-after chunk over the evaluation utterances as deployed (errors accumulate through the state; only when the
-bench makes its data, not with ``--data``); INT8/float latency (onnxruntime, batch = one 512-sample chunk, 1 thread,
+after chunk over the evaluation utterances as deployed (errors accumulate through the state; an utterance starts
+where the data's recorded state is zero); INT8/float latency (onnxruntime, batch = one 512-sample chunk, 1 thread,
 ORT_ENABLE_ALL, interleaved rounds, median of per-round ratios); which Conv nodes run in int8.
 """
 
@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECIALIZE = [{"pass": "specialize_inputs", "inputs": {"sr": 16000}}]
 NO_STFT = {"nodes": {"exclude": {"regex": ["/stft/"]}}}
 FALLBACK = {"pass": "float_fallback", "auto": {"target": "sqnr:30", "max_time": 240}}
+RECURRENT = {"state_inputs": {"state": "stateN"}}  # tune_ranges scores streamed: each model fed its own state
+STREAMED_REFINE = {"samples": 874, "factors": [1.4, 1.2, 0.85, 0.7], "recurrent": RECURRENT}
 
 
 def _recipe(passes: list[dict[str, Any]], qdq: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -65,6 +67,10 @@ RECIPES: dict[str, dict[str, Any]] = {
     "specialized, STFT float, tune_ranges": _recipe([{"pass": "tune_ranges"}], NO_STFT),
     "specialized, insert_qdq, tune_ranges, quantize_lstm": _recipe([{"pass": "tune_ranges"},
                                                                     {"pass": "quantize_lstm"}]),
+    "specialized, insert_qdq, tune_ranges streamed, quantize_lstm": _recipe([
+        {"pass": "tune_ranges", "samples": 874, "recurrent": RECURRENT}, {"pass": "quantize_lstm"}]),
+    "specialized, insert_qdq, tune_ranges, + streamed refinement, quantize_lstm": _recipe([
+        {"pass": "tune_ranges"}, {"pass": "tune_ranges", **STREAMED_REFINE}, {"pass": "quantize_lstm"}]),
 }
 
 
@@ -100,25 +106,6 @@ def scores(ref: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray
     return {"prob_db": sqnr(p, q), "state_db": sqnr(s, t), "top5pct_share": float(top.sum() / max(e2.sum(), 1e-30)),
             "agree": float(np.mean((p > 0.5) == (q > 0.5))), "mae": float(np.abs(p - q).mean()),
             "max_err": float(np.abs(p - q).max())}
-
-
-def streamed(model: bytes, audio: list[np.ndarray]) -> np.ndarray:
-    """Probabilities with the model fed its *own* state chunk after chunk (deployment), as `vad_data` streams."""
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
-    names = {i.name for i in s.get_inputs()}
-    probs: list[float] = []
-    for wave in audio:
-        state = np.zeros((2, 1, 128), np.float32)
-        context = np.zeros(vad_data.CONTEXT, np.float32)
-        for start in range(0, len(wave) - vad_data.CHUNK + 1, vad_data.CHUNK):
-            x = np.concatenate([context, wave[start:start + vad_data.CHUNK]])[None]
-            feed = {"input": x, "state": state, "sr": np.array(vad_data.RATE, np.int64)}
-            prob, state = s.run(None, {k: v for k, v in feed.items() if k in names})
-            probs.append(float(prob.reshape(-1)[0]))
-            context = x[0, -vad_data.CONTEXT:]
-    return np.array(probs)
 
 
 def streamed_chunks(model: bytes, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
@@ -176,6 +163,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", nargs=2, metavar=("CAL", "EVAL"), help=".npz files from benchmarks/vad_data.py")
     ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--rows", help="only the qgraph rows whose name contains one of these comma-separated words "
+                    "(the float and onnxruntime rows always run)")
     args = ap.parse_args()
     if args.data:
         cal_npz, eval_npz = args.data
@@ -191,6 +180,8 @@ def main() -> None:
     models: dict[str, bytes] = {"float": path.read_bytes()}
     rows: dict[str, dict[str, Any]] = {}
     for name, recipe in RECIPES.items():
+        if args.rows and not any(w in name for w in args.rows.split(",")):
+            continue
         t0 = time.perf_counter()
         res = Recipe.from_dict(recipe).pipeline().run(str(path), calibration_data=cal_npz)
         models[name] = res.model.SerializeToString()
@@ -211,14 +202,12 @@ def main() -> None:
                                                "int8_convs": int8_convs(ort_model)}
     ref = outputs(models["float"], feeds)
     rows = {"float": {}, **rows}
-    audio = None if args.data else vad_data.utterances(vad_data.EVAL_TEXT, vad_data.EVAL_VOICES, seed=1)
-    ref_stream = streamed(models["float"], audio) if audio else None
+    ref_stream = streamed_chunks(models["float"], feeds)
     for name, model in models.items():
         rows[name].update(scores(ref, outputs(model, feeds)))
-        if audio and ref_stream is not None:
-            got = streamed(model, audio)
-            rows[name]["stream_db"] = sqnr(ref_stream, got)
-            rows[name]["stream_agree"] = float(np.mean((ref_stream > 0.5) == (got > 0.5)))
+        got = streamed_chunks(model, feeds)
+        rows[name]["stream_db"] = sqnr(ref_stream, got)
+        rows[name]["stream_agree"] = float(np.mean((ref_stream > 0.5) == (got > 0.5)))
     for name, ratio in latency(models, feeds[:200]).items():
         rows[name]["latency_x"] = ratio
     p = ref[0]
@@ -231,7 +220,7 @@ def main() -> None:
         if name == "float":
             print("| float | reference | | | | | | x1.00 | 0/6 |")
             continue
-        stream = f"{r['stream_db']:.1f} dB, {r['stream_agree']:.1%}" if "stream_db" in r else "n/a (--data)"
+        stream = f"{r['stream_db']:.1f} dB, {r['stream_agree']:.1%}"
         print(f"| {name} | {r['prob_db']:.1f} dB | {r['state_db']:.1f} dB | {r['top5pct_share']:.0%} | "
               f"{r['agree']:.1%} | {r['mae']:.4f} / {r['max_err']:.3f} | {stream} | x{r['latency_x']:.2f} | "
               f"{r['int8_convs']} |")
