@@ -9,15 +9,18 @@ recipes (``RECIPES``): the ready ``ort-x86-vnni`` recipe on the unspecialized mo
 and after ``specialize_inputs`` (sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's
 options), with the STFT front end left float, with ``optimize_rounding``, with an auto ``float_fallback``
 (target ``sqnr:30``, searched on the calibration data), with ``tune_ranges`` (output-aware activation
-ranges, with and without the STFT in INT8), and with ``quantize_lstm`` too (the LSTM as DynamicQuantizeLSTM).
+ranges, with and without the STFT in INT8), and with ``quantize_lstm`` too (the LSTM as DynamicQuantizeLSTM);
+then ``tune_ranges`` scored streamed (``recurrent``: each model fed its own state over the calibration
+utterances), a streamed refinement after chunk-wise tuning, and an auto ``float_fallback`` scored streamed
+(probability >= 30 dB). ``--rows WORD,...`` runs only the matching rows.
 
 Columns (held-out chunks; the float model's outputs are the reference): SQNR of the speech probability
 (``output``) and of the recurrent state (``stateN``); the share of the squared probability error carried by the
 5 % of chunks with the largest error (the metric's conditioning: a sigmoid output is flat at 0 and 1, so the
 error sits on the few transition chunks); decision agreement at the wheel's threshold 0.5; mean and max
 absolute probability error; the same agreement and SQNR *streamed*, each model fed its own state chunk
-after chunk over the evaluation utterances as deployed (errors accumulate through the state; only when the
-bench makes its data, not with ``--data``); INT8/float latency (onnxruntime, batch = one 512-sample chunk, 1 thread,
+after chunk over the evaluation utterances as deployed (errors accumulate through the state; an utterance starts
+where the data's recorded state is zero); INT8/float latency (onnxruntime, batch = one 512-sample chunk, 1 thread,
 ORT_ENABLE_ALL, interleaved rounds, median of per-round ratios); which Conv nodes run in int8.
 """
 
@@ -44,6 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECIALIZE = [{"pass": "specialize_inputs", "inputs": {"sr": 16000}}]
 NO_STFT = {"nodes": {"exclude": {"regex": ["/stft/"]}}}
 FALLBACK = {"pass": "float_fallback", "auto": {"target": "sqnr:30", "max_time": 240}}
+RECURRENT = {"state_inputs": {"state": "stateN"}}  # tune_ranges scores streamed: each model fed its own state
+STREAMED_FALLBACK = {"pass": "float_fallback", "auto": {
+    "target": f"{ROOT / 'benchmarks' / 'fallback_metrics.py'}:first_output_sqnr>=30", "max_time": 240,
+    "recurrent": RECURRENT}}  # the probability's SQNR, both models streamed on the calibration utterances
+STREAMED_REFINE = {"samples": 874, "factors": [1.4, 1.2, 0.85, 0.7], "recurrent": RECURRENT}
 
 
 def _recipe(passes: list[dict[str, Any]], qdq: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -65,6 +73,12 @@ RECIPES: dict[str, dict[str, Any]] = {
     "specialized, STFT float, tune_ranges": _recipe([{"pass": "tune_ranges"}], NO_STFT),
     "specialized, insert_qdq, tune_ranges, quantize_lstm": _recipe([{"pass": "tune_ranges"},
                                                                     {"pass": "quantize_lstm"}]),
+    "specialized, insert_qdq, tune_ranges streamed, quantize_lstm": _recipe([
+        {"pass": "tune_ranges", "samples": 874, "recurrent": RECURRENT}, {"pass": "quantize_lstm"}]),
+    "specialized, insert_qdq, tune_ranges, + streamed refinement, quantize_lstm": _recipe([
+        {"pass": "tune_ranges"}, {"pass": "tune_ranges", **STREAMED_REFINE}, {"pass": "quantize_lstm"}]),
+    "specialized, insert_qdq, tune_ranges, fallback 30 streamed, quantize_lstm": _recipe([
+        {"pass": "tune_ranges"}, STREAMED_FALLBACK, {"pass": "quantize_lstm"}]),
 }
 
 
@@ -102,22 +116,19 @@ def scores(ref: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray
             "max_err": float(np.abs(p - q).max())}
 
 
-def streamed(model: bytes, audio: list[np.ndarray]) -> np.ndarray:
-    """Probabilities with the model fed its *own* state chunk after chunk (deployment), as `vad_data` streams."""
+def streamed_chunks(model: bytes, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """`streamed` on the chunks of an ``.npz`` (each holds its 64 samples of context): an utterance starts where
+    the recorded state is all zeros; every other chunk gets the model's own state from the chunk before."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
     names = {i.name for i in s.get_inputs()}
     probs: list[float] = []
-    for wave in audio:
-        state = np.zeros((2, 1, 128), np.float32)
-        context = np.zeros(vad_data.CONTEXT, np.float32)
-        for start in range(0, len(wave) - vad_data.CHUNK + 1, vad_data.CHUNK):
-            x = np.concatenate([context, wave[start:start + vad_data.CHUNK]])[None]
-            feed = {"input": x, "state": state, "sr": np.array(vad_data.RATE, np.int64)}
-            prob, state = s.run(None, {k: v for k, v in feed.items() if k in names})
-            probs.append(float(prob.reshape(-1)[0]))
-            context = x[0, -vad_data.CONTEXT:]
+    state = np.zeros((2, 1, 128), np.float32)
+    for f in feeds:
+        state = f["state"] if not np.any(f["state"]) else state
+        prob, state = s.run(None, {k: v for k, v in {**f, "state": state}.items() if k in names})
+        probs.append(float(prob.reshape(-1)[0]))
     return np.array(probs)
 
 
@@ -160,6 +171,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", nargs=2, metavar=("CAL", "EVAL"), help=".npz files from benchmarks/vad_data.py")
     ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--rows", help="only the qgraph rows whose name contains one of these comma-separated words "
+                    "(the float and onnxruntime rows always run)")
     args = ap.parse_args()
     if args.data:
         cal_npz, eval_npz = args.data
@@ -175,6 +188,8 @@ def main() -> None:
     models: dict[str, bytes] = {"float": path.read_bytes()}
     rows: dict[str, dict[str, Any]] = {}
     for name, recipe in RECIPES.items():
+        if args.rows and not any(w in name for w in args.rows.split(",")):
+            continue
         t0 = time.perf_counter()
         res = Recipe.from_dict(recipe).pipeline().run(str(path), calibration_data=cal_npz)
         models[name] = res.model.SerializeToString()
@@ -195,14 +210,12 @@ def main() -> None:
                                                "int8_convs": int8_convs(ort_model)}
     ref = outputs(models["float"], feeds)
     rows = {"float": {}, **rows}
-    audio = None if args.data else vad_data.utterances(vad_data.EVAL_TEXT, vad_data.EVAL_VOICES, seed=1)
-    ref_stream = streamed(models["float"], audio) if audio else None
+    ref_stream = streamed_chunks(models["float"], feeds)
     for name, model in models.items():
         rows[name].update(scores(ref, outputs(model, feeds)))
-        if audio and ref_stream is not None:
-            got = streamed(model, audio)
-            rows[name]["stream_db"] = sqnr(ref_stream, got)
-            rows[name]["stream_agree"] = float(np.mean((ref_stream > 0.5) == (got > 0.5)))
+        got = streamed_chunks(model, feeds)
+        rows[name]["stream_db"] = sqnr(ref_stream, got)
+        rows[name]["stream_agree"] = float(np.mean((ref_stream > 0.5) == (got > 0.5)))
     for name, ratio in latency(models, feeds[:200]).items():
         rows[name]["latency_x"] = ratio
     p = ref[0]
@@ -215,7 +228,7 @@ def main() -> None:
         if name == "float":
             print("| float | reference | | | | | | x1.00 | 0/6 |")
             continue
-        stream = f"{r['stream_db']:.1f} dB, {r['stream_agree']:.1%}" if "stream_db" in r else "n/a (--data)"
+        stream = f"{r['stream_db']:.1f} dB, {r['stream_agree']:.1%}"
         print(f"| {name} | {r['prob_db']:.1f} dB | {r['state_db']:.1f} dB | {r['top5pct_share']:.0%} | "
               f"{r['agree']:.1%} | {r['mae']:.4f} / {r['max_err']:.3f} | {stream} | x{r['latency_x']:.2f} | "
               f"{r['int8_convs']} |")

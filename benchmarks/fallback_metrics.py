@@ -49,3 +49,9 @@ def top1_agreement(outputs: list[np.ndarray], references: list[np.ndarray]) -> f
     if not np.all(np.isfinite(got)):
         return float("nan")
     return float(np.mean(got.argmax(1) == ref.argmax(1)))
+
+
+def first_output_sqnr(outputs: list[np.ndarray], references: list[np.ndarray]) -> float:
+    """SQNR (dB) of the first output only: a recurrent model's prediction without its state (silero-vad's speech
+    probability, `bench_vad.py`)."""
+    return _sqnr_db(references[0], outputs[0])

@@ -58,6 +58,7 @@ from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import parse_target
+from qgraph.streaming import Recurrence, check_recurrence
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
@@ -107,6 +108,11 @@ class AutoFallbackConfig(PassConfig):
     latency_rounds: int = Field(
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
         "rounds and report the ratios (0: do not measure).",
+    )
+    recurrent: Recurrence | None = Field(
+        default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): every "
+        "full evaluation runs streamed, each model fed its own previous state over the data in order "
+        "(`qgraph.streaming`); the one-run ranking stays per sample.",
     )
 
     @field_validator("target")
@@ -221,6 +227,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                 "auto: compared with this model with every Q/DQ removed (set auto.reference to the "
                 "float model to include weight quantization error)"
             )
+        if auto.recurrent is not None:
+            check_recurrence(auto.recurrent, reference, "float_fallback auto")
+            res.notes.append("auto: the score is measured streamed (each model fed its own state; `recurrent`)")
         if in_bodies:
             res.notes.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are measured but not "
                              "candidates (the search covers the top graph): they stay quantized. `specialize_inputs` "
@@ -243,6 +252,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             latency_rounds=auto.latency_rounds,
             max_latency=auto.max_latency,
             rank_by=auto.cost,
+            recurrence=auto.recurrent,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())

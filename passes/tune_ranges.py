@@ -20,6 +20,12 @@ to the new input scale (``b_q' = round(b_q / f)`` with bias scale ``s_x f s_w``)
 QLinearConv/QGemm see consistent scales. Cost: one evaluation per (pair, factor, sweep); ``time_budget_s``
 stops between pairs (pairs not reached keep their range, reported). The score is measured on calibration data:
 check it on held-out data. Not a fixed point: a second run re-measures and may narrow again.
+
+Recurrent models (``recurrent: {state_inputs: {state: stateN}}``): the score is measured *streamed*
+(`qgraph.streaming.OutputScore`): calibration samples in order form sequences (restarting where the data's state
+is not the float model's previous state, or every ``sequence_length`` samples), and the float reference and each
+candidate are fed their own previous state outputs, so the error a range causes through the state counts. Same
+cost: one run per sample per evaluation.
 """
 
 from __future__ import annotations
@@ -27,17 +33,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, register
-from qgraph.compare import make_session, session_run
+from qgraph.compare import make_session
 from qgraph.data import Feed
 from qgraph.fallback import is_dq, is_q, qparams
 from qgraph.qlayers import find_layers
+from qgraph.streaming import OutputScore, Recurrence, check_recurrence
 
 __all__ = ["TuneRanges", "TuneRangesConfig"]
 
@@ -56,6 +62,13 @@ class TuneRangesConfig(PassConfig):
                         "factor (and 1) on each pair with the other pairs' choices in place.")
     time_budget_s: float | None = Field(
         default=None, gt=0, description="Stop after this many seconds (pairs not reached keep their range).")
+    outputs: tuple[str, ...] = Field(
+        default=(), description="Graph outputs the score is the minimum over (default: every output); e.g. a "
+        "recurrent model's prediction without its state.")
+    recurrent: Recurrence | None = Field(
+        default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): score "
+        "streamed, each model fed its own previous state over the calibration samples in order "
+        "(`qgraph.streaming`); unset: every sample as it is in the data.")
 
 
 @dataclass
@@ -139,6 +152,13 @@ class TuneRanges(Pass[TuneRangesConfig]):
                             "in the same recipe.")
         if any(not 0 < f <= 2 for f in self.config.factors):
             raise PassError(f"{NAME}: factors must be in (0, 2], got {list(self.config.factors)}.")
+        if self.config.recurrent is not None:
+            check_recurrence(self.config.recurrent, ctx.float_reference, NAME)
+        known = [o.name for o in ctx.float_reference.graph.output]
+        for name in self.config.outputs:
+            if name not in known:
+                raise PassError(f"{NAME}: outputs names {name!r}, which the model does not produce; its outputs "
+                                f"are {known}.")
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Coordinate descent over the pairs (module docstring)."""
@@ -151,8 +171,7 @@ class TuneRanges(Pass[TuneRangesConfig]):
             if len(feeds) >= cfg.samples:
                 break
         reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
-        names = [o.name for o in reference.get_outputs()]
-        ref = [session_run(reference, names, f) for f in feeds]
+        scorer = OutputScore(reference, feeds, cfg.recurrent, cfg.outputs)
         del reference
         pairs = _pairs(graph)
         res.matched = len(pairs)
@@ -161,7 +180,7 @@ class TuneRanges(Pass[TuneRangesConfig]):
             res.decisions.append(f"{inner} QuantizeLinear node(s) inside If/Loop bodies are not tuned (the top graph "
                                  "only): `specialize_inputs` inlines an If chosen by an input")
         start = time.perf_counter()
-        best = self._score(graph, feeds, names, ref)
+        best = self._score(graph, scorer)
         first, evaluations, reached = best, 1, 0
         current = [1.0] * len(pairs)
         for sweep in range(cfg.sweeps):
@@ -174,7 +193,7 @@ class TuneRanges(Pass[TuneRangesConfig]):
                     if f == current[k]:
                         continue
                     pair.apply(f, graph)
-                    score = self._score(graph, feeds, names, ref)
+                    score = self._score(graph, scorer)
                     evaluations += 1
                     if score > best + cfg.min_gain_db:
                         best, keep = score, f
@@ -185,10 +204,11 @@ class TuneRanges(Pass[TuneRangesConfig]):
             graph.cleanup()  # the constants no pair reads any more
         res.rewritten = len(chosen)
         res.details = {"score_before_db": first, "score_after_db": best, "factors": chosen, "pairs": len(pairs),
-                       "evaluations": evaluations, "samples": len(feeds)}
+                       "evaluations": evaluations, "samples": len(feeds), "streamed": scorer.streamed,
+                       "sequences": len(scorer.starts)}
         res.decisions.append(
             f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over outputs, "
-            f"{len(feeds)} calibration samples) {_db(first)} -> {_db(best)} in {evaluations} evaluation(s)"
+            f"{scorer.describe()}) {_db(first)} -> {_db(best)} in {evaluations} evaluation(s)"
             + "".join(f"; {t} x{f:g}" for t, f in list(chosen.items())[:5])
             + (f" (+{len(chosen) - 5} more)" if len(chosen) > 5 else ""))
         if reached < len(pairs):
@@ -196,23 +216,10 @@ class TuneRanges(Pass[TuneRangesConfig]):
         return res
 
     @staticmethod
-    def _score(graph: GraphHandle, feeds: list[Feed], names: list[str], ref: list[list[Any]]) -> float:
-        """min over outputs of the output SQNR (dB) on ``feeds``."""
+    def _score(graph: GraphHandle, scorer: OutputScore) -> float:
+        """min over outputs of the output SQNR (dB), run as ``scorer`` runs the reference."""
         model, held = graph.weightless_export()
-        session = make_session(model, weights={n: v for n, (v, _) in held.items()})
-        signal = np.zeros(len(names))
-        noise = np.zeros(len(names))
-        for feed, r in zip(feeds, ref, strict=True):
-            for k, (a, b) in enumerate(zip(r, session_run(session, names, feed), strict=True)):
-                a64 = np.asarray(a, np.float64)
-                signal[k] += float(np.sum(a64 * a64))
-                noise[k] += float(np.sum((a64 - np.asarray(b, np.float64)) ** 2))
-        if not np.all(np.isfinite(noise)):
-            return -math.inf  # NaN/Inf output never reads as "no error"
-        per_output = [math.inf if n == 0 else 10 * math.log10(max(s, 1e-300) / n)
-                      for s, n in zip(signal, noise, strict=True)]
-        return float(min(per_output))
-
+        return scorer.score_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
 
 def _db(v: float) -> str:
     return f"{v:.2f} dB" if math.isfinite(v) else str(v)

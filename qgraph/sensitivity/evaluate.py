@@ -22,6 +22,7 @@ from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_ru
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights, fall_back
+from qgraph.streaming import Recurrence, run_streamed, sequence_starts
 
 Progress = Callable[[int, int], None]
 
@@ -108,8 +109,12 @@ class Evaluator:
         keep_outputs: bool = False,
         optimization: str = "all",
         float_weights: ReferenceWeights | None = None,
+        recurrence: Recurrence | None = None,
+        starts: Sequence[int] = (),
     ) -> None:
         self.qdq = qdq
+        self.recurrence = recurrence  # streamed: each variant fed its own state (`qgraph.streaming`)
+        self.starts = list(starts)
         self.float_weights = float_weights
         self.batches = batches
         self.reference = reference
@@ -132,8 +137,12 @@ class Evaluator:
         """Run ``model`` on every batch and compare each output with the reference."""
         start = time.perf_counter()
         session = make_session(model, optimization=_OPT[self.optimization], mem_pattern=False)
-        per_batch = run_batches(session, self.batches)
         names = [o.name for o in session.get_outputs()]
+        if self.recurrence is None:
+            per_batch = run_batches(session, self.batches)
+        else:
+            streamed = run_streamed(session, names, self.batches, self.starts, self.recurrence)
+            per_batch = [[r[n] for n in names] for r in streamed]
         if len(names) != len(self.reference[0]):
             raise ModelError(
                 f"the QDQ model has {len(names)} outputs but the float model "
@@ -183,3 +192,13 @@ def reference_outputs(
 ) -> list[list[np.ndarray]]:
     """The float model's outputs per batch."""
     return run_batches(make_session(reference, optimization=_OPT[optimization]), batches)
+
+
+def streamed_reference_outputs(reference: onnx.ModelProto, feeds: Sequence[Feed], recurrence: Recurrence,
+                               optimization: str = "all") -> tuple[list[list[np.ndarray]], list[int]]:
+    """The float model's outputs per sample run streamed (`qgraph.streaming`), and where its sequences start."""
+    session = make_session(reference, optimization=_OPT[optimization])
+    names = [o.name for o in session.get_outputs()]
+    chunk = [dict(zip(names, out, strict=True)) for out in run_batches(session, feeds)]
+    starts = sequence_starts(recurrence, feeds, chunk)
+    return [[r[n] for n in names] for r in run_streamed(session, names, feeds, starts, recurrence)], starts

@@ -34,7 +34,7 @@ from typing import Any
 import onnx
 
 from qgraph import GraphHandle, ModelError, NodeSelector, Pipeline, Recipe, get_pass, select
-from qgraph.data import DataSource, model_inputs
+from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights, fall_back
 from qgraph.outputs import write_atomic
@@ -51,10 +51,12 @@ from qgraph.sensitivity.evaluate import (
     concat_outputs,
     load_feeds,
     reference_outputs,
+    streamed_reference_outputs,
 )
 from qgraph.sensitivity.prefix import AutoStep, Clock, PrefixSearch, StageProgress
 from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
 from qgraph.sensitivity.targets import Target, parse_target
+from qgraph.streaming import Recurrence
 
 PATCH_RECIPE_NAME = "float-fallback"
 
@@ -217,6 +219,7 @@ def auto_fallback(
     latency_rounds: int = 0,
     max_latency: float | None = None,
     rank_by: str = "latency",
+    recurrence: Recurrence | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -230,7 +233,9 @@ def auto_fallback(
     ``latency_rounds`` > 0
     times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported);
     with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's
-    latency (1.0: never slower than float).
+    latency (1.0: never slower than float). With ``recurrence`` (a recurrent model's state feedback) every full
+    evaluation runs streamed, each model fed its own state (`qgraph.streaming`); the one-run ranking stays
+    per sample (states from the data), its prediction corrected on the streamed measurements.
     With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
@@ -240,7 +245,8 @@ def auto_fallback(
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
                               optimization=optimization, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
-                              latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by)
+                              latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by,
+                              recurrence=recurrence)
     finally:
         if pool is not executor:
             pool.close()
@@ -251,7 +257,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    max_time: float | None, samples: int | None, batch_size: int, optimization: str,
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
-                   latency_rounds: int, max_latency: float | None, rank_by: str) -> AutoResult:
+                   latency_rounds: int, max_latency: float | None, rank_by: str,
+                   recurrence: Recurrence | None = None) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -262,11 +269,15 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
             f"{len(reference.graph.output)} vs {len(qdq.graph.output)} outputs. Give the float model the QDQ "
             "model was made from."
         )
-    batches = load_feeds(data, reference, samples=samples, batch_size=batch_size, others=[qdq])
-    shapes = {k: (1, *v.shape[1:]) if v.ndim else () for k, v in batches[0].items()}
-    refs_per_batch = reference_outputs(reference, batches, optimization)
+    batches = load_feeds(data, reference, samples=samples, batch_size=1 if recurrence else batch_size, others=[qdq])
+    shapes = {k: tuple(v.shape) for k, v in _one_sample(batches[0], reference).items()}
+    starts: list[int] = []
+    if recurrence is None:
+        refs_per_batch = reference_outputs(reference, batches, optimization)
+    else:
+        refs_per_batch, starts = streamed_reference_outputs(reference, batches, recurrence, optimization)
     evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization,
-                          float_weights=float_weights)
+                          float_weights=float_weights, recurrence=recurrence, starts=starts)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
@@ -352,13 +363,21 @@ def _latency(out: AutoResult, latency: LatencyModel | None, base: Sequence[str],
     if latency is not None:
         out.latency.update(latency_summary(latency, base, out.nodes))
     if rounds > 0 and len(out.nodes) > len(base):
-        feed = {k: v[:1] if v.ndim else v for k, v in evaluator.batches[0].items()}
+        feed = _one_sample(evaluator.batches[0], reference)
         measured = measure_latency({"float": reference, "int8": evaluator.variant(base), "chosen": out.model}, feed,
                                    rounds)
         out.latency.update({f"measured_{k}": v for k, v in measured.items() if k != "float"})
         out.latency["measured_float_ms"] = measured["float_ms"]
 
 
+
+
+def _one_sample(feed: Feed, model: onnx.ModelProto) -> Feed:
+    """The first sample of an evaluation batch: `load_feeds` batches along axis 0 only when every input's first
+    dimension is symbolic; otherwise (a recurrent state [2, batch, 128]) the feed is one sample already."""
+    batched = all(bool(s.shape) and not (isinstance(s.shape[0], int) and s.shape[0] > 0)  # type: ignore[index]
+                  for s in model_inputs(model))
+    return {k: v[:1] if batched and v.ndim else v for k, v in feed.items()}
 
 
 def _finish(clock: Clock, out: AutoResult, reason: str) -> AutoResult:

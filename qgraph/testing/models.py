@@ -7,6 +7,8 @@
   :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`),
   :func:`mode_switched_net`, :func:`level_switched_net` (compute in If branches chosen by an input; + their
   ``*_feeds``);
+* recurrent: :func:`leaky_state_net` (a leaky integrator whose error grows through its state; :data:`LEAKY_STATE`
+  its feedback, :func:`leaky_feeds` data recorded by streaming it);
 * running them: :func:`random_feeds`, :func:`run_ort`.
 
 Every model built here sets its IR version explicitly (the one matching its opset, at most 10), passes
@@ -25,11 +27,13 @@ from qgraph.testing.light import (
     materialize_light_model,
 )
 from qgraph.testing.mobilenet import mobilenet_v2
+from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
 from qgraph.testing.runtime import graph_inputs, make_session, ort_quantize_static, random_feeds, run_ort
 from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, fragile_resnet, matmul_add_relu_chain
 from qgraph.testing.transformer import transformer_encoder, transformer_encoder_inputs
 
 __all__ = [
+    "LEAKY_STATE",
     "LIGHT_MODEL_NAMES",
     "cached_light_model",
     "conv_bn_net",
@@ -37,6 +41,8 @@ __all__ = [
     "fragile_resnet",
     "graph_inputs",
     "ir_version_for_opset",
+    "leaky_feeds",
+    "leaky_state_net",
     "level_feeds",
     "level_switched_net",
     "light_model_path",

@@ -318,3 +318,44 @@ def test_auto_baseline_sees_the_error_made_inside_if_bodies() -> None:
         model, calibration_data=data).records[-1].result
     assert not [n for n in flat.notes if "inside If/Loop bodies" in n]
     assert flat.details["fallen_back"], flat.decisions  # the branch's nodes were candidates there
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_auto_scores_a_recurrent_model_streamed_when_asked(streamed: bool) -> None:
+    """With `auto.recurrent` every full evaluation feeds each model its own state (`qgraph.streaming`): the INT8
+    baseline's score is the streamed one; without it, each sample with its recorded state."""
+    import onnxruntime as ort
+
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.streaming import OutputScore, Recurrence
+    from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
+
+    model = leaky_state_net()
+    cal = leaky_feeds(2, 32, model=model)
+    data = CallableSource(lambda: cal, "2 sequences")
+    # ranges tuned per sample: narrowing h costs little per sample and much streamed (test_tune_ranges.py)
+    steps = [get_pass("insert_qdq")(preset="ort-x86-vnni", activations={"method": "minmax"}),
+             get_pass("tune_ranges")(outputs=("y",))]
+    recurrent = {"recurrent": {"state_inputs": LEAKY_STATE}} if streamed else {}
+    fallback = FloatFallback(auto={"target": "sqnr:10", "latency_rounds": 0, **recurrent})
+    res = Pipeline([*steps, fallback]).run(model, calibration_data=data).records[-1].result
+    qdq = Pipeline(steps).run(model, calibration_data=data).model
+    sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, qdq)]
+    score = OutputScore(sessions[0], cal, Recurrence(state_inputs=LEAKY_STATE) if streamed else None)
+    other = OutputScore(sessions[0], cal, None if streamed else Recurrence(state_inputs=LEAKY_STATE))
+    assert res.details["auto"]["int8_score"] == pytest.approx(score.score_db(sessions[1]), abs=0.01)
+    assert abs(score.score_db(sessions[1]) - other.score_db(sessions[1])) > 3  # the two ways differ here
+    assert any("streamed" in n for n in res.notes) == streamed
+
+
+def test_auto_recurrent_state_not_in_the_model_is_refused_naming_it() -> None:
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.testing.recurrent import leaky_feeds, leaky_state_net
+
+    model = leaky_state_net()
+    data = CallableSource(lambda: leaky_feeds(1, 4, model=model), "4 steps")
+    fallback = FloatFallback(auto={"target": "sqnr:10", "recurrent": {"state_inputs": {"h0": "s_next"}}})
+    with pytest.raises(PassError, match=r"float_fallback auto: recurrent\.state_inputs names input 'h0'"):
+        Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni"), fallback]).run(model, calibration_data=data)
