@@ -91,7 +91,10 @@ def prepare(name: str, folder: Path) -> dict[str, str]:
     paths = {k: str(folder / k) for k in ("float.onnx", "prep.onnx", "cal.npz", "eval.npz")}
     onnx.save(model, paths["float.onnx"])
     recipe = Recipe.from_yaml(_prep_recipe(name))
-    prep = [p for p in recipe.passes if p.name != "insert_qdq"]
+    # the preparation: every pass before insert_qdq but smooth_quant (an accuracy technique of qgraph's, which
+    # needs calibration data; onnxruntime's quantizer gets the graph with BN folded, not qgraph's smoothing)
+    names = [p.name for p in recipe.passes]
+    prep = [p for p in recipe.passes[: names.index("insert_qdq")] if p.name != "smooth_quant"]
     onnx.save(Pipeline(prep).run(model).model, paths["prep.onnx"])
     np.savez(paths["cal.npz"], **rm.stack(cal))
     labels = {"labels": spec.labels} if spec.labels is not None else {}

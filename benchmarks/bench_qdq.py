@@ -92,8 +92,10 @@ def prepare(name: str, folder: Path) -> dict[str, str]:
     np.savez(out["cal.npz"], **cal)
     np.savez(out["eval.npz"], **ev)
     recipe = Recipe.from_yaml(ROOT / "recipes" / f"{PRESET[name]}.yaml")
-    # the float model as the recipe prepares it (every pass before insert_qdq; smooth_quant reads calibration data)
-    prep_passes = recipe.passes[: [p.name for p in recipe.passes].index("insert_qdq")]
+    # the float model as the recipe prepares it: every pass before insert_qdq but smooth_quant (qgraph's accuracy
+    # technique: onnxruntime's quantizer gets the graph with BN folded, not qgraph's smoothing)
+    names = [p.name for p in recipe.passes]
+    prep_passes = [p for p in recipe.passes[: names.index("insert_qdq")] if p.name != "smooth_quant"]
     onnx.save(Pipeline(prep_passes).run(model, calibration_data=out["cal.npz"]).model, out["prep.onnx"])
     return out
 
