@@ -31,13 +31,15 @@ Cost: O(units + edges) after one sort of the candidates.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import Field
 
 from qgraph import GraphHandle, PassConfig
+
+from .latency import Cost
 
 if TYPE_CHECKING:
     import onnx_graphsurgeon as gs
@@ -141,6 +143,13 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
                 if end is not None:
                     incident[end].append(e)
     labels = list(labels)
+    if not isinstance(priced, str):
+        costs = list(priced.costs)
+        for cand in cands:
+            i = index.get(id(cand.unit.node))
+            if i is not None and costs[i] is None:
+                costs[i] = other_kernel_cost(priced, cand.unit.node)
+        priced = replace(priced, costs=costs)
     base = 0.0 if isinstance(priced, str) else _energy(labels, priced)
     total = base
     for cand in sorted(cands, key=lambda c: -c.loss_db):
@@ -181,6 +190,24 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
                          f"min_loss_db {opts.min_loss_db:g} dB stay int8); modelled latency {base / 1e3:.2f} -> "
                          f"{total / 1e3:.2f} ms")
     return out
+
+
+def other_kernel_cost(priced: Priced, node: gs.Node) -> Cost | None:
+    """A depthwise conv whose kernel size the table never measured (e.g. 5x5), priced from the measured depthwise
+    kernel nearest in size, scaled by MACs like any table estimate (`qgraph.latency.LatencyTable.estimate`)."""
+    m = priced.model
+    sig = m.signature(node) if m.table is not None else None
+    if sig is None or m.table is None:
+        return None
+    kind, bucket, work = sig
+    area = math.prod(int(k) for k in kind.rsplit("/", 1)[-1].split("x"))
+    known = {e.kind for e in m.table.presets[m.preset or ""].entries if e.kind.startswith("Conv/depthwise/")}
+    for other in sorted(known, key=lambda k: abs(math.log(math.prod(int(x) for x in k.rsplit("/", 1)[-1].split("x"))
+                                                             / area))):
+        est = m.table.estimate(m.preset or "", other, bucket, work)
+        if est is not None:
+            return Cost(est[1], est[0], f"table: {est[2]}, scaled by MACs to {kind}")
+    return None
 
 
 def _name(node: gs.Node) -> str:
