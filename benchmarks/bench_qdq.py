@@ -115,11 +115,17 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
 
         recipe = Recipe.from_yaml(ROOT / "recipes" / f"{PRESET[name]}.yaml")
         passes = recipe.passes
+        at = next(i for i, p in enumerate(passes) if p.name == "insert_qdq")  # correct_bias may follow it
+        variant = None
         if tool == "qgraph_auto":  # the recipe with weights.symmetric: auto (zero points on lopsided layers)
             weights = {"symmetric": "auto", "asymmetric_gain": 1.1}
-            passes = [*passes[:-1], InsertQDQ(preset=PRESET[name], weights=weights)]
+            variant = InsertQDQ(preset=PRESET[name], weights=weights)
         elif tool in ("qgraph_off", "qgraph_table", "qgraph_measure"):  # the recipe with latency: off / table / measure
-            passes = [*passes[:-1], InsertQDQ(preset=PRESET[name], latency={"mode": tool.split("_")[1]})]
+            variant = InsertQDQ(preset=PRESET[name], latency={"mode": tool.split("_")[1]})
+        elif tool in ("qgraph_dwfloat", "qgraph_dwauto"):  # the recipe's insert_qdq with depthwise: float / auto
+            variant = InsertQDQ(passes[at].config.model_copy(update={"depthwise": tool.removeprefix("qgraph_dw")}))
+        if variant is not None:
+            passes = [*passes[:at], variant, *passes[at + 1:]]
         start = time.perf_counter()
         res = Pipeline(passes).run(paths["float.onnx"], calibration_data=paths["cal.npz"])
         res.save(out)
@@ -300,7 +306,7 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=["qgraph_off", "qgraph_measure", "qgraph_auto"],
                         help="further qgraph variants for CNNs: qgraph_off / qgraph_table / qgraph_measure "
                         "(latency: off / table / measure; the recipe says table), qgraph_auto (weights.symmetric: "
-                        "auto)")
+                        "auto), qgraph_dwfloat / qgraph_dwauto (depthwise: float / auto)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs="*")
     args = parser.parse_args()
