@@ -25,7 +25,7 @@ from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
-from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
+from .speed import baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -111,10 +111,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.decisions += list(joins.values())
             if forbidden or joins:
                 plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
-            lat = self._latency(graph, ctx, plan, res)
-            slow = {**lat.float_nodes, **self._depthwise(graph, ctx, plan, channels, lat, res)}
+            dw = self._depthwise(graph, ctx, plan, channels, res)
+            if dw:  # the latency decision then re-labels the neighbours of the float depthwise convs
+                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw}).plan()
+            slow = self._latency(graph, ctx, plan, res)
             if slow:
-                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **slow}).plan()
+                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw, **slow}).plan()
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -189,13 +191,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 res.decisions.append(fixed_decision(fixed))
         return ranges, details, cal.channels
 
-    def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> LatencyOutcome:
+    def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
         """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
         graph (``latency: measure``: quantized by this pass with ``latency: off``) or from the cost table."""
         cfg = self.config
         measured = None
         if cfg.latency.mode == "off":
-            return LatencyOutcome()
+            return {}
         if cfg.latency.mode == "measure":
             twin = GraphHandle(name_nodes(graph.to_onnx()))
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
@@ -208,20 +210,17 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.notes += out.notes
         if out.details:
             res.details["latency"] = out.details
-        return out
+        return out.float_nodes
 
     def _depthwise(self, graph: GraphHandle, ctx: PassContext, plan: Plan,
-                   channels: dict[str, tuple[np.ndarray, np.ndarray]], lat: LatencyOutcome,
-                   res: PassResult) -> dict[int, str]:
-        """Depthwise convs ``depthwise: auto`` keeps float (`depthwise.py`), priced with the latency decision's
-        costs and labels (under ``latency: off``: the preset's table, every unit int8)."""
+                   channels: dict[str, tuple[np.ndarray, np.ndarray]], res: PassResult) -> dict[int, str]:
+        """Depthwise convs ``depthwise: auto`` keeps float (`depthwise.py`), priced with the cost table and the
+        labels the latency decision would give the plan (every unit int8 under ``latency: off``)."""
         cfg = self.config
-        if cfg.depthwise != "auto":
-            return {}
-        cands = candidates(graph, plan.units, channels, cfg.activations.symmetric)
+        cands = candidates(graph, plan.units, channels, cfg.activations.symmetric) if cfg.depthwise == "auto" else []
         if not cands:
             return {}
-        priced, labels = baseline(graph, plan, lat, cfg.latency.table, cfg.preset, lambda: sample_shapes(graph, ctx)[0])
+        priced, labels = baseline(graph, plan, cfg.latency, cfg.preset, sample_shapes(graph, ctx)[0])
         out = decide_depthwise(cands, cfg.depthwise_auto, priced, labels)
         res.decisions += out.decisions
         res.details["depthwise_auto"] = out.details

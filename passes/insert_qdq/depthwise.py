@@ -23,8 +23,10 @@ loss; flipping unit ``i`` to float changes the modelled time by ``local_i(float)
 plus its edges with the neighbours' labels: a float depthwise conv between int8 convs costs a DequantizeLinear on
 its input and a QuantizeLinear on its output; one after a float producer saves the Q and DQ instead). A flip is
 kept while the modelled total stays within ``max_latency_growth`` x the starting total. A candidate stays int8 when
-the table cannot price it, or when its input comes from an int8 unit: onnxruntime quantizes a float Conv that reads
-a DequantizeLinear itself (WeightBiasQuantization, per-tensor weights) and fuses it, so it would not run float.
+the table cannot price it (a kernel size the table never measured, e.g. PicoDet's 5x5, is priced from the nearest
+measured depthwise kernel, scaled by MACs as every table estimate is), or when its input comes from an int8 unit:
+onnxruntime quantizes a float Conv that reads a DequantizeLinear itself (WeightBiasQuantization, per-tensor
+weights) and fuses it, so it would not run float (measured: a depthwise conv after Conv+Relu, MobileNetV2-style).
 Cost: O(units + edges) after one sort of the candidates.
 """
 
@@ -164,7 +166,7 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
             why = "the latency table cannot price it"
             why += f" ({priced.split(';')[0]})" if isinstance(priced, str) else ""
         elif not labels[i]:
-            keep, why = False, "already float for speed"
+            keep, why = False, "float for speed too (the latency table)"
         else:
             src = next((e.src for e in incident[i] if e.dst == i and e.src is not None and labels[e.src]), None)
             if src is not None:
@@ -180,7 +182,7 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
                            f"max_latency_growth {opts.max_latency_growth:g})")
         line = f"depthwise auto: {cand.name} kept {'int8' if keep else 'float'}: {measured}; {why}"
         out.decisions.append(line)
-        if not keep and why != "already float for speed":
+        if not keep:  # fixed float (even where the latency decision agrees), as `depthwise: float` would leave it
             out.float_nodes[id(cand.unit.node)] = f"kept float (depthwise: auto): {measured}; {why}"
         out.details.append({"node": cand.name, "decision": "int8" if keep else "float",
                             "loss_db": round(cand.loss_db, 2), "spread": round(cand.spread, 2), "why": why})

@@ -9,7 +9,6 @@ bounded walk per input, O(graph)); a unit whose output also feeds a float op get
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,15 +198,15 @@ def latency_decision(
     return out
 
 
-def baseline(graph: GraphHandle, plan: Plan, lat: LatencyOutcome, table: str | None, preset: str | None,
-             shapes: Callable[[], Inferred | None]) -> tuple[Priced | str, list[bool]]:
-    """The latency decision's costs and labels, or (``latency: off``) the preset's table costs with every unit
-    int8; a string says why nothing could be priced."""
-    priced: Priced | str | None = lat.priced
-    if priced is None:
-        priced = price(graph, plan, LatencyOptions(mode="table", table=table), preset, None, shapes())
-    labels = lat.labels or [True] * (0 if isinstance(priced, str) else len(priced.units))
-    return priced, labels
+def baseline(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None,
+             shapes: Inferred | None) -> tuple[Priced | str, list[bool]]:
+    """Table costs of ``plan`` and the labels the latency decision gives them (``latency: off``: every unit int8;
+    ``measure``: the table stands in, no profiling), for a choice made before the reported decision
+    (`depthwise.py`); a string says why nothing could be priced."""
+    table = LatencyOptions(mode="table", table=opts.table, force=opts.force)
+    out = LatencyOutcome() if opts.mode == "off" else latency_decision(graph, plan, table, preset, None, shapes)
+    priced = out.priced or price(graph, plan, table, preset, None, shapes)
+    return priced, out.labels or [True] * (0 if isinstance(priced, str) else len(priced.units))
 
 
 def _report(out: LatencyOutcome, units: list[Unit], costs: list[Cost | None], edges: list[Edge], d: Decision,
