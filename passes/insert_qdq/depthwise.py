@@ -18,7 +18,8 @@ or ``R_c = 2·max(|lo_c|, |hi_c|)``, ``R = max_c R_c`` (symmetric). 0 dB when al
 ``loss_dB >= min_loss_db``.
 
 **Latency criterion** (the latency model of `latency.py`/`speed.py`, no second cost model). Starting from the
-labels the latency decision chose (all int8 under ``latency: off``), candidates are tried in order of decreasing
+labels the table-based latency decision gives the plan (`speed.baseline`; all int8 under ``latency: off``; the
+table also stands in under ``latency: measure``), candidates are tried in order of decreasing
 loss; flipping unit ``i`` to float changes the modelled time by ``local_i(float) − local_i(int8)`` (its own cost
 plus its edges with the neighbours' labels: a float depthwise conv between int8 convs costs a DequantizeLinear on
 its input and a QuantizeLinear on its output; one after a float producer saves the Q and DQ instead). A flip is
@@ -27,6 +28,8 @@ the table cannot price it (a kernel size the table never measured, e.g. PicoDet'
 measured depthwise kernel, scaled by MACs as every table estimate is), or when its input comes from an int8 unit:
 onnxruntime quantizes a float Conv that reads a DequantizeLinear itself (WeightBiasQuantization, per-tensor
 weights) and fuses it, so it would not run float (measured: a depthwise conv after Conv+Relu, MobileNetV2-style).
+The chosen convs are then fixed float (as ``depthwise: float`` leaves them) and the recipe's own latency decision
+runs on that plan, re-labelling their neighbours around them (e.g. a pointwise conv whose only reader went float).
 Cost: O(units + edges) after one sort of the candidates.
 """
 
