@@ -28,8 +28,10 @@ the table cannot price it (a kernel size the table never measured, e.g. PicoDet'
 measured depthwise kernel, scaled by MACs as every table estimate is), or when its input comes from an int8 unit:
 onnxruntime quantizes a float Conv that reads a DequantizeLinear itself (WeightBiasQuantization, per-tensor
 weights) and fuses it, so it would not run float (measured: a depthwise conv after Conv+Relu, MobileNetV2-style).
-The chosen convs are then fixed float (as ``depthwise: float`` leaves them) and the recipe's own latency decision
-runs on that plan, re-labelling their neighbours around them (e.g. a pointwise conv whose only reader went float).
+When at least one conv went float that the latency decision keeps int8, every float-labelled candidate is fixed
+float (as ``depthwise: float`` leaves them: an Add feeding only them stops being integer-fed) and the recipe's own
+latency decision runs on that plan, re-labelling their neighbours (e.g. a pointwise conv whose only reader went
+float); otherwise the plan is left to the latency decision alone, exactly as with ``depthwise: int8``.
 Cost: O(units + edges) after one sort of the candidates.
 """
 
@@ -147,7 +149,7 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
             for end in {e.src, e.dst}:
                 if end is not None:
                     incident[end].append(e)
-    labels = list(labels)
+    labels, orig = list(labels), labels
     if not isinstance(priced, str):
         costs = list(priced.costs)
         for cand in cands:
@@ -191,9 +193,13 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
                             "loss_db": round(cand.loss_db, 2), "spread": round(cand.spread, 2), "why": why})
     kept = sum(d["decision"] == "float" for d in out.details)
     low = sum(d["why"].startswith("below") for d in out.details)
+    flipped = any(i is not None and not labels[i] and orig[i] for i in (index.get(id(c.unit.node)) for c in cands))
     out.decisions.insert(0, f"depthwise auto: {kept} of {len(cands)} depthwise convs float ({low} below "
                          f"min_loss_db {opts.min_loss_db:g} dB stay int8); modelled latency {base / 1e3:.2f} -> "
-                         f"{total / 1e3:.2f} ms")
+                         f"{total / 1e3:.2f} ms" + ("" if flipped else "; none beyond the latency decision's: "
+                                                    "the plan is left to it"))
+    if not flipped:  # nothing to fix: the recipe's latency decision alone gives the same labels
+        out.float_nodes.clear()
     return out
 
 
