@@ -118,13 +118,15 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
 
         recipe = Recipe.from_yaml(ROOT / "recipes" / f"{PRESET[name]}.yaml")
         passes = list(recipe.passes)
-        at = [p.name for p in passes].index("insert_qdq")
+        at = [p.name for p in passes].index("insert_qdq")  # correct_bias may follow it
         recipe_qdq = passes[at].config.model_dump(exclude_unset=True)
         if tool == "qgraph_auto":  # the recipe with weights.symmetric: auto (zero points on lopsided layers)
             weights = {"symmetric": "auto", "asymmetric_gain": 1.1}
             passes[at] = InsertQDQ(**{**recipe_qdq, "weights": weights})
         elif tool in ("qgraph_off", "qgraph_table", "qgraph_measure"):  # the recipe with latency: off / table / measure
             passes[at] = InsertQDQ(**{**recipe_qdq, "latency": {"mode": tool.split("_")[1]}})
+        elif tool in ("qgraph_dwfloat", "qgraph_dwauto"):  # the recipe's insert_qdq with depthwise: float / auto
+            passes[at] = InsertQDQ(passes[at].config.model_copy(update={"depthwise": tool.removeprefix("qgraph_dw")}))
         start = time.perf_counter()
         res = Pipeline(passes).run(paths["float.onnx"], calibration_data=paths["cal.npz"])
         res.save(out)
@@ -305,7 +307,7 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=["qgraph_off", "qgraph_measure", "qgraph_auto"],
                         help="further qgraph variants for CNNs: qgraph_off / qgraph_table / qgraph_measure "
                         "(latency: off / table / measure; the recipe says table), qgraph_auto (weights.symmetric: "
-                        "auto)")
+                        "auto), qgraph_dwfloat / qgraph_dwauto (depthwise: float / auto)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", nargs="*")
     args = parser.parse_args()

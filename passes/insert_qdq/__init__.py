@@ -17,6 +17,7 @@ from .bodies import BodiesOutcome, quantize_bodies
 from .calib import RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
+from .depthwise import candidates, decide_depthwise, depthwise_units
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
 from .joins import wide_joins
@@ -24,7 +25,7 @@ from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
-from .speed import latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
+from .speed import baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -104,15 +105,18 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         forbidden: dict[str, str] = {}
         calib_details: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
-            ranges, calib_details = self._calibrate(graph, ctx, plan, res)
+            ranges, calib_details, channels = self._calibrate(graph, ctx, plan, res)
             forbidden = screen(ranges, cfg)
             joins = wide_joins(plan, ranges, cfg)
             res.decisions += list(joins.values())
             if forbidden or joins:
                 plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
+            dw = self._depthwise(graph, ctx, plan, channels, res)
+            if dw:  # the latency decision then re-labels the neighbours of the float depthwise convs
+                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw}).plan()
             slow = self._latency(graph, ctx, plan, res)
             if slow:
-                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **slow}).plan()
+                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw, **slow}).plan()
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -160,10 +164,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
 
     def _calibrate(
         self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult
-    ) -> tuple[dict[str, RangeInfo], dict[str, Any]]:
+    ) -> tuple[dict[str, RangeInfo], dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
         """Calibrated ranges with the unclipped inputs' observed ranges and the bounded ops' known ranges applied;
-        decisions, and the calibration details."""
-        cal = calibrate(graph, ctx, plan.roots, self.config)
+        decisions, the calibration details, and the per-channel ranges of depthwise inputs (``depthwise: auto``)."""
+        dw = depthwise_units(graph, plan.units) if self.config.depthwise == "auto" else []
+        axes = {u.act_inputs[0]: 1 for u in dw}
+        cal = calibrate(graph, ctx, plan.roots, self.config, axes)
         res.notes += cal.notes
         details = dict(cal.fragile)
         auto = auto_summary(cal.measured)
@@ -183,7 +189,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             if fixed:
                 details["fixed_ranges"] = fixed
                 res.decisions.append(fixed_decision(fixed))
-        return ranges, details
+        return ranges, details, cal.channels
 
     def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
         """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
@@ -204,6 +210,20 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.notes += out.notes
         if out.details:
             res.details["latency"] = out.details
+        return out.float_nodes
+
+    def _depthwise(self, graph: GraphHandle, ctx: PassContext, plan: Plan,
+                   channels: dict[str, tuple[np.ndarray, np.ndarray]], res: PassResult) -> dict[int, str]:
+        """Depthwise convs ``depthwise: auto`` keeps float (`depthwise.py`), priced with the cost table and the
+        labels the latency decision would give the plan (every unit int8 under ``latency: off``)."""
+        cfg = self.config
+        cands = candidates(graph, plan.units, channels, cfg.activations.symmetric) if cfg.depthwise == "auto" else []
+        if not cands:
+            return {}
+        priced, labels = baseline(graph, plan, cfg.latency, cfg.preset, sample_shapes(graph, ctx)[0])
+        out = decide_depthwise(cands, cfg.depthwise_auto, priced, labels)
+        res.decisions += out.decisions
+        res.details["depthwise_auto"] = out.details
         return out.float_nodes
 
     def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:

@@ -9,13 +9,20 @@ tensor is dominated by masking constants or extreme outliers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from qgraph import GraphHandle, PassContext, PassError
-from qgraph.calibrate import ROBUST_PERCENTILE, TensorCalibration, collect_ranges, most_fragile, read_ranges
+from qgraph.calibrate import (
+    ROBUST_PERCENTILE,
+    TensorCalibration,
+    collect_ranges,
+    make_observer,
+    most_fragile,
+    read_ranges,
+)
 from qgraph.data import batched
 from qgraph.model_io import model_fingerprint
 
@@ -55,6 +62,9 @@ class Calibration:
     fragile: dict[str, Any]
     measured: dict[str, TensorCalibration]
     overridden: set[str]
+    #: Per-channel observed ``(min, max)`` of the tensors asked for with ``channel_axes`` (same pass; empty when
+    #: the ranges came from a file and no data ran).
+    channels: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def observer_options(cfg: InsertQDQConfig) -> dict[str, Any]:
@@ -67,8 +77,10 @@ def observer_options(cfg: InsertQDQConfig) -> dict[str, Any]:
     return opts
 
 
-def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: InsertQDQConfig) -> Calibration:
-    """Ranges of ``names`` from the ranges file and/or by running the current graph (see :class:`Calibration`)."""
+def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: InsertQDQConfig,
+              channel_axes: dict[str, int] | None = None) -> Calibration:
+    """Ranges of ``names`` from the ranges file and/or by running the current graph (see :class:`Calibration`);
+    ``channel_axes`` ``{tensor: axis}``: also the per-channel observed min/max of those tensors, in the same run."""
     notes: list[str] = []
     out: dict[str, RangeInfo] = {}
     measured: dict[str, TensorCalibration] = {}
@@ -103,6 +115,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         )
     batch = ctx.calibration.batch_size
     data = ctx.calibration_data
+    side = {t: make_observer("minmax", t, axis) for t, axis in (channel_axes or {}).items()}
     model, held = graph.weightless_export()  # sessions read the graph's weights in place: no second copy
     cal = collect_ranges(
         model,
@@ -113,6 +126,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         progress=ctx.progress("calibrating"),
         robust_percentile=OUTLIER_PERCENTILE if cfg.outliers.skip else None,
         weights={name: value for name, (value, _) in held.items()},
+        extra=side,
     )
     count = next(iter(cal.values())).num_updates if cal else 0
     notes.append(
@@ -124,7 +138,9 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
             _scalar(c.range.rmin), _scalar_max(c.range.rmax), _scalar(c.observed.rmin), _scalar_max(c.observed.rmax),
             c.robust_absmax,
         )
-    return Calibration(out, notes, _fragile(measured), measured, overridden)
+    channels = {t: (np.asarray(o.observed().rmin, np.float64), np.asarray(o.observed().rmax, np.float64))
+                for t, o in side.items() if o.num_updates}
+    return Calibration(out, notes, _fragile(measured), measured, overridden, channels)
 
 
 def _fragile(measured: dict[str, TensorCalibration]) -> dict[str, Any]:

@@ -23,38 +23,15 @@ from qgraph.calibrate import make_observer
 from qgraph.quant import QuantDtype
 from qgraph.target import CpuInfo
 
+from .depthwise import DepthwiseAutoOptions
 from .latency import LatencyOptions
 from .ops import MOVEMENT
 
 #: Op types whose QDQ form onnxruntime's CPU graph optimizer fuses into an integer kernel (or drops).
 ORT_CPU_OPS: tuple[str, ...] = (
-    "Conv",
-    "ConvTranspose",
-    "Gemm",
-    "MatMul",
-    "Add",
-    "Mul",
-    "Sum",
-    "Concat",
-    "AveragePool",
-    "GlobalAveragePool",
-    "LeakyRelu",
-    "Sigmoid",
-    "Relu",
-    "Clip",
-    "MaxPool",
-    "Reshape",
-    "Transpose",
-    "Flatten",
-    "Squeeze",
-    "Unsqueeze",
-    "Slice",
-    "Gather",
-    "Expand",
-    "Tile",
-    "Resize",
-    "Split",
-    "Identity",
+    "Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "Sum", "Concat", "AveragePool",
+    "GlobalAveragePool", "LeakyRelu", "Sigmoid", "Relu", "Clip", "MaxPool", "Reshape", "Transpose", "Flatten",
+    "Squeeze", "Unsqueeze", "Slice", "Gather", "Expand", "Tile", "Resize", "Split", "Identity",
 )
 
 #: Op types the tensorrt preset quantizes: the inputs of the weighted ops (and of MatMuls of two activations),
@@ -275,11 +252,15 @@ class InsertQDQConfig(PassConfig):
         "QLinearAdd...); tensorrt: only on the inputs of quantized ops (TensorRT fuses the next layer's Q into the "
         "producer itself: a Conv output going to HardSwish or a residual Add stays float, rounded once).",
     )
-    depthwise: Literal["int8", "float"] = Field(
+    depthwise: Literal["int8", "float", "auto"] = Field(
         default="int8",
-        description="Depthwise Conv (one input channel per group): int8, or float (higher precision): its input "
-        "scale is per tensor while each output reads one channel, so channels 10-30x apart keep a few codes.",
+        description="Depthwise Conv (one input channel per group): its input scale is per tensor while each output "
+        "reads one channel, so channels 10-30x apart keep a few codes. int8; float (every one); auto: float where "
+        "calibration measures the per-tensor scale losing >= depthwise_auto.min_loss_db of output SQNR against "
+        "per-channel scales and the latency table says float (with its Q/DQ) is not slower (depthwise.py).",
     )
+    depthwise_auto: DepthwiseAutoOptions = Field(default_factory=DepthwiseAutoOptions,
+                                                 description="Thresholds of depthwise: auto.")
     subgraphs: Literal["static", "dynamic", "skip"] = Field(
         default="static",
         description="If/Loop bodies: static: each body is calibrated on the data that reaches it (its inputs at "

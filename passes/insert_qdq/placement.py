@@ -31,6 +31,7 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle
 
 from .config import InsertQDQConfig
+from .depthwise import is_depthwise
 from .ops import BINARY, CLIPPING, MOVEMENT, NEEDS_Q_OUT, QDQ_OPS, UNARY, VARIADIC, WEIGHTED
 from .tails import integer_fed
 
@@ -167,7 +168,7 @@ class Planner:
         if w.dtype != np.float32:
             return f"weight {ins[widx].name!r} is {w.dtype}, not float32"
         group = int(node.attrs.get("group", 1))
-        if self.cfg.depthwise == "float" and op == "Conv" and group > 1 and w.ndim > 1 and w.shape[1] == 1:
+        if self.cfg.depthwise == "float" and is_depthwise(node, w):
             return (f"depthwise Conv (group {group}) left float (depthwise: float): its per-tensor input scale "
                     "would serve channels of very different ranges")
         x = ins[1 - widx]

@@ -49,6 +49,8 @@ class LatencyOutcome:
     decisions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    priced: Priced | None = None  # the costs the decision was made with, and its labels (True: int8)
+    labels: list[bool] | None = None
 
 
 class CostModel:
@@ -148,19 +150,26 @@ def _edges(
     return edges, requant
 
 
-def latency_decision(
-    graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None,
-    shapes: Inferred | None = None,
-) -> LatencyOutcome:
-    """Decide which units stay float for speed (see `latency.py`); ``measured`` is None in table mode;
-    ``shapes``: tensor shapes to cost with (default: the graph's own, `GraphHandle.shapes`)."""
-    out = LatencyOutcome()
+@dataclass
+class Priced:
+    """The plan's non-dynamic units with their costs (None: unknown), the edges between them, the Conv/Gemm units'
+    producers (`latency.decide`'s ``requant``) and the units the recipe forces int8."""
+
+    units: list[Unit]
+    costs: list[Cost | None]
+    edges: list[Edge]
+    requant: dict[int, list[int]]
+    forced: set[int]
+    model: CostModel
+
+
+def price(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None,
+          shapes: Inferred | None = None) -> Priced | str:
+    """Cost every unit of ``plan`` and its edges (module docs), or why it cannot (the table has no such preset)."""
     table = load_latency_table(opts.table or SHIPPED_TABLE)
-    if opts.mode == "table" and preset not in table.presets:
-        out.notes.append(f"latency: table has no costs for preset {preset!r} (it has {sorted(table.presets)}); "
-                         "every unit stays int8. Build one with benchmarks/build_latency_table.py or use "
-                         "`latency: {mode: measure}`.")
-        return out
+    if measured is None and preset not in table.presets:
+        return (f"latency: table has no costs for preset {preset!r} (it has {sorted(table.presets)}); every unit "
+                "stays int8. Build one with benchmarks/build_latency_table.py or use `latency: {mode: measure}`.")
     units = [u for u in plan.units if u.kind != "dynamic"]
     model = CostModel(graph, preset, table, measured, shapes)
     costs = [model.node(u.node, [u.node, *u.absorbed]) for u in units]
@@ -169,9 +178,35 @@ def latency_decision(
     if opts.force is not None:
         chosen = {id(n) for n in select(graph, opts.force).nodes}
         forced = {i for i, u in enumerate(units) if id(u.node) in chosen}
-    d = decide(costs, edges, forced, requant)
-    _report(out, units, costs, edges, d, forced, opts.mode, model)
+    return Priced(units, costs, edges, requant, forced, model)
+
+
+def latency_decision(
+    graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None,
+    shapes: Inferred | None = None,
+) -> LatencyOutcome:
+    """Decide which units stay float for speed (see `latency.py`); ``measured`` is None in table mode;
+    ``shapes``: tensor shapes to cost with (default: the graph's own, `GraphHandle.shapes`)."""
+    out = LatencyOutcome()
+    p = price(graph, plan, opts, preset, measured, shapes)
+    if isinstance(p, str):
+        out.notes.append(p)
+        return out
+    d = decide(p.costs, p.edges, p.forced, p.requant)
+    _report(out, p.units, p.costs, p.edges, d, p.forced, opts.mode, p.model)
+    out.priced, out.labels = p, list(d.int8)
     return out
+
+
+def baseline(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None,
+             shapes: Inferred | None) -> tuple[Priced | str, list[bool]]:
+    """Table costs of ``plan`` and the labels the latency decision gives them (``latency: off``: every unit int8;
+    ``measure``: the table stands in, no profiling), for a choice made before the reported decision
+    (`depthwise.py`); a string says why nothing could be priced."""
+    table = LatencyOptions(mode="table", table=opts.table, force=opts.force)
+    out = LatencyOutcome() if opts.mode == "off" else latency_decision(graph, plan, table, preset, None, shapes)
+    priced = out.priced or price(graph, plan, table, preset, None, shapes)
+    return priced, out.labels or [True] * (0 if isinstance(priced, str) else len(priced.units))
 
 
 def _report(out: LatencyOutcome, units: list[Unit], costs: list[Cost | None], edges: list[Edge], d: Decision,

@@ -121,9 +121,9 @@ class TensorCalibration:
 
 
 class _Tee:
-    """Feeds an observer and its robust magnitude from one onnxruntime run."""
+    """Feeds an observer and its robust magnitude (or another observer) from one onnxruntime run."""
 
-    def __init__(self, main: Observer, aux: RobustMagnitude) -> None:
+    def __init__(self, main: Updatable, aux: Updatable) -> None:
         self.main, self.aux = main, aux
 
     def update(self, x: npt.NDArray[Any], sample_index: int | None = None) -> None:
@@ -146,6 +146,7 @@ def collect_ranges(
     robust_percentile: float | None = None,
     optimize: bool = True,
     weights: Mapping[str, npt.NDArray[Any]] | None = None,
+    extra: Mapping[str, Updatable] | None = None,
 ) -> dict[str, TensorCalibration]:
     """Calibrate ``tensor_names`` of ``model`` on ``data`` with one observer per tensor.
 
@@ -167,6 +168,8 @@ def collect_ranges(
         optimize: run with onnxruntime's graph optimizations (module docstring).
         weights: values of the placeholders when ``model`` is a weightless export
             (`qgraph.GraphHandle.weightless_export`): sessions read them in place, no serialized copy is made.
+        extra: further observers ``{tensor: observer}`` (e.g. a per-channel `MinMaxObserver` of a tensor that is
+            also calibrated per tensor) fed in the same pass over the data (the fetch path); read them afterwards.
 
     Raises:
         ModelError: unknown tensor, initializer, or tensor inside a subgraph.
@@ -179,11 +182,16 @@ def collect_ranges(
     robust = {name: RobustMagnitude(robust_percentile) for name in observers} if robust_percentile else {}
     _check_tensors(model, list(observers))
     run = _Run(progress, providers, data_hasher, large_model_bytes, optimize, weights)
-    if method == "minmax" and not axes and not opts.get("moving_average") and _in_graph_ok(model):
+    side = dict(extra or {})
+    if side:
+        _check_tensors(model, list(side))
+    if method == "minmax" and not axes and not side and not opts.get("moving_average") and _in_graph_ok(model):
         minmax = {k: v for k, v in observers.items() if isinstance(v, MinMaxObserver)}
         if _collect_in_graph(model, minmax, robust, data, run):
             return {n: TensorCalibration.from_observer(o, robust.get(n)) for n, o in observers.items()}
-    feeders = {n: _Tee(o, robust[n]) if n in robust else o for n, o in observers.items()}
+    feeders: dict[str, Updatable] = {n: _Tee(o, robust[n]) if n in robust else o for n, o in observers.items()}
+    for name, obs in side.items():
+        feeders[name] = _Tee(feeders[name], obs) if name in feeders else obs
     observe(model, feeders, data, progress=progress, providers=providers, data_hasher=data_hasher,
             large_model_bytes=large_model_bytes, optimize=optimize, weights=weights)
     return {n: TensorCalibration.from_observer(o, robust.get(n)) for n, o in observers.items()}

@@ -200,3 +200,21 @@ def test_data_hasher_and_mixed_observers() -> None:
         ref.update(arr.tobytes())
     assert h.hexdigest() == ref.hexdigest()
     assert observers["y"].num_updates == 3
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_extra_observers_ride_the_same_pass_and_leave_the_main_results_alone(method: str) -> None:
+    feeds = var_feeds(4)
+    passes: list[int] = []
+    side = {"h": make_observer("minmax", "h", -1), "m": make_observer("minmax", "m", -1)}
+    cal = collect_ranges(mlp(), ["h", "y"], feeds, method, extra=side,
+                         progress=lambda d, t: passes.append(d))
+    assert passes == [1, 2, 3, 4]  # one pass over the data
+    plain = collect_ranges(mlp(), ["h", "y"], feeds, method)
+    for name in ("h", "y"):
+        assert cal[name].range.rmin == pytest.approx(plain[name].range.rmin, rel=1e-6, abs=1e-7)
+        assert cal[name].range.rmax == pytest.approx(plain[name].range.rmax, rel=1e-6, abs=1e-7)
+    ref = np.concatenate([ref_activations(f["x"])["h"].reshape(-1, 16) for f in feeds])
+    np.testing.assert_allclose(side["h"].observed().rmax, ref.max(axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(side["h"].observed().rmin, ref.min(axis=0), rtol=1e-5, atol=1e-6)
+    assert side["m"].num_updates == 4  # a tensor only the extra observers asked for
