@@ -50,12 +50,16 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
     preserves_float = True
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
-        """Refuse without calibration data: the activation maxima are measured."""
-        if ctx.calibration_data is None:
+        """Refuse without calibration data where there is something to smooth: the activation maxima are
+        measured (a CNN without MatMul/Gemm candidates runs without data)."""
+        if ctx.calibration_data is None and find_groups(graph.graph, selected_ids(graph, self.config.nodes)[0],
+                                                        self.config.insert_mul, []):
             raise PassError(
                 "smooth_quant: per-channel activation maxima max|X_j| are measured on calibration data, but none "
                 "was given. Pass `--calibration-data DATA` to `qgraph run` (an .npz with one array per input, a "
-                "folder of .npz, or module:function), or `calibration_data=` to Pipeline.run."
+                "folder of .npz, or module:function), or `calibration_data=` to Pipeline.run. A ranges file "
+                "(`calibration: {ranges: ...}`) holds per-tensor ranges only: with one, still give the data, or "
+                "remove smooth_quant from the recipe."
             )
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:

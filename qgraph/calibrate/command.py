@@ -42,18 +42,18 @@ def float_activations(model: onnx.ModelProto) -> list[str]:
     return [n for n in dict.fromkeys(names) if types.get(n) in FLOAT_TYPES]
 
 
-def prepared_model(recipe: Recipe, model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
-    """The model as the recipe's first quantizing pass will see it."""
-    prep: list[Any] = []
-    for p in recipe.passes:
-        if not p.preserves_float:
-            break
-        prep.append(p)
-    return Pipeline(prep, name=recipe.name).run(model, keep_input=False).model if prep else _copy_or_load(model)
+def prepared_model(recipe: Recipe, model: str | Path | onnx.ModelProto,
+                   calibration_data: str | Path | DataSource | None = None) -> onnx.ModelProto:
+    """The model as the recipe's first quantizing pass will see it (float-preserving passes that measure the
+    data, such as ``smooth_quant``, read ``calibration_data``)."""
+    prep = list(itertools.takewhile(lambda p: p.preserves_float, recipe.passes))
+    if not prep:
+        return _copy_or_load(model)
+    return Pipeline(prep, name=recipe.name).run(model, keep_input=False, calibration_data=calibration_data).model
 
 
 def _prepared_weightless(
-    recipe: Recipe, model: str | Path | onnx.ModelProto
+    recipe: Recipe, model: str | Path | onnx.ModelProto, calibration_data: str | Path | DataSource | None = None
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """`prepared_model` as a weightless export and its placeholders' values: the weights once, as arrays (filling
     a protobuf and splitting it again held them twice). Weights inside subgraphs are filled (sessions share only
@@ -61,7 +61,8 @@ def _prepared_weightless(
     prep = [p for p in itertools.takewhile(lambda p: p.preserves_float, recipe.passes)]
     if not prep:
         return split_weights(_copy_or_load(model))
-    result = Pipeline(prep, name=recipe.name).run(model, keep_input=False, weightless=True)
+    result = Pipeline(prep, name=recipe.name).run(model, keep_input=False, weightless=True,
+                                                  calibration_data=calibration_data)
     graph, weights = result.model, result.weights
     if any(is_placeholder(t) for g in proto_scopes(graph.graph)[1:] for t in g.initializer):
         return split_weights(with_weights(graph, weights))
@@ -96,7 +97,7 @@ def calibrate_recipe(
     spec = data if data is not None else recipe.calibration.data
     if spec is None:
         raise RecipeError("no calibration data: pass --calibration-data or set calibration.data in the recipe.")
-    graph, weights = _prepared_weightless(recipe, model)
+    graph, weights = _prepared_weightless(recipe, model, spec)
     chosen_method, chosen_options = _method_from_recipe(recipe)
     method = method or chosen_method
     options = {**chosen_options, **(options or {})} if method == chosen_method else dict(options or {})

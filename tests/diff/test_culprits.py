@@ -85,8 +85,8 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("culprits")
     passes = Recipe.from_yaml(RECIPE).pipeline().passes
     k = next(i for i, p in enumerate(passes) if p.name == "insert_qdq")
-    Pipeline(passes[:k]).run(str(DIGITS / "model.onnx")).save(folder / "float.onnx")
     calib = str(DIGITS / "calibration.npz")
+    Pipeline(passes[:k]).run(str(DIGITS / "model.onnx"), calibration_data=calib).save(folder / "float.onnx")
     Pipeline(passes).run(str(DIGITS / "model.onnx"), calibration_data=calib).save(folder / "clean.onnx")
     Pipeline([*passes, PlantDefects()]).run(str(DIGITS / "model.onnx"), calibration_data=calib).save(
         folder / "broken.onnx")

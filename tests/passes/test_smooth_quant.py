@@ -152,7 +152,10 @@ def test_producers_that_cannot_absorb_are_skipped(body: str, reason: str, tmp_pa
 def test_requires_calibration_data() -> None:
     model = _parse("g (float[4, 8] x) => (float[4, 8] y) {\n y = MatMul (x, w)\n}", {"w": np.ones((K, K))})
     with pytest.raises(PassError, match="--calibration-data"):
-        SmoothQuant().requires(GraphHandle(model), PassContext())
+        SmoothQuant(insert_mul=True).requires(GraphHandle(model), PassContext())
+    # nothing it could smooth (x is a graph input and no Mul may be inserted; a CNN without MatMul): no data needed
+    SmoothQuant().requires(GraphHandle(model), PassContext())
+    assert SmoothQuant().run(GraphHandle(model), PassContext()).matched == 0
 
 
 # ---------------------------------------------------------------------------------------------- encoder
