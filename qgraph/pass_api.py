@@ -86,7 +86,13 @@ class PassResult:
     unmet: str | None = None
 
     def skip(self, node: str, reason: str) -> None:
-        """Record that ``node`` was left alone because of ``reason``."""
+        """Record that ``node`` (its name; a node object is taken by its ``name``) was left alone because of
+        ``reason``."""
+        if not isinstance(node, str):  # a gs.Node / NodeProto given for its name: never its multi-line repr
+            name = getattr(node, "name", None)
+            if not isinstance(name, str):
+                raise TypeError(f"PassResult.skip takes a node name (str), got {type(node).__name__}")
+            node = name or f"<unnamed {getattr(node, 'op', getattr(node, 'op_type', 'node'))}>"
         self.skipped.append(Skipped(node, reason))
 
     @property

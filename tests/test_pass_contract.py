@@ -192,3 +192,16 @@ def _mul_model() -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_skip_takes_a_node_by_its_name() -> None:
+    import onnx_graphsurgeon as gs
+
+    from qgraph import PassResult
+
+    res = PassResult()
+    res.skip(gs.Node("Relu", name="r1"), "why")
+    res.skip("r2", "why")
+    assert [s.node for s in res.skipped] == ["r1", "r2"]
+    with pytest.raises(TypeError, match="node name"):
+        res.skip(3, "why")  # type: ignore[arg-type]
