@@ -112,3 +112,10 @@ def test_debug_flag_shows_the_traceback(workspace: Path) -> None:
 
     with pytest.raises(ModelError):
         main(["--debug", "run", str(workspace / "recipe.yaml"), str(workspace / "nope.onnx"), "-o", "x.onnx"])
+
+
+def test_labels_without_eval_data_is_refused_before_any_work(workspace: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    code, text = _run(capsys, "run", str(workspace / "recipe.yaml"), str(workspace / "model.onnx"), "-o",
+                      str(workspace / "o.onnx"), "--labels", "nope.npy", "--report", str(workspace / "r.json"))
+    assert code == 2 and "--labels and --metric need --eval-data" in text, text
+    assert not (workspace / "o.onnx").exists() and not (workspace / "r.json").exists()

@@ -106,6 +106,10 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         from qgraph.errors import UsageError
 
         raise UsageError("--eval-data, --labels and --metric choose what the report measures: give --report too.")
+    if (labels or metric) and eval_data is None:  # before any work, not after the model is written
+        from qgraph.errors import UsageError
+
+        raise UsageError("--labels and --metric need --eval-data (held-out samples to score).")
     check_outputs({"-o": output, "--report": report},
                   inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
     rec = Recipe.from_yaml(recipe)
@@ -136,10 +140,6 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         if eval_data is not None:
             evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
                                          metric=metric)
-        elif labels or metric:
-            from qgraph.errors import UsageError
-
-            raise UsageError("--labels and --metric need --eval-data (held-out samples to score).")
         write_report(report, rec, result, evaluation)
         say(f"wrote report {report}")
     unmet = [f"pass #{r.index} {r.name}: {r.result.unmet}" for r in result.records if r.result.unmet]
