@@ -36,10 +36,13 @@ def test_run_report_measures_on_held_out_data_with_the_metric(run_report: tuple[
     assert isinstance(culprits, list) and len(culprits) == 15 and culprits[0]["measured"]
 
 
-def test_eval_options_need_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(tmp_path / "x.onnx"), "-q",
-                 "--calibration-data", str(DIGITS / "calibration.npz"), "--metric", METRIC])
-    assert code == 2 and "give --report too" in capsys.readouterr().err
+def test_eval_options_need_something_to_measure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(tmp_path / "x.onnx"), "-q",
+            "--calibration-data", str(DIGITS / "calibration.npz")]
+    assert main([*args, "--metric", METRIC]) == 2
+    assert "need --eval-data" in capsys.readouterr().err
+    assert main([*args, "--eval-data", str(DIGITS / "eval.npz"), "--no-check"]) == 2
+    assert "drop --no-check or give --report" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
 
 
