@@ -48,6 +48,11 @@ class DataSource:
         self._validate_upfront()
         return self
 
+    def available(self) -> int | None:
+        """How many samples the source holds, ignoring `samples`, when known without reading them (None when
+        not: a data function)."""
+        return None
+
     def notes(self) -> list[str]:
         """What the run summary says about the data: layouts that added a batch axis, a sample cap that cut."""
         out = [c.describe() for c in self.layouts if c.layout != "samples" or c.inserted_axis is not None]
@@ -172,6 +177,10 @@ class NpzSource(DataSource):
         n = self._count()
         return int(n if self.samples is None else min(n, self.samples))
 
+    def available(self) -> int | None:
+        """Samples in the file (axis 0), whatever the cap."""
+        return self._count()
+
     def _count(self) -> int:
         counts = {k: (a.shape[0] if a.ndim else 1) for k, a in self.arrays.items()}
         if len(set(counts.values())) > 1:
@@ -209,6 +218,10 @@ class FolderSource(DataSource):
 
     def __len__(self) -> int:
         return len(self.files) if self.samples is None else min(len(self.files), self.samples)
+
+    def available(self) -> int | None:
+        """Sample files in the folder, whatever the cap."""
+        return len(self.files)
 
     def _raw(self) -> Iterator[Feed]:
         for f in self.files:
