@@ -143,7 +143,7 @@ def _sample_count(used: int, source: DataSource) -> str:
     unknown)."""
     if not source.truncated:
         return str(used)
-    total = source.available()
+    total = source.available
     return f"{used} of {total}" if total is not None else f"the first {used}"
 
 

@@ -41,17 +41,14 @@ class DataSource:
         self.layouts: list[LayoutChoice] = []
         #: Set when the source had more samples than `samples` allowed (the summary says so).
         self.truncated = False
+        #: Samples the source holds whatever the cap, when known without reading them (None: a data function).
+        self.available: int | None = None
 
     def bind(self, model: onnx.ModelProto) -> DataSource:
         """Validate against ``model``'s inputs (names, dtypes, ranks, static dims) and remember them."""
         self.inputs = model_inputs(model)
         self._validate_upfront()
         return self
-
-    def available(self) -> int | None:
-        """How many samples the source holds, ignoring `samples`, when known without reading them (None when
-        not: a data function)."""
-        return None
 
     def notes(self) -> list[str]:
         """What the run summary says about the data: layouts that added a batch axis, a sample cap that cut."""
@@ -177,10 +174,6 @@ class NpzSource(DataSource):
         n = self._count()
         return int(n if self.samples is None else min(n, self.samples))
 
-    def available(self) -> int | None:
-        """Samples in the file (axis 0), whatever the cap."""
-        return self._count()
-
     def _count(self) -> int:
         counts = {k: (a.shape[0] if a.ndim else 1) for k, a in self.arrays.items()}
         if len(set(counts.values())) > 1:
@@ -198,7 +191,8 @@ class NpzSource(DataSource):
         if names and names <= set(self.arrays):
             self.ignored = sorted(set(self.arrays) - names)
             self.arrays = {k: v for k, v in self.arrays.items() if k in names}
-        if self._count() == 0:
+        self.available = self._count()
+        if self.available == 0:
             raise DataError(f"{self.path}: the arrays hold 0 samples (axis 0 has size 0). Give at least one sample.")
         # Every sample is in memory already: check all of them now, before any work.
         for i, feed in enumerate(self._raw()):
@@ -215,13 +209,10 @@ class FolderSource(DataSource):
         self.files = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".npy"))
         if not self.files:
             raise DataError(f"{path}: no .npz or .npy files in this folder.")
+        self.available = len(self.files)
 
     def __len__(self) -> int:
         return len(self.files) if self.samples is None else min(len(self.files), self.samples)
-
-    def available(self) -> int | None:
-        """Sample files in the folder, whatever the cap."""
-        return len(self.files)
 
     def _raw(self) -> Iterator[Feed]:
         for f in self.files:
