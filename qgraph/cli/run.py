@@ -11,7 +11,16 @@ import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import AddressOption, ExecutorOption, app, data_path, executor_spec, need_positive, say
+from qgraph.cli._app import (
+    AddressOption,
+    ExecutorOption,
+    QGraphCommand,
+    app,
+    data_path,
+    executor_spec,
+    need_positive,
+    say,
+)
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
@@ -26,7 +35,7 @@ if TYPE_CHECKING:
 SHOWN_PER_PASS = 3
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def run(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
     models: Annotated[list[Path], typer.Argument(help="Input ONNX model(s) (never modified); several need "
