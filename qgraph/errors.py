@@ -52,3 +52,9 @@ class WriteError(QGraphError):
 
 class UsageError(QGraphError):
     """A command-line option has a value the command cannot use (checked before any work)."""
+
+
+class FidelityError(QGraphError):
+    """``qgraph run --min-sqnr``: an output of the written model is below the asked SQNR (or not comparable)."""
+
+    exit_code = 3

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
-from qgraph.data import Feed, import_callable, open_data_source
+from qgraph.data import DataSource, Feed, import_callable, open_data_source
 from qgraph.errors import DataError
 
 Metric = Callable[[list[np.ndarray], Any], float]
@@ -93,7 +93,8 @@ class Evaluation:
             with np.load(str(data), allow_pickle=False) as npz:
                 if LABEL_KEY in npz.files and LABEL_KEY not in inputs:
                     label_arr, label_from = np.asarray(npz[LABEL_KEY]), f"{data}:{LABEL_KEY}"
-        ev = cls(feeds, f"{len(feeds)} sample(s) of {source.description}", label_arr, label_from, metric,
+        ev = cls(feeds, _sample_count(len(feeds), source) + f" sample(s) of {source.description}" +
+                 (" (--samples to use more)" if source.truncated else ""), label_arr, label_from, metric,
                  load_metric(metric) if metric else None, higher_is_better)
         return ev
 
@@ -135,6 +136,15 @@ class Evaluation:
             for i, v in enumerate(session_run(session, names, feed)):
                 per[i].append(np.asarray(v))
         return names, [concat(v) for v in per]
+
+
+def _sample_count(used: int, source: DataSource) -> str:
+    """``8``, or ``8 of 12`` when a --samples cap used fewer than the source holds (``first 8`` when its size is
+    unknown)."""
+    if not source.truncated:
+        return str(used)
+    total = source.available
+    return f"{used} of {total}" if total is not None else f"the first {used}"
 
 
 def concat(parts: Sequence[np.ndarray]) -> np.ndarray:

@@ -47,13 +47,16 @@ _RUNTIME_ERRORS = (QGraphError, ort_state.Fail, ort_state.RuntimeException, ort_
                    ort_state.NotImplemented, ort_state.InvalidGraph)
 
 
-def write_report(path: Path, recipe: Recipe, result: PipelineResult, evaluation: Evaluation | None = None) -> None:
+def write_report(path: Path, recipe: Recipe, result: PipelineResult, evaluation: Evaluation | None = None,
+                 check: dict[str, Any] | None = None) -> None:
     """Write the report of ``result`` (produced by ``recipe``): JSON for ``.json``, HTML for ``.html``; measured
-    on ``evaluation`` (held-out data, labels, metric) when given, else on the calibration data."""
+    on ``evaluation`` (held-out data, labels, metric) when given, else on the calibration data. ``check`` is the
+    end-of-run fidelity check (`qgraph.fidelity.OutputCheck.to_dict`), kept as is in the JSON."""
     suffix = Path(path).suffix.lower()
     if suffix not in (".json", ".html", ".htm"):
         raise QGraphError(f"--report {path}: unknown report format {suffix or '(none)'}; use .json or .html.")
     report = build_report(recipe, result, evaluation)
+    report.check = check
     write_text_atomic(path, dumps(report.to_dict()) if suffix == ".json" else report_html(report))
 
 
@@ -77,6 +80,8 @@ class RunReport:
     #: Q/DQ pairs ranked by the output error they cause, against the float model the quantizing pass received.
     attribution: Attribution | None = None
     graph_view: str = ""  # the changed regions as inline SVG (HTML only)
+    #: The fidelity check ``qgraph run`` printed (`qgraph.fidelity`), None when it did not run.
+    check: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``culprits``: the Q/DQ pairs, best first)."""
@@ -88,7 +93,7 @@ class RunReport:
             "passes": self.passes, "fidelity": self.fidelity,
             "layers": self.layers.to_dict() if self.layers is not None else None,
             "coverage": self.coverage.to_dict(), "skipped": self.skipped, "fallback": self.fallback,
-            "decisions": self.decisions,
+            "decisions": self.decisions, "check": self.check,
         }
 
 
@@ -124,9 +129,11 @@ def _top1(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int] | None:
     return int(np.sum(r.argmax(axis=1) == c.argmax(axis=1))), int(ref.shape[0])
 
 
-def stage_fidelity(reference: onnx.ModelProto, stages: Sequence[tuple[str, onnx.ModelProto]],
+def stage_fidelity(reference: onnx.ModelProto | str | Path,
+                   stages: Sequence[tuple[str, onnx.ModelProto | str | Path]],
                    feeds: list[Feed], evaluation: Evaluation | None = None) -> list[dict[str, Any]]:
-    """Per stage and output (by position): SQNR, cosine, max abs, relative error, top-1 agreement.
+    """Per stage and output (by position): SQNR, cosine, max abs, relative error, top-1 agreement, and the count
+    of NaN/Inf values in the reference and the stage (models in memory or as files).
 
     The reference outputs are computed once; each stage's outputs are folded into accumulators sample by sample.
     A stage onnxruntime cannot load or run gets a row with its error instead.
@@ -163,7 +170,8 @@ def stage_fidelity(reference: onnx.ModelProto, stages: Sequence[tuple[str, onnx.
             d = acc.result()
             rows.append({"stage": label, "output": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine,
                          "max_abs": d.max_abs, "relative": d.relative,
-                         "top1_agreement": hits / total if total else None, "metric": metric})
+                         "top1_agreement": hits / total if total else None, "metric": metric,
+                         "nonfinite_reference": d.nonfinite_reference, "nonfinite_candidate": d.nonfinite_candidate})
     return rows
 
 

@@ -77,3 +77,27 @@ def test_inspect_names_real_blockers_and_target_relevant_checks(tmp_path: Path,
     assert "saturation" not in text
     assert main(["inspect", str(DIGITS / "model.onnx"), "--opset", "13"]) == 0
     assert "converts to opset 13 with the same results" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("command", ["run", "calibrate", "sensitivity", "check", "validate", "diff", "passes"])
+def test_help_shows_what_to_type(command: str, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Help never eats `[ray]` as markup, flags show no `<bool>` value, arguments are upper-case names."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([command, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "<bool>" not in text and "--help " in text
+    usage = next(line for line in text.splitlines() if "Usage:" in line)
+    names = re.findall(r"[{\[]([A-Za-z_]+)[}\]]", usage.split("[OPTIONS]", 1)[1])
+    assert names and all(n.isupper() for n in names), usage
+    if command in ("run", "sensitivity"):
+        assert "pip install 'qgraph[ray]'" in text
+    if command == "run":
+        assert re.search(r"--verify +Check float-preserving", text) and "{RECIPE} {MODEL}..." in usage
+
+
+def test_root_help_flags(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "<bool>" not in text and re.search(r"--debug +Show tracebacks", text)

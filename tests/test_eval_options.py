@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qgraph.cli import main
@@ -36,10 +37,13 @@ def test_run_report_measures_on_held_out_data_with_the_metric(run_report: tuple[
     assert isinstance(culprits, list) and len(culprits) == 15 and culprits[0]["measured"]
 
 
-def test_eval_options_need_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(tmp_path / "x.onnx"), "-q",
-                 "--calibration-data", str(DIGITS / "calibration.npz"), "--metric", METRIC])
-    assert code == 2 and "give --report too" in capsys.readouterr().err
+def test_eval_options_need_something_to_measure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(tmp_path / "x.onnx"), "-q",
+            "--calibration-data", str(DIGITS / "calibration.npz")]
+    assert main([*args, "--metric", METRIC]) == 2
+    assert "need --eval-data" in capsys.readouterr().err
+    assert main([*args, "--eval-data", str(DIGITS / "eval.npz"), "--no-check"]) == 2
+    assert "drop --no-check or give --report" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
 
 
@@ -54,7 +58,7 @@ def test_sensitivity_ranks_by_the_metric_with_labels_and_prints_culprits(
     data = json.loads((folder / "sens.json").read_text())
     assert "labels" in data["data"] and data["culprits"]
     assert "Q/DQ pairs by their share of the output error" in captured.out
-    assert "evaluated on 64 sample(s)" in captured.err
+    assert "evaluated on 64 of 450 sample(s)" in captured.err
 
 
 def test_diff_reports_top1_agreement_and_the_metric(run_report: tuple[Path, dict[str, object]],
@@ -66,3 +70,16 @@ def test_diff_reports_top1_agreement_and_the_metric(run_report: tuple[Path, dict
     ev = data["numeric"]["evaluation"]
     assert code == 0 and ev["top1_agreement"] >= 0.99 and ev["metric_a"] == pytest.approx(0.98888888, abs=1e-6)
     assert abs(ev["metric_b"] - ev["metric_a"]) <= 0.005
+
+
+def test_diff_says_how_many_of_the_samples_it_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`diff --eval-data` reads 8 samples by default: it says `8 of 12` (and how to use more), never just `8`."""
+    with np.load(DIGITS / "eval.npz") as data:
+        np.savez(tmp_path / "twelve.npz", input=data["input"][:12])
+    args = ["diff", str(DIGITS / "model.onnx"), str(DIGITS / "model.onnx"), "--eval-data", str(tmp_path / "twelve.npz")]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "on 8 of 12 sample(s) of" in out and "(--samples to use more)" in out
+    assert main([*args, "--samples", "12"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "on 12 sample(s) of" in out and "--samples to use more" not in out

@@ -2,6 +2,7 @@
 
 Exit codes: 0 ok; 1 a run failed (a pass refused, verification failed, a write failed part-way); 2 bad input
 (usage, recipe, model, data, output path), printed as one paragraph without a traceback unless ``--debug``;
+3 ``run --min-sqnr`` not met (the model is written);
 130 interrupted by Ctrl-C, 143 by SIGTERM (no partial output is left: every output is written atomically).
 """
 

@@ -3,17 +3,50 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from qgraph.errors import UsageError
 
 if TYPE_CHECKING:
     from qgraph.executor import ExecutorSpec
 
+
+
+def _plain_params(params: list[Any]) -> list[Any]:
+    """Help that reads as the command line does: a flag shows no value (typer >= 0.29 would print ``<bool>``),
+    an argument its upper-case name (``RECIPE``, as in the usage line and the README)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and getattr(p, "metavar", None) is None:
+            p.metavar = ""
+        elif getattr(p, "param_type_name", "") == "argument" and p.metavar is None and p.name:
+            p.metavar = p.name.upper()
+    return params
+
+
+class QGraphCommand(TyperCommand):
+    """Every ``qgraph`` command (``@app.command(cls=QGraphCommand)``): see `_plain_params`."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        """The command's parameters, help option included, with the metavars of `_plain_params`."""
+        return _plain_params(super().get_params(ctx))
+
+
+class QGraphGroup(TyperGroup):
+    """The ``qgraph`` group (its own ``--debug``, ``--version``, ``--help``): see `_plain_params`."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        """The group's parameters with the metavars of `_plain_params`."""
+        return _plain_params(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=QGraphGroup,
+    # help is rich markup whatever typer's default: a literal '[' goes through `literal`
+    rich_markup_mode="rich",
     name="qgraph",
     help="Declarative ONNX graph transformations: float model → deployable INT8 model, checked at every step.",
     no_args_is_help=True,
@@ -50,11 +83,19 @@ def data_path(spec: str | None) -> Path | None:
     return p if p.exists() else None
 
 
+def literal(text: str) -> str:
+    """``text`` shown as written in help: typer parses help as rich markup when rich renders it (where
+    ``[ray]`` would read as a style tag and vanish), as plain text when it does not (``TYPER_USE_RICH=0``)."""
+    from rich.markup import escape
+
+    return escape(text) if getattr(typer.core, "HAS_RICH", True) else text
+
+
 ExecutorKind = Literal["local", "ray"]
 ExecutorOption = Annotated[
     ExecutorKind,
     typer.Option("--executor", help="Where independent tasks run: local (processes of this machine) or ray "
-                 "(Ray tasks; pip install 'qgraph[ray]')."),
+                 "(Ray tasks; pip install " + literal("'qgraph[ray]'") + ")."),
 ]
 AddressOption = Annotated[
     str | None,

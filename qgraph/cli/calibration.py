@@ -18,7 +18,16 @@ from rich.progress import (
 from rich.table import Table
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import AddressOption, ExecutorOption, app, data_path, executor_spec, need_positive, say
+from qgraph.cli._app import (
+    AddressOption,
+    ExecutorOption,
+    QGraphCommand,
+    app,
+    data_path,
+    executor_spec,
+    need_positive,
+    say,
+)
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.errors import UsageError
 from qgraph.outputs import check_output, check_outputs
@@ -27,7 +36,7 @@ from qgraph.outputs import check_output, check_outputs
 METHODS = ("minmax", "percentile", "entropy", "mse", "auto")
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def calibrate(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file (its preparation passes run first).")],
     model: Annotated[Path, typer.Argument(help="Float ONNX model.")],
@@ -113,10 +122,10 @@ def _print_fragile(calibrations: Any) -> None:
         _app.out.print(table)
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def sensitivity(
-    model_float: Annotated[Path, typer.Argument(help="Float ONNX model (the reference).")],
-    model_qdq: Annotated[Path, typer.Argument(help="QDQ model of it (from qgraph or any other tool).")],
+    model_float: Annotated[Path, typer.Argument(help="Float ONNX model (the reference).", metavar="FLOAT")],
+    model_qdq: Annotated[Path, typer.Argument(help="QDQ model of it (from qgraph or any other tool).", metavar="QDQ")],
     data: Annotated[str, typer.Option("--data", "--eval-data", help="Held-out evaluation data: .npz, folder, or "
                                       "module:function.")],
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the table (and search) as JSON.")] = None,

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import app, data_path, say
+from qgraph.cli._app import QGraphCommand, app, data_path, say
 
 LabelsOption = Annotated[
     str | None, typer.Option("--labels", help="Labels: FILE.npy, FILE.npz or FILE.npz:KEY (default: a 'labels' "
@@ -20,11 +20,11 @@ MetricOption = Annotated[
 LowerOption = Annotated[bool, typer.Option("--lower-is-better", help="The metric is an error (lower is better).")]
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def check(
     reference: Annotated[Path, typer.Argument(help="Reference ONNX model (FP32).")],
-    candidates: Annotated[list[Path] | None, typer.Argument(help="Later stages, in chain order (e.g. the INT8).")]
-    = None,
+    candidates: Annotated[list[Path] | None, typer.Argument(help="Later stages, in chain order (e.g. the INT8).",
+                                                            metavar="CANDIDATE")] = None,
     data: Annotated[str, typer.Option("--data", "--eval-data", help="Held-out data (.npz, folder, "
                                       "module:function).")] = "",
     labels: LabelsOption = None,

@@ -11,13 +11,13 @@ import typer
 from rich.table import Table
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import app, data_path, need_positive, say
+from qgraph.cli._app import QGraphCommand, app, data_path, need_positive, say
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.opsets import model_opset
 from qgraph.outputs import check_output, check_outputs
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def lower(
     model: Annotated[Path, typer.Argument(help="Input ONNX model (never modified).")],
     opset: Annotated[int, typer.Option("--opset", help="Target opset (lower or higher than the model's).")],
@@ -46,7 +46,7 @@ def lower(
     say(f"wrote {output}")
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def inspect(
     model: Annotated[Path, typer.Argument(help="ONNX model.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -94,7 +94,7 @@ def inspect(
     print_analysis(out, info["analysis"], top)
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def diff(
     a: Annotated[Path, typer.Argument(help="Reference model (before).")],
     b: Annotated[Path, typer.Argument(help="Candidate model (after).")],

@@ -16,14 +16,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import app, say
+from qgraph.cli._app import QGraphCommand, app, say
 from qgraph.errors import RecipeError
 from qgraph.outputs import check_output, write_atomic
 from qgraph.pass_api import PassClass, discover, get_pass
 
 
-@app.command()
-def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to check.")]) -> None:
+@app.command(cls=QGraphCommand)
+def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to check.", metavar="RECIPE")]) -> None:
     """Validate recipes; print every problem with file:line:column and a suggestion (every file is checked)."""
     from qgraph.recipe import Recipe
     from qgraph.recipe_yaml import RecipeValidationError
@@ -47,7 +47,7 @@ def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to
         raise typer.Exit(2)
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def schema(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write to a file.")] = None,
 ) -> None:
@@ -62,7 +62,7 @@ def schema(
     say(f"wrote {output}")
 
 
-@app.command("passes")
+@app.command("passes", cls=QGraphCommand)
 def list_passes(
     name: Annotated[str | None, typer.Argument(help="Show one pass in full (options, types, example).")] = None,
 ) -> None:

@@ -2,26 +2,40 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import AddressOption, ExecutorOption, app, data_path, executor_spec, need_positive, say
+from qgraph.cli._app import (
+    AddressOption,
+    ExecutorOption,
+    QGraphCommand,
+    app,
+    data_path,
+    executor_spec,
+    need_positive,
+    say,
+)
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
 from qgraph.pass_api import PassResult
-from qgraph.pipeline import PipelineEvent
+from qgraph.pipeline import PipelineEvent, PipelineResult
+
+if TYPE_CHECKING:
+    from qgraph.evaluation import Evaluation
+    from qgraph.fidelity import OutputCheck
 
 #: Items of each kind (skipped nodes, unmatched criteria, decisions) shown per pass in the terminal.
 SHOWN_PER_PASS = 3
 
 
-@app.command()
+@app.command(cls=QGraphCommand)
 def run(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML file.")],
     models: Annotated[list[Path], typer.Argument(help="Input ONNX model(s) (never modified); several need "
@@ -41,13 +55,18 @@ def run(
     verify: Annotated[bool, typer.Option("--verify", help="Check float-preserving passes numerically.")] = False,
     tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
     report: Annotated[Path | None, typer.Option("--report", help="Write a report (.json or .html).")] = None,
-    eval_data: Annotated[str | None, typer.Option("--eval-data", help="Held-out data the report measures on "
-                                                  "(default: the calibration data).")] = None,
+    eval_data: Annotated[str | None, typer.Option("--eval-data", help="Held-out data the check and the report "
+                                                  "measure on (default: the calibration data).")] = None,
     labels: LabelsOption = None,
     metric: MetricOption = None,
     patch: Annotated[
         list[Path] | None, typer.Option("--patch", help="Recipe patch(es) to append (e.g. from fallback).")
     ] = None,
+    check: Annotated[bool, typer.Option("--check/--no-check", help="At the end, measure each output against the "
+                                        "float model (SQNR, cosine, top-1) on --eval-data, else on 8 calibration "
+                                        "samples; one run of each model.")] = True,
+    min_sqnr: Annotated[float | None, typer.Option("--min-sqnr", metavar="DB", help="Exit 3 (the model is still "
+                                                   "written) when an output's SQNR is below DB or not finite.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display and no per-pass lines.")] = False,
     out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Several models: write DIR/<model stem>.int8.onnx "
                                                   "for each (each model a task; see --executor).")] = None,
@@ -67,8 +86,9 @@ def run(
         if output is not None:
             raise_usage("-o/--output names one model's output; with --out-dir every output is DIR/<model stem>"
                         ".int8.onnx: drop -o.")
-        if report is not None or eval_data or labels or metric:
-            raise_usage("--report, --eval-data, --labels and --metric work on one model: run it alone with -o.")
+        if report is not None or eval_data or labels or metric or min_sqnr is not None:
+            raise_usage("--report, --eval-data, --labels, --metric and --min-sqnr work on one model: run it alone "
+                        "with -o.")
         code = run_many_command(recipe, models, out_dir, patches=patch or [], spec=executor_spec(executor, address,
                                 jobs), calibration_data=calibration_data, samples=samples, data_layout=data_layout,
                                 verify=verify, tolerance=tolerance, quiet=quiet)
@@ -81,7 +101,7 @@ def run(
     if executor != "local" or address is not None or jobs is not None:
         raise_usage("--executor, --address and --jobs run several models (--out-dir); one model runs here.")
     _run_one(recipe, models[0], output, calibration_data, samples, data_layout, verify, tolerance, report, eval_data,
-             labels, metric, patch, quiet)
+             labels, metric, patch, quiet, check, min_sqnr)
 
 
 def raise_usage(message: str) -> NoReturn:
@@ -93,7 +113,8 @@ def raise_usage(message: str) -> NoReturn:
 
 def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | None, samples: int | None,
              data_layout: DataLayout, verify: bool, tolerance: float, report: Path | None, eval_data: str | None,
-             labels: str | None, metric: str | None, patch: list[Path] | None, quiet: bool) -> None:
+             labels: str | None, metric: str | None, patch: list[Path] | None, quiet: bool, check: bool = True,
+             min_sqnr: float | None = None) -> None:
     """The single-model ``qgraph run``."""
     from qgraph.recipe import Recipe
 
@@ -102,19 +123,20 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         from qgraph.errors import UsageError
 
         raise UsageError(f"--report {report}: give a .html or .json file name.")
-    if (eval_data or labels or metric) and report is None:
-        from qgraph.errors import UsageError
-
-        raise UsageError("--eval-data, --labels and --metric choose what the report measures: give --report too.")
-    if (labels or metric) and eval_data is None:  # before any work, not after the model is written
-        from qgraph.errors import UsageError
-
-        raise UsageError("--labels and --metric need --eval-data (held-out samples to score).")
+    if (eval_data or labels or metric) and report is None and not check:
+        raise_usage("--eval-data, --labels and --metric choose what the check and the report measure: drop "
+                    "--no-check or give --report.")
+    if (labels or metric) and not eval_data:
+        raise_usage("--labels and --metric need --eval-data (held-out samples to score).")
+    if min_sqnr is not None and (not check or math.isnan(min_sqnr) or math.isinf(min_sqnr)):
+        raise_usage(f"--min-sqnr {min_sqnr}: give a finite number of dB, without --no-check.")
     check_outputs({"-o": output, "--report": report},
                   inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
     rec = Recipe.from_yaml(recipe)
     for p in patch or []:
         rec = rec.apply_patch(p)
+    if min_sqnr is not None and not (eval_data or calibration_data or rec.calibration.data):
+        raise_usage("--min-sqnr needs samples to measure on: give --eval-data or --calibration-data.")
     pipeline = rec.pipeline()
     progress = Progress(
         SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
@@ -131,22 +153,48 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
             say(f"  data: {note}")
     result.save(output)
     say(f"wrote {output}")
-    if report is not None:
+    evaluation = None
+    if eval_data is not None:
         from qgraph.evaluation import Evaluation
         from qgraph.model_io import load_model
+
+        evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
+                                     metric=metric)
+    outcome = _check(model, output, result, evaluation) if check else None
+    if report is not None:
         from qgraph.report import write_report
 
-        evaluation = None
-        if eval_data is not None:
-            evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
-                                         metric=metric)
-        write_report(report, rec, result, evaluation)
+        write_report(report, rec, result, evaluation, outcome.to_dict() if outcome is not None else None)
         say(f"wrote report {report}")
     unmet = [f"pass #{r.index} {r.name}: {r.result.unmet}" for r in result.records if r.result.unmet]
     if unmet:
         from qgraph.errors import PassError
 
         raise PassError("; ".join(unmet) + ". Exit 1: a goal of the recipe was not reached.")
+    failed = outcome.failures(min_sqnr) if outcome is not None and min_sqnr is not None else []
+    if outcome is not None and failed:
+        from qgraph.errors import FidelityError
+
+        raise FidelityError(f"{'; '.join(failed)}: below --min-sqnr {min_sqnr:g} dB on {outcome.data}. {output} was "
+                            f"written; exit 3. See where the error comes from with qgraph diff {model} {output} "
+                            "--eval-data DATA, or keep the worst layers in float (float_fallback).")
+
+
+def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evaluation | None) -> OutputCheck | None:
+    """Measure the written model against the input model and print one line per output (see `qgraph.fidelity`);
+    None when no pass changed float results or there is no data."""
+    if not any(r.changed and not r.preserves_float for r in result.records):
+        return None  # float-preserving passes only: --verify is their check
+    from qgraph.fidelity import check_fidelity
+
+    outcome = check_fidelity(model, output, result.calibration_data, evaluation)
+    if outcome is None:
+        say("check: no data to measure the transformed model against the float model on: give --eval-data or "
+            "--calibration-data (or run qgraph diff MODEL OUTPUT --eval-data DATA).")
+        return None
+    for line in outcome.lines():
+        say(line)
+    return outcome
 
 
 def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -> Callable[[PipelineEvent], None]:

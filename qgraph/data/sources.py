@@ -41,6 +41,8 @@ class DataSource:
         self.layouts: list[LayoutChoice] = []
         #: Set when the source had more samples than `samples` allowed (the summary says so).
         self.truncated = False
+        #: Samples the source holds whatever the cap, when known without reading them (None: a data function).
+        self.available: int | None = None
 
     def bind(self, model: onnx.ModelProto) -> DataSource:
         """Validate against ``model``'s inputs (names, dtypes, ranks, static dims) and remember them."""
@@ -189,7 +191,8 @@ class NpzSource(DataSource):
         if names and names <= set(self.arrays):
             self.ignored = sorted(set(self.arrays) - names)
             self.arrays = {k: v for k, v in self.arrays.items() if k in names}
-        if self._count() == 0:
+        self.available = self._count()
+        if self.available == 0:
             raise DataError(f"{self.path}: the arrays hold 0 samples (axis 0 has size 0). Give at least one sample.")
         # Every sample is in memory already: check all of them now, before any work.
         for i, feed in enumerate(self._raw()):
@@ -206,6 +209,7 @@ class FolderSource(DataSource):
         self.files = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".npy"))
         if not self.files:
             raise DataError(f"{path}: no .npz or .npy files in this folder.")
+        self.available = len(self.files)
 
     def __len__(self) -> int:
         return len(self.files) if self.samples is None else min(len(self.files), self.samples)

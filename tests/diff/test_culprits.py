@@ -124,7 +124,7 @@ def test_run_report_names_the_same_three_pairs_on_held_out_data(quantized: dict[
     report = build_report(recipe, result, evaluation).to_dict()
     assert {c["tensor"] for c in report["culprits"][:3]} == {MISSCALED, CLIPPED, WEIGHT}
     assert all(_is_one_of_the_defects(c) for c in report["culprits"][:3])
-    assert report["data"].startswith("64 sample(s) of") and "metric" in report["data"]
+    assert report["data"].startswith("64 of 450 sample(s) of") and "metric" in report["data"]
     final = next(r for r in report["fidelity"] if r["stage"] == "final")
     original = next(r for r in report["fidelity"] if r["stage"] == "float original")
     import onnxruntime as ort

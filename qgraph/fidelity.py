@@ -1,0 +1,133 @@
+"""The fidelity check at the end of ``qgraph run``: how close the transformed model's outputs are to the float
+model's, on a few samples, printed as one line per output (and kept in the ``--report`` JSON as ``check``).
+
+For each graph output (by position), over the samples: SQNR ``10 log10(Σ r² / Σ (c - r)²)`` dB, cosine
+``<c, r> / (|c| |r|)``, max abs error and, for class scores ``[N, C]``, top-1 agreement (share of rows whose
+arg-max agrees) — the same numbers as the report's ``final`` fidelity row (`qgraph.report.stage_fidelity`).
+NaN/Inf in either model's output makes SQNR and cosine NaN and the line says so: never "no error".
+
+Cost: one run of each model on the samples (the held-out ``--eval-data`` when given, else the first
+`CHECK_SAMPLES` calibration samples, labelled as not held out); both models are loaded by onnxruntime from their
+files, so no second protobuf copy of the weights is made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from qgraph.data import DataSource, Feed
+from qgraph.evaluation import Evaluation
+from qgraph.report import stage_fidelity
+
+#: Calibration samples the check runs on when there is no held-out data.
+CHECK_SAMPLES = 8
+#: Outputs listed one per line; beyond it the worst ones are listed and the rest summarised.
+SHOWN_OUTPUTS = 8
+
+
+@dataclass
+class OutputCheck:
+    """Per-output fidelity of the transformed model against the float model (see module docs)."""
+
+    data: str
+    held_out: bool
+    #: One row per output: ``output``, ``sqnr_db``, ``cosine``, ``max_abs``, ``relative``, ``top1_agreement``,
+    #: ``metric``, ``nonfinite_reference``, ``nonfinite_candidate`` (or ``error`` when a model could not run).
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    float_metric: float | None = None
+
+    def failures(self, min_sqnr_db: float) -> list[str]:
+        """One phrase per output below ``min_sqnr_db`` or not comparable (NaN/Inf, a model that failed)."""
+        out = []
+        for r in self.rows:
+            if "error" in r:
+                out.append(f"the check failed: {r['error']}")
+            elif math.isnan(r["sqnr_db"]):
+                out.append(f"output {r['output']!r}: NaN/Inf values, not comparable")
+            elif r["sqnr_db"] < min_sqnr_db:
+                out.append(f"output {r['output']!r}: SQNR {r['sqnr_db']:.1f} dB")
+        return out
+
+    def lines(self) -> list[str]:
+        """What the terminal shows: a header naming the data, then one line per output (worst first beyond
+        `SHOWN_OUTPUTS`)."""
+        head = f"check against the float model on {self.data}:"
+        rows = self.rows
+        if len(rows) > SHOWN_OUTPUTS:
+            rows = sorted(rows, key=_badness)[:SHOWN_OUTPUTS]
+        lines = [head, *(f"  {_describe(r, self.float_metric)}" for r in rows)]
+        rest = [r for r in self.rows if r not in rows]
+        if rest:
+            low = min(r["sqnr_db"] for r in rest)
+            lines.append(f"  ... {len(rest)} more output(s), all at {low:.1f} dB SQNR or better (--report lists "
+                         "every one)")
+        return lines
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the ``check`` entry of the ``--report`` JSON)."""
+        return {"data": self.data, "held_out": self.held_out, "float_metric": self.float_metric,
+                "outputs": self.rows}
+
+
+def _badness(row: dict[str, Any]) -> tuple[int, float]:
+    """Sort key: failed runs and NaN first, then the lowest SQNR."""
+    if "error" in row:
+        return (0, 0.0)
+    sqnr = row["sqnr_db"]
+    return (1, 0.0) if math.isnan(sqnr) else (2, sqnr)
+
+
+def _describe(row: dict[str, Any], float_metric: float | None) -> str:
+    """One output's line."""
+    if "error" in row:
+        return f"could not run the check: {row['error']}"
+    name = row["output"]
+    if math.isnan(row["sqnr_db"]):
+        return (f"{name}: NaN/Inf in the outputs ({row['nonfinite_candidate']} value(s) in the transformed model, "
+                f"{row['nonfinite_reference']} in the float model): not comparable, not a match")
+    sqnr = "inf dB (identical)" if row["sqnr_db"] == math.inf else f"{row['sqnr_db']:.1f} dB"
+    parts = [f"SQNR {sqnr}", f"cosine {row['cosine']:.5f}", f"max abs error {row['max_abs']:.3g}"]
+    if row.get("top1_agreement") is not None:
+        parts.append(f"top-1 agreement {row['top1_agreement']:.1%}")
+    if row.get("metric") is not None:
+        base = f" (float {float_metric:.4g})" if float_metric is not None else ""
+        parts.append(f"metric {row['metric']:.4g}{base}")
+    return f"{name}: " + ", ".join(parts)
+
+
+def first_samples(data: DataSource, n: int = CHECK_SAMPLES) -> list[Feed]:
+    """The first ``n`` samples of ``data`` (read lazily: the rest is never loaded)."""
+    feeds: list[Feed] = []
+    for feed in data:
+        feeds.append(feed)
+        if len(feeds) >= n:
+            break
+    return feeds
+
+
+def check_fidelity(reference: onnx.ModelProto | str | Path, candidate: onnx.ModelProto | str | Path,
+                   data: DataSource | None, evaluation: Evaluation | None = None) -> OutputCheck | None:
+    """``candidate``'s outputs against ``reference``'s on ``evaluation``'s samples, else on the first
+    `CHECK_SAMPLES` of ``data`` (the calibration data: labelled not held out); None without samples."""
+    if evaluation is not None:
+        feeds, desc, held_out = evaluation.feeds, evaluation.describe(), evaluation.held_out
+    else:
+        feeds = first_samples(data) if data is not None else []
+        if not feeds:
+            return None
+        desc = (f"{len(feeds)} sample(s) of {data.description if data is not None else 'data'} — calibration "
+                "data (not held-out; give --eval-data for held-out numbers)")
+        held_out = False
+    scored = evaluation is not None and evaluation.metric is not None
+    stages: list[tuple[str, onnx.ModelProto | str | Path]] = [("final", candidate)]
+    if scored:  # the float model's own score, for comparison (one more run, only with a metric)
+        stages.insert(0, ("float", reference))
+    rows = stage_fidelity(reference, stages, feeds, evaluation)
+    float_metric = next((r.get("metric") for r in rows if r["stage"] == "float"), None)
+    final = [{k: v for k, v in r.items() if k != "stage"} for r in rows if r["stage"] == "final"]
+    return OutputCheck(desc, held_out, final, float_metric)
