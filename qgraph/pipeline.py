@@ -85,6 +85,8 @@ class PassRecord:
     #: Whether the graph changed, as measured by the pipeline (whatever the pass reported).
     changed: bool = False
     verify: list[TensorDiff] | None = None
+    #: The pass decides which nodes run in integer (`Pass.quantizes`): its skips explain float nodes first.
+    quantizes: bool = False
 
 
 @dataclass
@@ -264,6 +266,7 @@ class Pipeline:
             nodes_after=len(handle.graph.nodes),
             preserves_float=p.preserves_float,
             changed=measured.changed,
+            quantizes=p.quantizes,
         )
 
     def _with_target_opset(self) -> list[Pass[Any]]:
@@ -318,6 +321,7 @@ def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash
             "skipped_nodes": [s.to_dict() for s in r.result.skipped[:MAX_SKIPPED_IN_PROVENANCE]],
             "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after,
+            **({"quantizes": True} if r.quantizes else {}),
             **({"decisions": r.result.decisions} if r.result.decisions else {}),
         }
         for r in records

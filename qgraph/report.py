@@ -30,6 +30,7 @@ from qgraph.diff.graphview import changed_regions_html
 from qgraph.diff.html import esc, page, section, table, write_text_atomic
 from qgraph.diff.layers import NumericDiff
 from qgraph.diff.numeric import numeric_diff
+from qgraph.diff.provenance import Skip, float_reasons
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
 from qgraph.diff.render import coverage_html, dumps, numeric_html
 from qgraph.diff.render_culprits import culprits_html
@@ -191,7 +192,8 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             row["structural_short"] = sd.short()
             previous = stages[i]
         passes.append(row)
-    reasons = {s.node: f"{r.name}: {s.reason}" for r in result.records for s in r.result.skipped}
+    reasons = float_reasons(Skip(r.name, r.quantizes, s.node, s.reason) for r in result.records
+                            for s in r.result.skipped)
     report = RunReport(
         recipe={"name": recipe.name, "yaml": recipe.to_yaml(), "sha256": recipe.sha256()},
         data=feeds_desc,
