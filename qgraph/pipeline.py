@@ -170,7 +170,9 @@ class Pipeline:
         ``data_layout`` says how stacked arrays map to samples (`qgraph.data`). When the recipe's target names an
         opset, the model is converted to it after the last pass (a recorded step of its own). ``weightless``
         returns the output with its large weights as placeholders and their arrays in ``result.weights`` (for a
-        caller that hands them to onnxruntime: no protobuf copy of them is made).
+        caller that hands them to onnxruntime: no protobuf copy of them is made). ``verify`` checks every
+        float-preserving pass in onnxruntime on ``verify_samples`` inputs against ``verify_tolerance``, raised per
+        output to 4x the model's own float32 noise floor (`qgraph.verify`; ``result.verify_tolerance`` says which).
         """
         if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
             raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
