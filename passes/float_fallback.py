@@ -157,6 +157,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     name = PASS_NAME
     config_class = FloatFallbackConfig
     preserves_float = False
+    quantizes = True  # its skip reasons say why a node stayed float
     # After insert_qdq in one recipe: nodes going back to float get their float weights back, and auto mode
     # compares with the true float model (weight rounding and bias correction included).
     needs_float_reference = True

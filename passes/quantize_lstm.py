@@ -53,6 +53,7 @@ class QuantizeLSTM(Pass[QuantizeLSTMConfig]):
     """LSTM -> com.microsoft.DynamicQuantizeLSTM with int8 weights, in every scope (module docstring)."""
 
     name = "quantize_lstm"
+    quantizes = True  # its skip reasons say why an LSTM stayed float
     config_class = QuantizeLSTMConfig
     preserves_float = False
 

@@ -3,7 +3,7 @@
 Metrics, for a reference ``r`` and a candidate ``c`` of the same shape:
 
 - max abs error ``max|c - r|`` and its ratio to the output scale ``max|r|`` (the ``--verify`` criterion:
-  ``max|c - r| <= tol * max|r|``, tol = 1e-5 by default);
+  ``max|c - r| <= tol * max|r|``, tol = 1e-5 by default, raised to the model's noise floor: `qgraph.verify`);
 - cosine similarity ``<c, r> / (|c| |r|)``;
 - SQNR in dB ``10 log10(sum r² / sum (c - r)²)`` (inf when identical).
 """

@@ -14,18 +14,26 @@ would otherwise keep all their cyclic garbage until it ends). After it:
    required attributes, acyclic): a broken graph is "pass #i NAME produced an invalid graph: ..." (exit 1);
 6. ``ensures`` (the pass's own postconditions).
 
+An exception other than a qgraph error (`qgraph.errors.QGraphError`, already a message for the user) raised by the
+pass's own code (``requires``, ``run``, ``ensures``) becomes a `PassError` (exit 1) naming the pass (registered name
+and index in the recipe), the exception's type, message and innermost line, and whose bug it is: a built-in pass's is
+qgraph's, a plug-in's is its module's; the original exception is its ``__cause__`` (``--debug`` prints both).
+
 Each step is O(N): two graph walks per pass.
 """
 
 from __future__ import annotations
 
 import gc
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from qgraph.errors import PassError
+from qgraph.errors import PassError, QGraphError
 from qgraph.graph import GraphHandle, check_structure, graph_scopes
 from qgraph.pass_api import Pass, PassContext, PassResult
 
@@ -80,13 +88,15 @@ def _new_nodes(nodes: list[gs.Node], reference: list[gs.Node]) -> list[gs.Node]:
 def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) -> tuple[PassResult, Measured]:
     """Run ``p`` on ``handle`` under the contract (module docs); raises `PassError` when the pass breaks it."""
     where = f"pass #{index} {p.name!r}"
-    p.requires(handle, ctx)
+    with pass_code(p, where):
+        p.requires(handle, ctx)
     before = Snapshot.of(handle.graph)
     gc_was_enabled = gc.isenabled()
     if p.pause_gc:
         gc.disable()
     try:
-        result = p.run(handle, ctx)
+        with pass_code(p, where):
+            result = p.run(handle, ctx)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -107,5 +117,32 @@ def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) ->
     if problems:
         raise PassError(f"{where} produced an invalid graph: {'; '.join(problems)}. This is a bug in the pass (or an "
                         "unsupported pattern): exclude the nodes it touched or report it.")
-    p.ensures(handle, ctx, result)
+    with pass_code(p, where):
+        p.ensures(handle, ctx, result)
     return result, measured
+
+
+@contextmanager
+def pass_code(p: Pass[Any], where: str) -> Iterator[None]:
+    """Run a pass's own code: an exception that is not a qgraph error becomes a `PassError` naming the pass
+    (``where``: "pass #i 'name'"), the exception and whose bug it is (module docs); MemoryError passes through."""
+    try:
+        yield
+    except (QGraphError, MemoryError):
+        raise
+    except Exception as exc:
+        raise PassError(crash_message(p, where, exc)) from exc
+
+
+def crash_message(p: Pass[Any], where: str, exc: BaseException) -> str:
+    """``where`` failed: the exception's type, message and innermost line, and whom to report it to."""
+    cls = type(p)
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    text = str(exc).strip() or "(no message)"
+    if cls.__module__.split(".")[0] == "qgraph":
+        whose = "This is a bug in qgraph, please report it (with the recipe and, if you can, the model)"
+    else:
+        whose = (f"The error is in plug-in pass {cls.__qualname__} from module {cls.__module__}: report it to its "
+                 "authors, or leave the pass out of the recipe")
+    return f"{where} failed: {type(exc).__name__}: {text}{at}. {whose}; run with --debug for the traceback."

@@ -224,6 +224,10 @@ class Pass(Generic[C]):
     #: alike, yet no value changes): the float reference is taken after it, so it has the names and inputs of the
     #: graph that later passes quantize.
     keeps_float_values: ClassVar[bool] = False
+    #: True for a pass that decides which nodes run in integer (inserts Q/DQ or takes them out: insert_qdq,
+    #: float_fallback): its skip reasons answer "why is this node not integer" before any other pass's, whose
+    #: skips are about their own technique (equalization, bias correction).
+    quantizes: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, **options: Any) -> None:
         if config is not None and options:

@@ -13,7 +13,7 @@ import itertools
 import math
 import resource
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -22,16 +22,17 @@ import numpy as np
 import onnx
 
 from qgraph._version import __version__
-from qgraph.compare import TensorDiff, compare_models, random_feeds
+from qgraph.compare import TensorDiff, random_feeds
 from qgraph.contract import run_pass
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
-from qgraph.errors import UsageError, VerificationError
+from qgraph.errors import UsageError
 from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.graph.detach import fill_weights
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
 from qgraph.target import CalibrationSpec, TargetSpec
+from qgraph.verify import VerifyTolerance, check_pass, measure_tolerance
 
 #: At most this many skipped nodes (with reasons) per pass are written into the output model's metadata.
 MAX_SKIPPED_IN_PROVENANCE = 500
@@ -60,6 +61,8 @@ class PipelineEvent:
     peak_rss_mb: float | None = None
     result: PassResult | None = None
     verify: list[TensorDiff] | None = None
+    #: ``verify``: the tolerance the outputs were held to (the user's, raised by the model's noise floor).
+    tolerance: VerifyTolerance | None = None
     #: ``pass_progress``: the step (e.g. "calibrating"), units done and the total when known.
     task: str | None = None
     done: int | None = None
@@ -82,6 +85,8 @@ class PassRecord:
     #: Whether the graph changed, as measured by the pipeline (whatever the pass reported).
     changed: bool = False
     verify: list[TensorDiff] | None = None
+    #: The pass decides which nodes run in integer (`Pass.quantizes`): its skips explain float nodes first.
+    quantizes: bool = False
 
 
 @dataclass
@@ -97,6 +102,8 @@ class PipelineResult:
     calibration_data: DataSource | None = None
     #: With ``run(weightless=True)``: the values of ``model``'s placeholders by name (`qgraph.graph.detach`).
     weights: dict[str, np.ndarray] = field(default_factory=dict)
+    #: With ``run(verify=True)``: the tolerance every check used (`qgraph.verify`: raised by the noise floor).
+    verify_tolerance: VerifyTolerance | None = None
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
@@ -163,7 +170,9 @@ class Pipeline:
         ``data_layout`` says how stacked arrays map to samples (`qgraph.data`). When the recipe's target names an
         opset, the model is converted to it after the last pass (a recorded step of its own). ``weightless``
         returns the output with its large weights as placeholders and their arrays in ``result.weights`` (for a
-        caller that hands them to onnxruntime: no protobuf copy of them is made).
+        caller that hands them to onnxruntime: no protobuf copy of them is made). ``verify`` checks every
+        float-preserving pass in onnxruntime on ``verify_samples`` inputs against ``verify_tolerance``, raised per
+        output to 4x the model's own float32 noise floor (`qgraph.verify`; ``result.verify_tolerance`` says which).
         """
         if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
             raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
@@ -192,6 +201,7 @@ class Pipeline:
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
+        tolerance = measure_tolerance(source, verify_feeds, verify_tolerance) if verify else None
         kept = source if keep_input or keep_stages or verify else None
         if kept is None:
             ctx.input_model = None
@@ -222,10 +232,10 @@ class Pipeline:
                 current = handle.to_onnx()
                 if keep_stages:
                     stages.append(current)
-            if verify and previous is not None:
+            if tolerance is not None and previous is not None:
                 if p.preserves_float:
-                    record.verify = self._verify(p, i, previous, current, verify_feeds, verify_tolerance)
-                    emit(PipelineEvent("verify", total, i, p.name, verify=record.verify))
+                    record.verify = check_pass(p.name, i, previous, current, verify_feeds, tolerance)
+                    emit(PipelineEvent("verify", total, i, p.name, verify=record.verify, tolerance=tolerance))
                 previous = current
         out, held = handle.weightless_export()
         handle.release()  # the graph lets go of its weights: `held` is their last owner...
@@ -236,7 +246,7 @@ class Pipeline:
         del held
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, kept, stages, data, weights)
+        return PipelineResult(out, records, kept, stages, data, weights, tolerance)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
@@ -258,6 +268,7 @@ class Pipeline:
             nodes_after=len(handle.graph.nodes),
             preserves_float=p.preserves_float,
             changed=measured.changed,
+            quantizes=p.quantizes,
         )
 
     def _with_target_opset(self) -> list[Pass[Any]]:
@@ -299,35 +310,6 @@ class Pipeline:
                 return feeds
         return random_feeds(model, n)
 
-    @staticmethod
-    def _verify(
-        p: Pass[Any],
-        index: int,
-        before: onnx.ModelProto,
-        after: onnx.ModelProto,
-        feeds: Iterable[Feed],
-        tolerance: float,
-    ) -> list[TensorDiff]:
-        diffs = compare_models(before, after, feeds)
-        broken = [d for d in diffs if not d.finite]
-        if broken:
-            before_bad = [d for d in broken if d.nonfinite_reference]
-            whose = ("the model before it already produces NaN/Inf on the verification inputs, so results cannot be "
-                     "compared: fix the model or the data" if before_bad else
-                     "this is a bug in the pass or an unsupported pattern (e.g. a BatchNorm with negative variance "
-                     "folded into weights): exclude the affected nodes or fix the model")
-            raise VerificationError(f"pass #{index} {p.name!r}: {'; '.join(d.problem() or '' for d in broken)}; "
-                                    f"{whose}.")
-        worst = max(diffs, key=lambda d: d.relative, default=None)
-        if worst is not None and worst.max_abs > tolerance * max(worst.scale, 1e-12):
-            raise VerificationError(
-                f"pass #{index} {p.name!r} changed the model's results: output {worst.name!r} differs by "
-                f"max abs {worst.max_abs:.3g} (scale {worst.scale:.3g}, relative {worst.relative:.3g} > "
-                f"tolerance {tolerance:g}). This is a bug in the pass or an unsupported pattern: exclude the "
-                "affected nodes or report it."
-            )
-        return diffs
-
 
 def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash: str,
                       records: list[PassRecord]) -> None:
@@ -341,6 +323,7 @@ def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash
             "skipped_nodes": [s.to_dict() for s in r.result.skipped[:MAX_SKIPPED_IN_PROVENANCE]],
             "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after,
+            **({"quantizes": True} if r.quantizes else {}),
             **({"decisions": r.result.decisions} if r.result.decisions else {}),
         }
         for r in records

@@ -23,13 +23,14 @@ import numpy as np
 import onnx
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from qgraph.compare import DiffAccumulator, make_session, random_feeds, run
+from qgraph.compare import DiffAccumulator, TensorDiff, make_session, random_feeds, run
 from qgraph.data import Feed
 from qgraph.diff.culprits import Attribution, attribute
 from qgraph.diff.graphview import changed_regions_html
 from qgraph.diff.html import esc, page, section, table, write_text_atomic
 from qgraph.diff.layers import NumericDiff
 from qgraph.diff.numeric import numeric_diff
+from qgraph.diff.provenance import Skip, float_reasons
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
 from qgraph.diff.render import coverage_html, dumps, numeric_html
 from qgraph.diff.render_culprits import culprits_html
@@ -191,6 +192,7 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             "peak_rss_mb": rec.peak_rss_mb, "preserves_float": rec.preserves_float,
             "nodes_before": rec.nodes_before, "nodes_after": rec.nodes_after, **rec.result.to_dict(),
             "verify_worst_relative": max((d.relative for d in rec.verify), default=None) if rec.verify else None,
+            "verify_tolerance": _verify_tolerance(result, rec.verify),
         }
         if i < len(stages) and previous is not None:
             sd = structural_diff(previous, stages[i])
@@ -198,7 +200,8 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             row["structural_short"] = sd.short()
             previous = stages[i]
         passes.append(row)
-    reasons = {s.node: f"{r.name}: {s.reason}" for r in result.records for s in r.result.skipped}
+    reasons = float_reasons(Skip(r.name, r.quantizes, s.node, s.reason) for r in result.records
+                            for s in r.result.skipped)
     report = RunReport(
         recipe={"name": recipe.name, "yaml": recipe.to_yaml(), "sha256": recipe.sha256()},
         data=feeds_desc,
@@ -213,6 +216,9 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
                    for kind, items in (("decision", r.result.decisions), ("matched nothing", r.result.unmatched))
                    for text in items],
     )
+    tol = result.verify_tolerance
+    if tol is not None and (tol.raised or tol.note):  # host-dependent: shown here, never in the model
+        report.decisions.insert(0, {"pass": "--verify", "kind": "host-dependent", "text": tol.describe()})
     if source is None:
         report.notes.append("no input model in the result: no fidelity or per-layer data.")
         return report
@@ -233,6 +239,15 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             report.notes.append(f"Q/DQ attribution failed: {str(exc).splitlines()[0][:300]}")
     report.graph_view = changed_regions_html(source, result.model, report.layers)
     return report
+
+
+def _verify_tolerance(result: PipelineResult, diffs: Sequence[TensorDiff] | None) -> float | None:
+    """The tolerance ``--verify`` held the pass's worst output (by relative error) to, None when not verified."""
+    tol = result.verify_tolerance
+    if tol is None or not diffs:
+        return None
+    worst = max(range(len(diffs)), key=lambda i: diffs[i].relative)
+    return tol.for_output(worst)
 
 
 def _last_float_stage(source: onnx.ModelProto, stages: Sequence[onnx.ModelProto]) -> onnx.ModelProto:
@@ -280,7 +295,7 @@ def report_html(report: RunReport) -> str:
     notes = "".join(f'<p class="muted">{esc(n)}</p>' for n in report.notes)
     pass_rows = [[p["index"], p["pass"], f"{p['seconds']:.3f}", f"{p['peak_rss_mb']:.0f}", p["matched"], p["rewritten"],
                   len(p["skipped"]), f"{p['nodes_before']} → {p['nodes_after']}", p.get("structural_short", "-"),
-                  p["verify_worst_relative"]] for p in report.passes]
+                  p["verify_worst_relative"], p.get("verify_tolerance")] for p in report.passes]
     fid_rows: list[list[Any]] = []
     fid_cls: list[str] = []
     for r in report.fidelity:
@@ -297,7 +312,8 @@ def report_html(report: RunReport) -> str:
         section("Recipe", f'<pre id="recipe">{esc(report.recipe["yaml"])}</pre>'
                 f'<p class="muted">sha256 {esc(report.recipe["sha256"])}</p>', "recipe-section"),
         section("Passes", table(["#", "pass", "seconds", "peak RSS MB", "matched", "rewritten", "skipped", "nodes",
-                                 "structural diff", "verify (worst relative)"], pass_rows, table_id="passes"),
+                                 "structural diff", "verify (worst relative)", "verify tolerance"], pass_rows,
+                                table_id="passes"),
                 "passes-section"),
         section("Fidelity per stage", f"<p>Each stage against the float original on {esc(report.data)}.</p>"
                 + table(["stage", "output", "SQNR dB", "cosine", "max abs", "relative", "top-1 agreement", "metric"],

@@ -205,3 +205,77 @@ def test_skip_takes_a_node_by_its_name() -> None:
     assert [s.node for s in res.skipped] == ["r1", "r2"]
     with pytest.raises(TypeError, match="node name"):
         res.skip(3, "why")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ passes that raise
+class _Raising(Pass[_Cfg]):
+    """A plug-in whose run() raises a plain Python exception (a bug in it)."""
+
+    name = "test_raising"
+    config_class = _Cfg
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:  # type: ignore[override]
+        raise ValueError(f"cannot handle mode {self.config.mode!r}")
+
+
+def test_an_exception_in_a_plugin_pass_names_the_pass_and_its_module() -> None:
+    with pytest.raises(PassError) as err:
+        Pipeline([_Broken(mode="none"), _Raising(mode="odd")]).run(_mul_model())
+    message = err.value.message
+    assert message.startswith("pass #1 'test_raising' failed: ValueError: cannot handle mode 'odd' at ")
+    assert f"test_pass_contract.py:{_Raising.run.__code__.co_firstlineno + 1}" in message  # the raising line
+    assert f"plug-in pass _Raising from module {__name__}" in message
+    assert "run with --debug for the traceback" in message and "bug in qgraph" not in message
+    assert err.value.exit_code == 1 and isinstance(err.value.__cause__, ValueError)
+
+
+def test_an_exception_in_a_builtin_pass_is_a_qgraph_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    cleanup = pass_api.get_pass("cleanup")
+
+    def crash(self: Any, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        return {}["missing"]  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(cleanup, "run", crash)
+    with pytest.raises(PassError) as err:
+        Pipeline([cleanup()]).run(_mul_model())
+    message = err.value.message
+    assert message.startswith("pass #0 'cleanup' failed: KeyError: 'missing' at ")
+    assert "This is a bug in qgraph, please report it" in message and "plug-in" not in message
+
+
+def test_qgraph_errors_raised_by_a_pass_pass_through_unchanged() -> None:
+    class Refuses(Pass[_Cfg]):
+        """Raises a typed error of its own: already a message for the user."""
+
+        name = "test_refuses"
+        config_class = _Cfg
+
+        def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:  # type: ignore[override]
+            raise PassError("no Conv to work on: add one")
+
+    with pytest.raises(PassError) as err:
+        Pipeline([Refuses()]).run(_mul_model())
+    assert err.value.message == "no Conv to work on: add one"
+
+
+def test_the_cli_reports_a_crashing_plugin_pass_without_a_traceback(tmp_path: Any,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from qgraph.cli import main
+    from qgraph.model_io import save_model
+
+    src = save_model(_mul_model(), tmp_path / "m.onnx")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: crash\npasses:\n  - pass: cleanup\n  - pass: test_raising\n    mode: odd\n")
+    pass_api.discover()
+    pass_api.register(_Raising)
+    try:
+        code = main(["run", str(recipe), str(src), "-o", str(tmp_path / "out.onnx"), "-q"])
+        err = " ".join(capsys.readouterr().err.split())
+        assert code == 1 and not (tmp_path / "out.onnx").exists()
+        assert "error: pass #1 'test_raising' failed: ValueError: cannot handle mode 'odd'" in err
+        assert "run with --debug for the traceback" in err and "Traceback" not in err
+        with pytest.raises(PassError) as raised:  # --debug: the exception itself, its cause chained
+            main(["--debug", "run", str(recipe), str(src), "-o", str(tmp_path / "out.onnx"), "-q"])
+        assert isinstance(raised.value.__cause__, ValueError)
+    finally:
+        pass_api._REGISTRY.pop(_Raising.name, None)

@@ -46,6 +46,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
     name = "insert_qdq"
     config_class = InsertQDQConfig
     preserves_float = False
+    quantizes = True  # its skip reasons say why a node stayed float
 
     @classmethod
     def help_text(cls) -> str:

@@ -1,7 +1,8 @@
 """The ``qgraph`` command line.
 
 Exit codes: 0 ok; 1 a run failed (a pass refused, verification failed, a write failed part-way); 2 bad input
-(usage, recipe, model, data, output path), printed as one paragraph without a traceback unless ``--debug``;
+(usage, recipe, model, data, output path), printed as one paragraph without a traceback unless ``--debug`` (so is
+an exception inside a pass: `qgraph.contract` names the pass and exits 1);
 3 ``run --min-sqnr`` not met (the model is written);
 130 interrupted by Ctrl-C, 143 by SIGTERM (no partial output is left: every output is written atomically).
 """
@@ -33,7 +34,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for input errors.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks (input errors, a pass that failed).")] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,

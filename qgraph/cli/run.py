@@ -217,11 +217,23 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
             if not quiet:
                 print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb)
         elif ev.kind == "verify" and ev.verify and not quiet:
-            worst = max(ev.verify, key=lambda d: d.relative)
-            progress.console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}",
-                                   markup=False, highlight=False)
+            print_verified(progress.console, ev, explain="explained" not in steps)
+            steps["explained"] = True
 
     return on_event
+
+
+def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
+    """The verification line of a pass: its worst output against that output's tolerance; with ``explain``, also
+    where the tolerance comes from when the model's noise floor raised it (`qgraph.verify`)."""
+    tol = ev.tolerance
+    limits = [tol.for_output(i) if tol is not None else 1.0 for i in range(len(ev.verify or []))]
+    i, worst = max(enumerate(ev.verify or []), key=lambda t: t[1].relative / limits[t[0]])
+    used = f" (tolerance {limits[i]:.2g})" if tol is not None else ""
+    console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}{used}",
+                  markup=False, highlight=False)
+    if explain and tol is not None and (tol.raised or tol.note):
+        console.print(f"    {tol.describe()}", markup=False, highlight=False)
 
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None) -> None:

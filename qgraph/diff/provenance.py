@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -20,17 +22,54 @@ def json_or_none(text: str | None) -> Any:
         return None
 
 
-def provenance_reasons(passes: list[dict[str, Any]]) -> dict[str, str]:
-    """Node name -> ``"<pass>: <reason>"`` from per-pass stats that list skipped nodes with reasons."""
+#: Passes recorded before ``Pass.quantizes`` existed whose skips say why a node stayed float.
+_QUANTIZING_BY_NAME = frozenset({"insert_qdq", "float_fallback", "quantize_lstm"})
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One pass leaving one node alone: the pass, whether it decides quantization (`Pass.quantizes`), why."""
+
+    pass_name: str
+    quantizes: bool
+    node: str
+    reason: str
+
+
+def float_reasons(skips: Iterable[Skip]) -> dict[str, str]:
+    """Node name -> why it is not integer, ``"<pass>: <reason>"``, from the skips of a run in pass order.
+
+    The reason of a pass that decides quantization (insert_qdq, float_fallback) wins: a preparation pass's skip
+    (equalize_weights: "not scale-equivariant") is about its own technique, and a later pass's skip (correct_bias:
+    "its weight is not read through a DequantizeLinear") is a consequence of the node being float. Without a
+    quantizing pass's reason, the first pass's reason is shown. Other passes that skipped the node are named
+    after it (``(also skipped by equalize_weights, correct_bias)``).
+    """
+    by_node: dict[str, list[Skip]] = {}
+    for s in skips:
+        by_node.setdefault(s.node, []).append(s)
     out: dict[str, str] = {}
+    for node, items in by_node.items():
+        ordered = sorted(items, key=lambda s: not s.quantizes)  # stable: pass order within each group
+        first = ordered[0]
+        others = list(dict.fromkeys(s.pass_name for s in ordered[1:] if s.pass_name != first.pass_name))
+        also = f" (also skipped by {', '.join(others)})" if others else ""
+        out[node] = f"{first.pass_name}: {first.reason}{also}"
+    return out
+
+
+def provenance_reasons(passes: list[dict[str, Any]]) -> dict[str, str]:
+    """Node name -> why it is not integer (`float_reasons`) from the per-pass stats of a model's provenance."""
+    skips: list[Skip] = []
     for stat in passes:
+        name = str(stat.get("pass", "?"))
+        quantizes = bool(stat.get("quantizes")) or name in _QUANTIZING_BY_NAME
         for key in ("skipped_nodes", "skipped"):
             items = stat.get(key)
             if isinstance(items, list):
-                for s in items:
-                    if isinstance(s, dict) and "node" in s and "reason" in s:
-                        out.setdefault(str(s["node"]), f"{stat.get('pass', '?')}: {s['reason']}")
-    return out
+                skips.extend(Skip(name, quantizes, str(s["node"]), str(s["reason"])) for s in items
+                             if isinstance(s, dict) and "node" in s and "reason" in s)
+    return float_reasons(skips)
 
 
 def metadata_changes(a: onnx.ModelProto, b: onnx.ModelProto) -> dict[str, list[str | None]]:

@@ -3,7 +3,7 @@
 * real architecture graphs from the onnx wheel with seeded realistic weights:
   :func:`light_model_path`, :func:`materialize_light_model`, :func:`cached_light_model`;
 * synthetic graphs: :func:`conv_bn_relu_chain`, :func:`matmul_add_relu_chain`, :func:`conv_bn_net`,
-  :func:`mobilenet_v2`,
+  :func:`mobilenet_v2`, :func:`offset_conv_bn_chain` (float32 noise above 1e-5 relative: ``--verify`` tests),
   :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`),
   :func:`mode_switched_net`, :func:`level_switched_net` (compute in If branches chosen by an input; + their
   ``*_feeds``);
@@ -29,7 +29,13 @@ from qgraph.testing.light import (
 from qgraph.testing.mobilenet import mobilenet_v2
 from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
 from qgraph.testing.runtime import graph_inputs, make_session, ort_quantize_static, random_feeds, run_ort
-from qgraph.testing.synthetic import conv_bn_net, conv_bn_relu_chain, fragile_resnet, matmul_add_relu_chain
+from qgraph.testing.synthetic import (
+    conv_bn_net,
+    conv_bn_relu_chain,
+    fragile_resnet,
+    matmul_add_relu_chain,
+    offset_conv_bn_chain,
+)
 from qgraph.testing.transformer import transformer_encoder, transformer_encoder_inputs
 
 __all__ = [
@@ -52,6 +58,7 @@ __all__ = [
     "mobilenet_v2",
     "mode_feeds",
     "mode_switched_net",
+    "offset_conv_bn_chain",
     "ort_quantize_static",
     "random_feeds",
     "run_ort",

@@ -260,3 +260,40 @@ def fragile_resnet(
     add_initializer(g, "head.bias", np.zeros(10, np.float32))
     add_node(g, "Gemm", ["flat", "head.weight", "head.bias"], ["logits"], "head/fc", transB=1)
     return model
+
+
+def offset_conv_bn_chain(
+    blocks: int = 4, channels: int = 32, spatial: int = 24, offset: float = 100.0, *, seed: int = 0, opset: int = 17
+) -> onnx.ModelProto:
+    """A chain whose float32 results are noisy under any reordering: its ``--verify`` noise floor is ~6e-5.
+
+    Each block is ``Add(+offset) -> Conv 3x3 (no padding) -> BatchNormalization -> Relu``; the BN mean cancels
+    the offset's contribution (``mean_c = offset * sum(W_c)``), so every Conv output is ~``offset * |sum W_c|``
+    large while the block output is O(1): float32 rounding of the large sums (~1e-7 of them) survives the
+    cancellation as ~1e-5..1e-4 relative error, as in a real detector's deep layers. ``x [1, channels, spatial,
+    spatial]`` -> ``y [1, channels, spatial - 2 blocks, ...]``. With the defaults onnxruntime's own graph
+    optimizations move ``y`` by 6.1e-5 relative (onnxruntime 1.31, x86).
+    """
+    rng = np.random.default_rng(seed)
+    model = new_model(opset, "offset_conv_bn_chain")
+    graph = model.graph
+    graph.input.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, spatial, spatial]))
+    previous = "x"
+    for i in range(blocks):
+        weight = (rng.standard_normal((channels, channels, 3, 3)) * np.sqrt(2.0 / (channels * 9))).astype(np.float32)
+        add_initializer(graph, f"b{i}/offset", np.array(offset, np.float32))
+        add_node(graph, "Add", [previous, f"b{i}/offset"], [f"b{i}/shifted"], f"b{i}/shift")
+        add_initializer(graph, f"b{i}/conv.weight", weight)
+        add_node(graph, "Conv", [f"b{i}/shifted", f"b{i}/conv.weight"], [f"b{i}/conv_out"], f"b{i}/conv",
+                 kernel_shape=[3, 3])
+        bn = _bn_params(rng, 1, channels)[0]
+        bn[2] = offset * weight.sum(axis=(1, 2, 3))  # the mean cancels the offset
+        names = [f"b{i}/bn.{p}" for p in ("scale", "bias", "mean", "var")]
+        for array, name in zip(bn, names, strict=True):
+            add_initializer(graph, name, np.ascontiguousarray(array))
+        add_node(graph, "BatchNormalization", [f"b{i}/conv_out", *names], [f"b{i}/bn_out"], f"b{i}/bn", epsilon=1e-5)
+        previous = "y" if i == blocks - 1 else f"b{i}/relu_out"
+        add_node(graph, "Relu", [f"b{i}/bn_out"], [previous], f"b{i}/relu")
+        spatial -= 2
+    graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, spatial, spatial]))
+    return model
