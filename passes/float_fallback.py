@@ -196,6 +196,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             res.matched = len(nodes)
             outcome = fall_back(graph, nodes, reference=weights)
             _record(res, outcome)
+            selector, ops = self.config.nodes, {n.name: n.op for n in nodes}
+            for name in outcome.fallen_back:
+                res.keep_float(name, f"returned to float (selected: {selector.criterion(name, ops.get(name, ''))})")
         if self.config.auto is not None:
             self._auto(graph, ctx, res, floats, weights)
         res.rewritten = len(res.details.get("fallen_back", []))
@@ -265,7 +268,14 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             )
         if result.nodes:
             chosen = select(graph, NodeSelector(names=tuple(result.nodes))).nodes
-            _record(res, fall_back(graph, chosen, reference=weights))
+            outcome = fall_back(graph, chosen, reference=weights)
+            _record(res, outcome)
+            order = {name: i for i, name in enumerate(result.nodes)}
+            verdict = "met" if result.target_met else "NOT met"
+            for name in outcome.fallen_back:
+                res.keep_float(name, f"returned to float (auto: #{order.get(name, 0) + 1} of the "
+                                     f"{len(result.nodes)} node(s) chosen, ranked by {auto.cost}; "
+                                     f"{result.target.describe()} {verdict}, score {result.score:.4g})")
             res.matched += len(result.nodes)
 
 

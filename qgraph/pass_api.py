@@ -84,6 +84,13 @@ class PassResult:
     #: A goal the pass could not reach (e.g. an accuracy target within its time budget), in one sentence. The
     #: model keeps the best the pass found and is still written; `qgraph run` then exits 1.
     unmet: str | None = None
+    #: Nodes this pass deliberately put (back) in float, with why (float_fallback): the answer to "why is this
+    #: node not integer" that wins over any pass's skip. Not skips (the pass acted on them), so not counted as such.
+    kept_float: list[Skipped] = field(default_factory=list)
+
+    def keep_float(self, node: str, reason: str) -> None:
+        """Record that this pass put ``node`` (its name) in float on purpose, because of ``reason``."""
+        self.kept_float.append(Skipped(node, reason))
 
     def skip(self, node: str, reason: str) -> None:
         """Record that ``node`` (its name; a node object is taken by its ``name``) was left alone because of
@@ -113,6 +120,7 @@ class PassResult:
             "decisions": self.decisions,
             "unmatched": self.unmatched,
             "unmet": self.unmet,
+            **({"kept_float": [s.to_dict() for s in self.kept_float]} if self.kept_float else {}),
         }
 
 

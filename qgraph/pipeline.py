@@ -321,6 +321,8 @@ def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash
             "skipped": len(r.result.skipped),
             # Reasons travel with the model (capped) so `qgraph diff` can say why a node stayed float.
             "skipped_nodes": [s.to_dict() for s in r.result.skipped[:MAX_SKIPPED_IN_PROVENANCE]],
+            **({"kept_float": [s.to_dict() for s in r.result.kept_float[:MAX_SKIPPED_IN_PROVENANCE]]}
+               if r.result.kept_float else {}),
             "nodes_before": r.nodes_before,
             "nodes_after": r.nodes_after,
             **({"quantizes": True} if r.quantizes else {}),

@@ -200,8 +200,10 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             row["structural_short"] = sd.short()
             previous = stages[i]
         passes.append(row)
-    reasons = float_reasons(Skip(r.name, r.quantizes, s.node, s.reason) for r in result.records
-                            for s in r.result.skipped)
+    reasons = float_reasons([*(Skip(r.name, r.quantizes, s.node, s.reason, True) for r in result.records
+                                 for s in r.result.kept_float),
+                             *(Skip(r.name, r.quantizes, s.node, s.reason) for r in result.records
+                               for s in r.result.skipped)])
     report = RunReport(
         recipe={"name": recipe.name, "yaml": recipe.to_yaml(), "sha256": recipe.sha256()},
         data=feeds_desc,

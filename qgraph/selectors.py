@@ -72,6 +72,19 @@ class NodeSelector(BaseModel):
             parts.append(f"exclude=({self.exclude.describe()})")
         return ", ".join(parts) or "all nodes"
 
+    def criterion(self, name: str, op_type: str) -> str:
+        """Which include criterion selects a node of this name and op type, for a reason shown per node
+        (``name in nodes.names``, ``regex '^enc/' in nodes.regex``, ...). Ranges are not resolved here: a
+        node no other criterion names is said to be in a range (or everything, for an empty selector)."""
+        if name in self.names:
+            return "name in nodes.names"
+        pattern = next((p for p in self.regex if re.search(p, name)), None)
+        if pattern is not None:
+            return f"regex {pattern!r} in nodes.regex"
+        if op_type in self.op_types:
+            return f"op_type {op_type} in nodes.op_types"
+        return "in a range of nodes.ranges" if self.ranges else "all nodes selected"
+
 
 @dataclass
 class Selection:

@@ -28,19 +28,23 @@ _QUANTIZING_BY_NAME = frozenset({"insert_qdq", "float_fallback", "quantize_lstm"
 
 @dataclass(frozen=True)
 class Skip:
-    """One pass leaving one node alone: the pass, whether it decides quantization (`Pass.quantizes`), why."""
+    """One pass leaving one node alone: the pass, whether it decides quantization (`Pass.quantizes`), why.
+    ``kept``: the pass put the node in float on purpose (`PassResult.kept_float`) rather than skipping it."""
 
     pass_name: str
     quantizes: bool
     node: str
     reason: str
+    kept: bool = False
 
 
 def float_reasons(skips: Iterable[Skip]) -> dict[str, str]:
     """Node name -> why it is not integer, ``"<pass>: <reason>"``, from the skips of a run in pass order.
 
-    The reason of a pass that decides quantization (insert_qdq, float_fallback) wins: a preparation pass's skip
-    (equalize_weights: "not scale-equivariant") is about its own technique, and a later pass's skip (correct_bias:
+    A pass that put the node in float on purpose (``kept``: float_fallback returning a quantized node to float)
+    wins over every skip. Otherwise the reason of a pass that decides quantization (insert_qdq) wins: a
+    preparation pass's skip (equalize_weights: "not scale-equivariant") is about its own technique, and a later
+    pass's skip (correct_bias:
     "its weight is not read through a DequantizeLinear") is a consequence of the node being float. Without a
     quantizing pass's reason, the first pass's reason is shown. Other passes that skipped the node are named
     after it (``(also skipped by equalize_weights, correct_bias)``).
@@ -50,7 +54,7 @@ def float_reasons(skips: Iterable[Skip]) -> dict[str, str]:
         by_node.setdefault(s.node, []).append(s)
     out: dict[str, str] = {}
     for node, items in by_node.items():
-        ordered = sorted(items, key=lambda s: not s.quantizes)  # stable: pass order within each group
+        ordered = sorted(items, key=lambda s: (not s.kept, not s.quantizes))  # stable: pass order in a group
         first = ordered[0]
         others = list(dict.fromkeys(s.pass_name for s in ordered[1:] if s.pass_name != first.pass_name))
         also = f" (also skipped by {', '.join(others)})" if others else ""
@@ -64,10 +68,10 @@ def provenance_reasons(passes: list[dict[str, Any]]) -> dict[str, str]:
     for stat in passes:
         name = str(stat.get("pass", "?"))
         quantizes = bool(stat.get("quantizes")) or name in _QUANTIZING_BY_NAME
-        for key in ("skipped_nodes", "skipped"):
+        for key in ("kept_float", "skipped_nodes", "skipped"):
             items = stat.get(key)
             if isinstance(items, list):
-                skips.extend(Skip(name, quantizes, str(s["node"]), str(s["reason"])) for s in items
+                skips.extend(Skip(name, quantizes, str(s["node"]), str(s["reason"]), key == "kept_float") for s in items
                              if isinstance(s, dict) and "node" in s and "reason" in s)
     return float_reasons(skips)
 

@@ -73,3 +73,25 @@ def test_diff_and_report_show_the_quantizing_pass_reason() -> None:
     for coverage in (diffed, reported):
         assert coverage["conv0"].status == "float" and coverage["conv0"].reason == expected
         assert coverage["conv2"].status == "int8" and coverage["conv2"].reason == ""
+
+
+
+def test_float_fallback_reason_wins_and_is_not_a_skip() -> None:
+    model = _model()
+    feeds = [{"x": np.random.default_rng(s).standard_normal((1, 8, 16, 16)).astype(np.float32)} for s in range(4)]
+    recipe = Recipe("back", [get_pass("equalize_weights")(),
+                             get_pass("insert_qdq")(preset="ort-x86-vnni", latency={"mode": "off"}),
+                             get_pass("float_fallback")(nodes={"names": ["conv0"], "op_types": ["Gemm"]})])
+    result = Pipeline(recipe.passes, recipe=recipe).run(model, calibration_data=CallableSource(lambda: feeds, "t"),
+                                                        keep_stages=True)
+    fallback = result.records[-1].result
+    assert fallback.skipped == [] and sorted(fallback.details["fallen_back"]) == ["conv0", "gemm6"]
+    assert [s.node for s in result.records[0].result.skipped] == ["conv0"]  # equalize_weights: HardSwish follows
+    diffed = {n.node: n for n in structural_diff(model, result.model).coverage_b.nodes}
+    reported = {n.node: n for n in build_report(recipe, result).coverage.nodes}
+    for coverage in (diffed, reported):
+        assert coverage["conv0"].status == "float" and coverage["conv0"].reason == (
+            "float_fallback: returned to float (selected: name in nodes.names) (also skipped by equalize_weights)")
+        assert coverage["gemm6"].status == "float" and coverage["gemm6"].reason == (
+            "float_fallback: returned to float (selected: op_type Gemm in nodes.op_types)")
+        assert coverage["conv2"].status == "int8" and coverage["conv2"].reason == ""
