@@ -36,14 +36,34 @@ from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point, fake_q
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
-def cle_scales(r1: np.ndarray, r2: np.ndarray, min_scale: float = 0.0, max_scale: float = np.inf) -> np.ndarray:
-    """Cross-layer equalization scales ``s_i = sqrt(r1_i · r2_i) / r2_i``, clipped to ``[min_scale, max_scale]``.
+def dead_channels(r1: np.ndarray, r2: np.ndarray, dead: float) -> np.ndarray:
+    """Channels CLE leaves alone: a range on either side that is 0, not finite, or below ``dead`` times that
+    side's largest range (``r1_i < dead · max r1`` or ``r2_i < dead · max r2``).
 
-    Channels where either range is 0 (or not finite) get ``s = 1``: there is nothing to balance.
+    Why: ``s_i = sqrt(r1_i / r2_i)`` degenerates there. A channel layer 1 (almost) never produces (``r1_i`` ~
+    1e-34 after folding a BatchNorm with a vanishing scale) or layer 2 (almost) never reads gets ``s_i`` ~ 1e-14
+    or 1e+4 per round, which equalizes nothing useful (it carries no signal) and pushes the other layer's weight
+    for that channel to an extreme that only adds float rounding.
     """
     r1 = np.asarray(r1, dtype=np.float64)
     r2 = np.asarray(r2, dtype=np.float64)
-    ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
+    fin1, fin2 = np.isfinite(r1), np.isfinite(r2)
+    top1 = float(r1[fin1].max()) if fin1.any() else 0.0
+    top2 = float(r2[fin2].max()) if fin2.any() else 0.0
+    ok = (r1 > 0) & (r2 > 0) & fin1 & fin2 & (r1 >= dead * top1) & (r2 >= dead * top2)
+    return np.asarray(~ok)
+
+
+def cle_scales(r1: np.ndarray, r2: np.ndarray, min_scale: float = 0.0, max_scale: float = np.inf,
+               dead: float = 0.0) -> np.ndarray:
+    """Cross-layer equalization scales ``s_i = sqrt(r1_i · r2_i) / r2_i``, clipped to ``[min_scale, max_scale]``.
+
+    Channels where either range is 0 (or not finite, or below ``dead`` times its side's largest range:
+    `dead_channels`) get ``s = 1``: there is nothing to balance.
+    """
+    r1 = np.asarray(r1, dtype=np.float64)
+    r2 = np.asarray(r2, dtype=np.float64)
+    ok = ~dead_channels(r1, r2, dead)
     s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
     s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
     return np.clip(s, min_scale, max_scale)

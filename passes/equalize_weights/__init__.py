@@ -24,6 +24,9 @@ Idempotence: the whole rewrite is kept only when some channel moves by more than
 tolerance, cumulated over rounds); on an equalized model a second run leaves the graph untouched.
 The per-channel factors ``1/s`` of every tensor between two equalized layers are recorded in the model's metadata
 (`qgraph.rescaling`), so `qgraph diff` against the model before equalization compares them without the rescaling.
+Dead channels keep ``s_i = 1`` (`qgraph.equalize.dead_channels`): a range below ``dead_range`` (1e-6) times its
+layer's largest, where ``sqrt(r1_i / r2_i)`` degenerates (PP-OCRv4's detector had scales 4e-14..7e+3 from channels
+with ``r1`` ~ 1e-34); the notes say how many, per pair in ``details["dead_channels"]``.
 Skipped with a reason: a tensor with other readers or that is a graph output, a non-equivariant op, shared or
 non-constant weights, mismatched channel axes. Cost per round: O(weights of the pairs).
 """
@@ -36,7 +39,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, register, selected_ids
-from qgraph.equalize import LinearLayer, as_linear, cle_scales, log_change, scale_const_per_channel
+from qgraph.equalize import LinearLayer, as_linear, cle_scales, dead_channels, log_change, scale_const_per_channel
 from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
 from qgraph.rescaling import record_rescaling
 
@@ -75,6 +78,7 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
             "converged": converged,
             "equalized": [state.describe(i) for i in moved],
         }
+        _report_dead(state, cfg.dead_range, res)
         if not moved:
             res.notes.append(f"{len(pairs)} pair(s) already equalized within tolerance {cfg.tolerance:g}")
             return res
@@ -90,6 +94,19 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
             + ("" if converged else f"; not converged after {rounds} rounds (raise `iterations`)")
         )
         return res
+
+
+def _report_dead(state: _Equalizer, dead_range: float, res: PassResult) -> None:
+    """Say how many channels kept s = 1 because a side's range is (near) zero, and in which pairs."""
+    pairs = {state.pairs[i].label: n for i, n in enumerate(state.dead) if n}
+    if not pairs:
+        return
+    res.details["dead_channels"] = pairs
+    res.notes.append(
+        f"{sum(pairs.values())} channel(s) in {len(pairs)} pair(s) left at scale 1: their weight range in one "
+        f"layer is 0 or below {dead_range:g} x that layer's largest (dead or unused channel; sqrt(r1/r2) would be "
+        "extreme and balance nothing; option `dead_range`)"
+    )
 
 
 def _find_pairs(scopes: list[gs.Graph], selected: set[int] | None, res: PassResult) -> list[Pair]:
@@ -126,6 +143,7 @@ class _Equalizer:
         # ever first (or only second) in its pairs is read once; only middle layers of chains are re-read
         self._cache: dict[int, list[Any]] = {}
         self.initial: list[tuple[float, float]] = []
+        self.dead: list[int] = []  # per pair: channels left at s = 1 because a side's range is (near) zero
         for p in pairs:
             for layer in [p.first, *p.second]:
                 key = id(layer.weight)
@@ -140,6 +158,7 @@ class _Equalizer:
                     self.values[id(t)] = value.astype(np.float64)
                     self.tensors[id(t)] = t
             self.initial.append(self._spread(p))
+            self.dead.append(int(np.count_nonzero(dead_channels(*self._ranges(p), cfg.dead_range))))
         self.cumulative = [np.ones(len(self.factors[id(p.first.weight)][0])) for p in pairs]
 
     def _weight(self, key: int, tensor: gs.Tensor | None = None) -> np.ndarray:
@@ -196,7 +215,7 @@ class _Equalizer:
                 if seen[i] == tuple(version[key] for key in keys):
                     continue
                 r1, r2 = self._ranges(p)
-                s = cle_scales(r1, r2, self.cfg.min_scale, self.cfg.max_scale)
+                s = cle_scales(r1, r2, self.cfg.min_scale, self.cfg.max_scale, self.cfg.dead_range)
                 change = log_change(s)
                 worst = max(worst, change)
                 if change > 0:

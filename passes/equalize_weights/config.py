@@ -27,6 +27,14 @@ class EqualizeWeightsConfig(PassConfig):
     )
     min_scale: float = Field(default=1e-4, gt=0, description="Lower clip of each round's per-channel scale s_i.")
     max_scale: float = Field(default=1e4, gt=0, description="Upper clip of each round's per-channel scale s_i.")
+    dead_range: float = Field(
+        default=1e-6, ge=0, lt=1,
+        description=(
+            "A channel whose weight range on either side is below this times that layer's largest channel range "
+            "(dead or unused: s = sqrt(r1/r2) would be extreme and equalize nothing) keeps s = 1; 0 only skips "
+            "exact zeros."
+        ),
+    )
     recurse_subgraphs: bool = Field(default=True, description="Also equalize layers inside If/Loop/Scan bodies.")
 
     @model_validator(mode="after")

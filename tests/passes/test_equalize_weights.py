@@ -23,7 +23,7 @@ from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import GraphHandle, PassContext, Pipeline
 from qgraph.compare import compare_models, random_feeds
-from qgraph.equalize import LinearLayer, cle_scales
+from qgraph.equalize import LinearLayer, cle_scales, dead_channels
 from qgraph.testing.depthwise import depthwise_net
 
 TOL = 1e-5
@@ -229,6 +229,43 @@ def test_cle_scales_equalize_and_keep_the_product(r1: list[float], data: st.Data
     np.testing.assert_allclose(cle_scales(a / s, r2 * s), 1.0, rtol=1e-12)  # a second application is a no-op
     assert np.all(cle_scales(np.zeros_like(a), r2) == 1.0)
 
+
+
+def test_dead_channels_keep_scale_one_and_are_reported() -> None:
+    rng = np.random.default_rng(1)
+    model = _conv_chain("Relu (a)", rng)
+    w = {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer}
+    w["w1"][2] *= 1e-30  # channel 2 (almost) never produced: a BatchNorm with a vanishing scale folded in
+    w["w2"][:, 5] *= 1e-12  # channel 5 (almost) never read by the next layer
+    for t in model.graph.initializer:
+        t.CopyFrom(numpy_helper.from_array(w[t.name], t.name))
+    out, res = _run(model)
+    after = _weights(out)
+    np.testing.assert_array_equal(after["w1"][[2, 5]], w["w1"][[2, 5]].astype(np.float64))  # s = 1: untouched
+    np.testing.assert_array_equal(after["w2"][:, [2, 5]], w["w2"][:, [2, 5]].astype(np.float64))
+    live = [0, 1, 3, 4, 6, 7]
+    np.testing.assert_allclose(np.abs(after["w1"][live]).reshape(6, -1).max(1),
+                               np.abs(after["w2"][:, live]).max(axis=(0, 2, 3)), rtol=1e-6)  # the rest equalized
+    assert res.details["dead_channels"] == {res.details["equalized"][0]["pair"]: 2}
+    assert any(n.startswith("2 channel(s) in 1 pair(s) left at scale 1") for n in res.notes), res.notes
+    scale = res.details["equalized"][0]["scale"]
+    assert 1e-2 < scale[0] and scale[1] < 1e2, scale  # without the rule: ~1e-14 and ~1e4 per round
+    assert _max_rel_error(model, out) <= TOL
+    _, old = _run(model, dead_range=0.0)  # only exact zeros skipped: the degenerate scales come back
+    lo, hi = old.details["equalized"][0]["scale"]
+    assert lo < 1e-8 and hi > 1e3 and "dead_channels" not in old.details
+
+
+@settings(max_examples=100, deadline=None)
+@given(r1=ranges, data=st.data(), dead=st.sampled_from([1e-6, 1e-3, 0.1]))
+def test_cle_scales_leave_dead_channels_at_one(r1: list[float], data: st.DataObject, dead: float) -> None:
+    r2 = np.array(data.draw(st.lists(st.floats(1e-4, 1e4), min_size=len(r1), max_size=len(r1))))
+    a = np.array(r1)
+    s = cle_scales(a, r2, dead=dead)
+    gone = dead_channels(a, r2, dead)
+    np.testing.assert_array_equal(gone, (a < dead * a.max()) | (r2 < dead * r2.max()))
+    assert np.all(s[gone] == 1.0)
+    np.testing.assert_allclose((a / s)[~gone], (r2 * s)[~gone], rtol=1e-12)  # the others equalized
 
 @settings(max_examples=100, deadline=None)
 @given(group=st.sampled_from([1, 2, 4]), per_group_out=st.integers(1, 3), per_group_in=st.integers(1, 3),
