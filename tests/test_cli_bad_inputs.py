@@ -95,6 +95,9 @@ def test_bad_recipes(workspace: Path, capsys, recipe: str, expected: str) -> Non
         ({"x": np.zeros((4, 4), np.float64)}, "input 'x': dtype float64 but the model expects float32"),
         ({"x": np.zeros((4, 5), np.float32)}, "input 'x': dimension 1 is 5 but the model fixes it to 4"),
         ({"x": np.zeros((4, 2, 2, 4), np.float32)}, "input 'x': array of shape [4, 2, 2, 4] fits neither"),
+        # concrete advice: the model's shape with N on its batch axis, never "(N, ?, 4)"
+        ({"x": np.zeros((4, 2, 2, 4), np.float32)},
+         "Store it as (N, 4): the model's shape with N samples on its batch axis 0; or choose --data-layout."),
         ({"x": np.array([[0, 1, 2, np.nan]] * 3, np.float32)}, "sample 0, input 'x': contains NaN"),
     ],
 )

@@ -105,3 +105,19 @@ def test_cli_run_reports_the_layout(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--calibration-data", str(tmp_path / "d.npz"), "--data-layout", "batched"])
     assert code == 2
     assert "--data-layout" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize(
+    ("shape", "hint"),
+    [
+        (("batch", 1, 8, 8), "Store it as (N, 1, 8, 8): the model's shape with N samples on its batch axis 0;"),
+        ((2, "batch", 128), "Store it as (N, 2, 1, 128): N samples along axis 0, each the model's shape with its "
+                            "batch axis 1 of size 1;"),
+        ((None, None, 4), "Store it as (N, ?, 4) (? = any size): the model's shape with N samples on its batch"),
+    ],
+)
+def test_wrong_shape_advice_is_a_concrete_shape(shape: tuple[int | str | None, ...], hint: str) -> None:
+    spec = InputSpec("x", np.dtype("f4"), shape)
+    with pytest.raises(DataError) as err:
+        decide_layout((4, 3, 3, 3, 3, 3), spec, "auto", "data.npz")
+    assert hint in str(err.value)

@@ -101,6 +101,23 @@ class LayoutChoice:
         return f"{self.input}: {self.array_shape} read as {n} samples{extra}"
 
 
+def _layout_hint(shape: tuple[int | str | None, ...], batch_ok: bool, insert_at: int | None) -> str:
+    """A concrete array shape that reads right: the model's shape with N on its batch axis 0 (batches of one), or
+    N samples along a new axis 0, each with the batch axis at size 1. Dynamic dims show their name (``?`` unnamed)."""
+    dims = [str(d) if isinstance(d, int) and d >= 1 else (d if isinstance(d, str) and d else "?") for d in shape]
+    if batch_ok:
+        wanted = ", ".join(["N", *dims[1:]])
+        how = "the model's shape with N samples on its batch axis 0"
+    elif insert_at is not None:
+        wanted = ", ".join(["N", *dims[:insert_at], "1", *dims[insert_at + 1:]])
+        how = f"N samples along axis 0, each the model's shape with its batch axis {insert_at} of size 1"
+    else:
+        wanted = ", ".join(["N", *dims])
+        how = "N samples along axis 0, each of the model's shape"
+    dynamic = " (? = any size)" if "?" in wanted else ""
+    return f"Store it as ({wanted}){dynamic}: {how}; or choose --data-layout."
+
+
 def decide_layout(shape: tuple[int, ...], spec: InputSpec, layout: DataLayout, where: str) -> LayoutChoice:
     """Apply the layout rule (module docs) to a stacked array of ``shape`` for ``spec``; `DataError` if none fits."""
     assert spec.shape is not None
@@ -111,8 +128,7 @@ def decide_layout(shape: tuple[int, ...], spec: InputSpec, layout: DataLayout, w
     batch_ok = rank > 0 and (not isinstance(axis0, int) or axis0 <= 1)
     insert_at = spec.batch_axis()
     can_samples = a == rank + 1 or (a == rank and insert_at is not None)
-    dims = ", ".join("?" if not isinstance(d, int) or d < 1 else str(d) for d in spec.shape)
-    hint = f"Store it as (N{', ' if rank else ''}{dims}) with axis 0 indexing samples, or choose --data-layout."
+    hint = _layout_hint(spec.shape, batch_ok, insert_at)
     if layout == "batched" or (layout == "auto" and a == rank and batch_ok):
         if a == rank and batch_ok:
             return LayoutChoice(spec.name, shape, "batched")
