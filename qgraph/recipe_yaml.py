@@ -57,7 +57,7 @@ def read_yaml_text(path: str | Path, what: str) -> str:
     """The text of a recipe or patch file, or a `RecipeError` saying why it cannot be read."""
     p = Path(path)
     if not p.exists():
-        raise RecipeError(f"{what} file not found: {p}")
+        raise RecipeError(f"{what} file not found: {p}. Check the path (relative paths start at {Path.cwd()}).")
     if p.is_dir():
         raise RecipeError(f"{p}: is a directory; give a {what} .yaml file.")
     try:

@@ -122,3 +122,11 @@ def test_labels_without_eval_data_is_refused_before_any_work(workspace: Path, ca
                       str(workspace / "o.onnx"), "--labels", "nope.npy", "--report", str(workspace / "r.json"))
     assert code == 2 and "--labels and --metric need --eval-data" in text, text
     assert not (workspace / "o.onnx").exists() and not (workspace / "r.json").exists()
+
+
+def test_missing_recipe_says_where_relative_paths_start(workspace: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.chdir(workspace)
+    code, text = _run(capsys, "run", "nope.yaml", "model.onnx", "-o", "o.onnx")
+    assert code == 2, text
+    assert f"recipe file not found: nope.yaml. Check the path (relative paths start at {workspace})." in text
+    assert "Traceback" not in text and not (workspace / "o.onnx").exists()
