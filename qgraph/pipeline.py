@@ -25,7 +25,7 @@ from qgraph._version import __version__
 from qgraph.compare import TensorDiff, random_feeds
 from qgraph.contract import run_pass
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
-from qgraph.errors import UsageError
+from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.graph.detach import fill_weights
 from qgraph.model_io import load_model, model_fingerprint, save_model
@@ -67,6 +67,8 @@ class PipelineEvent:
     task: str | None = None
     done: int | None = None
     of: int | None = None
+    #: ``pass_end``: the pass failed its --verify check (the message); the run stops with that error.
+    failed: str | None = None
 
 
 @dataclass
@@ -227,16 +229,19 @@ class Pipeline:
                 ctx.set_float_reference(reference, {name: value for name, (value, _) in held.items()})
             record = self._run_one(i, p, handle, ctx, target_step)
             records.append(record)
-            emit(PipelineEvent("pass_end", total, i, p.name, record.seconds, record.peak_rss_mb, record.result))
             if keep_stages or (verify and previous is not None):
                 current = handle.to_onnx()
                 if keep_stages:
                     stages.append(current)
-            if tolerance is not None and previous is not None:
-                if p.preserves_float:
-                    record.verify = check_pass(p.name, i, previous, current, verify_feeds, tolerance)
-                    emit(PipelineEvent("verify", total, i, p.name, verify=record.verify, tolerance=tolerance))
-                previous = current
+            # verified before its end is announced, so a pass that fails --verify is never shown as done
+            failed = _verified(record, p, previous, current, verify_feeds, tolerance) if tolerance is not None else None
+            emit(PipelineEvent("pass_end", total, i, p.name, record.seconds, record.peak_rss_mb, record.result,
+                               failed=str(failed) if failed is not None else None))
+            if failed is not None:
+                raise failed
+            if record.verify is not None:
+                emit(PipelineEvent("verify", total, i, p.name, verify=record.verify, tolerance=tolerance))
+            previous = current if previous is not None else None
         out, held = handle.weightless_export()
         handle.release()  # the graph lets go of its weights: `held` is their last owner...
         gc.collect()  # ...once the tensors' own reference cycles (tensor <-> its consumer lists) are collected
@@ -309,6 +314,18 @@ class Pipeline:
             if feeds:
                 return feeds
         return random_feeds(model, n)
+
+
+def _verified(record: PassRecord, p: Pass[Any], previous: onnx.ModelProto | None, current: onnx.ModelProto,
+              feeds: list[Feed], tolerance: VerifyTolerance) -> VerificationError | None:
+    """Check a float-preserving pass against the model before it (`record.verify`); its failure, not raised."""
+    if previous is None or not p.preserves_float:
+        return None
+    try:
+        record.verify = check_pass(p.name, record.index, previous, current, feeds, tolerance)
+    except VerificationError as exc:
+        return exc
+    return None
 
 
 def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash: str,

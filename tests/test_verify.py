@@ -142,3 +142,25 @@ def test_report_lists_the_raised_tolerance(noisy: onnx.ModelProto) -> None:
     assert len(rows) == 1 and rows[0]["kind"] == "host-dependent" and "raised from 1e-05" in rows[0]["text"]
     assert result.verify_tolerance is not None
     assert report.passes[0]["verify_tolerance"] == pytest.approx(result.verify_tolerance.for_output(0))
+
+
+def test_cli_marks_a_pass_that_fails_verify_as_failed(noisy: onnx.ModelProto, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from qgraph import pass_api
+
+    pass_api.discover()
+    pass_api.register(PerturbWeight)
+    try:
+        src = save_model(noisy, tmp_path / "noisy.onnx")
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("name: bad\npasses:\n  - pass: fuse_batchnorm\n  - pass: test_perturb_weight\n"
+                          "    factor: 1.01\n")
+        code = main(["run", str(recipe), str(src), "-o", str(tmp_path / "out.onnx"), "--verify"])
+    finally:
+        pass_api._REGISTRY.pop(PerturbWeight.name, None)
+    err = " ".join(capsys.readouterr().err.split())
+    assert code != 0 and "Traceback" not in err and not (tmp_path / "out.onnx").exists()
+    assert "✓ fuse_batchnorm:" in err and "✗ test_perturb_weight:" in err, err
+    assert "✓ test_perturb_weight" not in err
+    # the mark, then the failure that explains it
+    assert err.index("✗ test_perturb_weight:") < err.index("pass #1 'test_perturb_weight'"), err

@@ -215,7 +215,8 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
                 progress.remove_task(steps.pop(key))
             progress.advance(task)
             if not quiet:
-                print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb)
+                print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb,
+                           failed=ev.failed is not None)
         elif ev.kind == "verify" and ev.verify and not quiet:
             print_verified(progress.console, ev, explain="explained" not in steps)
             steps["explained"] = True
@@ -236,11 +237,14 @@ def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
         console.print(f"    {tol.describe()}", markup=False, highlight=False)
 
 
-def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None) -> None:
-    """One line per pass plus its decisions, unmatched selector criteria and skipped nodes (first few of each)."""
+def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None,
+               failed: bool = False) -> None:
+    """One line per pass plus its decisions, unmatched selector criteria and skipped nodes (first few of each);
+    ``failed``: it ran but failed --verify (marked ✗, the error follows)."""
     peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
+    mark = "[red]✗[/]" if failed else "[green]✓[/]"
     console.print(
-        f"  [green]✓[/] {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
+        f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
         f"+{r.nodes_added}/-{r.nodes_removed} nodes [dim]({seconds:.2f}s{peak})[/]"
     )
     for label, items in (("decision", r.decisions), ("matched nothing", r.unmatched)):
