@@ -275,7 +275,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             for name in outcome.fallen_back:
                 res.keep_float(name, f"returned to float (auto: #{order.get(name, 0) + 1} of the "
                                      f"{len(result.nodes)} node(s) chosen, ranked by {auto.cost}; "
-                                     f"{result.target.describe()} {verdict}, score {result.score:.4g})")
+                                     f"target {result.target.describe()} {verdict}, score {result.score:.4g})")
             res.matched += len(result.nodes)
 
 

@@ -260,6 +260,11 @@ def test_auto_mode_inside_the_pass_defaults_to_the_stripped_model(ort_encoder, t
     assert res.details["fallen_back"] == res.details["auto"]["nodes"] and res.rewritten == 2
     assert any(n.startswith("auto: target NOT met") for n in res.decisions)
     assert res.unmet is not None and "not met" in res.unmet
+    # why each is float (qgraph diff, the report): the search's choice, not a skip
+    assert [k.node for k in res.kept_float] == res.details["fallen_back"] and not res.skipped
+    assert [k.reason for k in res.kept_float] == [
+        f"returned to float (auto: #{i} of the 2 node(s) chosen, ranked by latency; target sqnr >= 200 NOT met, "
+        f"score {res.details['auto']['score']:.4g})" for i in (1, 2)]
 
 
 def test_float_and_qdq_models_must_match(ort_encoder, shared: onnx.ModelProto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
