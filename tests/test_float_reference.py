@@ -89,13 +89,18 @@ class _WeightRecorder(_Recorder):
         return PassResult()
 
 
-def test_reference_is_weightless_and_shares_the_graph_arrays() -> None:
-    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096  # 16 KB: above DETACH_BYTES
+def _matmul_model() -> tuple[onnx.ModelProto, np.ndarray]:
+    """``y = x @ w`` with a 16 KB weight (above DETACH_BYTES, so the graph holds it as a shared array)."""
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
                               [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), w
+
+
+def test_reference_is_weightless_and_shares_the_graph_arrays() -> None:
+    model, w = _matmul_model()
     _WeightRecorder.seen.clear()
     _WeightRecorder.weights.clear()
     Pipeline([_WeightRecorder()]).run(model)
@@ -133,12 +138,7 @@ class _InPlaceWriter(Pass[_RecorderConfig]):
 def test_shared_weight_arrays_are_read_only_so_an_in_place_write_raises() -> None:
     """The reference shares the graph's arrays (no copy): writing into one would silently change the reference,
     so the arrays are read-only once it exists; the reference keeps the original value."""
-    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
-                              [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    model, w = _matmul_model()
     _InPlaceWriter.error.clear()
     _WeightRecorder.weights.clear()
     out = Pipeline([_InPlaceWriter(), _WeightRecorder()]).run(model).model

@@ -287,32 +287,42 @@ def test_grouped_conv_input_scaling_matches_its_ranges(group: int, per_group_out
     np.testing.assert_allclose(scaled, per_out, rtol=1e-9)
 
 
+def _spread_chain_equalized_and_quantized(
+    tmp_path: Any, blocks: int, seed: int, samples: int
+) -> tuple[onnx.ModelProto, onnx.ModelProto, onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """A conv-BN-ReLU chain whose first conv's output channels are 400x apart in range: (the float model, it
+    equalized (as saved and reloaded), that quantized with the ort-x86-vnni preset, and the calibration feeds,
+    drawn with seed ``seed - 3``)."""
+    from qgraph.testing.synthetic import conv_bn_relu_chain
+
+    original = conv_bn_relu_chain(blocks, channels=8, spatial=8, seed=seed)
+    w = next(t for t in original.graph.initializer if t.name == "block0/conv.weight")
+    scaled = numpy_helper.to_array(w) * np.geomspace(0.05, 20.0, 8, dtype=np.float32).reshape(-1, 1, 1, 1)
+    w.CopyFrom(numpy_helper.from_array(scaled.astype(np.float32), "block0/conv.weight"))
+    onnx.save(original, tmp_path / "f.onnx")
+    rng = np.random.default_rng(seed - 3)
+    feeds = [{"input": rng.standard_normal((1, 8, 8, 8)).astype(np.float32)} for _ in range(samples)]
+    eq = Pipeline([FuseBatchNorm(), EqualizeWeights()]).run(str(tmp_path / "f.onnx")).model
+    onnx.save(eq, tmp_path / "eq.onnx")
+    np.savez(tmp_path / "cal.npz", input=np.concatenate([f["input"] for f in feeds]))
+    qdq = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(str(tmp_path / "eq.onnx"),
+                                                             calibration_data=str(tmp_path / "cal.npz")).model
+    return original, onnx.load(tmp_path / "eq.onnx"), qdq, feeds
+
+
 def test_diff_against_the_model_before_equalization_shows_quantization_not_rescaling(tmp_path: Any) -> None:
     """Equalize a conv chain, quantize it, diff against the original float model: the tensors between equalized
     layers (rescaled by 1/s, recorded in the model's metadata through save/load and insert_qdq) show the same
     SQNR as against the equalized float model, i.e. the true quantization error, not the rescaling."""
     from qgraph.diff import numeric_diff
     from qgraph.rescaling import RESCALED_KEY, model_rescaling
-    from qgraph.testing.synthetic import conv_bn_relu_chain
 
-    original = conv_bn_relu_chain(4, channels=8, spatial=8, seed=3)
-    w = numpy_helper.to_array(next(t for t in original.graph.initializer if t.name == "block0/conv.weight"))
-    scaled = w * np.geomspace(0.05, 20.0, 8, dtype=np.float32).reshape(-1, 1, 1, 1)  # channel ranges 400x apart
-    next(t for t in original.graph.initializer if t.name == "block0/conv.weight").CopyFrom(
-        numpy_helper.from_array(scaled.astype(np.float32), "block0/conv.weight"))
-    onnx.save(original, tmp_path / "f.onnx")
-    rng = np.random.default_rng(0)
-    feeds = [{"input": rng.standard_normal((1, 8, 8, 8)).astype(np.float32)} for _ in range(6)]
-    eq = Pipeline([FuseBatchNorm(), EqualizeWeights()]).run(str(tmp_path / "f.onnx")).model
-    onnx.save(eq, tmp_path / "eq.onnx")
-    np.savez(tmp_path / "cal.npz", input=np.concatenate([f["input"] for f in feeds]))
-    qdq = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(str(tmp_path / "eq.onnx"),
-                                                             calibration_data=str(tmp_path / "cal.npz")).model
+    original, eq, qdq, feeds = _spread_chain_equalized_and_quantized(tmp_path, blocks=4, seed=3, samples=6)
     onnx.save(qdq, tmp_path / "q.onnx")
     qdq = onnx.load(tmp_path / "q.onnx")
     record = model_rescaling(qdq)
     assert "block0/relu_out" in record and record["block0/relu_out"][0] == 1
-    against_eq = {d.tensor: d.sqnr_db for d in numeric_diff(onnx.load(tmp_path / "eq.onnx"), qdq, feeds).layers}
+    against_eq = {d.tensor: d.sqnr_db for d in numeric_diff(eq, qdq, feeds).layers}
     diff = numeric_diff(original, qdq, feeds)
     against_orig = {d.tensor: d.sqnr_db for d in diff.layers}
     common = sorted(set(against_eq) & set(against_orig) & set(record))
@@ -334,20 +344,8 @@ def test_culprits_against_the_model_before_equalization_match_the_equalized_refe
     """The Q/DQ attribution sees the values B quantizes: A's equalized tensors are put in B's scale (and the
     probe that applies one pair alone uses the step s / f), so its numbers match the equalized reference's."""
     from qgraph.diff import attribute
-    from qgraph.testing.synthetic import conv_bn_relu_chain
 
-    original = conv_bn_relu_chain(3, channels=8, spatial=8, seed=4)
-    w = next(t for t in original.graph.initializer if t.name == "block0/conv.weight")
-    scaled = numpy_helper.to_array(w) * np.geomspace(0.05, 20.0, 8, dtype=np.float32).reshape(-1, 1, 1, 1)
-    w.CopyFrom(numpy_helper.from_array(scaled.astype(np.float32), "block0/conv.weight"))
-    onnx.save(original, tmp_path / "f.onnx")
-    rng = np.random.default_rng(1)
-    feeds = [{"input": rng.standard_normal((1, 8, 8, 8)).astype(np.float32)} for _ in range(4)]
-    eq = Pipeline([FuseBatchNorm(), EqualizeWeights()]).run(str(tmp_path / "f.onnx")).model
-    onnx.save(eq, tmp_path / "eq.onnx")
-    np.savez(tmp_path / "cal.npz", input=np.concatenate([f["input"] for f in feeds]))
-    qdq = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(str(tmp_path / "eq.onnx"),
-                                                             calibration_data=str(tmp_path / "cal.npz")).model
+    original, eq, qdq, feeds = _spread_chain_equalized_and_quantized(tmp_path, blocks=3, seed=4, samples=4)
     by_eq = {c.point.tensor: c for c in attribute(eq, qdq, feeds, exact_top=50).culprits
              if c.point.kind == "activation"}
     by_orig = {c.point.tensor: c for c in attribute(original, qdq, feeds, exact_top=50).culprits
