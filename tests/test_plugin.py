@@ -35,9 +35,13 @@ def example_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
         dist = tmp_path / "qgraph_example_passes-0.1.0.dist-info"
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: qgraph-example-passes\nVersion: 0.1.0\n")
+        # entry_points.txt is `name = module:attr` without TOML's quotes (tomllib needs Python 3.11: no parser)
         text = (PLUGIN / "pyproject.toml").read_text()
         section = text.split('[project.entry-points."qgraph.passes"]', 1)[1].split("\n[", 1)[0]
-        (dist / "entry_points.txt").write_text("[qgraph.passes]\n" + section.strip() + "\n")
+        pairs = [ln.split("=", 1) for ln in section.splitlines() if "=" in ln and not ln.lstrip().startswith("#")]
+        lines = "".join(f"{name.strip()} = {target.strip().strip(chr(34))}\n" for name, target in pairs)
+        assert lines.count("\n") >= 2, section  # neg_to_mul and critical_path
+        (dist / "entry_points.txt").write_text("[qgraph.passes]\n" + lines)
         monkeypatch.syspath_prepend(str(tmp_path))
         monkeypatch.syspath_prepend(str(PLUGIN))
     pass_api.rediscover()
