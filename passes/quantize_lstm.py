@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
@@ -71,9 +70,7 @@ class QuantizeLSTM(Pass[QuantizeLSTMConfig]):
                 else:
                     res.rewritten += 1
         if res.rewritten:
-            imports = graph.graph.import_domains or []
-            if not any(d.domain == MS_DOMAIN for d in imports):
-                graph.graph.import_domains = [*imports, onnx.helper.make_opsetid(MS_DOMAIN, 1)]
+            graph.import_domain(MS_DOMAIN)
             res.decisions.append(f"{res.rewritten} LSTM(s) run as com.microsoft.DynamicQuantizeLSTM (int8 "
                                  f"{'per-gate-row' if self.config.per_channel else 'per-tensor'} weights, "
                                  "activations quantized at run time by onnxruntime)")

@@ -156,6 +156,9 @@ def sensitivity(
     latency_preset: Annotated[str | None, typer.Option("--latency-preset", help="Preset of the cost table for "
                                                        "--cost latency (default: the table's only one).")
                               ] = None,
+    to: Annotated[Literal["float", "a16w8"], typer.Option("--to", help="What the chosen nodes become (as "
+                                                          "float_fallback's `to`): float, or a16w8 = 16-bit "
+                                                          "activations, weights unchanged (NPUs).")] = "float",
 ) -> None:
     """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
     exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the
@@ -169,6 +172,6 @@ def sensitivity(
     code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs or 1, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
                        quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,
-                       exact_top=exact_top, executor=spec, cost=cost, latency_preset=latency_preset)
+                       exact_top=exact_top, executor=spec, cost=cost, latency_preset=latency_preset, remedy=to)
     if code:
         raise typer.Exit(code)

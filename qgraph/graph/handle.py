@@ -118,6 +118,12 @@ class GraphHandle:
                 return int(imp.version)
         return None
 
+    def import_domain(self, domain: str, version: int = 1) -> None:
+        """Import operator set ``domain`` at ``version`` unless the model already imports it (e.g. ``com.microsoft``
+        before adding a contrib op)."""
+        if self.opset_of(domain) is None:
+            self.graph.import_domains = [*(self.graph.import_domains or []), onnx.helper.make_opsetid(domain, version)]
+
     # ------------------------------------------------------------------ cached analyses
     def changed(self) -> None:
         """Invalidate the cached index, networkx view, shapes and names; call after mutating ``graph``.

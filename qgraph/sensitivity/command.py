@@ -195,6 +195,15 @@ def _target(target: str | None, metric: str | None, evaluation: Evaluation) -> T
     return DEFAULT_RANKING
 
 
+def _check_options(target: str | None, output: Path | None, patch: Path | None, remedy: str, cost: str) -> None:
+    """Refuse option combinations that cannot work, before anything is loaded."""
+    if (output is not None or patch is not None) and target is None:
+        raise RecipeError("-o/--output and --patch write the result of the automatic search: give --target too.")
+    if remedy != "float" and cost == "latency":
+        raise RecipeError(f"--to {remedy} with --cost latency: the cost table has float and int8 costs only; use "
+                          "--cost error.")
+
+
 def run_command(
     model_float: Path,
     model_qdq: Path,
@@ -218,15 +227,16 @@ def run_command(
     executor: ExecutorSpec | None = None,
     cost: str = "error",
     latency_preset: str | None = None,
+    remedy: str = "float",
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
-    ``cost``: the search order, as ``float_fallback``'s ``auto.cost`` (latency: `cost_spec`'s table).
+    ``cost``: the search order, as ``float_fallback``'s ``auto.cost`` (latency: `cost_spec`'s table); ``remedy``:
+    what chosen nodes become, as its ``to`` (float, or a16w8: 16-bit activations).
 
     ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
     every metric (also one named in ``target``) is called as ``metric(outputs, labels)``."""
-    if (output is not None or patch is not None) and target is None:
-        raise RecipeError("-o/--output and --patch write the result of the automatic search: give --target too.")
+    _check_options(target, output, patch, remedy, cost)
     if plot is not None:
         check_plot_path(plot)
     reference, qdq = load_model(model_float), load_model(model_qdq)
@@ -263,7 +273,7 @@ def run_command(
             progress=on_progress,
             exact_top=exact_top,
             executor=run,
-            costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost,
+            costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:

@@ -17,12 +17,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from qgraph import DataError, GraphHandle, ModelError, NodeSelector, select
+from qgraph import DataError, GraphHandle, ModelError, NodeSelector, Pipeline, Recipe, get_pass, select
 from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.executor import Executor, ExecutorSpec, make_executor
-from qgraph.fallback import ReferenceWeights, fall_back
+from qgraph.fallback import ReferenceWeights
 from qgraph.streaming import Recurrence, run_streamed, sequence_starts
+from qgraph.widen import apply_remedy
 
 Progress = Callable[[int, int], None]
 
@@ -111,8 +112,10 @@ class Evaluator:
         float_weights: ReferenceWeights | None = None,
         recurrence: Recurrence | None = None,
         starts: Sequence[int] = (),
+        remedy: str = "float",
     ) -> None:
         self.qdq = qdq
+        self.remedy = remedy  # what a chosen node becomes: float, or 16-bit activations (`qgraph.widen`)
         self.recurrence = recurrence  # streamed: each variant fed its own state (`qgraph.streaming`)
         self.starts = list(starts)
         self.float_weights = float_weights
@@ -123,11 +126,11 @@ class Evaluator:
 
     def variant(self, nodes: Sequence[str]) -> onnx.ModelProto:
         """The QDQ model with ``nodes`` fallen back (the model itself when ``nodes`` is empty), their integer
-        weights restored from ``float_weights`` when given."""
+        weights restored from ``float_weights`` when given; with ``remedy="a16w8"`` their activations 16-bit."""
         if not nodes:
             return self.qdq
         handle = GraphHandle(self.qdq)
-        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, reference=self.float_weights)
+        apply_remedy(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, self.remedy, self.float_weights)
         try:
             return handle.to_onnx()
         finally:
@@ -202,3 +205,32 @@ def streamed_reference_outputs(reference: onnx.ModelProto, feeds: Sequence[Feed]
     chunk = [dict(zip(names, out, strict=True)) for out in run_batches(session, feeds)]
     starts = sequence_starts(recurrence, feeds, chunk)
     return [[r[n] for n in names] for r in run_streamed(session, names, feeds, starts, recurrence)], starts
+
+
+# ----------------------------------------------------------------------------- the chosen model
+PATCH_RECIPE_NAME = "float-fallback"
+
+
+def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
+                float_weights: ReferenceWeights | None = None, remedy: str = "float") -> onnx.ModelProto:
+    """``qdq`` with ``nodes`` in float (``remedy="a16w8"``: with 16-bit activations), built exactly as
+    `qgraph run PATCH qdq` would build it (with ``float_weights``: as the pass builds it after ``insert_qdq`` in
+    one recipe, float weights restored)."""
+    if not nodes:
+        return qdq
+    if float_weights is not None or remedy != "float":
+        handle = GraphHandle(qdq)
+        apply_remedy(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, remedy, float_weights)
+        return handle.to_onnx()
+    recipe = patch_recipe(nodes, remedy)
+    return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
+
+
+def patch_recipe(nodes: Sequence[str], remedy: str = "float") -> Recipe:
+    """A one-pass recipe: ``float_fallback`` of ``nodes`` (``to: remedy`` unless float)."""
+    # The float_fallback pass is reached through the registry, as any plug-in would be.
+    fallback = get_pass("float_fallback")
+    options: dict[str, object] = {"nodes": NodeSelector(names=tuple(nodes))}
+    if remedy != "float":
+        options["to"] = remedy
+    return Recipe(PATCH_RECIPE_NAME, [fallback(**options)])

@@ -33,10 +33,10 @@ from typing import Any
 
 import onnx
 
-from qgraph import GraphHandle, ModelError, NodeSelector, Pipeline, Recipe, get_pass, select
+from qgraph import ModelError, NodeSelector, Recipe
 from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
-from qgraph.fallback import ReferenceWeights, fall_back
+from qgraph.fallback import ReferenceWeights
 from qgraph.outputs import write_atomic
 from qgraph.sensitivity.cost import (
     CostSpec,
@@ -48,8 +48,10 @@ from qgraph.sensitivity.cost import (
 )
 from qgraph.sensitivity.evaluate import (
     Evaluator,
+    build_model,
     concat_outputs,
     load_feeds,
+    patch_recipe,
     reference_outputs,
     streamed_reference_outputs,
 )
@@ -57,8 +59,6 @@ from qgraph.sensitivity.prefix import AutoStep, Clock, PrefixSearch, StageProgre
 from qgraph.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
 from qgraph.sensitivity.targets import Target, parse_target
 from qgraph.streaming import Recurrence
-
-PATCH_RECIPE_NAME = "float-fallback"
 
 
 @dataclass
@@ -82,6 +82,12 @@ class AutoResult:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
     evaluations: int = 0  # full model evaluations (baseline, exact measures, search, confirmation)
     latency: dict[str, float] = field(default_factory=dict)  # modelled (cost table) and measured, see `_latency`
+    remedy: str = "float"  # what the chosen nodes became: float, or a16w8 (16-bit activations)
+
+    @property
+    def became(self) -> str:
+        """What the chosen nodes became, as the message words it."""
+        return "in float" if self.remedy == "float" else "with 16-bit activations (a16w8)"
 
     def message(self) -> str:
         """One paragraph: met or not, scores, nodes, why the search stopped, what was tried and how long."""
@@ -89,7 +95,7 @@ class AutoResult:
         shown = self.nodes if len(self.nodes) <= 8 else [*self.nodes[:8], f"... {len(self.nodes) - 8} more"]
         return (
             f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); float {self.float_score:.6g}, "
-            f"full INT8 {self.int8_score:.6g}, best {self.score:.6g} with {len(self.nodes)} node(s) in float"
+            f"full INT8 {self.int8_score:.6g}, best {self.score:.6g} with {len(self.nodes)} node(s) {self.became}"
             f"{': ' + ', '.join(shown) if shown else ''}. Search stopped: {self.stop_reason}. {self.tried()}"
             f"{self.latency_sentence()}"
         )
@@ -126,7 +132,7 @@ class AutoResult:
         """The decision as a one-pass recipe (None when no node needs to go back to float)."""
         if not self.nodes:
             return None
-        return _patch_recipe(self.nodes)
+        return patch_recipe(self.nodes, self.remedy)
 
     def patch_yaml(self) -> str | None:
         """The recipe patch text (``name`` + ``passes``), commented with the outcome; None if no node."""
@@ -169,31 +175,12 @@ class AutoResult:
             "stages": {k: round(v, 3) for k, v in self.stages.items()},
             "evaluations": self.evaluations,
             "steps": [s.to_dict() for s in self.steps],
+            "remedy": self.remedy,
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
             "latency": {k: num(v) for k, v in self.latency.items()},
             "sensitivity": self.sensitivity.to_dict() if self.sensitivity else None,
         }
-
-
-def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
-                float_weights: ReferenceWeights | None = None) -> onnx.ModelProto:
-    """``qdq`` with ``nodes`` in float, built exactly as `qgraph run PATCH qdq` would build it (with
-    ``float_weights``: as the pass builds it after ``insert_qdq`` in one recipe, float weights restored)."""
-    if not nodes:
-        return qdq
-    if float_weights is not None:
-        handle = GraphHandle(qdq)
-        fall_back(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, reference=float_weights)
-        return handle.to_onnx()
-    recipe = _patch_recipe(nodes)
-    return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
-
-
-def _patch_recipe(nodes: Sequence[str]) -> Recipe:
-    # The float_fallback pass is reached through the registry, as any plug-in would be.
-    fallback = get_pass("float_fallback")
-    return Recipe(PATCH_RECIPE_NAME, [fallback(nodes=NodeSelector(names=tuple(nodes)))])
 
 
 def auto_fallback(
@@ -220,6 +207,7 @@ def auto_fallback(
     max_latency: float | None = None,
     rank_by: str = "latency",
     recurrence: Recurrence | None = None,
+    remedy: str = "float",
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -236,6 +224,7 @@ def auto_fallback(
     latency (1.0: never slower than float). With ``recurrence`` (a recurrent model's state feedback) every full
     evaluation runs streamed, each model fed its own state (`qgraph.streaming`); the one-run ranking stays
     per sample (states from the data), its prediction corrected on the streamed measurements.
+    ``remedy="a16w8"`` gives the chosen nodes 16-bit activations instead of float (`qgraph.widen`; for NPUs).
     With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
@@ -246,7 +235,7 @@ def auto_fallback(
                               optimization=optimization, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
                               latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by,
-                              recurrence=recurrence)
+                              recurrence=recurrence, remedy=remedy)
     finally:
         if pool is not executor:
             pool.close()
@@ -258,7 +247,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
                    latency_rounds: int, max_latency: float | None, rank_by: str,
-                   recurrence: Recurrence | None = None) -> AutoResult:
+                   recurrence: Recurrence | None = None, remedy: str = "float") -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -277,7 +266,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     else:
         refs_per_batch, starts = streamed_reference_outputs(reference, batches, recurrence, optimization)
     evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization,
-                          float_weights=float_weights, recurrence=recurrence, starts=starts)
+                          float_weights=float_weights, recurrence=recurrence, starts=starts, remedy=remedy)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
@@ -288,7 +277,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
     out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
-                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes)
+                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=remedy)
     if out.target_met and not report_only:
         return _finish(run, out, "the INT8 model already meets the target")
     report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top,
@@ -308,13 +297,15 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
     size, reason = search.run(predicted, max_nodes)
+    if remedy != "float" and reason == "every candidate is in float":
+        reason = "every candidate has 16-bit activations"
     if slow is not None and slow == cap and reason.startswith(("max_nodes", "every candidate")):
         reason = f"max_latency reached: more than {cap} node(s) in float is modelled slower than {max_latency:g}x float"
     out.steps = search.steps
     run.stage_end("search")
     if size:
         out.nodes = [*chosen, *order[:size]]
-        out.model = build_model(qdq, out.nodes, float_weights)
+        out.model = build_model(qdq, out.nodes, float_weights, remedy)
         if run.time_left(1):
             tick = run.reporter("confirmation")
             if tick is not None:

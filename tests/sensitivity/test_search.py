@@ -286,3 +286,33 @@ def test_run_exits_1_and_keeps_the_best_model_when_the_target_is_not_met(
     assert "not met (search stopped: max_nodes" in err
     assert "decision: auto: target NOT met" in err
     assert "Traceback" not in err
+
+
+def test_sensitivity_to_a16w8_writes_a_16bit_model_and_a_patch_that_rebuilds_it(encoder: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--to a16w8``: the chosen nodes keep their int8 weights and read 16-bit activations; the patch says so."""
+    from qgraph.sensitivity.evaluate import build_model
+
+    ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
+    int8_cos = _cos(ref, qdq, encoder / "eval.npz")
+    every = [n.name for n in qdq.graph.node if "Quantize" not in n.op_type]
+    all16_cos = _cos(ref, build_model(qdq, every, remedy="a16w8"), encoder / "eval.npz")
+    # The -10000 attention mask keeps a 16-bit grid coarse on the scores: all nodes widened recover part of the loss.
+    assert all16_cos > int8_cos + 0.01
+    goal = (int8_cos + all16_cos) / 2
+    best, patch = encoder / "a16.onnx", encoder / "a16.yaml"
+    args = ["sensitivity", str(encoder / "float.onnx"), str(encoder / "qdq.onnx"), "--data", str(encoder / "eval.npz"),
+            "--target", f"cosine:{goal:.6f}", "--to", "a16w8", "-o", str(best), "--patch", str(patch), "-q"]
+    assert main(args) == 0
+    model = onnx.load(best)
+    assert _cos(ref, model, encoder / "eval.npz") >= goal - 1e-6 > int8_cos
+    sixteen = [t for t in model.graph.initializer if t.data_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)]
+    assert sixteen and not any(n.op_type == "MatMul" and n.input[1] in {t.name for t in model.graph.initializer}
+                               for n in model.graph.node)  # weights still come through their int8 DQ
+    assert "to: a16w8" in patch.read_text()
+    rerun = encoder / "a16_rerun.onnx"
+    assert main(["run", str(patch), str(encoder / "qdq.onnx"), "-o", str(rerun), "-q", "--no-check"]) == 0
+    assert onnx.load(rerun).graph.SerializeToString(deterministic=True) == model.graph.SerializeToString(
+        deterministic=True)
+    capsys.readouterr()
+    assert main([*args[:-1], "--cost", "latency", "-q"]) == 2
+    assert "use --cost error" in capsys.readouterr().err

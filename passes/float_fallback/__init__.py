@@ -52,14 +52,17 @@ from qgraph import (
     select,
 )
 from qgraph.executor import ExecutorSpec
-from qgraph.fallback import PASS_NAME, FallbackOutcome, ReferenceWeights, fall_back, quantized_nodes
+from qgraph.fallback import PASS_NAME, ReferenceWeights
 from qgraph.graph.detach import with_weights
 from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import parse_target
 from qgraph.streaming import Recurrence, check_recurrence
-from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
+from qgraph.subgraphs import bodies
+
+from .record import apply_and_record
+from .strip import copy_model, strip_all, strip_bodies
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
 
@@ -133,6 +136,19 @@ class FloatFallbackConfig(PassConfig):
 
     nodes: NodeSelector | None = Field(default=None, description="Nodes to keep in float (always).")
     auto: AutoFallbackConfig | None = Field(default=None, description="Also find nodes automatically.")
+    to: Literal["float", "a16w8"] = Field(
+        default="float",
+        description="What the chosen nodes become: float; a16w8: 16-bit activations, weights unchanged (for NPUs, "
+        "which run A16W8 layers natively and have no cheap float path; on onnxruntime's CPU provider such a "
+        "layer runs in float between its 16-bit Q/DQ). The 16-bit range is the 8-bit one x 2 (`qgraph.widen`).",
+    )
+
+    @model_validator(mode="after")
+    def _a16_costs(self) -> FloatFallbackConfig:
+        if self.to == "a16w8" and self.auto is not None and self.auto.max_latency is not None:
+            raise ValueError("auto.max_latency bounds the modelled latency of float nodes; the cost table has no "
+                             "16-bit costs: drop it with to: a16w8")
+        return self
 
     @model_validator(mode="after")
     def _something(self) -> FloatFallbackConfig:
@@ -188,22 +204,19 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
         res = PassResult()
-        outcome = FallbackOutcome()
         floats = _reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if self.config.nodes is not None:
             nodes = self._selected(graph)
             res.matched = len(nodes)
-            outcome = fall_back(graph, nodes, reference=weights)
-            _record(res, outcome)
             selector, ops = self.config.nodes, {n.name: n.op for n in nodes}
-            for name in outcome.fallen_back:
-                res.keep_float(name, f"returned to float (selected: {selector.criterion(name, ops.get(name, ''))})")
+            apply_and_record(graph, nodes, self.config.to, weights, res,
+                   lambda name: f"selected: {selector.criterion(name, ops.get(name, ''))}")
         if self.config.auto is not None:
             self._auto(graph, ctx, res, floats, weights)
-        res.rewritten = len(res.details.get("fallen_back", []))
+        res.rewritten = len(res.details.get("fallen_back", [])) + len(res.details.get("widened", []))
         if not res.rewritten:
-            res.notes.append("no node went back to float")
+            res.notes.append("no node went back to float" if self.config.to == "float" else "no node was widened")
         return res
 
     def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult, floats: onnx.ModelProto | None,
@@ -219,14 +232,14 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         qdq = graph.to_onnx()
         if auto.reference is not None:
             reference = load_model(auto.reference)
-            in_bodies = _strip_bodies(_copy(qdq)) if next(bodies(qdq), None) is not None else 0
+            in_bodies = strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
         elif floats is not None:
             reference = with_weights(floats, ctx.float_reference_weights)
             res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
-            in_bodies = _strip_bodies(_copy(qdq)) if next(bodies(qdq), None) is not None else 0
+            in_bodies = strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
         else:
-            reference = _strip_all(qdq)
-            in_bodies = _strip_bodies(reference)
+            reference = strip_all(qdq)
+            in_bodies = strip_bodies(reference)
             res.notes.append(
                 "auto: compared with this model with every Q/DQ removed (set auto.reference to the "
                 "float model to include weight quantization error)"
@@ -238,6 +251,12 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             res.notes.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are measured but not "
                              "candidates (the search covers the top graph): they stay quantized. `specialize_inputs` "
                              "inlines an If chosen by an input, making its nodes candidates.")
+        costs, rank_by = _costs(auto, ctx, res), auto.cost
+        if self.config.to == "a16w8":
+            # The cost table knows float and int8 kernels only: an NPU's 16-bit layer cost is not in it.
+            costs, rank_by = None, "error"
+            res.decisions.append("auto: to a16w8: nodes ranked by output error (the cost table has no 16-bit "
+                                 "costs); each chosen node gets 16-bit activations, weights stay 8-bit")
         result = auto_fallback(
             reference,
             qdq,
@@ -252,11 +271,12 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             progress=_stage_progress(ctx),
             executor=auto.executor,
             float_weights=weights,
-            costs=_costs(auto, ctx, res),
+            costs=costs,
             latency_rounds=auto.latency_rounds,
             max_latency=auto.max_latency,
-            rank_by=auto.cost,
+            rank_by=rank_by,
             recurrence=auto.recurrent,
+            remedy=self.config.to,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -268,14 +288,11 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             )
         if result.nodes:
             chosen = select(graph, NodeSelector(names=tuple(result.nodes))).nodes
-            outcome = fall_back(graph, chosen, reference=weights)
-            _record(res, outcome)
             order = {name: i for i, name in enumerate(result.nodes)}
             verdict = "met" if result.target_met else "NOT met"
-            for name in outcome.fallen_back:
-                res.keep_float(name, f"returned to float (auto: #{order.get(name, 0) + 1} of the "
-                                     f"{len(result.nodes)} node(s) chosen, ranked by {auto.cost}; "
-                                     f"target {result.target.describe()} {verdict}, score {result.score:.4g})")
+            apply_and_record(graph, chosen, self.config.to, weights, res,
+                   lambda name: f"auto: #{order.get(name, 0) + 1} of the {len(result.nodes)} node(s) chosen, ranked "
+                                f"by {rank_by}; target {result.target.describe()} {verdict}, score {result.score:.4g}")
             res.matched += len(result.nodes)
 
 
@@ -332,67 +349,3 @@ def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] 
             fn(done, total)
 
     return report if ctx.progress("auto") is not None else None
-
-
-def _record(res: PassResult, outcome: FallbackOutcome) -> None:
-    d = res.details
-    d.setdefault("fallen_back", []).extend(outcome.fallen_back)
-    for key in ("dequantized_weights", "relu_restored", "float_weights_restored"):
-        values = getattr(outcome, key)
-        if values:
-            d.setdefault(key, []).extend(values)
-    if outcome.still_quantized_for:
-        d.setdefault("outputs_still_quantized_for", {}).update(outcome.still_quantized_for)
-    for name in outcome.already_float:
-        res.skip(
-            name,
-            "already float: no input is read through DequantizeLinear and no output quantization is its own",
-        )
-    for name, reason in outcome.refused:
-        res.skip(name, reason)
-    if outcome.ignored_qdq:
-        res.notes.append(
-            f"{outcome.ignored_qdq} QuantizeLinear/DequantizeLinear node(s) in the selection were "
-            "ignored: select compute nodes, their Q/DQ are removed with them"
-        )
-    res.nodes_added += outcome.nodes_added
-    res.nodes_removed += outcome.nodes_removed
-
-
-def _strip_all(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with every quantized node of the top graph in float (`_strip_bodies` does the bodies)."""
-    handle = GraphHandle(model)
-    fall_back(handle, quantized_nodes(handle))
-    return handle.to_onnx()
-
-
-def _strip_bodies(model: onnx.ModelProto) -> int:
-    """Every quantized node inside ``model``'s If/Loop bodies (nested ones too) back to float, in place; returns
-    how many there were. Each body is rewritten as a model of its own (`qgraph.subgraphs`) and grafted back, so
-    the baseline of the search includes the error made inside bodies (else a model quantized only there would
-    read as float: "target met" at any target)."""
-    if next(bodies(model), None) is None:
-        return 0
-    found = 0
-    facts = ModelFacts.of(model)
-    for node, attr in list(bodies(model)):
-        try:
-            body = standalone_body(model, node, attr, facts)
-        except BodyError:
-            continue  # not extractable: left as is (its outer types are unknown)
-        handle = GraphHandle(body.model)
-        nodes = quantized_nodes(handle)
-        if nodes:
-            fall_back(handle, nodes)
-        inner = handle.to_onnx()
-        nested = _strip_bodies(inner)
-        if nodes or nested:
-            graft_body(model, body, inner)
-        found += len(nodes) + nested
-    return found
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out

@@ -1,0 +1,63 @@
+"""How ``float_fallback`` applies its remedy and says what it did (float nodes, 16-bit nodes, skips)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qgraph import GraphHandle, PassResult
+from qgraph.fallback import FallbackOutcome, ReferenceWeights
+from qgraph.widen import apply_remedy
+
+
+def apply_and_record(graph: GraphHandle, nodes: list[Any], to: str, weights: ReferenceWeights | None, res: PassResult,
+           why: Callable[[str], str]) -> None:
+    """Apply the remedy ``to`` to ``nodes`` and record it (``why(name)`` says how each node was chosen)."""
+    outcome = apply_remedy(graph, nodes, to, weights)
+    if isinstance(outcome, FallbackOutcome):
+        record_fallback(res, outcome)
+        for name in outcome.fallen_back:
+            res.keep_float(name, f"returned to float ({why(name)})")
+        return
+    d = res.details
+    d.setdefault("widened", []).extend(outcome.widened)
+    d.setdefault("widened_tensors", []).extend(outcome.tensors)
+    if outcome.biases_float:
+        d.setdefault("biases_kept_float", []).extend(outcome.biases_float)
+    for name, reason in outcome.refused:
+        res.skip(name, f"not widened: {reason}")
+    if outcome.widened:
+        domain = " (com.microsoft Q/DQ: the model's opset is below 21)" if outcome.contrib_domain else ""
+        res.decisions.append(f"{len(outcome.widened)} node(s) given 16-bit activations{domain}: "
+                             f"{len(outcome.tensors)} Q/DQ pair(s) widened, {len(outcome.biases_requantized)} int32 "
+                             f"bias(es) re-quantized, {len(outcome.biases_float)} kept float (int32 overflow)")
+        for name in outcome.widened[:20]:
+            res.decisions.append(f"  {name}: a16w8 ({why(name)})")
+        if len(outcome.widened) > 20:
+            res.decisions.append(f"  ... {len(outcome.widened) - 20} more (details.widened)")
+
+
+def record_fallback(res: PassResult, outcome: FallbackOutcome) -> None:
+    """Record what `fall_back` did in ``res``: fallen-back nodes, restored weights, skips."""
+    d = res.details
+    d.setdefault("fallen_back", []).extend(outcome.fallen_back)
+    for key in ("dequantized_weights", "relu_restored", "float_weights_restored"):
+        values = getattr(outcome, key)
+        if values:
+            d.setdefault(key, []).extend(values)
+    if outcome.still_quantized_for:
+        d.setdefault("outputs_still_quantized_for", {}).update(outcome.still_quantized_for)
+    for name in outcome.already_float:
+        res.skip(
+            name,
+            "already float: no input is read through DequantizeLinear and no output quantization is its own",
+        )
+    for name, reason in outcome.refused:
+        res.skip(name, reason)
+    if outcome.ignored_qdq:
+        res.notes.append(
+            f"{outcome.ignored_qdq} QuantizeLinear/DequantizeLinear node(s) in the selection were "
+            "ignored: select compute nodes, their Q/DQ are removed with them"
+        )
+    res.nodes_added += outcome.nodes_added
+    res.nodes_removed += outcome.nodes_removed
