@@ -245,3 +245,16 @@ def test_a_pair_shared_with_an_8bit_reader_is_converted_back_for_it() -> None:
     assert np.abs(y1 - fx).max() < 0.2 * np.abs(y0 - fx).max()
     # mm_b: the same 8-bit values, up to a tie flipped by the double rounding (one step x the weights).
     assert np.abs(z1 - z0).max() <= 0.02 * 1.12 + 1e-6
+
+
+def test_diff_coverage_counts_16bit_nodes_as_integer_and_names_them(models: tuple[onnx.ModelProto,
+                                                                                onnx.ModelProto]) -> None:
+    from qgraph.diff import qdq_coverage
+
+    _, qdq = models
+    wide, _ = _widened(qdq, ("b1/dw", "head/fc"))
+    before, after = qdq_coverage(qdq), qdq_coverage(wide)
+    assert after.counts()["int8"] == before.counts()["int8"] and not before.wide
+    assert sorted(n.node for n in after.wide) == ["b1/dw", "head/fc"]
+    assert {n.dtypes for n in after.wide} == {"uint16×int8"}
+    assert after.to_dict()["sixteen_bit_activations"] == 2

@@ -96,11 +96,17 @@ class QdqCoverage:
         """Share of quantizable nodes fully in integer (0 when there are none)."""
         return self.counts()["int8"] / len(self.nodes) if self.nodes else 0.0
 
+    @property
+    def wide(self) -> list[NodeQuant]:
+        """Integer nodes reading a 16-bit activation (mixed precision, e.g. ``float_fallback`` ``to: a16w8``)."""
+        return [n for n in self.nodes if n.status == "int8" and "16" in n.dtypes]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
             "quantizable": len(self.nodes),
             "counts": dict(sorted(self.counts().items())),
+            "sixteen_bit_activations": len(self.wide),
             "fraction_int8": self.fraction,
             "quantize_nodes": self.quantize_nodes,
             "dequantize_nodes": self.dequantize_nodes,

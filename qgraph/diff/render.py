@@ -129,6 +129,11 @@ def print_structural(console: Console, d: StructuralDiff, top: int = 10) -> None
             f"({cb['int8'] / max(len(d.coverage_b.nodes), 1):.0%}); Q/DQ nodes {d.coverage_b.quantize_nodes}/"
             f"{d.coverage_b.dequantize_nodes}",
             ["op", "int8", "partial", "float"], coverage_rows(d.coverage_a, d.coverage_b)))
+        wide = d.coverage_b.wide
+        if wide:
+            names = ", ".join(n.node for n in wide[:top]) + (f", ... {len(wide) - top} more" if len(wide) > top else "")
+            console.print(f"of which {len(wide)} read 16-bit activations ({wide[0].dtypes}...): {names}",
+                          markup=False, highlight=False, soft_wrap=True)
         rows, more = _clip(float_node_rows(d.coverage_b), top)
         if rows and d.coverage_b.dequantize_nodes:
             console.print(_rich_table("not int8 in B" + (f" (first {top}, {more} more)" if more else ""),
