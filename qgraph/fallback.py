@@ -40,6 +40,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
 from qgraph.graph.detach import is_placeholder
+from qgraph.graph.ops import proto_scopes
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.quant import dequantize as quant_dequantize
 from qgraph.quant import fake_quantize_counted
@@ -222,7 +223,10 @@ class ReferenceWeights:
         floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
                   onnx.TensorProto.BFLOAT16)
         self.protos: dict[tuple[str, int], onnx.TensorProto] = {}
-        for node in reference.graph.node:
+        # Every scope: a node inside an If/Loop body reads its weights from the body's (or the outer) initializers.
+        for g in proto_scopes(reference.graph):
+            inits.update((t.name, t) for t in g.initializer if g is not reference.graph and t.name not in inits)
+        for node in (n for g in proto_scopes(reference.graph) for n in g.node):
             if not node.output:
                 continue
             for i, name in enumerate(node.input):

@@ -25,16 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph.fallback import (
-    FallbackOutcome,
     QParams,
-    ReferenceWeights,
-    fall_back,
     is_dq,
     is_q,
     is_qdq,
@@ -228,19 +224,3 @@ def _requantize_bias(graph: GraphHandle, node: gs.Node, old_in: float, new_in: f
     bias_dq.inputs[1] = gs.Constant(graph.unique_name(f"{name}/scale16", "tensor"), new_scale)
     out.biases_requantized.append(node.name)
 
-
-#: What a node the search (or a selector) picks becomes: float (`qgraph.fallback.fall_back`) or 16-bit
-#: activations (`widen_activations`).
-Remedy = Literal["float", "a16w8"]
-REMEDIES: tuple[str, ...] = ("float", "a16w8")
-
-
-def apply_remedy(graph: GraphHandle, targets: Iterable[gs.Node], to: str = "float",
-                 reference: ReferenceWeights | None = None) -> FallbackOutcome | WidenOutcome:
-    """``targets`` back to float (``to="float"``, weights from ``reference`` when given) or to 16-bit activations
-    (``to="a16w8"``), in place."""
-    if to == "a16w8":
-        return widen_activations(graph, targets)
-    if to != "float":
-        raise ValueError(f"unknown remedy {to!r}: one of {', '.join(REMEDIES)}")
-    return fall_back(graph, targets, reference=reference)

@@ -13,7 +13,7 @@ from qgraph.data import CallableSource
 from qgraph.fallback import QParams, dequantize, is_dq, is_q, quantized_nodes
 from qgraph.testing.depthwise import depthwise_net
 from qgraph.testing.models import run_ort
-from qgraph.widen import MS_DOMAIN, apply_remedy, wide_params, widen_activations
+from qgraph.widen import MS_DOMAIN, wide_params, widen_activations
 
 Feed = dict[str, np.ndarray]
 
@@ -148,15 +148,6 @@ def test_int32_overflow_keeps_the_bias_float() -> None:
     assert outcome.biases_float == ["conv"] and not outcome.biases_requantized  # type: ignore[attr-defined]
     (before,), (after,) = run_ort(model, x), run_ort(wide, x)
     assert np.allclose(after, before, rtol=1e-5)  # 2e5 + x/2: the bias is exact in float, the input finer
-
-
-def test_apply_remedy_float_and_unknown(models: tuple[onnx.ModelProto, onnx.ModelProto]) -> None:
-    _, qdq = models
-    handle = GraphHandle(qdq)
-    outcome = apply_remedy(handle, [n for n in handle.graph.nodes if n.name == "b1/pw"], "float")
-    assert getattr(outcome, "fallen_back", None) == ["b1/pw"]
-    with pytest.raises(ValueError, match="unknown remedy 'a16'"):
-        apply_remedy(GraphHandle(qdq), [], "a16")
 
 
 def test_a_node_without_activation_pairs_is_refused() -> None:

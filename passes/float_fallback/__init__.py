@@ -26,6 +26,12 @@ With ``cost: latency`` the ranked prefixes follow output error bought per added 
 After ``insert_qdq`` in the same recipe, the search compares with the recipe's float model and the nodes that
 go back to float get their float weights back.
 
+Nodes inside If/Loop bodies: names in ``nodes.names`` are found there too, and auto mode's candidates include
+the quantized nodes of every body (``auto.bodies``, default on; each measured exactly once for the ranking, since
+onnxruntime returns no tensor from a body): a model whose compute sits in branches chosen at run time keeps its
+control flow (`qgraph.remedy`). ``to: a16w8`` gives the chosen nodes 16-bit activations instead of float
+(`qgraph.widen`, for NPUs).
+
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
 nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
 line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` entry.
@@ -112,6 +118,10 @@ class AutoFallbackConfig(PassConfig):
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
         "rounds and report the ratios (0: do not measure).",
     )
+    bodies: bool = Field(
+        default=True, description="Also consider the quantized nodes inside If/Loop bodies (a model whose compute "
+        "sits in branches chosen at run time): each is measured exactly, one evaluation, for the ranking.",
+    )
     recurrent: Recurrence | None = Field(
         default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): every "
         "full evaluation runs streamed, each model fed its own previous state over the data in order "
@@ -190,16 +200,20 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                 "(or --calibration-data)."
             )
 
-    def _selected(self, graph: GraphHandle) -> list[Any]:
+    def _selected(self, graph: GraphHandle) -> tuple[list[Any], list[str]]:
+        """The selected top-graph nodes, and the selected names of nodes inside If/Loop bodies."""
         selector = self.config.nodes
         assert selector is not None
         sel = select(graph, selector)
-        if sel.unmatched:
+        inner = {n.name for g in graph.subgraphs() for n in g.nodes}
+        in_bodies = [n for n in selector.names if n not in graph.index.by_name and n in inner]
+        unmatched = [u for u in sel.unmatched if not any(u == f"names: {n!r} matched no node" for n in in_bodies)]
+        if unmatched:
             raise PassError(
                 f"float_fallback: the selector ({selector.describe()}) has criteria that match nothing: "
-                f"{'; '.join(sel.unmatched)}. Fix the names/patterns (list nodes with `qgraph inspect --json`)."
+                f"{'; '.join(unmatched)}. Fix the names/patterns (list nodes with `qgraph inspect --json`)."
             )
-        return sel.nodes
+        return sel.nodes, in_bodies
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
@@ -207,11 +221,11 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         floats = _reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if self.config.nodes is not None:
-            nodes = self._selected(graph)
-            res.matched = len(nodes)
+            nodes, inner = self._selected(graph)
+            res.matched = len(nodes) + len(inner)
             selector, ops = self.config.nodes, {n.name: n.op for n in nodes}
             apply_and_record(graph, nodes, self.config.to, weights, res,
-                   lambda name: f"selected: {selector.criterion(name, ops.get(name, ''))}")
+                             lambda name: f"selected: {selector.criterion(name, ops.get(name, ''))}", inner)
         if self.config.auto is not None:
             self._auto(graph, ctx, res, floats, weights)
         res.rewritten = len(res.details.get("fallen_back", [])) + len(res.details.get("widened", []))
@@ -221,7 +235,6 @@ class FloatFallback(Pass[FloatFallbackConfig]):
 
     def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult, floats: onnx.ModelProto | None,
               weights: ReferenceWeights | None) -> None:
-        from qgraph.model_io import load_model
         from qgraph.sensitivity.search import auto_fallback
 
         auto = self.config.auto
@@ -230,27 +243,16 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if data is None:
             raise PassError("float_fallback: auto mode needs evaluation data (auto.data or calibration data).")
         qdq = graph.to_onnx()
-        if auto.reference is not None:
-            reference = load_model(auto.reference)
-            in_bodies = strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
-        elif floats is not None:
-            reference = with_weights(floats, ctx.float_reference_weights)
-            res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
-            in_bodies = strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
-        else:
-            reference = strip_all(qdq)
-            in_bodies = strip_bodies(reference)
-            res.notes.append(
-                "auto: compared with this model with every Q/DQ removed (set auto.reference to the "
-                "float model to include weight quantization error)"
-            )
+        reference, in_bodies = _compare_with(qdq, auto, floats, ctx, res)
         if auto.recurrent is not None:
             check_recurrence(auto.recurrent, reference, "float_fallback auto")
             res.notes.append("auto: the score is measured streamed (each model fed its own state; `recurrent`)")
-        if in_bodies:
+        if in_bodies and auto.bodies:
+            res.decisions.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are candidates too: each "
+                                 "measured exactly (one evaluation) for the ranking, ordered by error")
+        elif in_bodies:
             res.notes.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are measured but not "
-                             "candidates (the search covers the top graph): they stay quantized. `specialize_inputs` "
-                             "inlines an If chosen by an input, making its nodes candidates.")
+                             "candidates (auto.bodies: false): they stay quantized")
         costs, rank_by = _costs(auto, ctx, res), auto.cost
         if self.config.to == "a16w8":
             # The cost table knows float and int8 kernels only: an NPU's 16-bit layer cost is not in it.
@@ -277,6 +279,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             rank_by=rank_by,
             recurrence=auto.recurrent,
             remedy=self.config.to,
+            in_bodies=bool(in_bodies) and auto.bodies,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
@@ -284,16 +287,38 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if not result.target_met:
             res.unmet = (
                 f"float_fallback auto: {result.target.describe()} not met (search stopped: {result.stop_reason}); "
-                f"the best model found ({len(result.nodes)} node(s) in float, score {result.score:.6g}) was kept"
+                f"the best model found ({len(result.nodes)} node(s) {result.became}, score {result.score:.6g}) was "
+                "kept"
             )
         if result.nodes:
-            chosen = select(graph, NodeSelector(names=tuple(result.nodes))).nodes
+            top = graph.index.by_name
+            chosen = [top[n] for n in result.nodes if n in top]
             order = {name: i for i, name in enumerate(result.nodes)}
             verdict = "met" if result.target_met else "NOT met"
             apply_and_record(graph, chosen, self.config.to, weights, res,
-                   lambda name: f"auto: #{order.get(name, 0) + 1} of the {len(result.nodes)} node(s) chosen, ranked "
-                                f"by {rank_by}; target {result.target.describe()} {verdict}, score {result.score:.4g}")
+                             lambda name: f"auto: #{order.get(name, 0) + 1} of the {len(result.nodes)} node(s) "
+                                          f"chosen, ranked by {rank_by}; target {result.target.describe()} {verdict}, "
+                                          f"score {result.score:.4g}", [n for n in result.nodes if n not in top])
             res.matched += len(result.nodes)
+
+
+def _compare_with(qdq: onnx.ModelProto, auto: AutoFallbackConfig, floats: onnx.ModelProto | None,
+                  ctx: PassContext, res: PassResult) -> tuple[onnx.ModelProto, int]:
+    """The float model auto mode compares with, and how many quantized nodes sit inside If/Loop bodies."""
+    from qgraph.model_io import load_model
+
+    if auto.reference is not None or floats is not None:
+        if auto.reference is not None:
+            reference = load_model(auto.reference)
+        else:
+            assert floats is not None
+            reference = with_weights(floats, ctx.float_reference_weights)
+            res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
+        return reference, strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
+    reference = strip_all(qdq)
+    res.notes.append("auto: compared with this model with every Q/DQ removed (set auto.reference to the float model "
+                     "to include weight quantization error)")
+    return reference, strip_bodies(reference)
 
 
 def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:

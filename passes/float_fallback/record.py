@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from qgraph import GraphHandle, PassResult
 from qgraph.fallback import FallbackOutcome, ReferenceWeights
-from qgraph.widen import apply_remedy
+from qgraph.remedy import Outcome, apply_remedy, remedy_model
 
 
 def apply_and_record(graph: GraphHandle, nodes: list[Any], to: str, weights: ReferenceWeights | None, res: PassResult,
-           why: Callable[[str], str]) -> None:
-    """Apply the remedy ``to`` to ``nodes`` and record it (``why(name)`` says how each node was chosen)."""
-    outcome = apply_remedy(graph, nodes, to, weights)
+                     why: Callable[[str], str], body_names: Sequence[str] = ()) -> None:
+    """Apply the remedy ``to`` to ``nodes`` (top graph) and to the nodes named ``body_names`` inside If/Loop
+    bodies, and record it (``why(name)`` says how each node was chosen)."""
+    record(res, apply_remedy(graph, nodes, to, weights), why)
+    if body_names:
+        scoped = remedy_model(graph.to_onnx(), body_names, to, weights)
+        graph.replace_model(scoped.model)
+        for scope, outcome in scoped.outcomes:
+            record(res, outcome, lambda name, scope=scope: f"{why(name)}; inside {scope}")  # type: ignore[misc]
+        for name in scoped.unplaced:
+            res.skip(name, "not found in any If/Loop body that can be made standalone")
+
+
+def record(res: PassResult, outcome: Outcome, why: Callable[[str], str]) -> None:
+    """Record one scope's outcome in ``res``: float nodes with their reason, or 16-bit nodes as decisions."""
     if isinstance(outcome, FallbackOutcome):
         record_fallback(res, outcome)
         for name in outcome.fallen_back:

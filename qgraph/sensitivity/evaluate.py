@@ -17,13 +17,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from qgraph import DataError, GraphHandle, ModelError, NodeSelector, Pipeline, Recipe, get_pass, select
+from qgraph import DataError, ModelError, NodeSelector, Pipeline, Recipe, get_pass
 from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
+from qgraph.remedy import remedy_model
 from qgraph.streaming import Recurrence, run_streamed, sequence_starts
-from qgraph.widen import apply_remedy
 
 Progress = Callable[[int, int], None]
 
@@ -129,12 +129,7 @@ class Evaluator:
         weights restored from ``float_weights`` when given; with ``remedy="a16w8"`` their activations 16-bit."""
         if not nodes:
             return self.qdq
-        handle = GraphHandle(self.qdq)
-        apply_remedy(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, self.remedy, self.float_weights)
-        try:
-            return handle.to_onnx()
-        finally:
-            handle.release()  # one temporary graph per candidate: free it now, not at the end of the pass
+        return remedy_model(self.qdq, nodes, self.remedy, self.float_weights).model
 
     def run(self, model: onnx.ModelProto, nodes: Sequence[str] = ()) -> Measurement:
         """Run ``model`` on every batch and compare each output with the reference."""
@@ -219,9 +214,7 @@ def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
     if not nodes:
         return qdq
     if float_weights is not None or remedy != "float":
-        handle = GraphHandle(qdq)
-        apply_remedy(handle, select(handle, NodeSelector(names=tuple(nodes))).nodes, remedy, float_weights)
-        return handle.to_onnx()
+        return remedy_model(qdq, nodes, remedy, float_weights).model
     recipe = patch_recipe(nodes, remedy)
     return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
 

@@ -211,10 +211,13 @@ def rank_nodes(
     exact_progress: StepProgress | None = None,
     stats: bool = False,
     executor: ExecutorSpec | Executor | None = None,
+    measured_only: Sequence[tuple[str, str]] = (),
 ) -> SensitivityReport:
     """One-run ranking of ``candidates`` (see module docs), the first ``exact_top`` measured exactly.
 
-    ``baseline`` is the measurement of the INT8 model with ``base_nodes`` in float."""
+    ``baseline`` is the measurement of the INT8 model with ``base_nodes`` in float. ``measured_only`` are
+    candidates the one-run probe cannot see (nodes inside If/Loop bodies: onnxruntime returns no tensor from
+    there): each is measured exactly, one evaluation, and placed in the order by its measured gain."""
     start = time.perf_counter()
     base = tuple(base_nodes)
     refs = concat_outputs(evaluator.reference) if target.needs_outputs else None
@@ -249,12 +252,19 @@ def rank_nodes(
         rows = top + [r for r in rows if r.name not in by_name]
         if not exact.complete:
             notes.append(f"max_time reached during the exact measure: {len(exact.rows)} of {k} measured")
+    if measured_only:
+        inside = sensitivity_report(evaluator, target, measured_only, base_nodes=base, jobs=jobs, deadline=deadline,
+                                    progress=exact_progress, stats=False, baseline=baseline, executor=executor)
+        rows = sorted([*rows, *inside.rows],
+                      key=lambda r: -r.sensitivity if math.isfinite(r.sensitivity) else math.inf)
+        notes.append(f"{len(inside.rows)} of {len(measured_only)} node(s) inside If/Loop bodies measured exactly "
+                     "(one evaluation each) and ranked by their measured gain")
     if stats:  # clipping and input SQNR of every node's activation inputs: one more run, reduced in-graph
         extra = range_stats(evaluator.variant(base), evaluator.batches, [r.name for r in rows])
         for r in rows:
             st = extra.get(r.name, {})
             r.clip_fraction, r.input_sqnr_db = st.get("clip_fraction"), st.get("input_sqnr_db")
             r.inputs = st.get("inputs", [])
-    return SensitivityReport(target, float_score, int8_score, baseline.diffs, rows, len(candidates),
-                             time.perf_counter() - start, done == len(evaluator.batches), base, "one-run",
-                             notes, model)
+    return SensitivityReport(target, float_score, int8_score, baseline.diffs, rows,
+                             len(candidates) + len(measured_only), time.perf_counter() - start,
+                             done == len(evaluator.batches), base, "one-run", notes, model)

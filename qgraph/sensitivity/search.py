@@ -38,6 +38,7 @@ from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
 from qgraph.outputs import write_atomic
+from qgraph.remedy import body_candidates
 from qgraph.sensitivity.cost import (
     CostSpec,
     LatencyModel,
@@ -208,6 +209,7 @@ def auto_fallback(
     rank_by: str = "latency",
     recurrence: Recurrence | None = None,
     remedy: str = "float",
+    in_bodies: bool = False,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -225,6 +227,8 @@ def auto_fallback(
     evaluation runs streamed, each model fed its own state (`qgraph.streaming`); the one-run ranking stays
     per sample (states from the data), its prediction corrected on the streamed measurements.
     ``remedy="a16w8"`` gives the chosen nodes 16-bit activations instead of float (`qgraph.widen`; for NPUs).
+    ``in_bodies`` makes the quantized nodes inside If/Loop bodies candidates too (`qgraph.remedy`), each measured
+    exactly once for the ranking.
     With ``report_only`` the ranking is made and no search.
     Never raises for an unmet target: check ``target_met``.
     """
@@ -235,7 +239,7 @@ def auto_fallback(
                               optimization=optimization, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
                               latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by,
-                              recurrence=recurrence, remedy=remedy)
+                              recurrence=recurrence, remedy=remedy, in_bodies=in_bodies)
     finally:
         if pool is not executor:
             pool.close()
@@ -247,7 +251,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
                    latency_rounds: int, max_latency: float | None, rank_by: str,
-                   recurrence: Recurrence | None = None, remedy: str = "float") -> AutoResult:
+                   recurrence: Recurrence | None = None, remedy: str = "float",
+                   in_bodies: bool = False) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -276,13 +281,17 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     int8_score = run.int8_score = tgt.score(base.diffs, base.outputs, run.refs)
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
+    inside: list[tuple[str, str]] = []
+    if in_bodies:
+        inside, more = body_candidates(evaluator.variant(chosen), candidates)
+        notes.extend(more)
     out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
                      threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=remedy)
     if out.target_met and not report_only:
         return _finish(run, out, "the INT8 model already meets the target")
     report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top,
                         deadline=run.deadline, progress=run.reporter("ranking"), exact_progress=run.reporter("exact"),
-                        stats=report_only, executor=pool)
+                        stats=report_only, executor=pool, measured_only=inside)
     run.evaluations += sum(r.measured for r in report.rows)
     out.sensitivity = report
     notes.extend(report.notes)

@@ -304,9 +304,10 @@ def test_reference_weights_make_everything_back_to_float_the_float_model(tmp_pat
 
 def test_auto_baseline_sees_the_error_made_inside_if_bodies() -> None:
     """A model quantized only inside If branches (the compute of a mode-switched net): without `auto.reference`
-    the baseline strips the Q/DQ inside bodies too, so an unreachable target is reported as not met (it read as
-    "the INT8 model already meets the target" when only the top graph was stripped), and the body nodes are named
-    as not being candidates. After `specialize_inputs` the same nodes are top-level candidates and no such note."""
+    the baseline strips the Q/DQ inside bodies too, so the INT8 error inside bodies is seen (it read as "the INT8
+    model already meets the target" when only the top graph was stripped). The body nodes are candidates (each
+    measured exactly): the target is met with them in float and the If kept; with `bodies: false` it is not met and
+    they are named as not being candidates. After `specialize_inputs` the same nodes are top-level candidates."""
     from qgraph.data import CallableSource
     from qgraph.pass_api import get_pass
     from qgraph.testing import mode_feeds, mode_switched_net
@@ -315,14 +316,50 @@ def test_auto_baseline_sees_the_error_made_inside_if_bodies() -> None:
     data = CallableSource(lambda: mode_feeds(16), "mode-1 samples")
     qdq = get_pass("insert_qdq")(preset="ort-x86-vnni", nodes=NodeSelector(exclude=NodeSelector(names=("head",))))
     fallback = FloatFallback(auto={"target": "sqnr:80", "max_time": 60})
-    res = Pipeline([qdq, fallback]).run(model, calibration_data=data).records[-1].result
+    result = Pipeline([qdq, fallback]).run(model, calibration_data=data)
+    res = result.records[-1].result
+    assert res.unmet is None and res.details["auto"]["target_met"], res.decisions
+    assert 20 < res.details["auto"]["int8_score"] < 80, res.details["auto"]  # was inf: the body error unseen
+    assert any(d.startswith("auto: 2 quantized node(s) inside If/Loop bodies are candidates") for d in res.decisions)
+    inner = {n.name for a in next(n for n in result.model.graph.node if n.op_type == "If").attribute for n in a.g.node}
+    assert res.details["fallen_back"] and set(res.details["fallen_back"]) <= inner  # body nodes, by their names
+    assert all("inside switch.then_branch" in k.reason for k in res.kept_float), res.kept_float
+    assert [n.op_type for n in result.model.graph.node].count("If") == 1  # still general: mode 2 still runs
+    for mode in (1, 2):
+        feed = mode_feeds(1, mode=mode, seed=5)[0]
+        (ref,), (got,) = make_session(model).run(None, feed), make_session(result.model).run(None, feed)
+        assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))  # the branch's nodes float, head excluded
+    off = FloatFallback(auto={"target": "sqnr:80", "max_time": 60, "bodies": False})
+    res = Pipeline([qdq, off]).run(model, calibration_data=data).records[-1].result
     body = [n for n in res.notes if "inside If/Loop bodies" in n]
     assert res.unmet is not None and body and body[0].startswith("auto: 2 quantized node(s)"), res.notes
-    assert 20 < res.details["auto"]["int8_score"] < 80, res.details["auto"]  # was inf: the body error unseen
-    flat = Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}), qdq, fallback]).run(
+    flat = Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}), qdq, off]).run(
         model, calibration_data=data).records[-1].result
     assert not [n for n in flat.notes if "inside If/Loop bodies" in n]
     assert flat.details["fallen_back"], flat.decisions  # the branch's nodes were candidates there
+
+
+def test_manual_selection_reaches_nodes_inside_bodies_by_name() -> None:
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.testing import mode_feeds, mode_switched_net
+
+    model = mode_switched_net()
+    data = CallableSource(lambda: mode_feeds(16), "mode-1 samples")
+    qdq = get_pass("insert_qdq")(preset="ort-x86-vnni")
+    quantized = Pipeline([qdq]).run(model, calibration_data=data).model
+    branch = next(n for n in quantized.graph.node if n.op_type == "If").attribute
+    conv = next(n.name for a in branch if a.name == "then_branch" for n in a.g.node if n.op_type == "Conv")
+    result = Pipeline([FloatFallback(nodes=NodeSelector(names=(conv, "head")))]).run(quantized)
+    res = result.records[-1].result
+    assert sorted(res.details["fallen_back"]) == sorted([conv, "head"]) and res.matched == 2
+    then = next(a.g for a in next(n for n in result.model.graph.node if n.op_type == "If").attribute
+                if a.name == "then_branch")
+    producer = {o: n for n in then.node for o in n.output}
+    node = next(n for n in then.node if n.name == conv)
+    assert all(producer.get(i) is None or producer[i].op_type != "DequantizeLinear" for i in node.input)
+    with pytest.raises(PassError, match="'nope' matched no node"):
+        Pipeline([FloatFallback(nodes=NodeSelector(names=(conv, "nope")))]).run(quantized)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
