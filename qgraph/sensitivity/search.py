@@ -361,15 +361,16 @@ def _latency(out: AutoResult, latency: LatencyModel | None, base: Sequence[str],
              reference: onnx.ModelProto, evaluator: Evaluator) -> None:
     """Modelled and (``rounds`` > 0) measured latency of the chosen model, into ``out.latency``."""
     if latency is not None:
-        out.latency.update(latency_summary(latency, base, out.nodes))
+        modelled = latency_summary(latency, base, out.nodes)
+        # A model whose compute sits in If/Loop bodies has nothing the cost table models: no ratio to report.
+        if all(math.isfinite(v) for v in modelled.values()):
+            out.latency.update(modelled)
     if rounds > 0 and len(out.nodes) > len(base):
         feed = _one_sample(evaluator.batches[0], reference)
         measured = measure_latency({"float": reference, "int8": evaluator.variant(base), "chosen": out.model}, feed,
                                    rounds)
         out.latency.update({f"measured_{k}": v for k, v in measured.items() if k != "float"})
         out.latency["measured_float_ms"] = measured["float_ms"]
-
-
 
 
 def _one_sample(feed: Feed, model: onnx.ModelProto) -> Feed:
