@@ -6,9 +6,9 @@
 
 Rows: the float model; onnxruntime ``quantize_static`` (QDQ, per-channel) on the specialized float graph; qgraph
 recipes (``RECIPES``): the ready ``ort-x86-vnni`` recipe on the unspecialized model (bodies quantized statically),
-alone and with an auto ``float_fallback`` whose candidates are the nodes inside the branches (chunk-wise and
-streamed), and after ``specialize_inputs`` (sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's
-options), with the STFT front end left float, with ``optimize_rounding``, with an auto ``float_fallback``
+alone, with an auto ``float_fallback`` whose candidates are the nodes inside the branches (chunk-wise and
+streamed) and with ``tune_ranges`` tuning the pairs inside the branches, and after ``specialize_inputs``
+(sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's options), with the STFT front end left float, with ``optimize_rounding``, with an auto ``float_fallback``
 (target ``sqnr:30``, searched on the calibration data), with ``tune_ranges`` (output-aware activation
 ranges, with and without the STFT in INT8), and with ``quantize_lstm`` too (the LSTM as DynamicQuantizeLSTM);
 then ``tune_ranges`` scored streamed (``recurrent``: each model fed its own state over the calibration
@@ -70,6 +70,10 @@ RECIPES: dict[str, dict[str, Any]] = {
         "passes": [*r0["passes"], FALLBACK]},
     "ready recipe (bodies static), fallback 30 streamed in bodies": {
         **r0, "passes": [*r0["passes"], STREAMED_FALLBACK]},
+    "ready recipe (bodies static), tune_ranges in bodies": {
+        **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}]},
+    "ready recipe (bodies static), tune_ranges + fallback 30 in bodies": {
+        **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}, FALLBACK]},
     "specialized + ready recipe": {**(r := Recipe.from_yaml(ROOT / "recipes" / "ort-x86-vnni.yaml").to_dict()),
                                    "passes": SPECIALIZE + r["passes"]},
     "specialized, insert_qdq": _recipe([]),

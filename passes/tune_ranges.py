@@ -6,8 +6,9 @@ rounding + clipping error *of that tensor*. Where the model weighs small values 
 frequency bins of a spectrum that the next layer amplifies, the few chunks of a speech detector whose
 probability is near 0.5), a narrower range than the tensor-optimal one is much better for the output. This pass
 measures that directly. For each activation ``QuantizeLinear → DequantizeLinear`` pair with a per-tensor scale
-``s`` (top graph, graph order), it tries ``s · f`` for each ``f`` in ``factors`` (``f < 1`` clips the largest
-values and gives the rest finer steps; zero points are kept) and keeps the best by::
+``s`` (top graph in graph order, then the pairs inside If/Loop bodies: the model keeps its control flow), it
+tries ``s · f`` for each ``f`` in ``factors`` (``f < 1`` clips the largest values and gives the rest finer steps;
+zero points are kept) and keeps the best by::
 
     score = min over graph outputs o of SQNR_o = 10 log10(Σ y_o² / Σ (ŷ_o - y_o)²)      (dB)
 
@@ -126,9 +127,45 @@ def _pairs(graph: GraphHandle) -> list[_Pair]:
                 bias_dq = graph.producer(ref.owner.inputs[ref.index])
                 if bias_dq is not None and isinstance(bias_dq.inputs[1], gs.Constant):
                     pair.biases.append((bias_dq, ref.value, bias_dq.inputs[1]))
+    _body_pairs(graph, out)
     # a scale constant also read by a pair this pass cannot move (e.g. per-tensor weights) stays as it is
     return [p for p in out.values() if all(is_q(r) or is_dq(r) for r in p.scale.outputs)
             and len(p.scale.outputs) == len(p.qs) + len(p.dqs)]
+
+
+def _body_pairs(graph: GraphHandle, out: dict[int, _Pair]) -> None:
+    """The pairs inside If/Loop bodies (nested too), found through graphsurgeon's own producer/consumer links (the
+    index covers the top graph); an int32 bias is the third input of a Conv/ConvTranspose/Gemm reading the pair."""
+    for scope in graph.subgraphs():
+        for q in scope.nodes:
+            if not is_q(q) or isinstance(q.inputs[0], gs.Constant) or not isinstance(q.inputs[1], gs.Constant):
+                continue
+            readers = list(q.outputs[0].outputs)
+            params = qparams(graph, q)
+            if not readers or not all(is_dq(r) and r.inputs[1] is q.inputs[1] for r in readers) or params is None \
+                    or params.scale.size != 1:
+                continue
+            pair = out.setdefault(id(q.inputs[1]), _Pair([], [], q.inputs[1]))
+            pair.qs.append(q)
+            pair.dqs += readers
+            for dq in readers:
+                for layer in dq.outputs[0].outputs:
+                    bias = _body_bias(layer, dq)
+                    if bias is not None:
+                        pair.biases.append(bias)
+
+
+def _body_bias(layer: gs.Node, dq: gs.Node) -> tuple[gs.Node, gs.Constant, gs.Constant] | None:
+    """``(bias DQ, int32 codes, bias scale)`` of ``layer`` when it reads ``dq`` as its data input."""
+    if layer.op not in ("Conv", "ConvTranspose", "Gemm") or len(layer.inputs) < 3 or layer.inputs[0] is not \
+            dq.outputs[0] or not layer.inputs[2].inputs:
+        return None
+    bias_dq = layer.inputs[2].inputs[0]
+    codes, scale = bias_dq.inputs[0], bias_dq.inputs[1] if len(bias_dq.inputs) > 1 else None
+    if not is_dq(bias_dq) or not isinstance(codes, gs.Constant) or not isinstance(scale, gs.Constant) or \
+            np.asarray(codes.values).dtype != np.int32:
+        return None
+    return bias_dq, codes, scale
 
 
 @register
@@ -175,10 +212,11 @@ class TuneRanges(Pass[TuneRangesConfig]):
         del reference
         pairs = _pairs(graph)
         res.matched = len(pairs)
-        inner = sum(n.op == "QuantizeLinear" for g in graph.subgraphs() for n in g.nodes)
+        top = {id(n) for n in graph.index.nodes}
+        inner = sum(1 for p in pairs if id(p.qs[0]) not in top)
         if inner:
-            res.decisions.append(f"{inner} QuantizeLinear node(s) inside If/Loop bodies are not tuned (the top graph "
-                                 "only): `specialize_inputs` inlines an If chosen by an input")
+            res.decisions.append(f"{inner} of the {len(pairs)} pair(s) sit inside If/Loop bodies: tuned in place, the "
+                                 "control flow kept (a branch the data never takes scores no gain and keeps its range)")
         start = time.perf_counter()
         best = self._score(graph, scorer)
         first, evaluations, reached = best, 1, 0

@@ -87,11 +87,24 @@ def test_nothing_to_gain_changes_nothing() -> None:
     assert _inits(plain.model).keys() == _inits(tuned.model).keys()
 
 
-def test_pairs_inside_bodies_are_left_and_said() -> None:
-    tuned = _quantize(get_pass("tune_ranges")(), specialize=False)
+def test_pairs_inside_bodies_are_tuned_in_place_and_the_if_kept() -> None:
+    """The same model without specialize_inputs: h's pair sits in the then-branch; it is found there, narrowed as
+    in the flat graph, its reading bias follows, and the model keeps its If (mode 2 still runs its branch)."""
+    plain, tuned = _quantize(specialize=False), _quantize(get_pass("tune_ranges")(), specialize=False)
     result = tuned.records[-1].result
-    assert result.matched == 0 and result.rewritten == 0
-    assert any("inside If/Loop bodies are not tuned" in d for d in result.decisions), result.decisions
+    assert result.details["factors"].get("h", 1.0) <= 0.35, result.details
+    assert any("inside If/Loop bodies: tuned in place" in d for d in result.decisions), result.decisions
+    assert _sqnr(tuned.model) > _sqnr(plain.model) + 5
+    assert [n.op_type for n in tuned.model.graph.node].count("If") == 1
+    then = next(a.g for n in tuned.model.graph.node if n.op_type == "If" for a in n.attribute
+                if a.name == "then_branch")
+    inits = {**_inits(tuned.model), **{t.name: numpy_helper.to_array(t) for t in then.initializer}}
+    producer = {o: n for n in then.node for o in n.output}
+    conv = next(n for n in then.node if n.name == "then/conv2")
+    bias_dq, w_dq, x_dq = (producer[conv.input[i]] for i in (2, 1, 0))
+    np.testing.assert_allclose(inits[bias_dq.input[1]], inits[x_dq.input[1]] * inits[w_dq.input[1]], rtol=1e-6)
+    mode2 = [{**f, "mode": np.array(2, np.int64)} for f in level_feeds(4, seed=3)]
+    assert np.all(np.isfinite(_outputs(tuned.model, mode2)))
 
 
 def test_needs_insert_qdq_first_and_sane_factors() -> None:
