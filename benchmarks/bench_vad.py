@@ -8,9 +8,10 @@ Rows: the float model; onnxruntime ``quantize_static`` (QDQ, per-channel) on the
 recipes (``RECIPES``): the ready ``ort-x86-vnni`` recipe on the unspecialized model (bodies quantized statically),
 alone, with an auto ``float_fallback`` whose candidates are the nodes inside the branches (chunk-wise and
 streamed) and with ``tune_ranges`` tuning the pairs inside the branches, and after ``specialize_inputs``
-(sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's options), with the STFT front end left float, with ``optimize_rounding``, with an auto ``float_fallback``
-(target ``sqnr:30``, searched on the calibration data), with ``tune_ranges`` (output-aware activation
-ranges, with and without the STFT in INT8), and with ``quantize_lstm`` too (the LSTM as DynamicQuantizeLSTM);
+(sr = 16000); then specialize + ``insert_qdq`` alone (the ready recipe's options), with the STFT front end left
+float, with ``optimize_rounding``, with an auto ``float_fallback`` (target ``sqnr:30``, searched on the
+calibration data), with ``tune_ranges`` (output-aware activation ranges, with and without the STFT in INT8), and
+with ``quantize_lstm`` too (the LSTM as DynamicQuantizeLSTM);
 then ``tune_ranges`` scored streamed (``recurrent``: each model fed its own state over the calibration
 utterances), a streamed refinement after chunk-wise tuning, and an auto ``float_fallback`` scored streamed
 (probability >= 30 dB). ``--rows WORD,...`` runs only the matching rows.
