@@ -75,6 +75,10 @@ RECIPES: dict[str, dict[str, Any]] = {
         **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}]},
     "ready recipe (bodies static), tune_ranges + fallback 30 in bodies": {
         **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}, FALLBACK]},
+    "ready recipe (bodies static), tune_ranges streamed in bodies": {
+        **r0, "passes": [*r0["passes"], {"pass": "tune_ranges", "samples": 874, "recurrent": RECURRENT}]},
+    "ready recipe (bodies static), tune_ranges + fallback 30 streamed in bodies": {
+        **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}, STREAMED_FALLBACK]},
     "specialized + ready recipe": {**(r := Recipe.from_yaml(ROOT / "recipes" / "ort-x86-vnni.yaml").to_dict()),
                                    "passes": SPECIALIZE + r["passes"]},
     "specialized, insert_qdq": _recipe([]),

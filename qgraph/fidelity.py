@@ -22,6 +22,8 @@ import onnx
 
 from qgraph.data import DataSource, Feed
 from qgraph.evaluation import Evaluation
+from qgraph.graph.ops import proto_scopes
+from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.report import stage_fidelity
 
 #: Calibration samples the check runs on when there is no held-out data.
@@ -40,6 +42,8 @@ class OutputCheck:
     #: ``metric``, ``nonfinite_reference``, ``nonfinite_candidate`` (or ``error`` when a model could not run).
     rows: list[dict[str, Any]] = field(default_factory=list)
     float_metric: float | None = None
+    #: What the outputs are compared with: the float model, or the input model when it was already quantized.
+    against: str = "the float model"
 
     def failures(self, min_sqnr_db: float) -> list[str]:
         """One phrase per output below ``min_sqnr_db`` or not comparable (NaN/Inf, a model that failed)."""
@@ -56,7 +60,7 @@ class OutputCheck:
     def lines(self) -> list[str]:
         """What the terminal shows: a header naming the data, then one line per output (worst first beyond
         `SHOWN_OUTPUTS`)."""
-        head = f"check against the float model on {self.data}:"
+        head = f"check against {self.against} on {self.data}:"
         rows = self.rows
         if len(rows) > SHOWN_OUTPUTS:
             rows = sorted(rows, key=_badness)[:SHOWN_OUTPUTS]
@@ -71,7 +75,7 @@ class OutputCheck:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the ``check`` entry of the ``--report`` JSON)."""
         return {"data": self.data, "held_out": self.held_out, "float_metric": self.float_metric,
-                "outputs": self.rows}
+                "against": self.against, "outputs": self.rows}
 
 
 def _badness(row: dict[str, Any]) -> tuple[int, float]:
@@ -130,4 +134,15 @@ def check_fidelity(reference: onnx.ModelProto | str | Path, candidate: onnx.Mode
     rows = stage_fidelity(reference, stages, feeds, evaluation)
     float_metric = next((r.get("metric") for r in rows if r["stage"] == "float"), None)
     final = [{k: v for k, v in r.items() if k != "stage"} for r in rows if r["stage"] == "final"]
-    return OutputCheck(desc, held_out, final, float_metric)
+    against = "the float model"
+    if _is_qdq(reference):
+        against = ("the input model, itself quantized (compare with the float model: qgraph diff FLOAT OUTPUT "
+                   "--eval-data DATA)")
+    return OutputCheck(desc, held_out, final, float_metric, against)
+
+
+def _is_qdq(model: onnx.ModelProto | str | Path) -> bool:
+    """Whether ``model`` holds Q/DQ nodes (a path is read without its external data)."""
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+    return any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
+               for g in proto_scopes(proto.graph) for n in g.node)

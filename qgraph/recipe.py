@@ -328,5 +328,9 @@ def _issue(err: ErrorDetails, data: Any, filename: str, root: type[BaseModel]) -
         return RecipeIssue(filename, line, col, where, f"missing required field {path[-1]!r}.")
     line, col = _position(data, path, want_key=False)
     got = err.get("input")
+    if kind == "value_error":  # our own validators: the message says what is wrong and how to fix it
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        shown_msg = msg if isinstance(got, (dict, list)) else f"{msg} (got {got!r})."
+        return RecipeIssue(filename, line, col, where, shown_msg)
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     return RecipeIssue(filename, line, col, where, f"{err['msg']} (got {shown}).")

@@ -105,7 +105,8 @@ def _pairs_of(graph: GraphHandle, node: gs.Node) -> list[gs.Node]:
         if dq is None or not is_dq(dq):
             continue
         q = graph.producer(dq.inputs[0])
-        if q is not None and is_q(q):
+        # A weight stored as Q(float constant) -> DQ (TensorRT's form) is a weight, not an activation: it stays.
+        if q is not None and is_q(q) and graph.constant_value(q.inputs[0]) is None:
             found.append(q)
     for _, dq in owned_output_pairs(graph, node):
         q = graph.producer(dq.inputs[0])

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from qgraph import Recipe
 from qgraph.cli import main
+from qgraph.pass_api import discover
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
@@ -40,6 +41,13 @@ def test_one_pass_in_full_with_a_working_example(narrow: None, capsys: pytest.Ca
     example = text.split("example:\n", 1)[1]
     recipe = Recipe.from_text("name: example\n" + "\n".join(line[2:] for line in example.splitlines()))
     assert recipe.passes[0].name == "insert_qdq"
+    for name in discover():  # every pass's example is a valid entry of that pass (required fields left aside)
+        assert main(["passes", name]) == 0
+        example = capsys.readouterr().out.split("example:\n", 1)[1]
+        if "# required" in example:
+            continue
+        parsed = Recipe.from_text("name: example\n" + "\n".join(line[2:] for line in example.splitlines()))
+        assert parsed.passes[0].name == name
     assert main(["passes", "fuse_batchnrom"]) == 2
     assert "Did you mean 'fuse_batchnorm'" in capsys.readouterr().err
 

@@ -95,3 +95,20 @@ def test_nan_only_in_the_candidate(tmp_path: Path) -> None:
     assert bad is not None and math.isnan(bad.rows[0]["sqnr_db"]) and bad.rows[0]["nonfinite_candidate"] == 12
     assert bad.failures(-1e9) and "NaN/Inf" in bad.lines()[1]
     assert check_fidelity(reference, neg, None) is None  # no samples: no claim
+
+
+def test_a_quantized_input_model_is_named_as_what_the_check_compares_with(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A patch applied to a QDQ model (the sensitivity workflow): the check compares with that QDQ model and says
+    so, instead of calling it the float model."""
+    assert main(_digits_run(tmp_path)) == 0
+    patch = tmp_path / "p.yaml"
+    patch.write_text("name: p\npasses:\n  - pass: float_fallback\n    nodes: {op_types: [Gemm]}\n")
+    capsys.readouterr()
+    assert main(["run", str(patch), str(tmp_path / "d.int8.onnx"), "-o", str(tmp_path / "p.onnx"),
+                 "--calibration-data", str(DIGITS / "calibration.npz")]) == 0
+    err = capsys.readouterr().err
+    assert "check against the input model, itself quantized" in err and "against the float model" not in err
+    first = check_fidelity(DIGITS / "model.onnx", tmp_path / "p.onnx",
+                           open_data_source(str(DIGITS / "calibration.npz")))
+    assert first is not None and first.against == "the float model"

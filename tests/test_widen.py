@@ -249,3 +249,30 @@ def test_diff_coverage_counts_16bit_nodes_as_integer_and_names_them(models: tupl
     assert sorted(n.node for n in after.wide) == ["b1/dw", "head/fc"]
     assert {n.dtypes for n in after.wide} == {"uint16×int8"}
     assert after.to_dict()["sixteen_bit_activations"] == 2
+
+
+def test_tensorrt_form_weights_stay_and_activations_widen() -> None:
+    """TensorRT's QDQ keeps float weights behind Q -> DQ: that Q is a weight's, not an activation's."""
+    model = depthwise_net(seed=0, spread=100.0)
+    cal = _feeds(8, 1)
+    trt = Pipeline([get_pass("insert_qdq")(preset="tensorrt")]).run(
+        model, calibration_data=CallableSource(lambda: cal, "calibration")).model
+    wide, outcome = _widened(trt, ("b1/pw",))
+    assert outcome.widened == ["b1/pw"] and not outcome.refused  # type: ignore[attr-defined]
+    assert outcome.tensors == ["b1/dw_act_out"]  # type: ignore[attr-defined]
+    inits = {t.name: t for t in wide.graph.initializer}
+    weight_q = next(n for n in wide.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in inits
+                    and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT and "b1/pw" in n.input[0])
+    assert inits[weight_q.input[2]].data_type == onnx.TensorProto.INT8  # the weight's pair is untouched
+    assert _sqnr(trt, wide, _feeds(4, 2)) > 35  # one activation finer: close to the TensorRT model
+
+
+def test_com_microsoft_pairs_are_counted_by_inspect(models: tuple[onnx.ModelProto, onnx.ModelProto]) -> None:
+    from qgraph.diff import qdq_coverage
+
+    _, qdq = models
+    wide, _ = _widened(qdq, ("b1/dw",))
+    before, after = qdq_coverage(qdq), qdq_coverage(wide)
+    contrib = sum(n.domain == MS_DOMAIN for n in wide.graph.node)
+    assert contrib == 2 and (after.quantize_nodes, after.dequantize_nodes) == (before.quantize_nodes,
+                                                                             before.dequantize_nodes)

@@ -32,6 +32,12 @@ onnxruntime returns no tensor from a body): a model whose compute sits in branch
 control flow (`qgraph.remedy`). ``to: a16w8`` gives the chosen nodes 16-bit activations instead of float
 (`qgraph.widen`, for NPUs).
 
+For an NPU (no cheap float path), 16-bit activations instead of float::
+
+    - pass: float_fallback
+      to: a16w8
+      auto: {target: "sqnr:30", latency_rounds: 0}
+
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
 nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
 line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` entry.
@@ -40,7 +46,7 @@ line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import onnx
 from pydantic import Field, field_validator, model_validator
@@ -144,6 +150,10 @@ class AutoFallbackConfig(PassConfig):
 class FloatFallbackConfig(PassConfig):
     """Which nodes go back to float."""
 
+    #: The entry `qgraph passes float_fallback` shows (the defaults alone select nothing).
+    recipe_example: ClassVar[dict[str, Any]] = {"nodes": {"op_types": ["Softmax"]}, "auto": {"target": "sqnr:30"},
+                                                "to": "float"}
+
     nodes: NodeSelector | None = Field(default=None, description="Nodes to keep in float (always).")
     auto: AutoFallbackConfig | None = Field(default=None, description="Also find nodes automatically.")
     to: Literal["float", "a16w8"] = Field(
@@ -155,9 +165,13 @@ class FloatFallbackConfig(PassConfig):
 
     @model_validator(mode="after")
     def _a16_costs(self) -> FloatFallbackConfig:
-        if self.to == "a16w8" and self.auto is not None and self.auto.max_latency is not None:
-            raise ValueError("auto.max_latency bounds the modelled latency of float nodes; the cost table has no "
-                             "16-bit costs: drop it with to: a16w8")
+        if self.to == "a16w8" and self.auto is not None:
+            if self.auto.max_latency is not None:
+                raise ValueError("auto.max_latency bounds the modelled latency of float nodes; the cost table has no "
+                                 "16-bit costs: drop it with to: a16w8")
+            if "cost" in self.auto.model_fields_set and self.auto.cost == "latency":
+                raise ValueError("auto.cost: latency ranks by the cost table's float and int8 costs, which have no "
+                                 "16-bit entry: with to: a16w8 use cost: error (what it does when cost is unset)")
         return self
 
     @model_validator(mode="after")
@@ -178,6 +192,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     integers take their values from the float reference (`PassContext.float_reference`), else ``DQ(w_q)``.
     A Relu a quantizer folded into a bypassed Q (zero point at the integer
     minimum) is restored.
+
+    ``to: a16w8`` keeps the chosen nodes quantized with 16-bit activations instead (`qgraph.widen`; for NPUs).
+    Nodes inside If/Loop bodies are reached by name and by auto mode (`qgraph.remedy`); the control flow stays.
     """
 
     name = PASS_NAME
@@ -190,7 +207,12 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     pause_gc = False  # auto mode builds a model and a session per evaluation: let their garbage go
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
-        """Fail before any rewrite when a selector criterion matches nothing or auto mode lacks data."""
+        """Fail before any rewrite when the model has no Q/DQ, a selector criterion matches nothing or auto mode
+        lacks data."""
+        if not any(is_quantize(n.op, n.domain) or is_dequantize(n.op, n.domain) for g in graph.scopes()
+                   for n in g.nodes):
+            raise PassError("float_fallback: the model has no QuantizeLinear/DequantizeLinear, so no node to return "
+                            "to float or widen: run it after insert_qdq in the recipe, or on a QDQ model.")
         if self.config.nodes is not None:
             self._selected(graph)
         auto = self.config.auto

@@ -140,7 +140,8 @@ def sensitivity(
     ] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="Write the decision as a recipe patch.")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the best model found.")] = None,
-    max_nodes: Annotated[int | None, typer.Option("--max-nodes", min=0, help="Keep at most N nodes in float.")
+    max_nodes: Annotated[int | None, typer.Option("--max-nodes", min=0, help="Change at most N nodes "
+                                                                              "(float, or 16-bit: --to a16w8).")
                          ] = None,
     max_time: Annotated[float | None, typer.Option("--max-time", help="Search budget in seconds.")] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="Use at most N samples of --data.")] = None,

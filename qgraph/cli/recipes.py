@@ -120,7 +120,11 @@ def describe_pass(cls: PassClass, width: int = 100) -> str:
         lines += _wrap(head, width, "", "      ")
         lines += _wrap(row.description, width, "      ")
     lines += ["", "example:", "  passes:", f"    - pass: {cls.name}"]
-    for line in _example_lines(cls.config_class):
+    # A config whose defaults alone are not a valid entry (float_fallback needs nodes or auto) gives its own.
+    own = getattr(cls.config_class, "recipe_example", None)
+    example = ([f"{k}: {_yaml_flow(v)}" for k, v in own.items()] if isinstance(own, dict)
+               else _example_lines(cls.config_class))
+    for line in example:
         # Flow collections may continue on lines indented deeper than their key: still valid YAML.
         indent = "      " + " " * (len(line) - len(line.lstrip()))
         lines += _wrap(line.strip(), width, indent, indent + "    ")

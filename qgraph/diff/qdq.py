@@ -143,8 +143,9 @@ def qdq_coverage(model_or_index: Any, reasons: Mapping[str, str] | None = None) 
     """
     idx = model_or_index if isinstance(model_or_index, ModelIndex) else ModelIndex.build(model_or_index)
     reasons = reasons or {}
-    ops = Counter(r.node.op_type for r in idx.nodes if is_default_domain(r.node.domain))
-    cov = QdqCoverage(quantize_nodes=ops["QuantizeLinear"], dequantize_nodes=ops["DequantizeLinear"])
+    # com.microsoft Q/DQ count too (onnxruntime's 16-bit pairs below opset 21)
+    cov = QdqCoverage(quantize_nodes=sum(is_quantize(r.node.op_type, r.node.domain) for r in idx.nodes),
+                      dequantize_nodes=sum(is_dequantize(r.node.op_type, r.node.domain) for r in idx.nodes))
     for ref in idx.nodes:
         op = ref.op
         if op in INTEGER_OPS:

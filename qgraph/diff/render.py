@@ -185,6 +185,12 @@ def print_analysis(console: Console, a: dict[str, Any], top: int = 10) -> None:
             f"({cov['fraction_int8']:.0%}); Q/DQ nodes {cov['quantize_nodes']}/{cov['dequantize_nodes']}",
             ["op", "int8", "partial", "float"],
             [[op, c["int8"], c["partial"], c["float"]] for op, c in cov["by_op"].items()]))
+        wide = [n for n in cov["nodes"] if n["status"] == "int8" and "16" in n["dtypes"]]
+        if wide:
+            names = ", ".join(n["node"] for n in wide[:top]) + (f", ... {len(wide) - top} more" if len(wide) > top
+                                                                  else "")
+            console.print(f"of which {len(wide)} read 16-bit activations ({wide[0]['dtypes']}...): {names}",
+                          markup=False, highlight=False, soft_wrap=True)
     bn = a["batchnorm"]
     if bn["total"]:
         console.print(f"BatchNormalization: {bn['foldable']} of {bn['total']} foldable", highlight=False)

@@ -17,12 +17,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from qgraph import RecipeError, load_model, save_model
+from qgraph import ModelError, RecipeError, load_model, save_model
 from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
+from qgraph.graph.ops import proto_scopes
 from qgraph.outputs import write_atomic
+from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
@@ -51,18 +53,24 @@ def _fmt(v: float | None, spec: str = ".4g") -> str:
 TABLE_ROWS = 40
 
 
-def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_ROWS) -> None:
+def _change(remedy: str) -> str:
+    """What happens to "this node" in the table's words."""
+    return "returned to float" if remedy == "float" else "given 16-bit activations"
+
+
+def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_ROWS, remedy: str = "float") -> None:
     """Print the ranked table: node, op, gain (measured or predicted), local SQNR, output cosine/SQNR of the
-    measured rows, input clipping and quantization SQNR."""
+    measured rows, input clipping and quantization SQNR (``remedy``: what "this node" became)."""
+    change = _change(remedy)
     what = {"cosine": "output cosine", "sqnr": "output SQNR (dB)"}.get(report.target.kind, report.target.metric_spec)
     one_run = report.method != "exact"
-    title = (f"nodes ranked from one run: gain in {what} when only this node is returned to float, "
+    title = (f"nodes ranked from one run: gain in {what} when only this node is {change}, "
              "measured (=) or predicted from local errors (~)" if one_run else
-             f"sensitivity = gain in {what} when only this node is returned to float")
+             f"sensitivity = gain in {what} when only this node is {change}")
     table = Table(
         title=title,
         caption="local SQNR: the node's own output error on the float model's inputs; SQNR dB: output SQNR with "
-        "only this node in float (measured rows); clip %: activation input values beyond the Q range; in SQNR: "
+        f"only this node {change} (measured rows); clip %: activation input values beyond the Q range; in SQNR: "
         "its quantization SQNR",
     )
     table.add_column("#", justify="right")
@@ -103,11 +111,11 @@ def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_
         console.print(f"note: {note}", markup=False, highlight=False)
 
 
-def write_plot(path: Path, report: SensitivityReport, top: int = 40) -> None:
+def write_plot(path: Path, report: SensitivityReport, top: int = 40, remedy: str = "float") -> None:
     """Bar chart of the most sensitive nodes: SVG written directly, PNG through matplotlib."""
     rows = [r for r in report.ranked() if math.isfinite(r.sensitivity)][:top]
     if path.suffix.lower() == ".png":
-        _write_png(path, rows, report)
+        _write_png(path, rows, report, remedy)
         return
     bar_h, label_w, plot_w, pad = 18, 260, 420, 10
     height = pad * 2 + 30 + bar_h * max(len(rows), 1)
@@ -115,7 +123,7 @@ def write_plot(path: Path, report: SensitivityReport, top: int = 40) -> None:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + plot_w + 3 * pad + 80}" height="{height}" '
         'font-family="sans-serif" font-size="11">',
-        f'<text x="{pad}" y="{pad + 12}" font-size="13">{html.escape(_title(report))}</text>',
+        f'<text x="{pad}" y="{pad + 12}" font-size="13">{html.escape(_title(report, remedy))}</text>',
     ]
     for i, r in enumerate(rows):
         y = pad + 30 + i * bar_h
@@ -128,9 +136,9 @@ def write_plot(path: Path, report: SensitivityReport, top: int = 40) -> None:
     write_atomic(path, "\n".join(parts) + "\n")
 
 
-def _title(report: SensitivityReport) -> str:
+def _title(report: SensitivityReport, remedy: str = "float") -> str:
     what = report.target.metric_spec if report.target.kind == "metric" else f"output {report.target.kind}"
-    return f"Gain in {what} when only this node is returned to float"
+    return f"Gain in {what} when only this node is {_change(remedy)}"
 
 
 def check_plot_path(path: Path) -> None:
@@ -148,7 +156,7 @@ def check_plot_path(path: Path) -> None:
             ) from None
 
 
-def _write_png(path: Path, rows: list[Any], report: SensitivityReport) -> None:
+def _write_png(path: Path, rows: list[Any], report: SensitivityReport, remedy: str) -> None:
 
     import matplotlib
 
@@ -157,7 +165,7 @@ def _write_png(path: Path, rows: list[Any], report: SensitivityReport) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 1 + 0.25 * max(len(rows), 1)))
     ax.barh([f"{r.name} ({r.op})" for r in rows][::-1], [r.sensitivity for r in rows][::-1], color="#d62728")
-    ax.set_title(_title(report))
+    ax.set_title(_title(report, remedy))
     fig.tight_layout()
     try:
         write_atomic(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".").lower() or "png"))
@@ -204,6 +212,16 @@ def _check_options(target: str | None, output: Path | None, patch: Path | None, 
                           "--cost error.")
 
 
+def _qdq_model(path: Path) -> Any:
+    """The QDQ model at ``path``; a model without Q/DQ is refused (the float model given twice or swapped)."""
+    qdq = load_model(path)
+    if not any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
+               for g in proto_scopes(qdq.graph) for n in g.node):
+        raise ModelError(f"{path}: no QuantizeLinear/DequantizeLinear in it: give the QDQ model second (the "
+                         "float model is the first argument).")
+    return qdq
+
+
 def run_command(
     model_float: Path,
     model_qdq: Path,
@@ -239,7 +257,7 @@ def run_command(
     _check_options(target, output, patch, remedy, cost)
     if plot is not None:
         check_plot_path(plot)
-    reference, qdq = load_model(model_float), load_model(model_qdq)
+    reference, qdq = load_model(model_float), _qdq_model(model_qdq)
     evaluation = Evaluation.open(reference, data, labels=labels, metric=metric, samples=samples)
     tgt = _target(target, metric, evaluation)
     progress = Progress(
@@ -277,7 +295,7 @@ def run_command(
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:
-        render_table(result.sensitivity, out)
+        render_table(result.sensitivity, out, remedy=remedy)
     attribution = attribute(reference, qdq, evaluation.feeds[:ATTRIBUTION_SAMPLES])
     print_culprits(out, attribution, top=5)
     for note in result.notes:
@@ -290,7 +308,7 @@ def run_command(
         payload = {**payload, "data": evaluation.describe(), "culprits": [c.to_dict() for c in attribution.culprits]}
         write_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
     if plot is not None and result.sensitivity is not None:
-        write_plot(plot, result.sensitivity)
+        write_plot(plot, result.sensitivity, remedy=remedy)
     if target is None:
         return 0
     int8_flops, total_flops = flops_summary(result.model, result.input_shapes)
@@ -308,7 +326,7 @@ def run_command(
         console.print(f"wrote {output} (best model found)", markup=False, highlight=False)
     if patch is not None:
         console.print(
-            f"wrote {patch}" if wrote_patch else f"no node needs to go back to float: {patch} not written",
+            f"wrote {patch}" if wrote_patch else f"no node chosen ({result.stop_reason}): {patch} not written",
             markup=False,
             highlight=False,
         )

@@ -70,9 +70,21 @@ def test_auto_reaches_a_target_int8_misses_with_16bit_nodes() -> None:
     assert _sqnr(floats, out, cal) >= goal - 1e-3  # the score the search reported, measured again
 
 
+def test_a_model_without_qdq_is_refused() -> None:
+    from qgraph import PassError
+
+    with pytest.raises(PassError, match="no QuantizeLinear/DequantizeLinear"):
+        Pipeline([get_pass("float_fallback")(nodes=NodeSelector(op_types=("Conv",)), to="a16w8")]).run(
+            depthwise_net(seed=0))
+
+
 def test_to_is_validated_and_max_latency_refused() -> None:
     with pytest.raises(RecipeError, match="to"):
         Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n    nodes: {names: [a]}\n    to: int16\n")
-    with pytest.raises(RecipeError, match="max_latency"):
+    with pytest.raises(RecipeError, match="max_latency") as err:
         Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n    to: a16w8\n"
                          "    auto: {target: 'sqnr:30', max_latency: 1.0}\n")
+    assert "Value error" not in str(err.value) and "(got dict)" not in str(err.value)
+    with pytest.raises(RecipeError, match="use cost: error"):
+        Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n    to: a16w8\n"
+                         "    auto: {target: 'sqnr:30', cost: latency}\n")

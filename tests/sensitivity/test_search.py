@@ -316,3 +316,6 @@ def test_sensitivity_to_a16w8_writes_a_16bit_model_and_a_patch_that_rebuilds_it(
     capsys.readouterr()
     assert main([*args[:-1], "--cost", "latency", "-q"]) == 2
     assert "use --cost error" in capsys.readouterr().err
+    swapped = [*args[:2], str(encoder / "float.onnx"), *args[3:]]  # the float model given as the QDQ one
+    assert main(swapped) == 2
+    assert "no QuantizeLinear/DequantizeLinear in it" in capsys.readouterr().err
