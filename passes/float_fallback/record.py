@@ -39,14 +39,15 @@ def record(res: PassResult, outcome: Outcome, why: Callable[[str], str]) -> None
     for name, reason in outcome.refused:
         res.skip(name, f"not widened: {reason}")
     if outcome.widened:
+        # One line (the summary shows a few decisions per pass): the first names and why, every one in details.
+        d.setdefault("widened_why", {}).update({name: why(name) for name in outcome.widened})
         domain = " (com.microsoft Q/DQ: the model's opset is below 21)" if outcome.contrib_domain else ""
+        shown = "; ".join(f"{name} ({why(name)})" for name in outcome.widened[:3])
+        more = f"; ... {len(outcome.widened) - 3} more (details.widened)" if len(outcome.widened) > 3 else ""
         res.decisions.append(f"{len(outcome.widened)} node(s) given 16-bit activations{domain}: "
-                             f"{len(outcome.tensors)} Q/DQ pair(s) widened, {len(outcome.biases_requantized)} int32 "
-                             f"bias(es) re-quantized, {len(outcome.biases_float)} kept float (int32 overflow)")
-        for name in outcome.widened[:20]:
-            res.decisions.append(f"  {name}: a16w8 ({why(name)})")
-        if len(outcome.widened) > 20:
-            res.decisions.append(f"  ... {len(outcome.widened) - 20} more (details.widened)")
+                             f"{len(outcome.tensors)} Q/DQ pair(s) widened, {outcome.converted} reader(s) kept 8-bit "
+                             f"through a conversion, {len(outcome.biases_requantized)} int32 bias(es) re-quantized, "
+                             f"{len(outcome.biases_float)} kept float (int32 overflow): {shown}{more}")
 
 
 def record_fallback(res: PassResult, outcome: FallbackOutcome) -> None:
