@@ -104,14 +104,25 @@ def _const(graph: GraphHandle, like: gs.Constant, values: np.ndarray) -> gs.Cons
 
 
 def _pairs(graph: GraphHandle) -> list[_Pair]:
-    """Activation pairs with a per-tensor constant scale whose readers are all DequantizeLinear."""
+    """Activation pairs with a per-tensor constant scale whose readers are all DequantizeLinear, in the top graph
+    and inside If/Loop bodies (nested too; found through graphsurgeon's own producer/consumer links)."""
     layers, _ = find_layers(graph)
     bias_of = {id(la.node): la.bias for la in layers if la.bias is not None and la.bias.kind == "int32"}
+
+    def bias(layer: gs.Node, dq: gs.Node) -> tuple[gs.Node, gs.Constant, gs.Constant] | None:
+        ref = bias_of.get(id(layer))
+        if ref is None:  # find_layers covers the top graph: inside bodies, the Conv/Gemm bias input itself
+            return _body_bias(layer, dq)
+        bias_dq = graph.producer(ref.owner.inputs[ref.index])
+        if layer.inputs[0] is not dq.outputs[0] or bias_dq is None or not isinstance(bias_dq.inputs[1], gs.Constant):
+            return None
+        return bias_dq, ref.value, bias_dq.inputs[1]
+
     out: dict[int, _Pair] = {}
-    for q in graph.index.nodes:
+    for q in (n for scope in graph.scopes() for n in scope.nodes):
         if not is_q(q) or isinstance(q.inputs[0], gs.Constant) or not isinstance(q.inputs[1], gs.Constant):
             continue
-        readers = graph.consumers(q.outputs[0])
+        readers = list(q.outputs[0].outputs)
         params = qparams(graph, q)
         if not readers or not all(is_dq(r) and r.inputs[1] is q.inputs[1] for r in readers) or params is None \
                 or params.scale.size != 1:
@@ -119,40 +130,10 @@ def _pairs(graph: GraphHandle) -> list[_Pair]:
         pair = out.setdefault(id(q.inputs[1]), _Pair([], [], q.inputs[1]))
         pair.qs.append(q)
         pair.dqs += readers
-        for dq in readers:
-            for layer_node in graph.consumers(dq.outputs[0]):
-                ref = bias_of.get(id(layer_node))
-                if ref is None or layer_node.inputs[0] is not dq.outputs[0]:
-                    continue
-                bias_dq = graph.producer(ref.owner.inputs[ref.index])
-                if bias_dq is not None and isinstance(bias_dq.inputs[1], gs.Constant):
-                    pair.biases.append((bias_dq, ref.value, bias_dq.inputs[1]))
-    _body_pairs(graph, out)
+        pair.biases += [b for dq in readers for layer in dq.outputs[0].outputs if (b := bias(layer, dq))]
     # a scale constant also read by a pair this pass cannot move (e.g. per-tensor weights) stays as it is
     return [p for p in out.values() if all(is_q(r) or is_dq(r) for r in p.scale.outputs)
             and len(p.scale.outputs) == len(p.qs) + len(p.dqs)]
-
-
-def _body_pairs(graph: GraphHandle, out: dict[int, _Pair]) -> None:
-    """The pairs inside If/Loop bodies (nested too), found through graphsurgeon's own producer/consumer links (the
-    index covers the top graph); an int32 bias is the third input of a Conv/ConvTranspose/Gemm reading the pair."""
-    for scope in graph.subgraphs():
-        for q in scope.nodes:
-            if not is_q(q) or isinstance(q.inputs[0], gs.Constant) or not isinstance(q.inputs[1], gs.Constant):
-                continue
-            readers = list(q.outputs[0].outputs)
-            params = qparams(graph, q)
-            if not readers or not all(is_dq(r) and r.inputs[1] is q.inputs[1] for r in readers) or params is None \
-                    or params.scale.size != 1:
-                continue
-            pair = out.setdefault(id(q.inputs[1]), _Pair([], [], q.inputs[1]))
-            pair.qs.append(q)
-            pair.dqs += readers
-            for dq in readers:
-                for layer in dq.outputs[0].outputs:
-                    bias = _body_bias(layer, dq)
-                    if bias is not None:
-                        pair.biases.append(bias)
 
 
 def _body_bias(layer: gs.Node, dq: gs.Node) -> tuple[gs.Node, gs.Constant, gs.Constant] | None:
