@@ -11,7 +11,7 @@ import numpy as np
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.graph import topological_order
 from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
-from qgraph.target import CpuInfo
+from qgraph.target import CpuInfo, host_cpu
 
 from .bodies import BodiesOutcome, quantize_bodies
 from .calib import RangeInfo, calibrate, screen
@@ -203,6 +203,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             twin = GraphHandle(name_nodes(graph.to_onnx()))
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
             measured = measure_twin(graph, twin.to_onnx(), cfg.latency)
+            host, target = host_cpu(), ctx.target.cpu_info()
+            where = f"latency: measured on this host ({host.describe()})"
+            if target is not None and target.arch != host.arch and target.source == "declared":
+                where += (f", but the recipe targets {ctx.target.cpu}: these float/int8 choices are this host's; run "
+                          "qgraph on the target machine for its own")
+            res.decisions.append(where)
         shapes, why = sample_shapes(graph, ctx)
         if why:
             res.decisions.append(why)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from insert_qdq_helpers import feeds_for, quantize, tiny_cnn
+from insert_qdq_helpers import feeds_for, quantize, source, tiny_cnn
 from qgraph.passes.insert_qdq import InsertQDQ
 from qgraph.passes.insert_qdq.latency import Cost, Decision, Edge, decide
 from qgraph.passes.insert_qdq.speed import SHIPPED_TABLE
@@ -279,3 +279,17 @@ def test_dynamic_inputs_are_costed_at_the_calibration_shapes(tmp_path: Path) -> 
     same = quantize(static, feeds, **opts).records[0].result  # static inputs: no such decision, same outcome
     assert not any("dynamic dimensions" in d for d in same.decisions)
     assert [s.reason for s in same.skipped if s.reason.startswith("kept float")] == [s.reason for s in kept]
+
+
+def test_measure_says_whose_host_it_measured_when_the_recipe_targets_another_arch() -> None:
+    from qgraph import Recipe
+    from qgraph.target import host_cpu
+
+    model = tiny_cnn()
+    recipe = Recipe.from_text(
+        "name: arm\ntarget: {runtime: onnxruntime, cpu: arm}\npasses:\n  - pass: insert_qdq\n    preset: ort-arm\n"
+        "    latency: {mode: measure, runs: 2, measure_seconds: 5}\n")
+    feeds = feeds_for(model, 2)
+    result = recipe.pipeline().run(model, calibration_data=source(feeds)).records[0].result
+    line = next(d for d in result.decisions if d.startswith("latency: measured on this host"))
+    assert (", but the recipe targets arm" in line) == (host_cpu().arch != "arm"), line
