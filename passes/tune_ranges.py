@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, register
 from qgraph.compare import make_session
@@ -59,6 +59,13 @@ class TuneRangesConfig(PassConfig):
         "(0, 2]; below 1 narrows the range).")
     samples: int = Field(default=256, ge=1, description="Calibration samples the output score is measured on.")
     min_gain_db: float = Field(default=0.05, ge=0, description="Keep a factor only if the score gains more.")
+
+    @field_validator("factors")
+    @classmethod
+    def _in_range(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 < f <= 2 for f in value):
+            raise ValueError(f"each factor must be in (0, 2], got {list(value)}")
+        return value
     sweeps: int = Field(default=1, ge=1, le=8, description="Passes over the pairs; a later pass re-tries every "
                         "factor (and 1) on each pair with the other pairs' choices in place.")
     time_budget_s: float | None = Field(
@@ -168,8 +175,6 @@ class TuneRanges(Pass[TuneRangesConfig]):
         if ctx.float_reference is None or not quantized:
             raise PassError(f"{NAME}: needs a quantized model and its float reference: run it after `insert_qdq` "
                             "in the same recipe.")
-        if any(not 0 < f <= 2 for f in self.config.factors):
-            raise PassError(f"{NAME}: factors must be in (0, 2], got {list(self.config.factors)}.")
         if self.config.recurrent is not None:
             check_recurrence(self.config.recurrent, ctx.float_reference, NAME)
         known = [o.name for o in ctx.float_reference.graph.output]
@@ -226,7 +231,8 @@ class TuneRanges(Pass[TuneRangesConfig]):
                        "evaluations": evaluations, "samples": len(feeds), "streamed": scorer.streamed,
                        "sequences": len(scorer.starts)}
         res.decisions.append(
-            f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over outputs, "
+            f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over "
+            f"{'outputs ' + ', '.join(cfg.outputs) if cfg.outputs else 'every output'}, "
             f"{scorer.describe()}) {_db(first)} -> {_db(best)} in {evaluations} evaluation(s)"
             + "".join(f"; {t} x{f:g}" for t, f in list(chosen.items())[:5])
             + (f" (+{len(chosen) - 5} more)" if len(chosen) > 5 else ""))

@@ -57,7 +57,7 @@ class ScopedOutcome:
 def remedy_model(model: onnx.ModelProto, names: Sequence[str], to: str = "float",
                  reference: ReferenceWeights | None = None) -> ScopedOutcome:
     """``model`` (not modified) with the nodes ``names`` given remedy ``to`` wherever they are (see module docs)."""
-    wanted = set(names)
+    wanted = {unscoped(n) for n in names}
     handle = GraphHandle(model)
     top = [n for n in handle.graph.nodes if n.name in wanted]
     outcomes: list[tuple[str, Outcome]] = []
@@ -140,6 +140,17 @@ def _matches(selector: NodeSelector, name: str, op: str) -> bool:
     hit = selector.is_everything or name in selector.names or op in selector.op_types or any(
         re.search(p, name) for p in selector.regex)
     return hit and not (selector.exclude is not None and _matches(selector.exclude, name, op))
+
+
+_SCOPE = re.compile(r"^[^/]*\.(then_branch|else_branch|body)/")
+
+
+def unscoped(name: str) -> str:
+    """A body node's own name from the scoped form insert_qdq, inspect and diff print
+    (``If_0.then_branch/<node>``, nested scopes too); other names unchanged."""
+    while _SCOPE.match(name):
+        name = _SCOPE.sub("", name, count=1)
+    return name
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -73,6 +73,9 @@ def widen_activations(graph: GraphHandle, targets: Iterable[gs.Node], margin: fl
                                            "QuantizeLinear -> DequantizeLinear pair and no quantized graph output"))
             continue
         problems = [why for q in mine if (why := _why_not(graph, q))]
+        if not problems and all(_is_wide(graph, q) for q in mine):
+            out.refused.append((node.name, "already 16-bit: every activation pair it reads is 16-bit"))
+            continue
         if problems:
             out.refused.append((node.name, "; ".join(sorted(set(problems)))))
             continue
@@ -113,6 +116,11 @@ def _pairs_of(graph: GraphHandle, node: gs.Node) -> list[gs.Node]:
         if q is not None:
             found.append(q)
     return found
+
+
+def _is_wide(graph: GraphHandle, q: gs.Node) -> bool:
+    params = qparams(graph, q)
+    return params is not None and np.dtype(params.zero_point.dtype) in WIDER.values()
 
 
 def _why_not(graph: GraphHandle, q: gs.Node) -> str | None:

@@ -276,3 +276,12 @@ def test_com_microsoft_pairs_are_counted_by_inspect(models: tuple[onnx.ModelProt
     contrib = sum(n.domain == MS_DOMAIN for n in wide.graph.node)
     assert contrib == 2 and (after.quantize_nodes, after.dequantize_nodes) == (before.quantize_nodes,
                                                                              before.dequantize_nodes)
+
+
+def test_widening_twice_changes_nothing_and_says_already(models: tuple[onnx.ModelProto, onnx.ModelProto]) -> None:
+    _, qdq = models
+    once, _ = _widened(qdq, ("b1/dw",))
+    twice, outcome = _widened(once, ("b1/dw",))
+    assert outcome.widened == [] and outcome.refused == [("b1/dw", "already 16-bit: every activation pair it "  # type: ignore[attr-defined]
+                                                          "reads is 16-bit")]
+    assert twice.graph.SerializeToString(deterministic=True) == once.graph.SerializeToString(deterministic=True)

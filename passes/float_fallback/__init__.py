@@ -68,6 +68,7 @@ from qgraph.fallback import PASS_NAME, ReferenceWeights
 from qgraph.graph.detach import with_weights
 from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.remedy import unscoped
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import parse_target
 from qgraph.streaming import Recurrence, check_recurrence
@@ -213,6 +214,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                    for n in g.nodes):
             raise PassError("float_fallback: the model has no QuantizeLinear/DequantizeLinear, so no node to return "
                             "to float or widen: run it after insert_qdq in the recipe, or on a QDQ model.")
+        if self.config.to == "a16w8" and ctx.target.runtime == "tensorrt":
+            raise PassError("float_fallback: to: a16w8 writes 16-bit Q/DQ, which TensorRT does not read (its Q/DQ are "
+                            "8-bit and FP8): use to: float there (TensorRT runs those layers in fp16/fp32).")
         if self.config.nodes is not None:
             self._selected(graph)
         auto = self.config.auto
@@ -228,14 +232,15 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         assert selector is not None
         sel = select(graph, selector)
         inner = {n.name for g in graph.subgraphs() for n in g.nodes}
-        in_bodies = [n for n in selector.names if n not in graph.index.by_name and n in inner]
+        # a name as insert_qdq and inspect print it (``If_0.then_branch/<node>``) or as the node's own name
+        in_bodies = [n for n in selector.names if n not in graph.index.by_name and unscoped(n) in inner]
         unmatched = [u for u in sel.unmatched if not any(u == f"names: {n!r} matched no node" for n in in_bodies)]
         if unmatched:
             raise PassError(
                 f"float_fallback: the selector ({selector.describe()}) has criteria that match nothing: "
                 f"{'; '.join(unmatched)}. Fix the names/patterns (list nodes with `qgraph inspect --json`)."
             )
-        return sel.nodes, in_bodies
+        return sel.nodes, [unscoped(n) for n in in_bodies]
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
@@ -312,6 +317,11 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                 f"the best model found ({len(result.nodes)} node(s) {result.became}, score {result.score:.6g}) was "
                 "kept"
             )
+        candidates = result.sensitivity.candidates if result.sensitivity is not None else 0
+        if result.nodes and candidates and len(result.nodes) >= candidates:
+            res.decisions.append(f"auto: every one of the {candidates} candidate(s) was needed: no quantized node "
+                                 f"is left {'in int8' if self.config.to == 'float' else 'at 8 bits'} among them "
+                                 "(a lower target, `outputs`-specific metric or tune_ranges first may keep some)")
         if result.nodes:
             top = graph.index.by_name
             chosen = [top[n] for n in result.nodes if n in top]

@@ -43,7 +43,7 @@ def record(res: PassResult, outcome: Outcome, why: Callable[[str], str]) -> None
         d.setdefault("widened_why", {}).update({name: why(name) for name in outcome.widened})
         domain = " (com.microsoft Q/DQ: the model's opset is below 21)" if outcome.contrib_domain else ""
         shown = "; ".join(f"{name} ({why(name)})" for name in outcome.widened[:3])
-        more = f"; ... {len(outcome.widened) - 3} more (details.widened)" if len(outcome.widened) > 3 else ""
+        more = f"; ... {len(outcome.widened) - 3} more (--report: details.widened)" if len(outcome.widened) > 3 else ""
         res.decisions.append(f"{len(outcome.widened)} node(s) given 16-bit activations{domain}: "
                              f"{len(outcome.tensors)} Q/DQ pair(s) widened, {outcome.converted} reader(s) kept 8-bit "
                              f"through a conversion, {len(outcome.biases_requantized)} int32 bias(es) re-quantized, "

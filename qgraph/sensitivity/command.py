@@ -292,6 +292,7 @@ def run_command(
             exact_top=exact_top,
             executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
+            in_bodies=True,  # nodes inside If/Loop bodies are candidates too (each measured exactly)
         )
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:

@@ -233,7 +233,7 @@ def rank_nodes(
     order = model.order() + [n for n, _ in candidates if n in skipped]
     notes = [f"{len(skipped)} node(s) have no local measure and are ranked last: "
              + "; ".join(f"{n}: {why}" for n, why in list(skipped.items())[:3])] if skipped else []
-    if done < len(evaluator.batches):
+    if candidates and done < len(evaluator.batches):
         notes.append(f"max_time reached during ranking: {done} of {len(evaluator.batches)} batches used")
     rows = []
     for name in order:

@@ -79,6 +79,17 @@ def test_a_model_without_qdq_is_refused() -> None:
             depthwise_net(seed=0))
 
 
+def test_tensorrt_target_is_refused() -> None:
+    from qgraph import PassError
+
+    recipe = Recipe.from_text("name: r\ntarget: {runtime: tensorrt}\npasses:\n  - pass: insert_qdq\n"
+                              "    preset: tensorrt\n  - pass: float_fallback\n    to: a16w8\n"
+                              "    nodes: {op_types: [Conv]}\n")
+    cal = _feeds(4, 1)
+    with pytest.raises(PassError, match="TensorRT does not read"):
+        recipe.pipeline().run(depthwise_net(seed=0), calibration_data=CallableSource(lambda: cal, "calibration"))
+
+
 def test_to_is_validated_and_max_latency_refused() -> None:
     with pytest.raises(RecipeError, match="to"):
         Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n    nodes: {names: [a]}\n    to: int16\n")

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from qgraph import PassError, Pipeline, PipelineResult
+from qgraph import PassError, Pipeline, PipelineResult, Recipe, RecipeError
 from qgraph.data import CallableSource
 from qgraph.pass_api import get_pass
 from qgraph.streaming import OutputScore, Recurrence
@@ -111,8 +111,11 @@ def test_needs_insert_qdq_first_and_sane_factors() -> None:
     data = CallableSource(lambda: level_feeds(4), "4 samples")
     with pytest.raises(PassError, match="after `insert_qdq`"):
         Pipeline([get_pass("tune_ranges")()]).run(level_switched_net(), calibration_data=data)
-    with pytest.raises(PassError, match="factors must be in"):
-        _quantize(get_pass("tune_ranges")(factors=(0.5, 3.0)))
+    with pytest.raises(RecipeError, match="each factor must be in"):  # when the recipe loads, not after quantizing
+        get_pass("tune_ranges")(factors=(0.5, 3.0))
+    where = r"<recipe>:4:14: passes\[0\].factors .*each factor must be in \(0, 2\], got \[3.0, 0.0\]"
+    with pytest.raises(RecipeError, match=where):
+        Recipe.from_text("name: r\npasses:\n  - pass: tune_ranges\n    factors: [3.0, 0]\n")
 
 
 def test_a_second_sweep_never_loses_and_costs_one_more_pass() -> None:

@@ -319,3 +319,30 @@ def test_sensitivity_to_a16w8_writes_a_16bit_model_and_a_patch_that_rebuilds_it(
     swapped = [*args[:2], str(encoder / "float.onnx"), *args[3:]]  # the float model given as the QDQ one
     assert main(swapped) == 2
     assert "no QuantizeLinear/DequantizeLinear in it" in capsys.readouterr().err
+
+
+def test_sensitivity_reaches_nodes_inside_if_bodies(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A model quantized only inside If branches: the command's candidates are the body nodes (each measured
+    exactly), the target is met with them in float and the If is kept."""
+    from qgraph import NodeSelector
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.testing import mode_feeds, mode_switched_net
+
+    model = mode_switched_net()
+    feeds = mode_feeds(16)
+    insert = get_pass("insert_qdq")(preset="ort-x86-vnni", nodes=NodeSelector(exclude=NodeSelector(names=("head",))))
+    qdq = Pipeline([insert]).run(model, calibration_data=CallableSource(lambda: feeds, "cal")).model
+    onnx.save(model, tmp_path / "float.onnx")
+    onnx.save(qdq, tmp_path / "qdq.onnx")
+    np.savez(tmp_path / "eval.npz", x=np.concatenate([f["x"] for f in mode_feeds(8, seed=4)]),
+             mode=np.ones(8, np.int64))
+    best, report = tmp_path / "best.onnx", tmp_path / "r.json"
+    code = main(["sensitivity", str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), "--data",
+                 str(tmp_path / "eval.npz"), "--target", "sqnr:40", "-o", str(best), "--json", str(report), "-q"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "target met" in err and "max_time reached" not in err
+    chosen = json.loads(report.read_text())["nodes"]
+    assert chosen and set(chosen) <= {"then/conv", "then/relu"}, chosen
+    assert [n.op_type for n in onnx.load(best).graph.node].count("If") == 1
