@@ -65,17 +65,15 @@ from qgraph import (
 )
 from qgraph.executor import ExecutorSpec
 from qgraph.fallback import PASS_NAME, ReferenceWeights
-from qgraph.graph.detach import with_weights
 from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.remedy import unscoped
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import parse_target
 from qgraph.streaming import Recurrence, check_recurrence
-from qgraph.subgraphs import bodies
 
 from .record import apply_and_record
-from .strip import copy_model, strip_all, strip_bodies
+from .strip import compare_with, recipe_reference
 
 __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
 
@@ -245,7 +243,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
         res = PassResult()
-        floats = _reference(graph, ctx)
+        floats = recipe_reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if self.config.nodes is not None:
             nodes, inner = self._selected(graph)
@@ -270,7 +268,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if data is None:
             raise PassError("float_fallback: auto mode needs evaluation data (auto.data or calibration data).")
         qdq = graph.to_onnx()
-        reference, in_bodies = _compare_with(qdq, auto, floats, ctx, res)
+        reference, in_bodies = compare_with(qdq, auto.reference, floats, ctx, res)
         if auto.recurrent is not None:
             check_recurrence(auto.recurrent, reference, "float_fallback auto")
             res.notes.append("auto: the score is measured streamed (each model fed its own state; `recurrent`)")
@@ -334,24 +332,6 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             res.matched += len(result.nodes)
 
 
-def _compare_with(qdq: onnx.ModelProto, auto: AutoFallbackConfig, floats: onnx.ModelProto | None,
-                  ctx: PassContext, res: PassResult) -> tuple[onnx.ModelProto, int]:
-    """The float model auto mode compares with, and how many quantized nodes sit inside If/Loop bodies."""
-    from qgraph.model_io import load_model
-
-    if auto.reference is not None or floats is not None:
-        if auto.reference is not None:
-            reference = load_model(auto.reference)
-        else:
-            assert floats is not None
-            reference = with_weights(floats, ctx.float_reference_weights)
-            res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
-        return reference, strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
-    reference = strip_all(qdq)
-    res.notes.append("auto: compared with this model with every Q/DQ removed (set auto.reference to the float model "
-                     "to include weight quantization error)")
-    return reference, strip_bodies(reference)
-
 
 def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:
     """The cost table and preset: the order of ``cost: latency``, the modelled latency in the summary (with
@@ -378,20 +358,6 @@ def _table(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostS
         res.notes.append(f"auto: latency costs from the table's preset {preset!r} (target cpu {ctx.target.cpu!r})")
     return CostSpec(table, preset)
 
-
-def _reference(graph: GraphHandle, ctx: PassContext) -> onnx.ModelProto | None:
-    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ) and it takes the
-    same inputs and gives as many outputs as this graph (a pass such as specialize_inputs may have changed them
-    since), else None."""
-    ref = ctx.float_reference
-    if ref is None or any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
-                          for n in ref.graph.node):
-        return None
-    inits = {t.name for t in ref.graph.initializer}
-    ref_inputs = sorted(i.name for i in ref.graph.input if i.name not in inits)
-    if ref_inputs != sorted(t.name for t in graph.graph.inputs) or len(ref.graph.output) != len(graph.graph.outputs):
-        return None
-    return ref
 
 
 def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] | None:

@@ -1,11 +1,14 @@
-"""Helpers of ``float_fallback``'s auto mode: the float model behind a QDQ model, top graph and If/Loop bodies."""
+"""Helpers of ``float_fallback``: the float model behind a QDQ model (top graph and If/Loop bodies), and the one
+auto mode compares with."""
 
 from __future__ import annotations
 
 import onnx
 
-from qgraph import GraphHandle
+from qgraph import GraphHandle, PassContext, PassResult
 from qgraph.fallback import fall_back, quantized_nodes
+from qgraph.graph.detach import with_weights
+from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
 
@@ -46,3 +49,38 @@ def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     return out
+
+
+def compare_with(qdq: onnx.ModelProto, given: str | None, floats: onnx.ModelProto | None,
+                 ctx: PassContext, res: PassResult) -> tuple[onnx.ModelProto, int]:
+    """The float model auto mode compares with (``given``: the file `auto.reference` names, else ``floats``: the
+    recipe's float reference, else ``qdq`` stripped of Q/DQ), and how many quantized nodes sit inside bodies."""
+    from qgraph.model_io import load_model
+
+    if given is not None or floats is not None:
+        if given is not None:
+            reference = load_model(given)
+        else:
+            assert floats is not None
+            reference = with_weights(floats, ctx.float_reference_weights)
+            res.notes.append("auto: compared with the float model before quantization (the recipe's float reference)")
+        return reference, strip_bodies(copy_model(qdq)) if next(bodies(qdq), None) is not None else 0
+    reference = strip_all(qdq)
+    res.notes.append("auto: compared with this model with every Q/DQ removed (set auto.reference to the float model "
+                     "to include weight quantization error)")
+    return reference, strip_bodies(reference)
+
+
+def recipe_reference(graph: GraphHandle, ctx: PassContext) -> onnx.ModelProto | None:
+    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ) and it takes the
+    same inputs and gives as many outputs as this graph (a pass such as specialize_inputs may have changed them
+    since), else None."""
+    ref = ctx.float_reference
+    if ref is None or any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
+                          for n in ref.graph.node):
+        return None
+    inits = {t.name for t in ref.graph.initializer}
+    ref_inputs = sorted(i.name for i in ref.graph.input if i.name not in inits)
+    if ref_inputs != sorted(t.name for t in graph.graph.inputs) or len(ref.graph.output) != len(graph.graph.outputs):
+        return None
+    return ref
