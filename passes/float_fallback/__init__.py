@@ -60,6 +60,7 @@ from qgraph import (
     PassContext,
     PassError,
     PassResult,
+    QGraphError,
     register,
     select,
 )
@@ -136,7 +137,10 @@ class AutoFallbackConfig(PassConfig):
     @field_validator("target")
     @classmethod
     def _parses(cls, value: str) -> str:
-        parse_target(value, load=False)
+        try:
+            parse_target(value, load=False)
+        except QGraphError as exc:  # as a validation error, so the recipe error names file, line and field
+            raise ValueError(str(exc)) from None
         return value
 
     @model_validator(mode="after")

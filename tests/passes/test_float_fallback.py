@@ -173,7 +173,7 @@ def test_config_needs_nodes_or_auto() -> None:
 
     with pytest.raises(RecipeError, match="nodes"):
         FloatFallback()
-    with pytest.raises(RecipeError, match="invalid target"):
+    with pytest.raises(RecipeError, match=r"<recipe>:4:20: passes\[0\].auto.target .*invalid target"):
         Recipe.from_text("name: r\npasses:\n  - pass: float_fallback\n    auto: {target: 'cosine:high'}\n")
 
 
