@@ -46,6 +46,7 @@ line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import onnx
@@ -70,7 +71,7 @@ from qgraph.latency import load_latency_table
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.remedy import unscoped
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
-from qgraph.sensitivity.targets import parse_target
+from qgraph.sensitivity.targets import Target, parse_target
 from qgraph.streaming import Recurrence, check_recurrence
 
 from .record import apply_and_record
@@ -123,6 +124,10 @@ class AutoFallbackConfig(PassConfig):
     latency_rounds: int = Field(
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
         "rounds and report the ratios (0: do not measure).",
+    )
+    outputs: tuple[str, ...] = Field(
+        default=(), description="With a cosine/sqnr target, score only these graph outputs (default: every one), "
+        "e.g. [output] for a recurrent model whose state output should not decide.",
     )
     bodies: bool = Field(
         default=True, description="Also consider the quantized nodes inside If/Loop bodies (a model whose compute "
@@ -288,11 +293,12 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             costs, rank_by = None, "error"
             res.decisions.append("auto: to a16w8: nodes ranked by output error (the cost table has no 16-bit "
                                  "costs); each chosen node gets 16-bit activations, weights stay 8-bit")
+        target = _target(auto, reference)
         result = auto_fallback(
             reference,
             qdq,
             data,
-            auto.target,
+            target,
             candidates=auto.candidates,
             max_nodes=auto.max_nodes,
             max_time=auto.max_time,
@@ -335,6 +341,22 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                                           f"score {result.score:.4g}", [n for n in result.nodes if n not in top])
             res.matched += len(result.nodes)
 
+
+
+def _target(auto: AutoFallbackConfig, reference: onnx.ModelProto) -> Target:
+    """The parsed target, scoring only ``auto.outputs`` when given (names checked against the model)."""
+    target = parse_target(auto.target)
+    if not auto.outputs:
+        return target
+    known = [o.name for o in reference.graph.output]
+    missing = [o for o in auto.outputs if o not in known]
+    if missing:
+        raise PassError(f"float_fallback: auto.outputs names {missing}, which the model does not produce; its outputs "
+                        f"are {known}.")
+    if target.kind == "metric":
+        raise PassError("float_fallback: auto.outputs selects outputs for cosine/sqnr targets; a metric target gets "
+                        "every output (select inside the metric).")
+    return replace(target, outputs=tuple(auto.outputs))
 
 
 def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:

@@ -40,6 +40,7 @@ class NoiseModel:
         self.sqnr = [d.sqnr_db for d in baseline]
         self.cosine = [d.cosine for d in baseline]
         self.outputs = [o for o, d in enumerate(baseline) if not math.isnan(d.sqnr_db)]
+        self.names = [d.name for d in baseline]
         self.total = [0.0] * len(baseline)
         self.bits = {n: [o for o in self.outputs if o < len(c) and c[o] > 0] for n, c in self.contrib.items()}
         for n in self.eta:
@@ -65,7 +66,8 @@ class NoiseModel:
         if target.kind == "metric" or not self.outputs:
             return math.nan
         kind = target if target.kind == "cosine" else Target("sqnr", "sqnr")
-        return min(self._output_score(kind, o, remaining[o]) for o in self.outputs)
+        scored = [o for o in self.outputs if not target.outputs or self.names[o] in target.outputs]
+        return min((self._output_score(kind, o, remaining[o]) for o in scored), default=math.nan)
 
     def gain_alone(self, target: Target, name: str) -> float:
         """Predicted gain of the target score with only ``name`` back in float."""

@@ -46,6 +46,9 @@ class Target:
     relative: str | None = None  # None (absolute), "offset" or "percent"
     metric_spec: str | None = None
     metric: Metric | None = None
+    #: cosine/sqnr: score only these graph outputs (empty: every output), e.g. a recurrent model's prediction
+    #: without its state.
+    outputs: tuple[str, ...] = ()
 
     @property
     def needs_outputs(self) -> bool:
@@ -61,6 +64,8 @@ class Target:
         self, diffs: Sequence[TensorDiff], outputs: list[np.ndarray] | None, refs: list[np.ndarray] | None
     ) -> float:
         """The score of one model from its output diffs (or outputs, for user metrics)."""
+        if self.outputs:
+            diffs = [d for d in diffs if d.name in self.outputs]
         if self.kind == "cosine":
             return min((d.cosine for d in diffs), default=1.0)
         if self.kind == "sqnr":
@@ -93,7 +98,9 @@ class Target:
     def describe(self) -> str:
         """Human-readable form, e.g. ``cosine >= 0.99``."""
         rel = ">=" if self.higher_is_better else "<="
-        name = self.metric_spec if self.kind == "metric" else self.kind
+        name = (self.metric_spec or "metric") if self.kind == "metric" else self.kind
+        if self.outputs:
+            name += f" of {', '.join(self.outputs)}"
         if self.relative == "offset":
             return f"{name} {rel} float{self.goal:+g}"
         if self.relative == "percent":

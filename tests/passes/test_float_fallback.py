@@ -402,3 +402,25 @@ def test_auto_recurrent_state_not_in_the_model_is_refused_naming_it() -> None:
     fallback = FloatFallback(auto={"target": "sqnr:10", "recurrent": {"state_inputs": {"h0": "s_next"}}})
     with pytest.raises(PassError, match=r"float_fallback auto: recurrent\.state_inputs names input 'h0'"):
         Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni"), fallback]).run(model, calibration_data=data)
+
+
+def test_auto_outputs_scores_only_the_named_outputs() -> None:
+    """`auto.outputs` scores only the named outputs (e.g. a recurrent model's state without its prediction, or the
+    other way round): here the INT8 state output already meets 40 dB (43.7) while the prediction does not (22.6)."""
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.testing.recurrent import leaky_feeds, leaky_state_net
+
+    model = leaky_state_net()
+    feeds = leaky_feeds(4, 8)
+    data = CallableSource(lambda: feeds, "32 samples")
+    qdq = get_pass("insert_qdq")(preset="ort-x86-vnni", activations={"method": "minmax"})
+    auto = {"target": "sqnr:40", "latency_rounds": 0}
+    both = Pipeline([qdq, FloatFallback(auto=auto)]).run(model, calibration_data=data).records[-1].result
+    state = Pipeline([qdq, FloatFallback(auto={**auto, "outputs": ["s_next"]})]).run(
+        model, calibration_data=data).records[-1].result
+    assert both.details["auto"]["nodes"] and both.details["auto"]["int8_score"] < 40
+    assert state.details["auto"]["nodes"] == [] and state.details["auto"]["int8_score"] > 40
+    assert any("sqnr of s_next >= 40" in d for d in state.decisions), state.decisions
+    with pytest.raises(PassError, match=r"auto\.outputs names"):
+        Pipeline([qdq, FloatFallback(auto={**auto, "outputs": ["nope"]})]).run(model, calibration_data=data)
