@@ -79,6 +79,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         **r0, "passes": [*r0["passes"], {"pass": "tune_ranges", "samples": 874, "recurrent": RECURRENT}]},
     "ready recipe (bodies static), tune_ranges + fallback 30 streamed in bodies": {
         **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}, STREAMED_FALLBACK]},
+    "ready recipe (bodies static), tune_ranges + fallback 30 on output streamed in bodies": {
+        **r0, "passes": [*r0["passes"], {"pass": "tune_ranges"}, {"pass": "float_fallback", "auto": {
+            "target": "sqnr:30", "outputs": ["output"], "max_time": 240, "recurrent": RECURRENT}}]},
     "specialized + ready recipe": {**(r := Recipe.from_yaml(ROOT / "recipes" / "ort-x86-vnni.yaml").to_dict()),
                                    "passes": SPECIALIZE + r["passes"]},
     "specialized, insert_qdq": _recipe([]),
