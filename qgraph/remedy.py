@@ -96,7 +96,14 @@ def _in_bodies(model: onnx.ModelProto, wanted: set[str], to: str, reference: Ref
         handle.release()
         placed |= _in_bodies(rewritten, wanted - placed, to, reference, outcomes, scope + "/")
         graft_body(model, body, rewritten)
+        _import_domains(model, rewritten)
     return placed
+
+
+def _import_domains(model: onnx.ModelProto, body: onnx.ModelProto) -> None:
+    """Opset imports a rewritten body added (``com.microsoft`` for 16-bit Q/DQ) belong to the whole model."""
+    have = {o.domain for o in model.opset_import}
+    model.opset_import.extend(o for o in body.opset_import if o.domain not in have)
 
 
 def _body_graphs(node: onnx.NodeProto, attr: str) -> list[onnx.GraphProto]:

@@ -164,7 +164,9 @@ def _widen_pair(graph: GraphHandle, q: gs.Node, params: QParams, margin: float, 
         return  # already 16-bit
     scale, zero = wide_params(params, margin)
     base = q.inputs[0].name
-    old = list(q.inputs[1:])
+    old = list(q.inputs[1:3])
+    if len(old) < 2 or not old[1].name:  # no zero point input: the 8-bit conversion needs an explicit one
+        old = [old[0], gs.Constant(graph.unique_name(f"{base}/zero_point8", "tensor"), params.zero_point)]
     s_const = gs.Constant(graph.unique_name(f"{base}/scale16", "tensor"), scale)
     z_const = gs.Constant(graph.unique_name(f"{base}/zero_point16", "tensor"), zero)
     dqs = [d for d in graph.consumers(q.outputs[0]) if is_dq(d) and d.inputs[0] is q.outputs[0]]

@@ -66,6 +66,8 @@ def test_remedy_model_widens_inside_a_body(switched: onnx.ModelProto) -> None:
     then = _branch(out.model, "then_branch")
     sixteen = {t.name for t in then.initializer if t.data_type == onnx.TensorProto.UINT16}
     assert sixteen, "the branch's own 16-bit zero point"
+    onnx.checker.check_model(out.model, full_check=True)  # the body's com.microsoft import reached the model
+    assert any(o.domain == "com.microsoft" for o in out.model.opset_import)
     feed = mode_feeds(1, mode=1, seed=9)[0]
     assert make_session(out.model).run(None, feed)[0].shape == (1, 4, 8, 8)
 

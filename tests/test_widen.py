@@ -285,3 +285,18 @@ def test_widening_twice_changes_nothing_and_says_already(models: tuple[onnx.Mode
     assert outcome.widened == [] and outcome.refused == [("b1/dw", "already 16-bit: every activation pair it "  # type: ignore[attr-defined]
                                                           "reads is 16-bit")]
     assert twice.graph.SerializeToString(deterministic=True) == once.graph.SerializeToString(deterministic=True)
+
+
+def test_a_pair_without_zero_point_converts_back_with_an_explicit_one() -> None:
+    text = SHARED.replace("QuantizeLinear(x, sx, zx)", "QuantizeLinear(x, sx)").replace(
+        "DequantizeLinear(xq, sx, zx)", "DequantizeLinear(xq, sx)")
+    model = onnx.parser.parse_model(text)
+    wide, outcome = _widened(model, ("mm_a",))
+    assert outcome.converted == 1  # type: ignore[attr-defined]
+    inits = {t.name: t for t in wide.graph.initializer}
+    producer = {o: n for n in wide.graph.node for o in n.output}
+    dq_b = producer[next(n for n in wide.graph.node if n.name == "mm_b").input[0]]
+    assert len(dq_b.input) == 3 and inits[dq_b.input[2]].data_type == onnx.TensorProto.UINT8  # uint8, zero 0
+    x = np.random.default_rng(1).uniform(0, 2.5, (2, 4)).astype(np.float32)  # uint8 with zero point 0: x >= 0
+    (_, z0), (_, z1) = run_ort(model, {"x": x}), run_ort(wide, {"x": x})
+    assert np.abs(z1 - z0).max() <= 0.02 * 1.12 + 1e-6
