@@ -276,6 +276,11 @@ def test_com_microsoft_pairs_are_counted_by_inspect(models: tuple[onnx.ModelProt
     contrib = sum(n.domain == MS_DOMAIN for n in wide.graph.node)
     assert contrib == 2 and (after.quantize_nodes, after.dequantize_nodes) == (before.quantize_nodes,
                                                                              before.dequantize_nodes)
+    from qgraph.diff import structural_diff
+
+    changed = {c.node: c.changes for c in structural_diff(qdq, wide).changed}
+    q = next(n.name for n in wide.graph.node if n.domain == MS_DOMAIN and n.op_type == "QuantizeLinear")
+    assert "op: QuantizeLinear → com.microsoft.QuantizeLinear" in changed[q]  # the domain change is shown
 
 
 def test_widening_twice_changes_nothing_and_says_already(models: tuple[onnx.ModelProto, onnx.ModelProto]) -> None:

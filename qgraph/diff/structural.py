@@ -20,7 +20,15 @@ from typing import Any
 
 import onnx
 
-from qgraph.diff.protos import ModelIndex, NodeRef, describe_attribute, dtype_name, tensor_digest, tensor_nbytes
+from qgraph.diff.protos import (
+    ModelIndex,
+    NodeRef,
+    describe_attribute,
+    dtype_name,
+    op_label,
+    tensor_digest,
+    tensor_nbytes,
+)
 from qgraph.diff.provenance import json_or_none, metadata_changes, provenance_reasons
 from qgraph.diff.qdq import QdqCoverage, qdq_coverage
 from qgraph.model_io import serialized_size
@@ -267,7 +275,7 @@ def _node_changes(a: onnx.NodeProto, b: onnx.NodeProto,
     """What differs between two matched nodes (inputs that are renamed but identical constants do not count)."""
     changes: list[str] = []
     if (a.domain or "", a.op_type) != (b.domain or "", b.op_type):
-        changes.append(f"op: {a.op_type} → {b.op_type}")
+        changes.append(f"op: {op_label(a)} → {op_label(b)}")  # a domain change too (com.microsoft 16-bit Q/DQ)
     for label, xs, ys in (("input", a.input, b.input), ("output", a.output, b.output)):
         if list(xs) == list(ys):
             continue
