@@ -22,8 +22,7 @@ import onnx
 
 from qgraph.data import DataSource, Feed
 from qgraph.evaluation import Evaluation
-from qgraph.graph.ops import proto_scopes
-from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.qdq import has_qdq
 from qgraph.report import stage_fidelity
 
 #: Calibration samples the check runs on when there is no held-out data.
@@ -144,5 +143,4 @@ def check_fidelity(reference: onnx.ModelProto | str | Path, candidate: onnx.Mode
 def _is_qdq(model: onnx.ModelProto | str | Path) -> bool:
     """Whether ``model`` holds Q/DQ nodes (a path is read without its external data)."""
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
-    return any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
-               for g in proto_scopes(proto.graph) for n in g.node)
+    return has_qdq(proto)

@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qgraph.graph.ops import proto_scopes
+
 #: Integer kernels onnxruntime's CPU optimizer produces from QDQ groups.
 INTEGER_OPS = frozenset(
     {
@@ -56,6 +58,12 @@ def is_quantize(op: str, domain: str | None = "") -> bool:
 def is_dequantize(op: str, domain: str | None = "") -> bool:
     """Whether ``op`` in ``domain`` is a DequantizeLinear."""
     return op == "DequantizeLinear" and (domain or "") in QDQ_DOMAINS
+
+
+def has_qdq(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` holds a QuantizeLinear/DequantizeLinear anywhere (top graph and If/Loop bodies)."""
+    return any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
+               for g in proto_scopes(model.graph) for n in g.node)
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,8 @@ from qgraph import (
     select,
 )
 from qgraph.executor import ExecutorSpec
-from qgraph.fallback import PASS_NAME, ReferenceWeights
+from qgraph.fallback import PASS_NAME, ReferenceWeights, is_qdq
 from qgraph.latency import load_latency_table
-from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.remedy import unscoped
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import Target, parse_target
@@ -217,8 +216,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Fail before any rewrite when the model has no Q/DQ, a selector criterion matches nothing or auto mode
         lacks data."""
-        if not any(is_quantize(n.op, n.domain) or is_dequantize(n.op, n.domain) for g in graph.scopes()
-                   for n in g.nodes):
+        if not any(is_qdq(n) for g in graph.scopes() for n in g.nodes):
             raise PassError("float_fallback: the model has no QuantizeLinear/DequantizeLinear, so no node to return "
                             "to float or widen: run it after insert_qdq in the recipe, or on a QDQ model.")
         if self.config.to == "a16w8" and ctx.target.runtime == "tensorrt":
@@ -241,7 +239,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         inner = {n.name for g in graph.subgraphs() for n in g.nodes}
         # a name as insert_qdq and inspect print it (``If_0.then_branch/<node>``) or as the node's own name
         in_bodies = [n for n in selector.names if n not in graph.index.by_name and unscoped(n) in inner]
-        unmatched = [u for u in sel.unmatched if not any(u == f"names: {n!r} matched no node" for n in in_bodies)]
+        found_inside = {f"names: {n!r} matched no node" for n in in_bodies}
+        unmatched = [u for u in sel.unmatched if u not in found_inside]
         if unmatched:
             raise PassError(
                 f"float_fallback: the selector ({selector.describe()}) has criteria that match nothing: "

@@ -8,7 +8,7 @@ import onnx
 from qgraph import GraphHandle, PassContext, PassResult
 from qgraph.fallback import fall_back, quantized_nodes
 from qgraph.graph.detach import with_weights
-from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.qdq import has_qdq
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
 
@@ -76,8 +76,7 @@ def recipe_reference(graph: GraphHandle, ctx: PassContext) -> onnx.ModelProto | 
     same inputs and gives as many outputs as this graph (a pass such as specialize_inputs may have changed them
     since), else None."""
     ref = ctx.float_reference
-    if ref is None or any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
-                          for n in ref.graph.node):
+    if ref is None or has_qdq(ref):
         return None
     inits = {t.name for t in ref.graph.initializer}
     ref_inputs = sorted(i.name for i in ref.graph.input if i.name not in inits)

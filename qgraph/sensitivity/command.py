@@ -22,9 +22,8 @@ from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
-from qgraph.graph.ops import proto_scopes
 from qgraph.outputs import write_atomic
-from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.qdq import has_qdq
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.ranking import SensitivityReport
 from qgraph.sensitivity.search import auto_fallback
@@ -215,8 +214,7 @@ def _check_options(target: str | None, output: Path | None, patch: Path | None, 
 def _qdq_model(path: Path) -> Any:
     """The QDQ model at ``path``; a model without Q/DQ is refused (the float model given twice or swapped)."""
     qdq = load_model(path)
-    if not any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain)
-               for g in proto_scopes(qdq.graph) for n in g.node):
+    if not has_qdq(qdq):
         raise ModelError(f"{path}: no QuantizeLinear/DequantizeLinear in it: give the QDQ model second (the "
                          "float model is the first argument).")
     return qdq

@@ -156,7 +156,8 @@ class PrefixSearch:
         while hi is None or hi - lo > max(1, hi // TOLERANCE):
             if hi is None and lo >= self.cap:
                 return self._best(), (f"max_nodes ({max_nodes}) reached" if self.cap < len(self.order)
-                                      else "every candidate is in float")
+                                      else "every candidate is in float" if self.evaluator.remedy == "float"
+                                      else "every candidate has 16-bit activations")
             first = self._propose(lo, hi, predicted, secant)
             if not self._evaluate([first, *self._spread(lo, hi, first)]):
                 return self._best(), f"max_time ({self.clock.max_time:g} s) reached"

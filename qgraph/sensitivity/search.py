@@ -306,8 +306,6 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
     size, reason = search.run(predicted, max_nodes)
-    if remedy != "float" and reason == "every candidate is in float":
-        reason = "every candidate has 16-bit activations"
     if slow is not None and slow == cap and reason.startswith(("max_nodes", "every candidate")):
         reason = f"max_latency reached: more than {cap} node(s) in float is modelled slower than {max_latency:g}x float"
     out.steps = search.steps
