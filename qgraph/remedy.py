@@ -1,6 +1,7 @@
 """What chosen nodes of a QDQ model become, in the top graph and inside If/Loop bodies.
 
-A *remedy* is float (`qgraph.fallback.fall_back`) or 16-bit activations (`qgraph.widen.widen_activations`).
+A *remedy* is float (`qgraph.fallback.fall_back`), 16-bit activations (`qgraph.widen.widen_activations`), or
+16-bit activations and weights (`qgraph.widen_weights.widen_weights` too).
 `apply_remedy` applies it to nodes of one graph; `remedy_model` to nodes named anywhere in a model: the top graph
 through a `GraphHandle`, each body as a model of its own (`qgraph.subgraphs.standalone_body`, rewritten, then
 `graft_body`), nested bodies by recursion. So a model whose compute sits in ``If`` branches selected at run time
@@ -27,19 +28,29 @@ from qgraph.graph.ops import proto_scopes
 from qgraph.selectors import NodeSelector
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 from qgraph.widen import WidenOutcome, widen_activations
+from qgraph.widen_weights import widen_weights
 
-#: What a node the search (or a selector) picks becomes: float, or 16-bit activations with its weights unchanged.
-Remedy = Literal["float", "a16w8"]
-REMEDIES: tuple[str, ...] = ("float", "a16w8")
+#: What a node the search (or a selector) picks becomes: float; 16-bit activations with its weights unchanged
+#: (a16w8); or 16-bit activations and 16-bit weights re-quantized from the float reference (a16w16).
+Remedy = Literal["float", "a16w8", "a16w16"]
+REMEDIES: tuple[str, ...] = ("float", "a16w8", "a16w16")
 Outcome = FallbackOutcome | WidenOutcome
 
 
 def apply_remedy(graph: GraphHandle, targets: Iterable[gs.Node], to: str = "float",
                  reference: ReferenceWeights | None = None) -> Outcome:
-    """``targets`` back to float (``to="float"``, weights from ``reference`` when given) or to 16-bit activations
-    (``to="a16w8"``), in place."""
-    if to == "a16w8":
-        return widen_activations(graph, targets)
+    """``targets`` back to float (``to="float"``, weights from ``reference`` when given), to 16-bit activations
+    (``to="a16w8"``) or to 16-bit activations and weights (``to="a16w16"``: weights re-quantized from
+    ``reference`` when given), in place."""
+    if to in ("a16w8", "a16w16"):
+        chosen = list(targets)
+        outcome = widen_activations(graph, chosen)
+        if to == "a16w16":
+            # Nodes whose activations were 16-bit already (a widened neighbour's pair) still get 16-bit weights.
+            wide = set(outcome.widened) | {n for n, why in outcome.refused if why.startswith("already 16-bit")}
+            outcome.weights = widen_weights(graph, [n for n in chosen if n.name in wide], reference,
+                                            int32_biases=outcome.biases_float)
+        return outcome
     if to != "float":
         raise ValueError(f"unknown remedy {to!r}: one of {', '.join(REMEDIES)}")
     return fall_back(graph, targets, reference=reference)

@@ -38,6 +38,7 @@ from qgraph.fallback import (
     qparams,
 )
 from qgraph.graph import GraphHandle
+from qgraph.widen_weights import WeightWidenOutcome
 
 MS_DOMAIN = "com.microsoft"
 #: The 16-bit type each 8-bit activation type widens to.
@@ -57,6 +58,7 @@ class WidenOutcome:
     refused: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
     converted: int = 0  # inputs of other nodes that keep 8 bits through a DQ16 -> Q8 -> DQ8 conversion
     contrib_domain: bool = False  # the pairs use com.microsoft Q/DQ (model opset < 21)
+    weights: WeightWidenOutcome | None = None  # with 16-bit weights too (remedy a16w16)
 
 
 def widen_activations(graph: GraphHandle, targets: Iterable[gs.Node], margin: float = 2.0) -> WidenOutcome:

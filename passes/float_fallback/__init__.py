@@ -30,7 +30,7 @@ Nodes inside If/Loop bodies: names in ``nodes.names`` are found there too, and a
 the quantized nodes of every body (``auto.bodies``, default on; each measured exactly once for the ranking, since
 onnxruntime returns no tensor from a body): a model whose compute sits in branches chosen at run time keeps its
 control flow (`qgraph.remedy`). ``to: a16w8`` gives the chosen nodes 16-bit activations instead of float
-(`qgraph.widen`, for NPUs).
+(`qgraph.widen`, for NPUs); ``to: a16w16`` 16-bit weights too, re-quantized from the float reference.
 
 For an NPU (no cheap float path), 16-bit activations instead of float::
 
@@ -53,7 +53,6 @@ import onnx
 from pydantic import Field, field_validator, model_validator
 
 from qgraph import (
-    DataError,
     GraphHandle,
     NodeSelector,
     Pass,
@@ -62,17 +61,17 @@ from qgraph import (
     PassError,
     PassResult,
     QGraphError,
+    load_model,
     register,
     select,
 )
 from qgraph.executor import ExecutorSpec
 from qgraph.fallback import PASS_NAME, ReferenceWeights, is_qdq
-from qgraph.latency import load_latency_table
 from qgraph.remedy import unscoped
-from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.sensitivity.targets import Target, parse_target
 from qgraph.streaming import Recurrence, check_recurrence
 
+from .costs import fallback_costs
 from .record import apply_and_record
 from .strip import compare_with, recipe_reference
 
@@ -163,22 +162,30 @@ class FloatFallbackConfig(PassConfig):
 
     nodes: NodeSelector | None = Field(default=None, description="Nodes to keep in float (always).")
     auto: AutoFallbackConfig | None = Field(default=None, description="Also find nodes automatically.")
-    to: Literal["float", "a16w8"] = Field(
+    to: Literal["float", "a16w8", "a16w16"] = Field(
         default="float",
         description="What the chosen nodes become: float; a16w8: 16-bit activations, weights unchanged (for NPUs, "
         "which run A16W8 layers natively and have no cheap float path; on onnxruntime's CPU provider such a "
-        "layer runs in float between its 16-bit Q/DQ). The 16-bit range is the 8-bit one x 2 (`qgraph.widen`).",
+        "layer runs in float between its 16-bit Q/DQ). The 16-bit range is the 8-bit one x 2 (`qgraph.widen`). "
+        "a16w16: also int16 weights (per channel, from the float reference) and their int32 biases "
+        "(`qgraph.widen_weights`).",
     )
+
+    float_weights: str | None = Field(
+        default=None, description="A float model (path) whose weights and biases the chosen nodes take when no "
+        "quantizing pass ran before this one in the recipe (a patch applied to a QDQ model): to: float restores "
+        "them, to: a16w16 re-quantizes them to 16 bits. Default: the recipe's float model, else the integer "
+        "weights.")
 
     @model_validator(mode="after")
     def _a16_costs(self) -> FloatFallbackConfig:
-        if self.to == "a16w8" and self.auto is not None:
+        if self.to != "float" and self.auto is not None:
             if self.auto.max_latency is not None:
                 raise ValueError("auto.max_latency bounds the modelled latency of float nodes; the cost table has no "
-                                 "16-bit costs: drop it with to: a16w8")
+                                 f"16-bit costs: drop it with to: {self.to}")
             if "cost" in self.auto.model_fields_set and self.auto.cost == "latency":
                 raise ValueError("auto.cost: latency ranks by the cost table's float and int8 costs, which have no "
-                                 "16-bit entry: with to: a16w8 use cost: error (what it does when cost is unset)")
+                                 f"16-bit entry: with to: {self.to} use cost: error (what it does when cost is unset)")
         return self
 
     @model_validator(mode="after")
@@ -200,7 +207,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     A Relu a quantizer folded into a bypassed Q (zero point at the integer
     minimum) is restored.
 
-    ``to: a16w8`` keeps the chosen nodes quantized with 16-bit activations instead (`qgraph.widen`; for NPUs).
+    ``to: a16w8`` keeps the chosen nodes quantized with 16-bit activations instead (`qgraph.widen`; for NPUs),
+    ``to: a16w16`` with 16-bit weights too (`qgraph.widen_weights`).
     Nodes inside If/Loop bodies are reached by name and by auto mode (`qgraph.remedy`); the control flow stays.
     """
 
@@ -219,9 +227,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         if not any(is_qdq(n) for g in graph.scopes() for n in g.nodes):
             raise PassError("float_fallback: the model has no QuantizeLinear/DequantizeLinear, so no node to return "
                             "to float or widen: run it after insert_qdq in the recipe, or on a QDQ model.")
-        if self.config.to == "a16w8" and ctx.target.runtime == "tensorrt":
-            raise PassError("float_fallback: to: a16w8 writes 16-bit Q/DQ, which TensorRT does not read (its Q/DQ are "
-                            "8-bit and FP8): use to: float there (TensorRT runs those layers in fp16/fp32).")
+        if self.config.to != "float" and ctx.target.runtime == "tensorrt":
+            raise PassError(f"float_fallback: to: {self.config.to} writes 16-bit Q/DQ, which TensorRT does not read "
+                            "(its Q/DQ are 8-bit and FP8): use to: float (TensorRT runs those layers in fp16/fp32).")
         if self.config.nodes is not None:
             self._selected(graph)
         auto = self.config.auto
@@ -253,6 +261,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         res = PassResult()
         floats = recipe_reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
+        if weights is None and self.config.float_weights is not None:
+            weights = ReferenceWeights(load_model(self.config.float_weights))
+            res.notes.append(f"weights of the chosen nodes from {self.config.float_weights} (float_weights)")
         if self.config.nodes is not None:
             nodes, inner = self._selected(graph)
             res.matched = len(nodes) + len(inner)
@@ -286,12 +297,13 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         elif in_bodies:
             res.notes.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are measured but not "
                              "candidates (auto.bodies: false): they stay quantized")
-        costs, rank_by = _costs(auto, ctx, res), auto.cost
-        if self.config.to == "a16w8":
+        costs, rank_by = fallback_costs(auto, ctx, res), auto.cost
+        if self.config.to != "float":
             # The cost table knows float and int8 kernels only: an NPU's 16-bit layer cost is not in it.
             costs, rank_by = None, "error"
-            res.decisions.append("auto: to a16w8: nodes ranked by output error (the cost table has no 16-bit "
-                                 "costs); each chosen node gets 16-bit activations, weights stay 8-bit")
+            what = "weights stay 8-bit" if self.config.to == "a16w8" else "and 16-bit weights"
+            res.decisions.append(f"auto: to {self.config.to}: nodes ranked by output error (the cost table has no "
+                                 f"16-bit costs); each chosen node gets 16-bit activations, {what}")
         target = _target(auto, reference)
         result = auto_fallback(
             reference,
@@ -341,7 +353,6 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             res.matched += len(result.nodes)
 
 
-
 def _target(auto: AutoFallbackConfig, reference: onnx.ModelProto) -> Target:
     """The parsed target, scoring only ``auto.outputs`` when given (names checked against the model)."""
     target = parse_target(auto.target)
@@ -356,33 +367,6 @@ def _target(auto: AutoFallbackConfig, reference: onnx.ModelProto) -> Target:
         raise PassError("float_fallback: auto.outputs selects outputs for cosine/sqnr targets; a metric target gets "
                         "every output (select inside the metric).")
     return replace(target, outputs=tuple(auto.outputs))
-
-
-def _costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:
-    """The cost table and preset: the order of ``cost: latency``, the modelled latency in the summary (with
-    ``cost: error``, None when the table does not apply)."""
-    try:
-        return _table(auto, ctx, res)
-    except (PassError, DataError):
-        if auto.cost == "latency":
-            raise
-        return None
-
-
-def _table(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec:
-    if auto.latency_table is not None:
-        table = load_latency_table(auto.latency_table)
-    else:
-        table = shipped_latency_table()
-    preset = auto.latency_preset or f"ort-{ctx.target.cpu}"
-    if preset not in table.presets:
-        if auto.latency_preset is not None or len(table.presets) != 1:
-            raise PassError(f"float_fallback: the cost table has no preset {preset!r} (it has "
-                            f"{sorted(table.presets)}); set auto.latency_preset or use auto.cost: error.")
-        preset = next(iter(table.presets))
-        res.notes.append(f"auto: latency costs from the table's preset {preset!r} (target cpu {ctx.target.cpu!r})")
-    return CostSpec(table, preset)
-
 
 
 def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] | None:

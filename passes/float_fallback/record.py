@@ -8,6 +8,7 @@ from typing import Any
 from qgraph import GraphHandle, PassResult
 from qgraph.fallback import FallbackOutcome, ReferenceWeights
 from qgraph.remedy import Outcome, apply_remedy, remedy_model
+from qgraph.widen_weights import WeightWidenOutcome
 
 
 def apply_and_record(graph: GraphHandle, nodes: list[Any], to: str, weights: ReferenceWeights | None, res: PassResult,
@@ -48,6 +49,27 @@ def record(res: PassResult, outcome: Outcome, why: Callable[[str], str]) -> None
                              f"{len(outcome.tensors)} Q/DQ pair(s) widened, {outcome.converted} reader(s) kept 8-bit "
                              f"through a conversion, {len(outcome.biases_requantized)} int32 bias(es) re-quantized, "
                              f"{len(outcome.biases_float)} kept float (int32 overflow): {shown}{more}")
+    if outcome.weights is not None:
+        record_weights(res, outcome.weights)
+
+
+def record_weights(res: PassResult, outcome: WeightWidenOutcome) -> None:
+    """Record 16-bit weights (``to: a16w16``): how many, from what, and what was refused."""
+    for name, reason in outcome.refused:
+        res.skip(name, reason)
+    if not outcome.widened:
+        return
+    res.details.setdefault("weights_widened", []).extend(outcome.widened)
+    raised = (f", {outcome.weight_scales_raised} channel weight scale(s) raised so the int32 bias fits"
+              if outcome.weight_scales_raised else "")
+    res.decisions.append(f"{len(outcome.widened)} node(s) given int16 weights (per channel, symmetric) and "
+                         f"{len(outcome.biases_requantized)} int32 bias(es) on the new scales{raised}")
+    if outcome.from_codes:
+        res.details.setdefault("weights_from_codes", []).extend(outcome.from_codes)
+        res.decisions.append(f"{len(outcome.from_codes)} of them had no float weights to re-quantize (no float "
+                             "reference: run float_fallback after insert_qdq in one recipe): their int16 weights "
+                             "hold the int8 values, so only their activations gained: "
+                             + ", ".join(outcome.from_codes[:3]) + (" ..." if len(outcome.from_codes) > 3 else ""))
 
 
 def record_fallback(res: PassResult, outcome: FallbackOutcome) -> None:

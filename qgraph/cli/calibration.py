@@ -141,7 +141,7 @@ def sensitivity(
     patch: Annotated[Path | None, typer.Option("--patch", help="Write the decision as a recipe patch.")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the best model found.")] = None,
     max_nodes: Annotated[int | None, typer.Option("--max-nodes", min=0, help="Change at most N nodes "
-                                                                              "(float, or 16-bit: --to a16w8).")
+                                                                              "(float, or 16-bit: --to a16w8/a16w16).")
                          ] = None,
     max_time: Annotated[float | None, typer.Option("--max-time", help="Search budget in seconds.")] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="Use at most N samples of --data.")] = None,
@@ -157,9 +157,9 @@ def sensitivity(
     latency_preset: Annotated[str | None, typer.Option("--latency-preset", help="Preset of the cost table for "
                                                        "--cost latency (default: the table's only one).")
                               ] = None,
-    to: Annotated[Literal["float", "a16w8"], typer.Option("--to", help="What the chosen nodes become (as "
-                                                          "float_fallback's `to`): float, or a16w8 = 16-bit "
-                                                          "activations, weights unchanged (NPUs).")] = "float",
+    to: Annotated[Literal["float", "a16w8", "a16w16"], typer.Option(
+        "--to", help="What the chosen nodes become (as float_fallback's `to`): float; a16w8 = 16-bit activations, "
+        "weights unchanged (NPUs); a16w16 = 16-bit weights too, from MODEL_FLOAT's weights.")] = "float",
 ) -> None:
     """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
     exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from qgraph.diff.culprits import attribute
 from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
+from qgraph.fallback import ReferenceWeights
 from qgraph.outputs import write_atomic
 from qgraph.qdq import has_qdq
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
@@ -54,7 +56,8 @@ TABLE_ROWS = 40
 
 def _change(remedy: str) -> str:
     """What happens to "this node" in the table's words."""
-    return "returned to float" if remedy == "float" else "given 16-bit activations"
+    return {"float": "returned to float", "a16w8": "given 16-bit activations"}.get(
+        remedy, "given 16-bit activations and weights")
 
 
 def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_ROWS, remedy: str = "float") -> None:
@@ -220,6 +223,21 @@ def _qdq_model(path: Path) -> Any:
     return qdq
 
 
+def _stage_progress(console: Console, quiet: bool) -> tuple[Progress, Callable[[str, int, int | None], None]]:
+    """A progress display with one task per search stage, and the callback that feeds it."""
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=console, disable=quiet)
+    tasks: dict[str, Any] = {}
+
+    def on_progress(stage: str, done: int, total: int | None) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(STAGE_LABELS.get(stage, stage), total=total)
+        progress.update(tasks[stage], completed=done, total=total)
+
+    return progress, on_progress
+
+
 def run_command(
     model_float: Path,
     model_qdq: Path,
@@ -247,8 +265,10 @@ def run_command(
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
-    ``cost``: the search order, as ``float_fallback``'s ``auto.cost`` (latency: `cost_spec`'s table); ``remedy``:
-    what chosen nodes become, as its ``to`` (float, or a16w8: 16-bit activations).
+    Nodes inside If/Loop bodies are candidates too. ``cost``: the search order, as ``float_fallback``'s
+    ``auto.cost`` (latency: `cost_spec`'s table); ``remedy``:
+    what chosen nodes become, as its ``to`` (float; a16w8: 16-bit activations; a16w16: 16-bit weights too, from
+    the float model's weights where its node names match the QDQ model's).
 
     ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
     every metric (also one named in ``target``) is called as ``metric(outputs, labels)``."""
@@ -258,22 +278,7 @@ def run_command(
     reference, qdq = load_model(model_float), _qdq_model(model_qdq)
     evaluation = Evaluation.open(reference, data, labels=labels, metric=metric, samples=samples)
     tgt = _target(target, metric, evaluation)
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=quiet,
-    )
-    tasks: dict[str, Any] = {}
-
-    def on_progress(stage: str, done: int, total: int | None) -> None:
-        if stage not in tasks:
-            tasks[stage] = progress.add_task(STAGE_LABELS.get(stage, stage), total=total)
-        progress.update(tasks[stage], completed=done, total=total)
-
+    progress, on_progress = _stage_progress(console, quiet)
     run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
     with run, progress:
         result = auto_fallback(
@@ -290,8 +295,10 @@ def run_command(
             exact_top=exact_top,
             executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
-            in_bodies=True,  # nodes inside If/Loop bodies are candidates too (each measured exactly)
+            float_weights=ReferenceWeights(reference) if remedy == "a16w16" else None, in_bodies=True,
         )
+    if remedy == "a16w16":  # the patch re-quantizes from the same float weights
+        result.float_model = str(Path(model_float).resolve())
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:
         render_table(result.sensitivity, out, remedy=remedy)

@@ -126,7 +126,8 @@ class Evaluator:
 
     def variant(self, nodes: Sequence[str]) -> onnx.ModelProto:
         """The QDQ model with ``nodes`` fallen back (the model itself when ``nodes`` is empty), their integer
-        weights restored from ``float_weights`` when given; with ``remedy="a16w8"`` their activations 16-bit."""
+        weights restored from ``float_weights`` when given; with ``remedy="a16w8"`` their activations 16-bit
+        (``"a16w16"``: and their weights)."""
         if not nodes:
             return self.qdq
         return remedy_model(self.qdq, nodes, self.remedy, self.float_weights).model
@@ -208,7 +209,7 @@ PATCH_RECIPE_NAME = "float-fallback"
 
 def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
                 float_weights: ReferenceWeights | None = None, remedy: str = "float") -> onnx.ModelProto:
-    """``qdq`` with ``nodes`` in float (``remedy="a16w8"``: with 16-bit activations), built exactly as
+    """``qdq`` with ``nodes`` in float (``remedy="a16w8"``/``"a16w16"``: with 16-bit activations/weights), built as
     `qgraph run PATCH qdq` would build it (with ``float_weights``: as the pass builds it after ``insert_qdq`` in
     one recipe, float weights restored)."""
     if not nodes:
@@ -219,11 +220,14 @@ def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
     return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
 
 
-def patch_recipe(nodes: Sequence[str], remedy: str = "float") -> Recipe:
-    """A one-pass recipe: ``float_fallback`` of ``nodes`` (``to: remedy`` unless float)."""
+def patch_recipe(nodes: Sequence[str], remedy: str = "float", float_weights: str | None = None) -> Recipe:
+    """A one-pass recipe: ``float_fallback`` of ``nodes`` (``to: remedy`` unless float; the weights of the float
+    model ``float_weights`` when given)."""
     # The float_fallback pass is reached through the registry, as any plug-in would be.
     fallback = get_pass("float_fallback")
     options: dict[str, object] = {"nodes": NodeSelector(names=tuple(nodes))}
     if remedy != "float":
         options["to"] = remedy
+    if float_weights is not None:
+        options["float_weights"] = float_weights
     return Recipe(PATCH_RECIPE_NAME, [fallback(**options)])

@@ -83,12 +83,14 @@ class AutoResult:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
     evaluations: int = 0  # full model evaluations (baseline, exact measures, search, confirmation)
     latency: dict[str, float] = field(default_factory=dict)  # modelled (cost table) and measured, see `_latency`
-    remedy: str = "float"  # what the chosen nodes became: float, or a16w8 (16-bit activations)
+    remedy: str = "float"  # what the chosen nodes became: float, a16w8 (16-bit activations) or a16w16
+    float_model: str | None = None  # the float model file the chosen nodes' weights came from (the patch says so)
 
     @property
     def became(self) -> str:
         """What the chosen nodes became, as the message words it."""
-        return "in float" if self.remedy == "float" else "with 16-bit activations (a16w8)"
+        return {"float": "in float", "a16w8": "with 16-bit activations (a16w8)"}.get(
+            self.remedy, f"with 16-bit activations and weights ({self.remedy})")
 
     def message(self) -> str:
         """One paragraph: met or not, scores, nodes, why the search stopped, what was tried and how long."""
@@ -133,7 +135,7 @@ class AutoResult:
         """The decision as a one-pass recipe (None when no node needs to go back to float)."""
         if not self.nodes:
             return None
-        return patch_recipe(self.nodes, self.remedy)
+        return patch_recipe(self.nodes, self.remedy, self.float_model)
 
     def patch_yaml(self) -> str | None:
         """The recipe patch text (``name`` + ``passes``), commented with the outcome; None if no node."""
@@ -226,7 +228,8 @@ def auto_fallback(
     latency (1.0: never slower than float). With ``recurrence`` (a recurrent model's state feedback) every full
     evaluation runs streamed, each model fed its own state (`qgraph.streaming`); the one-run ranking stays
     per sample (states from the data), its prediction corrected on the streamed measurements.
-    ``remedy="a16w8"`` gives the chosen nodes 16-bit activations instead of float (`qgraph.widen`; for NPUs).
+    ``remedy="a16w8"`` gives the chosen nodes 16-bit activations instead of float (`qgraph.widen`; for NPUs),
+    ``"a16w16"`` 16-bit weights too (re-quantized from ``float_weights`` when given: `qgraph.widen_weights`).
     ``in_bodies`` makes the quantized nodes inside If/Loop bodies candidates too (`qgraph.remedy`), each measured
     exactly once for the ranking.
     With ``report_only`` the ranking is made and no search.

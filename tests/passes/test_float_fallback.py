@@ -424,3 +424,31 @@ def test_auto_outputs_scores_only_the_named_outputs() -> None:
     assert any("sqnr of s_next >= 40" in d for d in state.decisions), state.decisions
     with pytest.raises(PassError, match=r"auto\.outputs names"):
         Pipeline([qdq, FloatFallback(auto={**auto, "outputs": ["nope"]})]).run(model, calibration_data=data)
+
+
+def test_float_weights_option_restores_the_float_models_weights_on_a_qdq_model(tmp_path: Path) -> None:
+    """A patch applied to a QDQ model alone (no quantizing pass before it): ``float_weights`` names the float
+    model, and the node back in float reads its float weights, not ``DQ(w_q)``."""
+    from qgraph.data import CallableSource
+    from qgraph.pass_api import get_pass
+    from qgraph.testing.depthwise import depthwise_net
+
+    floats = Pipeline([get_pass("fuse_batchnorm")()]).run(depthwise_net(seed=0, spread=100.0)).model
+    rng = np.random.default_rng(0)
+    cal = [{"input": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(4)]
+    qdq = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(
+        floats, calibration_data=CallableSource(lambda: cal, "calibration")).model
+    onnx.save(floats, tmp_path / "float.onnx")
+    chosen = NodeSelector(names=("b1/pw",))
+    plain = Pipeline([FloatFallback(nodes=chosen)]).run(qdq)
+    restored = Pipeline([FloatFallback(nodes=chosen, float_weights=str(tmp_path / "float.onnx"))]).run(qdq)
+    node = next(n for n in floats.graph.node if n.name == "b1/pw")
+    want = next(onnx.numpy_helper.to_array(t) for t in floats.graph.initializer if t.name == node.input[1])
+
+    def weight(model: onnx.ModelProto) -> np.ndarray:
+        inits = {t.name: t for t in model.graph.initializer}
+        return onnx.numpy_helper.to_array(inits[next(n for n in model.graph.node if n.name == "b1/pw").input[1]])
+
+    np.testing.assert_array_equal(weight(restored.model), want)
+    assert np.abs(weight(plain.model) - want).max() > 1e-6  # without it: the int8 grid's values
+    assert any("float_weights" in n for n in restored.records[0].result.notes)
