@@ -276,3 +276,57 @@ def test_observed_range_covers_every_evaluation_sample(tmp_path: Path) -> None:
         every = x if c.point.tensor == "input" else np.stack(values[c.point.tensor])
         assert d["observed_range"] == pytest.approx([float(every.min()), float(every.max())], rel=1e-6)
         assert c.stats.count.sum() == every.size
+
+
+def _amplified_pair_model() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(float A, QDQ B): pair ``a`` is coarse (low local SQNR) but its output barely cares; pair ``h`` is fine
+    (high local SQNR) but the output is the small difference of its two large columns, so it carries the error."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.zeros((16, 2), np.float32)
+    w[:, 0] = 1.0
+    w[:, 1] = 1.0
+    w[0, 1] = 1.02  # h1 - h0 = 0.02 x0: the signal of out_h
+    diff = np.array([[-1.0], [1.0]], np.float32)
+
+    def build(quantized: bool) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(diff, "d"),
+                 numpy_helper.from_array(np.array(0.25, np.float32), "sa"),
+                 numpy_helper.from_array(np.array(0, np.uint8), "za"),
+                 numpy_helper.from_array(np.array(0.2, np.float32), "sh"),
+                 numpy_helper.from_array(np.array(0, np.uint8), "zh")]
+        nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+                 helper.make_node("MatMul", ["x", "w"], ["h"], name="mm")]
+        a, h = "a", "h"
+        if quantized:
+            nodes += [helper.make_node("QuantizeLinear", ["a", "sa", "za"], ["a_q"], name="a/q"),
+                      helper.make_node("DequantizeLinear", ["a_q", "sa", "za"], ["a_dq"], name="a/dq"),
+                      helper.make_node("QuantizeLinear", ["h", "sh", "zh"], ["h_q"], name="h/q"),
+                      helper.make_node("DequantizeLinear", ["h_q", "sh", "zh"], ["h_dq"], name="h/dq")]
+            a, h = "a_dq", "h_dq"
+        nodes += [helper.make_node("Abs", [a], ["out_a"], name="abs"),
+                  helper.make_node("MatMul", [h, "d"], ["out_h"], name="cancel")]
+        graph = helper.make_graph(nodes, "amplified", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                                  [helper.make_tensor_value_info("out_a", TensorProto.FLOAT, [4, 16]),
+                                   helper.make_tensor_value_info("out_h", TensorProto.FLOAT, [4, 1])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+    return build(False), build(True)
+
+
+def test_group_screening_finds_a_pair_that_local_noise_ranks_last() -> None:
+    """Local noise ranks the coarse pair first; the output error comes from the fine pair later layers amplify.
+    Measuring only the first by local noise names the wrong pair; group screening finds the right one."""
+    from qgraph.diff.culprits import attribute
+
+    a, b = _amplified_pair_model()
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(2.0, 3.0, (4, 16)).astype(np.float32)} for _ in range(4)]
+    local_only = attribute(a, b, feeds, exact_top=1, extend_seconds=0)
+    assert local_only.culprits[0].point.tensor == "a"  # the only one measured
+    assert local_only.culprits[0].local_sqnr_db < local_only.culprits[1].local_sqnr_db
+    screened = attribute(a, b, feeds, exact_top=1, extend_seconds=30)
+    top = screened.culprits[0]
+    assert top.point.tensor == "h" and top.contribution is not None and top.contribution > 0.9
+    assert screened.culprits[1].contribution is not None and screened.culprits[1].contribution < 0.1
+    assert screened.notes[0].startswith("2 of 2 Q/DQ pairs measured alone, 1 more screened in groups of")
