@@ -95,8 +95,8 @@ def inspect_model(
     external = sorted(external_data_files(path))
     ops: list[str] = []
     subgraphs: list[str] = []
-    names, naming = proto_node_names(model.graph)
-    _walk(model.graph, "", ops, subgraphs, names)
+    scopes, naming = proto_node_names(model.graph)
+    _walk(scopes[0][0], "", ops, subgraphs, {id(g): names for g, names in scopes})  # `scopes` holds the wrappers
     init_names = {t.name for t in model.graph.initializer}
     init_bytes = sum(
         int(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize) * _numel(t) for t in model.graph.initializer

@@ -62,8 +62,8 @@ class ModelIndex:
         idx = cls(model)
         idx.graph_inputs = [v.name for v in model.graph.input]
         idx.graph_outputs = [v.name for v in model.graph.output]
-        names, _ = proto_node_names(model.graph)  # the names GraphHandle gives on load (`qgraph.graph.naming`)
-        idx._add_graph(model.graph, "", names)
+        scopes, _ = proto_node_names(model.graph)  # the names GraphHandle gives on load (`qgraph.graph.naming`)
+        idx._add_graph(scopes[0][0], "", {id(g): names for g, names in scopes})  # `scopes` holds the wrappers
         return idx
 
     def _add_graph(self, graph: onnx.GraphProto, scope: str, names: dict[int, list[str]]) -> None:

@@ -123,15 +123,16 @@ def name_graph(root: gs.Graph) -> Naming:
     return naming
 
 
-def proto_node_names(graph: onnx.GraphProto) -> tuple[dict[int, list[str]], Naming]:
-    """The rule's names for ``graph`` (a model's top graph) without changing it: per scope, keyed by ``id()`` of
-    each GraphProto of `proto_scopes` (valid while the caller holds the graph), in node order."""
+def proto_node_names(graph: onnx.GraphProto) -> tuple[list[tuple[onnx.GraphProto, list[str]]], Naming]:
+    """The rule's names for ``graph`` (a model's top graph) without changing it: ``(scope, its node names)`` for
+    every GraphProto of `proto_scopes`, in node order (key them by ``id(scope)`` while holding this list: protobuf
+    gives the same wrapper object only while one is alive)."""
     scopes = proto_scopes(graph)
     naming = unique_names([(n.name, n.op_type, n.output) for g in scopes for n in g.node])
-    per_scope: dict[int, list[str]] = {}
+    per_scope: list[tuple[onnx.GraphProto, list[str]]] = []
     start = 0
     for g in scopes:
-        per_scope[id(g)] = naming.names[start : start + len(g.node)]
+        per_scope.append((g, naming.names[start : start + len(g.node)]))
         start += len(g.node)
     return per_scope, naming
 
