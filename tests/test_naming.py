@@ -20,6 +20,7 @@ from qgraph.diff.structural import structural_diff
 from qgraph.fallback import quantized_nodes
 from qgraph.graph import named_model, proto_node_names, unique_names
 from qgraph.inspect import inspect_model
+from qgraph.model_io import model_fingerprint
 from qgraph.recipe import Recipe
 from qgraph.sensitivity.ranking import candidate_nodes
 from qgraph.testing import mode_switched_net, ort_quantize_static
@@ -210,3 +211,15 @@ def test_run_of_an_unnamed_model_names_its_output_and_says_so(ort_models: dict[s
     # node for node: every output node carries the name the diff gives the unnamed input's node
     assert diff.renamed == 0 and not diff.removed and not diff.added
     assert [n.name for n in result.model.graph.node] == [r.key for r in ModelIndex.build(model).nodes]
+
+
+def test_fingerprint_is_the_named_models() -> None:
+    """A ranges file or provenance hash made on the unnamed model matches qgraph's named export of it."""
+    model = _text_model()
+    named, naming = named_model(model)
+    assert naming.changed and named is not model
+    assert model_fingerprint(model) == model_fingerprint(named)
+    other = onnx.ModelProto()
+    other.CopyFrom(named)
+    other.graph.node[5].attribute[0].g.node[0].name = "renamed"  # a real change inside a body still counts
+    assert model_fingerprint(other) != model_fingerprint(model)

@@ -20,7 +20,17 @@ from .checks import check_acyclic, check_model, check_structure, check_unique_na
 from .detach import placeholders_as_inputs
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
 from .match import MatchResult, NoMatch
-from .naming import Naming, gs_label, name_graph, named_model, node_label, proto_label, proto_node_names, unique_names
+from .naming import (
+    Naming,
+    gs_label,
+    name_graph,
+    named_model,
+    named_nodes,
+    node_label,
+    proto_label,
+    proto_node_names,
+    unique_names,
+)
 from .ops import (
     DEFAULT_DOMAINS,
     Inferred,
@@ -80,6 +90,7 @@ __all__ = [
     "is_topological",
     "name_graph",
     "named_model",
+    "named_nodes",
     "node_label",
     "node_subgraphs",
     "onnx_type_name",

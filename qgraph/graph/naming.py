@@ -26,13 +26,13 @@ is idempotent: on a model it already named, nothing changes. Cost: one walk over
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import onnx
 import onnx_graphsurgeon as gs
 
-from .ops import graph_scopes, proto_scopes
+from .ops import graph_scopes, proto_scopes, proto_subgraphs
 
 #: How many renamed nodes `Naming.notice` lists by name.
 SHOWN = 3
@@ -150,3 +150,29 @@ def named_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Naming]:
         for node in g.node:
             node.name = next(names)
     return out, naming
+
+
+def named_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """``graph``'s nodes carrying the rule's names, bodies included, without copying the graph: a node is copied
+    only when it or a node of its bodies gets a new name (for hashing a model as qgraph names it)."""
+    scopes, naming = proto_node_names(graph)
+    if not naming.changed:
+        yield from graph.node
+        return
+    names = {id(g): n for g, n in scopes}  # `scopes` keeps the wrappers alive, so the ids stay valid
+    for node, name in zip(scopes[0][0].node, scopes[0][1], strict=True):
+        if name == node.name and not proto_subgraphs(node):
+            yield node
+            continue
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = name
+        _rename_bodies(node, copy, names)
+        yield copy
+
+
+def _rename_bodies(node: onnx.NodeProto, copy: onnx.NodeProto, names: dict[int, list[str]]) -> None:
+    for body, body_copy in zip(proto_subgraphs(node), proto_subgraphs(copy), strict=True):
+        for inner, inner_copy, name in zip(body.node, body_copy.node, names[id(body)], strict=True):
+            inner_copy.name = name
+            _rename_bodies(inner, inner_copy, names)
