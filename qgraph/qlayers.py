@@ -247,7 +247,7 @@ def ensure_bias(graph: GraphHandle, layer: QuantLayer, tag: str) -> bool:
     if len(node.inputs) > 2 and node.inputs[2].name:  # a bias this layer does not own alone (shared)
         return False
     c = layer.channels
-    base = f"{node.name or layer.output}/bias"
+    base = f"{layer.name}/bias"
     if layer.input_scale is not None:
         scale = (np.broadcast_to(layer.params.scale.astype(np.float32), (c,)) * np.float32(layer.input_scale))
         codes = gs.Constant(graph.unique_name(f"{base}/q", "tensor"), np.zeros(c, np.int32))
