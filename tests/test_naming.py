@@ -22,6 +22,7 @@ from qgraph.graph import named_model, proto_node_names, unique_names
 from qgraph.inspect import inspect_model
 from qgraph.model_io import model_fingerprint
 from qgraph.recipe import Recipe
+from qgraph.report import build_report
 from qgraph.sensitivity.ranking import candidate_nodes
 from qgraph.testing import mode_switched_net, ort_quantize_static
 from qgraph.testing.mobilenet import mobilenet_v2
@@ -211,6 +212,9 @@ def test_run_of_an_unnamed_model_names_its_output_and_says_so(ort_models: dict[s
     # node for node: every output node carries the name the diff gives the unnamed input's node
     assert diff.renamed == 0 and not diff.removed and not diff.added
     assert [n.name for n in result.model.graph.node] == [r.key for r in ModelIndex.build(model).nodes]
+    recipe = Recipe.from_dict({"name": "fold", "passes": [{"pass": "fold_constants"}]})
+    report = build_report(recipe, recipe.pipeline().run(model, keep_input=False))
+    assert report.decisions[0] == {"pass": "load", "kind": "decision", "text": decision}  # shown in the report
 
 
 def test_fingerprint_is_the_named_models() -> None:

@@ -65,7 +65,10 @@ class GraphIndex:
 
 
 class GraphHandle:
-    """A model being transformed: the graphsurgeon graph plus model-level fields and cached analyses."""
+    """A model being transformed: the graphsurgeon graph plus model-level fields and cached analyses.
+
+    On load every node gets its one name (`qgraph.graph.naming`: unnamed nodes ``<OpType>(<first output>)``,
+    repeated names ``name#2``; named nodes keep theirs), so passes, selectors, reports and the output agree."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
         # Model-level fields only: copying the whole proto would double the cost of a load.
