@@ -8,7 +8,8 @@ Rewrites, in every scope (the top graph, then If/Loop/Scan bodies)::
                  constant and a graph output the node stays, since a graph output needs a producer)
     dead code:  nodes that no graph output depends on, and initializers nothing reads, are removed
     duplicates: initializers with the same dtype, shape and bytes → one (the first, outermost), readers rewired
-    names:      unnamed node → "<first output>/<op>"; a repeated name → "<name>_<k>" (first use keeps it)
+    names:      unnamed node → "<op>(<first output>)"; a repeated name → "<name>#<k>" (first use keeps it), the
+                rule every model gets on load (`qgraph.graph.naming`): here for nodes a pass left unnamed
     order:      nodes are sorted topologically (iterative Kahn) only when they are not already in order
 
 Dropout counts as inference mode when ``training_mode`` is absent or a constant false (opset >= 12), and when
@@ -35,6 +36,7 @@ from qgraph.graph import (
     rebuild,
     redirect,
     topological_order,
+    unique_names,
 )
 
 #: Everything cleanup counts (each is a rewrite: a second run reports all zeros).
@@ -70,7 +72,8 @@ class Cleanup(Pass[CleanupConfig]):
     """Remove Identity/inference Dropout, dead nodes, unused and duplicate initializers; name nodes; toposort.
 
     Rewrite: ``y = Identity(x)`` / ``y = Dropout(x)`` ⇒ readers of ``y`` read ``x``; duplicate initializers
-    (same dtype, shape, bytes) ⇒ one; unnamed node ⇒ ``<first output>/<op>``; out-of-order nodes ⇒ Kahn order.
+    (same dtype, shape, bytes) ⇒ one; unnamed node ⇒ ``<op>(<first output>)`` (`qgraph.graph.naming`, as on
+    load); out-of-order nodes ⇒ Kahn order.
     """
 
     name = "cleanup"
@@ -210,30 +213,13 @@ def _dedupe(scopes: list[gs.Graph]) -> int:
 
 # ---------------------------------------------------------------------------------------------- names, order
 def _name_nodes(scopes: list[gs.Graph]) -> int:
-    """Unique names over every scope: unnamed → ``<first output>/<op>``; repeats → ``<name>_<k>``."""
-    taken: set[str] = set()
-    renamed = 0
-    pending: list[gs.Node] = []
-    for g in scopes:
-        for node in g.nodes:
-            if node.name and node.name not in taken:
-                taken.add(node.name)
-            else:
-                pending.append(node)
-    for node in pending:
-        if node.name:
-            base = node.name
-        else:
-            first = next((t.name for t in node.outputs if t.name), "")
-            base = f"{first}/{node.op}" if first else node.op
-        name, k = base, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
+    """Unique names over every scope by qgraph's one rule (`qgraph.graph.naming`): unnamed → ``<op>(<first
+    output>)``, repeats → ``<name>#2``... Models are named so on load: this catches nodes a pass left unnamed."""
+    nodes = [node for g in scopes for node in g.nodes]
+    naming = unique_names([(n.name or "", n.op, [t.name for t in n.outputs]) for n in nodes])
+    for node, name in zip(nodes, naming.names, strict=True):
         node.name = name  # pass tags are keyed by name: the first user of a repeated name keeps its tag
-        renamed += 1
-    return renamed
+    return len(naming.unnamed) + len(naming.repeated)
 
 
 def _toposort(handle: GraphHandle, scopes: list[gs.Graph]) -> int:

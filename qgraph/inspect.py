@@ -32,7 +32,7 @@ from qgraph.diff.numeric import FLOAT_TYPES, estimate_bytes, plan_chunks, reiter
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.qdq import qdq_coverage, saturation_risks
 from qgraph.errors import QGraphError, RecipeError
-from qgraph.graph import GraphHandle, check_model
+from qgraph.graph import GraphHandle, check_model, proto_node_names
 from qgraph.graph.ops import is_default_domain
 from qgraph.model_io import external_data_files, load_model
 from qgraph.opsets import model_opset
@@ -70,14 +70,15 @@ def _value_info(vi: onnx.ValueInfoProto) -> dict[str, Any]:
     return {"name": vi.name, "dtype": dtype.removeprefix("TensorProto."), "shape": shape}
 
 
-def _walk(graph: onnx.GraphProto, path: str, ops: list[str], subgraphs: list[str]) -> None:
-    for node in graph.node:
+def _walk(graph: onnx.GraphProto, path: str, ops: list[str], subgraphs: list[str], names: dict[int, list[str]]) -> None:
+    """Ops and subgraph paths, nodes named as everywhere else (``names``: `qgraph.graph.proto_node_names`)."""
+    for node, name in zip(graph.node, names[id(graph)], strict=True):
         ops.append(node.op_type if is_default_domain(node.domain) else f"{node.domain}.{node.op_type}")
         for attr in node.attribute:
             for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                sub = f"{path}/{node.name or node.op_type}.{attr.name}"
+                sub = f"{path}/{name}.{attr.name}"
                 subgraphs.append(sub)
-                _walk(g, sub, ops, subgraphs)
+                _walk(g, sub, ops, subgraphs, names)
 
 
 def inspect_model(
@@ -94,7 +95,8 @@ def inspect_model(
     external = sorted(external_data_files(path))
     ops: list[str] = []
     subgraphs: list[str] = []
-    _walk(model.graph, "", ops, subgraphs)
+    scopes, naming = proto_node_names(model.graph)
+    _walk(scopes[0][0], "", ops, subgraphs, {id(g): names for g, names in scopes})  # `scopes` holds the wrappers
     init_names = {t.name for t in model.graph.initializer}
     init_bytes = sum(
         int(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize) * _numel(t) for t in model.graph.initializer
@@ -116,6 +118,8 @@ def inspect_model(
         "initializers": len(model.graph.initializer),
         "initializer_bytes": init_bytes,
         "subgraphs": subgraphs,
+        # how qgraph names unnamed nodes and repeated names here (the names its reports show, recipes select)
+        "node_naming": naming.notice(),
         "external_data": external,
         "metadata": {p.key: p.value for p in model.metadata_props},
         "analysis": analyze_model(model, opset=opset, target=target, feeds=feeds),

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from qgraph.errors import ModelError, WriteError
 from qgraph.graph.checks import check_unique_names
+from qgraph.graph.naming import named_nodes
 from qgraph.outputs import temporary_file, write_atomic
 from qgraph.proto_stream import read_header, serialized_size, tensor_size, write_streamed
 
@@ -129,14 +130,15 @@ def file_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def model_fingerprint(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> str:
-    """sha256 of the graph's content (nodes, initializers, I/O, opsets), independent of metadata.
+    """sha256 of the graph's content (nodes, initializers, I/O, opsets), independent of metadata; nodes as qgraph
+    names them (`qgraph.graph.naming`), so a model and qgraph's export of it (unnamed nodes named) hash the same.
 
     Streams piece by piece, so it works for models over the 2 GB protobuf limit. ``weights`` gives the values of
     a weightless model's top-level placeholders (`qgraph.graph.detach`): the hash is the filled model's.
     """
     h = hashlib.sha256()
     g = model.graph
-    for part in (*g.input, *g.output, *g.node, *g.sparse_initializer):
+    for part in (*g.input, *g.output, *named_nodes(g), *g.sparse_initializer):
         h.update(part.SerializeToString(deterministic=True))
     for t in g.initializer:
         h.update(f"{t.name}:{t.data_type}:{list(t.dims)};".encode())

@@ -33,7 +33,7 @@ import onnx
 from pydantic import BaseModel, ConfigDict
 
 from qgraph.errors import RecipeError
-from qgraph.graph import GraphHandle
+from qgraph.graph import GraphHandle, gs_label, proto_label
 from qgraph.target import CalibrationSpec, TargetSpec
 
 if TYPE_CHECKING:
@@ -99,7 +99,9 @@ class PassResult:
             name = getattr(node, "name", None)
             if not isinstance(name, str):
                 raise TypeError(f"PassResult.skip takes a node name (str), got {type(node).__name__}")
-            node = name or f"<unnamed {getattr(node, 'op', getattr(node, 'op_type', 'node'))}>"
+            if not name:  # a node made without a name: the name qgraph's rule gives it (`qgraph.graph.naming`)
+                name = proto_label(node) if isinstance(node, onnx.NodeProto) else gs_label(node)
+            node = name
         self.skipped.append(Skipped(node, reason))
 
     @property

@@ -106,6 +106,8 @@ class PipelineResult:
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     #: With ``run(verify=True)``: the tolerance every check used (`qgraph.verify`: raised by the noise floor).
     verify_tolerance: VerifyTolerance | None = None
+    #: Decisions made on loading the input, before any pass: nodes named by `qgraph.graph.naming`.
+    load_decisions: list[str] = field(default_factory=list)
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
@@ -199,6 +201,8 @@ class Pipeline:
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
         handle = GraphHandle(source)
+        notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
+        load_decisions = [f"input model: {notice}"] if notice else []
         emit(PipelineEvent("pipeline_start", total))
         records: list[PassRecord] = []
         previous = source if verify else None
@@ -251,7 +255,7 @@ class Pipeline:
         del held
         _write_provenance(out, self.to_dict(), input_hash, records)
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, kept, stages, data, weights, tolerance)
+        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:

@@ -24,7 +24,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph.fallback import QParams, is_dq, is_q, qparams
-from qgraph.graph import GraphHandle, is_default_domain
+from qgraph.graph import GraphHandle, gs_label, is_default_domain
 from qgraph.graph.detach import is_placeholder
 from qgraph.quant import _broadcast_param, dequantize, shift_int32_bias
 
@@ -68,8 +68,8 @@ class QuantLayer:
 
     @property
     def name(self) -> str:
-        """The node's name, else its output tensor's (for messages and details)."""
-        return self.node.name or self.output
+        """The node's name by qgraph's rule (`qgraph.graph.naming`; for messages and details)."""
+        return gs_label(self.node)
 
     @property
     def groups(self) -> int:
@@ -219,7 +219,7 @@ def find_layers(graph: GraphHandle) -> tuple[list[QuantLayer], list[tuple[str, s
     for node in graph.index.nodes:
         if node.op not in WEIGHTED_OPS or not is_default_domain(node.domain):
             continue
-        name = node.name or node.outputs[0].name
+        name = gs_label(node)
         got = _weight(graph, node)
         if isinstance(got, str):
             skipped.append((name, got))
@@ -247,7 +247,7 @@ def ensure_bias(graph: GraphHandle, layer: QuantLayer, tag: str) -> bool:
     if len(node.inputs) > 2 and node.inputs[2].name:  # a bias this layer does not own alone (shared)
         return False
     c = layer.channels
-    base = f"{node.name or layer.output}/bias"
+    base = f"{layer.name}/bias"
     if layer.input_scale is not None:
         scale = (np.broadcast_to(layer.params.scale.astype(np.float32), (c,)) * np.float32(layer.input_scale))
         codes = gs.Constant(graph.unique_name(f"{base}/q", "tensor"), np.zeros(c, np.int32))

@@ -7,14 +7,14 @@ through a `GraphHandle`, each body as a model of its own (`qgraph.subgraphs.stan
 `graft_body`), nested bodies by recursion. So a model whose compute sits in ``If`` branches selected at run time
 (a sample-rate switch) keeps its control flow and still gets its body nodes back to float one by one.
 
-Body nodes are named by their own node name; a name used twice in the model (a common one in both branches of an
-``If``) cannot be chosen by name and is left out of `body_candidates` (the notes say so).
+Body nodes are named by their own node name, as `qgraph.graph.naming` gives it (the models are named first, so an
+unnamed node is ``<OpType>(<first output>)`` and a name used again, as in both branches of an ``If``, ``name#2``):
+every node can be chosen by the name the reports show.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,7 +23,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph.fallback import FallbackOutcome, ReferenceWeights, fall_back, quantized_nodes
-from qgraph.graph import GraphHandle
+from qgraph.graph import GraphHandle, named_model
 from qgraph.graph.ops import proto_scopes
 from qgraph.selectors import NodeSelector
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
@@ -69,12 +69,14 @@ def remedy_model(model: onnx.ModelProto, names: Sequence[str], to: str = "float"
                  reference: ReferenceWeights | None = None) -> ScopedOutcome:
     """``model`` (not modified) with the nodes ``names`` given remedy ``to`` wherever they are (see module docs)."""
     wanted = {unscoped(n) for n in names}
+    given = model
+    model, _ = named_model(model)  # the names GraphHandle gives (a body is found by the name reports show)
     handle = GraphHandle(model)
     top = [n for n in handle.graph.nodes if n.name in wanted]
     outcomes: list[tuple[str, Outcome]] = []
     if top:
         outcomes.append(("", apply_remedy(handle, top, to, reference)))
-    out = handle.to_onnx() if top else _copy(model)
+    out = handle.to_onnx() if top else (_copy(model) if model is given else model)  # never edit the caller's
     handle.release()
     placed = {n.name for n in top}
     rest = wanted - placed
@@ -123,20 +125,15 @@ def _body_graphs(node: onnx.NodeProto, attr: str) -> list[onnx.GraphProto]:
 
 def body_candidates(model: onnx.ModelProto, restrict: NodeSelector | None = None
                     ) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(name, op)`` of every quantized node inside ``model``'s If/Loop bodies (nested ones too) whose name is
-    unique in the model, optionally only those ``restrict`` selects by name, regex or op type; and notes."""
-    counts = Counter(n.name for g in proto_scopes(model.graph) for n in g.node)
+    """``(name, op)`` of every quantized node inside ``model``'s If/Loop bodies (nested ones too), by the names
+    `qgraph.graph.naming` gives (unique in the model), optionally only those ``restrict`` selects by name, regex or
+    op type; and notes."""
+    model, _ = named_model(model)  # a standalone body alone would name its nodes without the rest of the model
     found: list[tuple[str, str]] = []
     _collect(model, found)
-    notes: list[str] = []
-    ambiguous = [name for name, _ in found if not name or counts[name] > 1]
-    if ambiguous:
-        notes.append(f"{len(ambiguous)} quantized node(s) inside bodies without a unique name are not candidates: "
-                     + ", ".join(repr(n) for n in ambiguous[:5]))
-    usable = [(n, op) for n, op in found if n and counts[n] == 1]
     if restrict is not None:
-        usable = [(n, op) for n, op in usable if _matches(restrict, n, op)]
-    return usable, notes
+        found = [(n, op) for n, op in found if _matches(restrict, n, op)]
+    return found, []
 
 
 def _collect(model: onnx.ModelProto, found: list[tuple[str, str]]) -> None:

@@ -221,6 +221,7 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
     tol = result.verify_tolerance
     if tol is not None and (tol.raised or tol.note):  # host-dependent: shown here, never in the model
         report.decisions.insert(0, {"pass": "--verify", "kind": "host-dependent", "text": tol.describe()})
+    report.decisions[:0] = [{"pass": "load", "kind": "decision", "text": t} for t in result.load_decisions]
     if source is None:
         report.notes.append("no input model in the result: no fidelity or per-layer data.")
         return report

@@ -28,6 +28,7 @@ from onnx import helper
 
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
+from qgraph.graph import proto_label
 
 #: Bodies this module can extract, by op type.
 BODY_ATTRS: dict[str, tuple[str, ...]] = {"If": ("then_branch", "else_branch"), "Loop": ("body",)}
@@ -61,7 +62,7 @@ def _body(node: onnx.NodeProto, attr: str) -> onnx.GraphProto:
         if a.name == attr:
             graph: onnx.GraphProto = a.g
             return graph
-    raise BodyError(f"{node.name or node.op_type} has no {attr}")
+    raise BodyError(f"{proto_label(node)} has no {attr}")
 
 
 def _walk(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -132,7 +133,7 @@ def standalone_body(model: onnx.ModelProto, node: onnx.NodeProto, attr: str, fac
             inputs.append(helper.make_value_info(name, facts.types[name]))
             fed.append(name)
         else:
-            raise BodyError(f"the type of outer tensor {name!r} read by {node.name or node.op_type}.{attr} is unknown")
+            raise BodyError(f"the type of outer tensor {name!r} read by {proto_label(node)}.{attr} is unknown")
     graph = helper.make_graph([*extra_nodes, *body.node], f"{node.name}.{attr}", inputs, list(body.output),
                               initializers, value_info=list(body.value_info))
     standalone = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)

@@ -10,6 +10,7 @@ from qgraph import GraphHandle, NodeSelector, Pipeline, get_pass
 from qgraph.compare import make_session
 from qgraph.data import CallableSource
 from qgraph.fallback import ReferenceWeights, quantized_nodes
+from qgraph.recipe import Recipe
 from qgraph.remedy import apply_remedy, body_candidates, remedy_model
 from qgraph.testing import mode_feeds, mode_switched_net
 
@@ -72,15 +73,21 @@ def test_remedy_model_widens_inside_a_body(switched: onnx.ModelProto) -> None:
     assert make_session(out.model).run(None, feed)[0].shape == (1, 4, 8, 8)
 
 
-def test_ambiguous_body_names_are_not_candidates(switched: onnx.ModelProto) -> None:
+def test_repeated_body_names_are_numbered_and_chosen_one_by_one(switched: onnx.ModelProto) -> None:
     model = onnx.ModelProto()
     model.CopyFrom(switched)
     for node in _branch(model, "else_branch").node:
         if node.name == "else/conv":
             node.name = "then/conv"  # the same name in both branches
     found, notes = body_candidates(model)
-    assert "then/conv" not in [n for n, _ in found] and "else/relu" in [n for n, _ in found]
-    assert notes and "without a unique name" in notes[0]
+    names = [n for n, _ in found]
+    # the If's attributes are sorted (else_branch first): its conv keeps the name, the then-branch one is #2
+    assert sorted(names) == ["else/relu", "then/conv", "then/conv#2", "then/relu"] and not notes
+    out = remedy_model(model, ["then/conv#2"], "float")
+    assert out.unplaced == [] and [scope for scope, _ in out.outcomes] == ["switch.then_branch"]
+    assert not _reads_dq(_branch(out.model, "then_branch"), "then/conv#2")  # exactly that node went to float
+    assert _reads_dq(_branch(out.model, "else_branch"), "then/conv")  # its namesake in the other branch did not
+    onnx.checker.check_model(out.model, full_check=True)
 
 
 def test_apply_remedy_float_and_unknown(switched: onnx.ModelProto) -> None:
@@ -89,3 +96,21 @@ def test_apply_remedy_float_and_unknown(switched: onnx.ModelProto) -> None:
     assert getattr(outcome, "fallen_back", None) == ["head"]
     with pytest.raises(ValueError, match="unknown remedy 'a16'"):
         apply_remedy(GraphHandle(switched), [], "a16")
+
+
+def test_unnamed_body_nodes_are_chosen_by_the_name_reports_show(switched: onnx.ModelProto) -> None:
+    model = onnx.ModelProto()
+    model.CopyFrom(switched)
+    for attr in ("then_branch", "else_branch"):
+        for node in _branch(model, attr).node:
+            node.name = ""  # an exporter that names nothing inside the branches
+    found, _ = body_candidates(model)
+    then_conv = next(n for n in _branch(model, "then_branch").node if n.op_type == "Conv")
+    name = f"Conv({then_conv.output[0]})"
+    assert (name, "Conv") in found
+    recipe = {"name": "fb", "passes": [{"pass": "float_fallback", "nodes": {"names": [name]}}]}
+    out = Recipe.from_dict(recipe).pipeline().run(model).model
+    assert not _reads_dq(_branch(out, "then_branch"), name)  # that conv is float, its branch named on load
+    else_conv = next(n for n in _branch(out, "else_branch").node if n.op_type == "Conv")
+    assert _reads_dq(_branch(out, "else_branch"), else_conv.name)  # the other branch's conv is not
+    onnx.checker.check_model(out, full_check=True)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from qgraph import GraphHandle, PassContext, PassResult
 from qgraph.data import CallableSource, Feed
+from qgraph.graph import proto_label
 from qgraph.subgraphs import Body, BodyError, ModelFacts, bodies, body_feeds, graft_body, standalone_body
 
 if TYPE_CHECKING:
@@ -38,11 +39,11 @@ def quantize_bodies(quantizer: InsertQDQ, graph: GraphHandle, ctx: PassContext, 
         try:
             found.append(standalone_body(model, node, attr, facts))
         except BodyError as exc:
-            res.decisions.append(f"{node.name or node.op_type}.{attr}: not calibrated ({exc}); MatMul/Gemm inside "
+            res.decisions.append(f"{proto_label(node)}.{attr}: not calibrated ({exc}); MatMul/Gemm inside "
                                  "are quantized dynamically")
     executions = body_feeds(model, found, ctx.calibration_data, limit) if found else []  # one pass for all
     for body, feeds in zip(found, executions, strict=True):
-        where = f"{body.node.name or body.node.op_type}.{body.attr}"
+        where = f"{proto_label(body.node)}.{body.attr}"
         if not feeds:
             res.decisions.append(f"{where}: never ran on the calibration data; MatMul/Gemm inside are quantized "
                                  "dynamically, the rest stays float (add samples that take this path)")

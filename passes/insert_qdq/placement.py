@@ -29,6 +29,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
+from qgraph.graph import gs_label
 
 from .config import InsertQDQConfig
 from .depthwise import is_depthwise
@@ -79,11 +80,9 @@ class Plan:
 
 
 def label(node: gs.Node) -> str:
-    """A node's name, or ``Op(first output)`` for unnamed nodes (reports must say which node)."""
-    if node.name:
-        return str(node.name)
-    out = node.outputs[0].name if node.outputs else ""
-    return f"{node.op}({out})"
+    """A node's name, or ``Op(first output)`` for unnamed nodes (reports must say which node): qgraph's one naming
+    rule (`qgraph.graph.naming`), which already named every node of a loaded model."""
+    return gs_label(node)
 
 
 class _UnionFind:

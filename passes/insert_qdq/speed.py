@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, PassContext, PassError, select
 from qgraph.data import batched
-from qgraph.graph import Inferred, tensor_shape
+from qgraph.graph import Inferred, named_model, tensor_shape
 from qgraph.latency import LatencyTable, load_latency_table, op_signature
 
 from .latency import Cost, Decision, Edge, LatencyOptions, decide
@@ -246,11 +246,9 @@ def require_preset(opts: LatencyOptions, preset: str | None) -> None:
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every unnamed node of ``model`` its `label` (``Op(first output)``) so profiles can be attributed."""
-    for node in model.graph.node:
-        if not node.name:
-            node.name = f"{node.op_type}({node.output[0] if node.output else ''})"
-    return model
+    """``model`` with every node named by qgraph's rule (`qgraph.graph.naming`, the names `label` gives) so
+    profiles can be attributed (a model exported from a `GraphHandle` already is)."""
+    return named_model(model)[0]
 
 
 def sample_shapes(graph: GraphHandle, ctx: PassContext) -> tuple[Inferred | None, str | None]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from qgraph.errors import PassError
-from qgraph.graph import MatchResult, NoMatch, is_default_domain, placeholders_as_inputs
+from qgraph.graph import MatchResult, NoMatch, is_default_domain, placeholders_as_inputs, proto_label
 
 from .adapters import load_adapters
 from .context import LowerContext, iter_graphs
@@ -79,7 +79,7 @@ class _Engine:
             try:
                 new = self.lower_node(node, opset, original=True)
             except NoMatch as r:
-                name = node.name or (node.output[0] if node.output else "?")
+                name = proto_label(node)
                 refusals.append(MatchResult.fail(r.reason, name, node.op_type))
                 out.append(node)
                 continue

@@ -89,6 +89,8 @@ def inspect(
     out.print(ops)
     if info["subgraphs"]:
         out.print(f"subgraphs: {info['subgraphs']}", markup=False)
+    if info.get("node_naming"):
+        out.print(f"node names: {info['node_naming']}", markup=False)
     if info["external_data"]:
         out.print(f"external data files: {info['external_data']}", markup=False)
     print_analysis(out, info["analysis"], top)

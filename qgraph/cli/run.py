@@ -148,6 +148,8 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         result = pipeline.run(model, calibration_data=calibration_data, verify=verify, verify_tolerance=tolerance,
                               on_event=on_event, keep_stages=report is not None, samples=samples,
                               data_layout=data_layout, keep_input=report is not None)
+    for decision in result.load_decisions:
+        say(f"  {decision}")
     if not quiet and result.calibration_data is not None:
         for note in result.calibration_data.notes():
             say(f"  data: {note}")

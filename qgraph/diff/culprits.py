@@ -29,6 +29,7 @@ from qgraph.data import Feed
 from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.quant_points import PointStats, QuantPoint, channels_first, find_points
+from qgraph.graph import proto_label
 from qgraph.quant import dequantize
 from qgraph.rescaling import Rescaling, channel_shape, relative_rescaling, undo_rescaling
 
@@ -425,7 +426,7 @@ class _only_this_pair:
                  n("Sub", [f"{base}/clip", f"{base}/z"], "sub"), n("Mul", [f"{base}/sub", f"{base}/s"], "fq")]
         names = {k for k, _ in p.consumers}
         targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor
-                   and (node.name in names or not names)]
+                   and (proto_label(node) in names or not names)]
         if not targets:
             targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor]
         if not targets:

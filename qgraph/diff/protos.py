@@ -16,18 +16,20 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qgraph.graph import TAG_PREFIX
+from qgraph.graph import TAG_PREFIX, proto_node_names
 from qgraph.graph.ops import is_default_domain
 
 
 @dataclass
 class NodeRef:
-    """A node with the key it is known by (its name, scoped inside subgraphs, or ``<op>#<index>``)."""
+    """A node with the key it is known by: its name as `qgraph.graph.naming` gives it (an unnamed node's is
+    ``<OpType>(<first output>)``), prefixed by the scope inside subgraphs."""
 
     key: str
     node: onnx.NodeProto
     index: int  # position in the flattened topological order
     scope: str  # "" for the top graph, else the subgraph path
+    name: str = ""  # the node's own name by the rule (``key`` without the scope): what selectors take
 
     @property
     def op(self) -> str:
@@ -60,18 +62,16 @@ class ModelIndex:
         idx = cls(model)
         idx.graph_inputs = [v.name for v in model.graph.input]
         idx.graph_outputs = [v.name for v in model.graph.output]
-        idx._add_graph(model.graph, "")
+        scopes, _ = proto_node_names(model.graph)  # the names GraphHandle gives on load (`qgraph.graph.naming`)
+        idx._add_graph(scopes[0][0], "", {id(g): names for g, names in scopes})  # `scopes` holds the wrappers
         return idx
 
-    def _add_graph(self, graph: onnx.GraphProto, scope: str) -> None:
+    def _add_graph(self, graph: onnx.GraphProto, scope: str, names: dict[int, list[str]]) -> None:
         for t in graph.initializer:
             self.initializers.setdefault(t.name, t)
-        for i, node in enumerate(graph.node):
-            base = node.name or f"{node.op_type}#{i}"
-            key = f"{scope}/{base}" if scope else base
-            if key in self.by_key:
-                key = f"{key}#{i}"
-            ref = NodeRef(key, node, len(self.nodes), scope)
+        for node, name in zip(graph.node, names[id(graph)], strict=True):
+            key = f"{scope}/{name}" if scope else name
+            ref = NodeRef(key, node, len(self.nodes), scope, name)
             self.nodes.append(ref)
             self.by_key[key] = ref
             for t in node.output:
@@ -83,7 +83,7 @@ class ModelIndex:
             for attr in node.attribute:
                 for j, g in enumerate(subgraphs_of(attr)):
                     suffix = f"[{j}]" if attr.type == onnx.AttributeProto.GRAPHS else ""
-                    self._add_graph(g, f"{key}.{attr.name}{suffix}")
+                    self._add_graph(g, f"{key}.{attr.name}{suffix}", names)
 
     def constant(self, name: str) -> np.ndarray | None:
         """Value of tensor ``name`` if it is an initializer or a ``Constant`` node's output."""

@@ -168,7 +168,7 @@ def qdq_coverage(model_or_index: Any, reasons: Mapping[str, str] | None = None) 
         status = "float" if not dtypes else ("partial" if plain else "int8")
         reason = ""
         if status != "int8":
-            name = ref.node.name
+            name = ref.name
             if name in reasons:
                 reason = reasons[name]
             elif not cov.dequantize_nodes:

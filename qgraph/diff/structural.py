@@ -228,7 +228,7 @@ def match_nodes(ia: ModelIndex, ib: ModelIndex) -> dict[int, NodeRef]:
         return a.index not in used and (b.pass_name is None or b.pass_name == a.pass_name)
 
     for b in ib.nodes:
-        a = ia.by_key.get(b.key) if b.node.name else None
+        a = ia.by_key.get(b.key)  # an unnamed node's key is its first output's (`qgraph.graph.naming`): stable
         if a is not None and a.index not in used:
             link(b, a)
     keys = (

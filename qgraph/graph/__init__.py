@@ -8,6 +8,8 @@
 - Graph operations (``ops``), O(what they touch) and valid in any scope: `const_value`, `set_const`,
   `producer`, `consumers`, `redirect` (replace every use of a tensor), `renew_const`, `detach`, `unlink`, `rebuild`,
   `graph_scopes`, `node_subgraphs`, `dependencies`, `topological_order`, `tensor_shape`, `tensor_dtype`.
+- Node names (``naming``): the one rule that names unnamed nodes ``<OpType>(<first output>)`` and numbers repeated
+  names (``add1#2``), applied on load (``handle.naming``) and by `proto_node_names` / `named_model` for protos.
 - Checks (``checks``): `check_model` on every input model, `check_structure` after every pass.
 - `MatchResult` (``match``): how a pass says "this pattern does not apply here, because ...".
 """
@@ -18,6 +20,17 @@ from .checks import check_acyclic, check_model, check_structure, check_unique_na
 from .detach import placeholders_as_inputs
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
 from .match import MatchResult, NoMatch
+from .naming import (
+    Naming,
+    gs_label,
+    name_graph,
+    named_model,
+    named_nodes,
+    node_label,
+    proto_label,
+    proto_node_names,
+    unique_names,
+)
 from .ops import (
     DEFAULT_DOMAINS,
     Inferred,
@@ -55,6 +68,7 @@ __all__ = [
     "GraphIndex",
     "Inferred",
     "MatchResult",
+    "Naming",
     "NoMatch",
     "Shape",
     "check_acyclic",
@@ -70,14 +84,21 @@ __all__ = [
     "describe",
     "detach",
     "graph_scopes",
+    "gs_label",
     "insert_after_producers",
     "is_default_domain",
     "is_topological",
+    "name_graph",
+    "named_model",
+    "named_nodes",
+    "node_label",
     "node_subgraphs",
     "onnx_type_name",
     "outer_inputs",
     "placeholders_as_inputs",
     "producer",
+    "proto_label",
+    "proto_node_names",
     "proto_scopes",
     "proto_subgraphs",
     "rebuild",
@@ -87,5 +108,6 @@ __all__ = [
     "tensor_dtype",
     "tensor_shape",
     "topological_order",
+    "unique_names",
     "unlink",
 ]

@@ -13,6 +13,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.errors import ModelError
 
+from .naming import gs_label, proto_label
 from .ops import graph_scopes, is_default_domain, topological_order
 
 #: At most this many problems are listed by `check_structure` (the first ones say enough).
@@ -42,14 +43,14 @@ def check_acyclic(model: onnx.ModelProto) -> None:
     g.add_edges_from(edges)
     if networkx.is_directed_acyclic_graph(g):
         return
-    raise ModelError(cycle_message(g, lambda i: nodes[i].name or nodes[i].op_type))
+    raise ModelError(cycle_message(g, lambda i: proto_label(nodes[i])))
 
 
 def gs_cycle_message(nodes: list[gs.Node]) -> str:
     """`cycle_message` for graphsurgeon nodes."""
-    producer = {t.name: n.name or n.op for n in nodes for t in n.outputs}
+    producer = {t.name: gs_label(n) for n in nodes for t in n.outputs}
     g = networkx.DiGraph()
-    g.add_edges_from((producer[t.name], n.name or n.op) for n in nodes for t in n.inputs if t.name in producer)
+    g.add_edges_from((producer[t.name], gs_label(n)) for n in nodes for t in n.inputs if t.name in producer)
     return cycle_message(g)
 
 
@@ -67,9 +68,9 @@ def check_unique_names(model: onnx.ModelProto) -> None:
             if not name:
                 continue
             if name in seen:
-                raise ModelError(f"tensor {name!r} is produced twice (by node {node.name or node.op_type!r} and by "
+                raise ModelError(f"tensor {name!r} is produced twice (by node {proto_label(node)!r} and by "
                                  f"{seen[name]}); every tensor must have exactly one producer. Rename one of them.")
-            seen[name] = f"node {node.name or node.op_type!r}"
+            seen[name] = f"node {proto_label(node)!r}"
 
 
 def check_model(model: onnx.ModelProto) -> None:

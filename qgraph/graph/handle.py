@@ -29,6 +29,7 @@ from qgraph.ir_version import normalize_ir_version
 from .checks import gs_cycle_message
 from .detach import Held, attach_weights, detach_constants, fill_weights, weightless
 from .gs_compat import TypeKeeper
+from .naming import Naming, name_graph
 from .ops import Inferred, const_value, graph_scopes, topological_order
 from .shapes import shapes_with_inputs, static_shapes
 
@@ -64,7 +65,10 @@ class GraphIndex:
 
 
 class GraphHandle:
-    """A model being transformed: the graphsurgeon graph plus model-level fields and cached analyses."""
+    """A model being transformed: the graphsurgeon graph plus model-level fields and cached analyses.
+
+    On load every node gets its one name (`qgraph.graph.naming`: unnamed nodes ``<OpType>(<first output>)``,
+    repeated names ``name#2``; named nodes keep theirs), so passes, selectors, reports and the output agree."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
         # Model-level fields only: copying the whole proto would double the cost of a load.
@@ -88,10 +92,14 @@ class GraphHandle:
         self.graph.import_domains = [
             onnx.helper.make_opsetid(d.domain, d.version) for d in self.graph.import_domains or []
         ]
+        #: Names given to unnamed nodes and repeated names (`qgraph.graph.naming`): the names every report shows
+        #: and every selector takes; ``naming.notice()`` says so when any node was (re)named.
+        self.naming: Naming = name_graph(self.graph)
+        # graphsurgeon keeps the top graph's node order: the tag of proto node i belongs to graph node i.
         self.tags: dict[str, str] = {
-            n.name: n.doc_string[len(TAG_PREFIX) :]
-            for n in model.graph.node
-            if n.name and n.doc_string.startswith(TAG_PREFIX)
+            g.name: p.doc_string[len(TAG_PREFIX) :]
+            for p, g in zip(model.graph.node, self.graph.nodes, strict=False)
+            if p.doc_string.startswith(TAG_PREFIX)
         }
         self.metadata: dict[str, str] = {p.key: p.value for p in model.metadata_props}
         self.walks: collections.Counter[str] = collections.Counter()

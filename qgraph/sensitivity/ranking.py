@@ -112,7 +112,8 @@ class SensitivityReport:
 def candidate_nodes(
     qdq: onnx.ModelProto, restrict: NodeSelector | None = None
 ) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(name, op)`` of every quantized, uniquely named node (optionally within ``restrict``), and notes."""
+    """``(name, op)`` of every quantized node (optionally within ``restrict``), by the names `GraphHandle` gives,
+    and notes."""
     handle = GraphHandle(qdq)
     nodes = quantized_nodes(handle)
     notes: list[str] = []
@@ -126,16 +127,9 @@ def candidate_nodes(
             )
         inside = {id(n) for n in sel.nodes}
         nodes = [n for n in nodes if id(n) in inside]
-    counts: dict[str, int] = {}
-    for n in handle.index.nodes:
-        counts[n.name] = counts.get(n.name, 0) + 1
-    unusable = [n for n in nodes if not n.name or counts[n.name] > 1]
-    if unusable:
-        notes.append(
-            f"{len(unusable)} quantized node(s) without a unique name cannot be fallen back by name "
-            f"and were not considered: {', '.join(repr(n.name) for n in unusable[:5])}"
-        )
-    return [(n.name, n.op) for n in nodes if n not in unusable], notes
+    # Every node has a unique name once loaded (`qgraph.graph.naming`: unnamed ones ``<OpType>(<first output>)``,
+    # repeats ``name#2``): the name shown here is the one `float_fallback`'s ``nodes.names`` selects.
+    return [(n.name, n.op) for n in nodes], notes
 
 
 def sensitivity_report(

@@ -37,6 +37,7 @@ from qgraph import ModelError, NodeSelector, Recipe
 from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
+from qgraph.graph import named_model
 from qgraph.outputs import write_atomic
 from qgraph.remedy import body_candidates
 from qgraph.sensitivity.cost import (
@@ -259,6 +260,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
+    # Named once, as GraphHandle names on load: every variant, candidate and patch uses the names reports show.
+    qdq, naming = named_model(qdq)
     ref_inputs, qdq_inputs = [i.name for i in model_inputs(reference)], [i.name for i in model_inputs(qdq)]
     if sorted(ref_inputs) != sorted(qdq_inputs) or len(reference.graph.output) != len(qdq.graph.output):
         raise ModelError(
@@ -284,6 +287,9 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     int8_score = run.int8_score = tgt.score(base.diffs, base.outputs, run.refs)
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
+    notice = naming.notice()
+    if notice:
+        notes.insert(0, f"QDQ model: {notice}")
     inside: list[tuple[str, str]] = []
     if in_bodies:
         inside, more = body_candidates(evaluator.variant(chosen), candidates)

@@ -23,7 +23,7 @@ def test_only_int32_bias_codes_change() -> None:
     assert initializers(out.model)["b1/q"].dtype == np.int32
     rec = out.records[1].result
     assert rec.matched == 3 and rec.rewritten == 3
-    assert set(rec.details["layers"]) == {"c1", "c2", "y"}  # nameless nodes: named by their output
+    assert set(rec.details["layers"]) == {"Conv(c1)", "Conv(c2)", "Gemm(y)"}  # nameless nodes: by the one rule
     assert rec.decisions and rec.decisions[0].startswith("bias correction (local, 2 model run(s))")
 
 
@@ -68,7 +68,7 @@ def test_a_layer_without_bias_gets_an_int32_one() -> None:
     feeds = feeds_for(m, 8)
     out = run(m, feeds, CorrectBias())
     res = out.records[1].result
-    assert res.details["biases_created"] == ["c1"]
+    assert res.details["biases_created"] == ["Conv(c1)"]  # the unnamed conv, by the one naming rule
     conv = next(n for n in out.model.graph.node if n.op_type == "Conv" and n.output[0] == "c1")
     assert len(conv.input) == 3
     dq = next(n for n in out.model.graph.node if n.output[0] == conv.input[2])

@@ -32,7 +32,7 @@ def test_only_weight_and_bias_codes_change_and_stay_floor_or_ceil() -> None:
         assert qo[f"{w}/q"].dtype == qb[f"{w}/q"].dtype
         assert np.all((codes == np.floor(t)) | (codes == np.ceil(t)))
     res = out.records[1].result
-    assert res.matched == 3 and set(res.details["layers"]) == {"c1", "c2", "y"}
+    assert res.matched == 3 and set(res.details["layers"]) == {"Conv(c1)", "Conv(c2)", "Gemm(y)"}
     for stats in res.details["layers"].values():
         assert stats["sqnr_after_db"] >= stats["sqnr_before_db"]
     assert res.decisions[0].startswith("adaptive rounding: 3 layer(s) optimized")
