@@ -236,6 +236,9 @@ class Pass(Generic[C]):
     #: float_fallback): its skip reasons answer "why is this node not integer" before any other pass's, whose
     #: skips are about their own technique (equalization, bias correction).
     quantizes: ClassVar[bool] = False
+    #: True for a pass that adds graph inputs or outputs: the option values of later passes naming one
+    #: (`qgraph.names`) are then only warned about before the run, not refused (`qgraph.preflight`).
+    adds_graph_io: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, **options: Any) -> None:
         if config is not None and options:

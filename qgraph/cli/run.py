@@ -203,7 +203,10 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
     steps: dict[str, Any] = {}
 
     def on_event(ev: PipelineEvent) -> None:
-        if ev.kind == "pass_start":
+        if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.preflight`)
+            for warning in ev.warnings:
+                progress.console.print(f"  warning: {warning}", markup=False, highlight=False)
+        elif ev.kind == "pass_start":
             progress.update(task, description=f"{name}: {ev.pass_name}")
         elif ev.kind == "pass_progress" and ev.task is not None:
             key = f"{ev.pass_name}: {ev.task}"
