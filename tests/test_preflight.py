@@ -182,3 +182,11 @@ def test_cli_refuses_a_bad_name_without_writing(tmp_path: Path, capsys: pytest.C
     assert "Traceback" not in text
     assert "recipe.yaml:5:" in text and "graph output 's_nex'" in text and "Did you mean 's_next'?" in text
     assert "fold_constants" not in text  # no pass ran (its summary line would name it)
+
+
+def test_pass_help_says_what_a_name_option_names() -> None:
+    from qgraph.cli.recipes import type_name
+
+    fields = get_pass("tune_ranges").config_class.model_fields
+    assert type_name(fields["outputs"].annotation) == "list of graph output name"
+    assert type_name(get_pass("float_fallback").config_class.model_fields["nodes"].annotation) == "mapping | none"

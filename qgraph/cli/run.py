@@ -242,7 +242,8 @@ def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None,
                failed: bool = False) -> None:
-    """One line per pass plus its decisions, unmatched selector criteria and skipped nodes (first few of each);
+    """One line per pass plus the decisions needing attention (all of them, first), its other decisions, unmatched
+    selector criteria and skipped nodes (first few of each);
     ``failed``: it ran but failed --verify (marked ✗, the error follows)."""
     peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
     mark = "[red]✗[/]" if failed else "[green]✓[/]"
@@ -250,7 +251,11 @@ def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_
         f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
         f"+{r.nodes_added}/-{r.nodes_removed} nodes [dim]({seconds:.2f}s{peak})[/]"
     )
-    for label, items in (("decision", r.decisions), ("matched nothing", r.unmatched)):
+    for text in r.attention:  # never cut: part of the model left float, or a data problem (`PassResult.decide`)
+        console.print(f"    attention: {text}", markup=False, highlight=False)
+    flagged = set(r.attention)
+    routine = [d for d in r.decisions if d not in flagged]
+    for label, items in (("decision", routine), ("matched nothing", r.unmatched)):
         for text in items[:SHOWN_PER_PASS]:
             console.print(f"    {label}: {text}", markup=False, highlight=False)
         if len(items) > SHOWN_PER_PASS:
