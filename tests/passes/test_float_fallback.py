@@ -424,5 +424,6 @@ def test_auto_outputs_scores_only_the_named_outputs() -> None:
     assert both.details["auto"]["nodes"] and both.details["auto"]["int8_score"] < 40
     assert state.details["auto"]["nodes"] == [] and state.details["auto"]["int8_score"] > 40
     assert any("sqnr of s_next >= 40" in d for d in state.decisions), state.decisions
-    with pytest.raises(PassError, match=r"auto\.outputs names"):
+    # refused before insert_qdq calibrates (`qgraph.preflight`)
+    with pytest.raises(RecipeError, match=r"`auto\.outputs` names graph output 'nope'"):
         Pipeline([qdq, FloatFallback(auto={**auto, "outputs": ["nope"]})]).run(model, calibration_data=data)
