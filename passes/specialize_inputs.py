@@ -24,6 +24,7 @@ from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, get_pass, register
 from qgraph.graph import const_value, tensor_dtype
+from qgraph.names import GraphInputName
 
 _ROUNDS = 16  # nested If depth handled (each round inlines one level)
 
@@ -31,7 +32,7 @@ _ROUNDS = 16  # nested If depth handled (each round inlines one level)
 class SpecializeInputsConfig(PassConfig):
     """Which graph inputs to fix, and to what."""
 
-    inputs: dict[str, Any] = Field(
+    inputs: dict[GraphInputName, Any] = Field(
         description="Graph input name -> value (a number or a nested list with the input's shape), e.g. "
         "{sr: 16000}. The input is removed from the model's interface.",
     )

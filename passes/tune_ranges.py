@@ -43,6 +43,7 @@ from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassRe
 from qgraph.compare import make_session
 from qgraph.data import Feed
 from qgraph.fallback import is_dq, is_q, qparams
+from qgraph.names import GraphOutputName
 from qgraph.qlayers import find_layers
 from qgraph.streaming import OutputScore, Recurrence, check_recurrence
 
@@ -70,7 +71,7 @@ class TuneRangesConfig(PassConfig):
                         "factor (and 1) on each pair with the other pairs' choices in place.")
     time_budget_s: float | None = Field(
         default=None, gt=0, description="Stop after this many seconds (pairs not reached keep their range).")
-    outputs: tuple[str, ...] = Field(
+    outputs: tuple[GraphOutputName, ...] = Field(
         default=(), description="Graph outputs the score is the minimum over (default: every output); e.g. a "
         "recurrent model's prediction without its state.")
     recurrent: Recurrence | None = Field(

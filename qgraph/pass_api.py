@@ -79,6 +79,10 @@ class PassResult:
     #: Choices the pass made that change the output (raised opsets, per-tensor fallbacks, host-dependent
     #: settings): shown in the run summary and the report, and recorded in the output model's provenance.
     decisions: list[str] = field(default_factory=list)
+    #: The decisions (the same text, also in `decisions`) a user must not miss: part of the model left unquantized
+    #: that the recipe asked to quantize, or a data problem (an If branch the calibration data never ran). The
+    #: run summary shows every one of them, before the routine decisions it may cut. Record them with `decide`.
+    attention: list[str] = field(default_factory=list)
     #: Selector criteria that matched no node (a typo in a recipe is reported, never silently ignored).
     unmatched: list[str] = field(default_factory=list)
     #: A goal the pass could not reach (e.g. an accuracy target within its time budget), in one sentence. The
@@ -87,6 +91,12 @@ class PassResult:
     #: Nodes this pass deliberately put (back) in float, with why (float_fallback): the answer to "why is this
     #: node not integer" that wins over any pass's skip. Not skips (the pass acted on them), so not counted as such.
     kept_float: list[Skipped] = field(default_factory=list)
+
+    def decide(self, text: str, attention: bool = False) -> None:
+        """Record a decision (`decisions`); with ``attention``, one the summary always shows, first (`attention`)."""
+        self.decisions.append(text)
+        if attention:
+            self.attention.append(text)
 
     def keep_float(self, node: str, reason: str) -> None:
         """Record that this pass put ``node`` (its name) in float on purpose, because of ``reason``."""
@@ -123,6 +133,7 @@ class PassResult:
             "unmatched": self.unmatched,
             "unmet": self.unmet,
             **({"kept_float": [s.to_dict() for s in self.kept_float]} if self.kept_float else {}),
+            **({"attention": self.attention} if self.attention else {}),
         }
 
 
@@ -238,6 +249,9 @@ class Pass(Generic[C]):
     #: float_fallback): its skip reasons answer "why is this node not integer" before any other pass's, whose
     #: skips are about their own technique (equalization, bias correction).
     quantizes: ClassVar[bool] = False
+    #: True for a pass that adds graph inputs or outputs: the option values of later passes naming one
+    #: (`qgraph.names`) are then only warned about before the run, not refused (`qgraph.preflight`).
+    adds_graph_io: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, **options: Any) -> None:
         if config is not None and options:

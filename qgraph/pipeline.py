@@ -30,6 +30,7 @@ from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.graph.detach import fill_weights
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
+from qgraph.preflight import preflight
 from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
 from qgraph.target import CalibrationSpec, TargetSpec
 from qgraph.verify import VerifyTolerance, check_pass, measure_tolerance
@@ -69,6 +70,8 @@ class PipelineEvent:
     of: int | None = None
     #: ``pass_end``: the pass failed its --verify check (the message); the run stops with that error.
     failed: str | None = None
+    #: ``pipeline_start``: warnings found before any pass ran (`qgraph.preflight`: a node name the model lacks).
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Pipeline:
         self.target = recipe.target if recipe is not None else (target or TargetSpec())
         self.calibration = recipe.calibration if recipe is not None else (calibration or CalibrationSpec())
         self._subscribers: list[Callable[[PipelineEvent], None]] = []
+        self._locate = getattr(recipe, "field_location", None)  # a Recipe locates its options in its file
 
     def subscribe(self, callback: Callable[[PipelineEvent], None]) -> None:
         """Call ``callback`` with every `PipelineEvent` of later runs."""
@@ -191,6 +195,8 @@ class Pipeline:
         # Content hash: the same model gives the same provenance whether given as a path or in memory.
         input_hash = model_fingerprint(source)
         check_model(source)
+        # option values naming graph inputs/outputs fail here, before calibration or any pass (nodes: warnings)
+        early = preflight(self.passes, source, self._locate, f"pipeline {self.name!r}")
         total = len(self.passes) + (self.target.opset is not None)
         running: list[tuple[int, str]] = []  # the running pass, for progress events
 
@@ -203,7 +209,7 @@ class Pipeline:
         handle = GraphHandle(source)
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
         load_decisions = [f"input model: {notice}"] if notice else []
-        emit(PipelineEvent("pipeline_start", total))
+        emit(PipelineEvent("pipeline_start", total, warnings=tuple(str(w) for w in early)))
         records: list[PassRecord] = []
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []

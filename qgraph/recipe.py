@@ -19,7 +19,7 @@ suggests the closest valid key or pass name. Unknown keys are errors, never warn
 
 from __future__ import annotations
 
-import difflib
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_core import ErrorDetails
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
+from qgraph.names import suggest
 from qgraph.pass_api import Pass, PassClass, PassConfig, discover
 from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
 from qgraph.recipe_yaml import RecipeIssue, RecipeValidationError, load_yaml, read_yaml_text
@@ -93,6 +94,7 @@ class Recipe:
         target: TargetSpec | None = None,
         calibration: CalibrationSpec | None = None,
         source: str | None = None,
+        origins: list[tuple[str, Any]] | None = None,
     ) -> None:
         self.name = name
         self.passes = passes
@@ -100,6 +102,8 @@ class Recipe:
         self.target = target or TargetSpec()
         self.calibration = calibration or CalibrationSpec()
         self.source = source
+        #: Per pass: the file it was written in and its (ruamel-annotated) mapping, to locate its fields.
+        self._origins = list(origins or [])
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -145,6 +149,7 @@ class Recipe:
             target=spec.target,  # type: ignore[attr-defined]
             calibration=spec.calibration,  # type: ignore[attr-defined]
             source=filename,
+            origins=[(filename, step) for step in data["passes"]],
         )
 
     def apply_patch(self, patch: str | Path) -> Recipe:
@@ -159,7 +164,18 @@ class Recipe:
             data["name"] = "patch"
         patch_recipe = Recipe.from_dict(data, filename)
         return Recipe(self.name, [*self.passes, *patch_recipe.passes], description=self.description,
-                      target=self.target, calibration=self.calibration, source=self.source)
+                      target=self.target, calibration=self.calibration, source=self.source,
+                      origins=[*self._origins, *patch_recipe._origins])
+
+    def field_location(self, index: int, path: Sequence[int | str], key: bool = False
+                       ) -> tuple[str, int | None, int | None]:
+        """File, line and column (1-based) where option ``path`` of pass ``index`` is written (at the mapping key
+        with ``key``); line and column None for a recipe built in Python."""
+        if not 0 <= index < len(self._origins):
+            return self.source or "<recipe>", None, None
+        filename, step = self._origins[index]
+        line, col = _position(step, list(path), want_key=key)
+        return filename, line, col
 
     # ---------------------------------------------------------------- output
     def to_dict(self) -> dict[str, Any]:
@@ -291,9 +307,6 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _suggest(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _issue(err: ErrorDetails, data: Any, filename: str, root: type[BaseModel]) -> RecipeIssue:
@@ -311,7 +324,7 @@ def _issue(err: ErrorDetails, data: Any, filename: str, root: type[BaseModel]) -
             return RecipeIssue(filename, line, col, where, msg)
         tag = str(ctx.get("tag", ""))
         line, col = _position(data, [*path, "pass"], want_key=False)
-        msg = f"unknown pass {tag!r}.{_suggest(tag, names)} Known passes: {', '.join(names)}."
+        msg = f"unknown pass {tag!r}.{suggest(tag, names)} Known passes: {', '.join(names)}."
         return RecipeIssue(filename, line, col, _fmt_path([*path, "pass"]), msg)
     if kind == "extra_forbidden":
         key = str(path[-1])
@@ -319,7 +332,7 @@ def _issue(err: ErrorDetails, data: Any, filename: str, root: type[BaseModel]) -
         options = [o for o in _fields_of(parent) if o != "pass"] if parent else []
         line, col = _position(data, path, want_key=True)
         what = "option" if pass_name else "key"
-        msg = f"unknown {what} {key!r}.{_suggest(key, options)}"
+        msg = f"unknown {what} {key!r}.{suggest(key, options)}"
         if options:
             msg += f" Valid {what}s: {', '.join(options)}."
         return RecipeIssue(filename, line, col, where, msg)

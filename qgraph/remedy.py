@@ -25,6 +25,7 @@ import onnx_graphsurgeon as gs
 from qgraph.fallback import FallbackOutcome, ReferenceWeights, fall_back, quantized_nodes
 from qgraph.graph import GraphHandle, named_model
 from qgraph.graph.ops import proto_scopes
+from qgraph.names import unscoped
 from qgraph.selectors import NodeSelector
 from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
 from qgraph.widen import WidenOutcome, widen_activations
@@ -155,17 +156,6 @@ def _matches(selector: NodeSelector, name: str, op: str) -> bool:
     hit = selector.is_everything or name in selector.names or op in selector.op_types or any(
         re.search(p, name) for p in selector.regex)
     return hit and not (selector.exclude is not None and _matches(selector.exclude, name, op))
-
-
-_SCOPE = re.compile(r"^[^/]*\.(then_branch|else_branch|body)/")
-
-
-def unscoped(name: str) -> str:
-    """A body node's own name from the scoped form insert_qdq, inspect and diff print
-    (``If_0.then_branch/<node>``, nested scopes too); other names unchanged."""
-    while _SCOPE.match(name):
-        name = _SCOPE.sub("", name, count=1)
-    return name
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

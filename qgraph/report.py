@@ -38,6 +38,7 @@ from qgraph.diff.structural import structural_diff
 from qgraph.diff.tables import sqnr_cell
 from qgraph.errors import QGraphError
 from qgraph.evaluation import Evaluation, concat
+from qgraph.pass_api import PassResult
 from qgraph.pipeline import PipelineResult
 from qgraph.recipe import Recipe
 
@@ -215,8 +216,7 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
         fallback=[{"pass": r.name, "details": r.result.details, "notes": r.result.notes}
                   for r in result.records if _is_fallback(r.name, r.result.details)],
         decisions=[{"pass": r.name, "kind": kind, "text": text} for r in result.records
-                   for kind, items in (("decision", r.result.decisions), ("matched nothing", r.result.unmatched))
-                   for text in items],
+                   for kind, text in _decisions(r.result)],
     )
     tol = result.verify_tolerance
     if tol is not None and (tol.raised or tol.note):  # host-dependent: shown here, never in the model
@@ -261,6 +261,15 @@ def _last_float_stage(source: onnx.ModelProto, stages: Sequence[onnx.ModelProto]
             return previous
         previous = stage
     return previous
+
+
+def _decisions(result: PassResult) -> list[tuple[str, str]]:
+    """A pass's decisions as (kind, text): those needing attention first (`PassResult.decide`), then the others,
+    then its selector criteria that matched nothing."""
+    flagged = set(result.attention)
+    return [*(("attention", t) for t in result.attention), *(("decision", t) for t in result.decisions
+                                                              if t not in flagged),
+            *(("matched nothing", t) for t in result.unmatched)]
 
 
 def _is_fallback(name: str, details: dict[str, Any]) -> bool:

@@ -25,6 +25,7 @@ import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qgraph.graph import GraphHandle
+from qgraph.names import NodeName
 
 
 class SubgraphRange(BaseModel):
@@ -41,7 +42,7 @@ class NodeSelector(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    names: tuple[str, ...] = Field(default=(), description="Exact node names.")
+    names: tuple[NodeName, ...] = Field(default=(), description="Exact node names.")
     regex: tuple[str, ...] = Field(default=(), description="Regular expressions searched in node names.")
     op_types: tuple[str, ...] = Field(default=(), description="ONNX op types, e.g. Conv, MatMul.")
     ranges: tuple[SubgraphRange, ...] = Field(default=(), description="Subgraphs between two tensors/nodes.")

@@ -37,6 +37,7 @@ from pydantic import Field
 from qgraph.compare import session_run
 from qgraph.data import Feed
 from qgraph.errors import PassError
+from qgraph.names import GraphInputName, GraphOutputName
 from qgraph.pass_api import PassConfig
 
 __all__ = ["OutputScore", "Recurrence", "check_recurrence", "run_streamed", "sequence_starts"]
@@ -45,7 +46,7 @@ __all__ = ["OutputScore", "Recurrence", "check_recurrence", "run_streamed", "seq
 class Recurrence(PassConfig):
     """Which outputs feed which inputs at the next step, and where sequences restart (module docstring)."""
 
-    state_inputs: dict[str, str] = Field(
+    state_inputs: dict[GraphInputName, GraphOutputName] = Field(
         min_length=1, description="Model input -> the output that feeds it at the next step (silero-vad: "
         "{state: stateN}).")
     sequence_length: int | None = Field(

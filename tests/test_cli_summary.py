@@ -109,3 +109,22 @@ def test_root_help_flags(capsys: pytest.CaptureFixture[str], monkeypatch: pytest
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     assert "<bool>" not in text and re.search(r"--debug +Show tracebacks", text)
+
+
+def test_attention_decisions_are_never_cut_and_come_first() -> None:
+    """A branch the calibration data never ran (left float) must not hide under "... N more (decision)"."""
+    from qgraph.cli.run import SHOWN_PER_PASS, print_pass
+    from qgraph.pass_api import PassResult
+
+    r = PassResult()
+    for i in range(SHOWN_PER_PASS + 3):
+        r.decide(f"routine {i}")
+    r.decide("switch.else_branch: never ran on the calibration data; the rest stays float", attention=True)
+    r.decide("routine last")
+    console = Console(record=True, width=200)
+    print_pass(console, "insert_qdq", r, 0.1, None)
+    lines = console.export_text().splitlines()
+    assert lines[1] == "    attention: switch.else_branch: never ran on the calibration data; the rest stays float"
+    assert lines[2:2 + SHOWN_PER_PASS] == [f"    decision: routine {i}" for i in range(SHOWN_PER_PASS)]
+    assert lines[2 + SHOWN_PER_PASS] == "    ... 4 more (decision); see --report"
+    assert r.to_dict()["attention"] == [r.decisions[-2]] and "attention" not in PassResult().to_dict()

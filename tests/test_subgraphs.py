@@ -110,6 +110,8 @@ def test_a_branch_no_sample_takes_is_reported() -> None:
         model, calibration_data=data).records[0].result
     assert any(d.startswith("switch.then_branch: calibrated on 8 execution(s)") for d in result.decisions)
     assert any(d.startswith("switch.else_branch: never ran on the calibration data") for d in result.decisions)
+    # flagged for attention (the run summary never cuts it); the calibrated branch is routine
+    assert [d.split(":")[0] for d in result.attention] == ["switch.else_branch"]
     assert any(s.node == "else/conv" for s in result.skipped)
 
 

@@ -67,7 +67,7 @@ from qgraph import (
 )
 from qgraph.executor import ExecutorSpec
 from qgraph.fallback import PASS_NAME, ReferenceWeights, is_qdq
-from qgraph.remedy import unscoped
+from qgraph.names import GraphOutputName, unscoped
 from qgraph.sensitivity.targets import Target, parse_target
 from qgraph.streaming import Recurrence, check_recurrence
 
@@ -123,7 +123,7 @@ class AutoFallbackConfig(PassConfig):
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
         "rounds and report the ratios (0: do not measure).",
     )
-    outputs: tuple[str, ...] = Field(
+    outputs: tuple[GraphOutputName, ...] = Field(
         default=(), description="With a cosine/sqnr target, score only these graph outputs (default: every one), "
         "e.g. [output] for a recurrent model whose state output should not decide.",
     )

@@ -249,8 +249,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             if required_opset(per_tensor)[0] > max(before, 10) or need != 13:
                 raise PassError(f"insert_qdq: {what} needs opset >= {need}, and the model cannot be raised from opset "
                                 f"{before}: {reason}") from exc
-            res.decisions.append(f"per-tensor weights: per-channel needs opset 13 and raising opset {before} -> 13 is "
-                                 f"impossible ({reason})")
+            res.decide(f"per-tensor weights: per-channel needs opset 13 and raising opset {before} -> 13 is "
+                       f"impossible ({reason})", attention=True)
             return per_tensor
         graph.changed()
         res.decisions.append(f"opset raised {before} -> {need}: {what} needs opset >= {need} (set `opset: keep` "

@@ -39,14 +39,14 @@ def quantize_bodies(quantizer: InsertQDQ, graph: GraphHandle, ctx: PassContext, 
         try:
             found.append(standalone_body(model, node, attr, facts))
         except BodyError as exc:
-            res.decisions.append(f"{proto_label(node)}.{attr}: not calibrated ({exc}); MatMul/Gemm inside "
-                                 "are quantized dynamically")
+            res.decide(f"{proto_label(node)}.{attr}: not calibrated ({exc}); MatMul/Gemm inside are "
+                       "quantized dynamically", attention=True)
     executions = body_feeds(model, found, ctx.calibration_data, limit) if found else []  # one pass for all
     for body, feeds in zip(found, executions, strict=True):
         where = f"{proto_label(body.node)}.{body.attr}"
         if not feeds:
-            res.decisions.append(f"{where}: never ran on the calibration data; MatMul/Gemm inside are quantized "
-                                 "dynamically, the rest stays float (add samples that take this path)")
+            res.decide(f"{where}: never ran on the calibration data; MatMul/Gemm inside are quantized dynamically, "
+                       "the rest stays float (add samples that take this path)", attention=True)
             continue
         inner = type(quantizer)(quantizer.config)
         sub_ctx = PassContext(
@@ -57,14 +57,16 @@ def quantize_bodies(quantizer: InsertQDQ, graph: GraphHandle, ctx: PassContext, 
         try:
             graft_body(model, body, handle.to_onnx())
         except BodyError as exc:
-            res.decisions.append(f"{where}: left float ({exc})")
+            res.decide(f"{where}: left float ({exc})", attention=True)
             continue
         outcome.quantized += result.rewritten
         outcome.unmatched.append(set(result.unmatched))
         res.skipped += [type(s)(f"{where}/{s.node}", s.reason) for s in result.skipped]
         res.decisions.append(f"{where}: calibrated on {len(feeds)} execution(s) of the body; {result.rewritten} "
                              "node(s) quantized statically")
-        res.decisions += [f"{where}/{d}" for d in result.decisions if not d.startswith("reduce_range")]
+        for d in result.decisions:  # a nested body's own attention decisions stay flagged
+            if not d.startswith("reduce_range"):
+                res.decide(f"{where}/{d}", attention=d in result.attention)
     if outcome.quantized:
         graph.replace_model(model)
     return outcome

@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 import qgraph.cli._app as _app
 from qgraph.cli._app import QGraphCommand, app, say
 from qgraph.errors import RecipeError
+from qgraph.names import ModelName
 from qgraph.outputs import check_output, write_atomic
 from qgraph.pass_api import PassClass, discover, get_pass
 
@@ -134,6 +135,9 @@ def describe_pass(cls: PassClass, width: int = 100) -> str:
 def type_name(annotation: Any) -> str:
     """A readable type: ``int``, ``a | b``, ``list of str``, ``float | none``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a name of the model (`qgraph.names`) says which; other metadata says nothing
+        kind = next((m.kind for m in args[1:] if isinstance(m, ModelName)), None)
+        return type_name(args[0]) if kind is None else "node name" if kind == "node" else f"graph {kind} name"
     if origin is typing.Literal:
         return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -205,7 +205,10 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
     steps: dict[str, Any] = {}
 
     def on_event(ev: PipelineEvent) -> None:
-        if ev.kind == "pass_start":
+        if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.preflight`)
+            for warning in ev.warnings:
+                progress.console.print(f"  warning: {warning}", markup=False, highlight=False)
+        elif ev.kind == "pass_start":
             progress.update(task, description=f"{name}: {ev.pass_name}")
         elif ev.kind == "pass_progress" and ev.task is not None:
             key = f"{ev.pass_name}: {ev.task}"
@@ -241,7 +244,8 @@ def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None,
                failed: bool = False) -> None:
-    """One line per pass plus its decisions, unmatched selector criteria and skipped nodes (first few of each);
+    """One line per pass plus the decisions needing attention (all of them, first), its other decisions, unmatched
+    selector criteria and skipped nodes (first few of each);
     ``failed``: it ran but failed --verify (marked ✗, the error follows)."""
     peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
     mark = "[red]✗[/]" if failed else "[green]✓[/]"
@@ -249,7 +253,11 @@ def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_
         f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
         f"+{r.nodes_added}/-{r.nodes_removed} nodes [dim]({seconds:.2f}s{peak})[/]"
     )
-    for label, items in (("decision", r.decisions), ("matched nothing", r.unmatched)):
+    for text in r.attention:  # never cut: part of the model left float, or a data problem (`PassResult.decide`)
+        console.print(f"    attention: {text}", markup=False, highlight=False)
+    flagged = set(r.attention)
+    routine = [d for d in r.decisions if d not in flagged]
+    for label, items in (("decision", routine), ("matched nothing", r.unmatched)):
         for text in items[:SHOWN_PER_PASS]:
             console.print(f"    {label}: {text}", markup=False, highlight=False)
         if len(items) > SHOWN_PER_PASS:

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from qgraph.passes.float_fallback import FloatFallback
 
-from qgraph import GraphHandle, NodeSelector, PassError, Pipeline, Recipe
+from qgraph import GraphHandle, NodeSelector, PassError, Pipeline, Recipe, RecipeError
 from qgraph.compare import make_session
 from qgraph.fallback import is_dq, is_q, quantized_nodes
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
@@ -400,7 +400,9 @@ def test_auto_recurrent_state_not_in_the_model_is_refused_naming_it() -> None:
     model = leaky_state_net()
     data = CallableSource(lambda: leaky_feeds(1, 4, model=model), "4 steps")
     fallback = FloatFallback(auto={"target": "sqnr:10", "recurrent": {"state_inputs": {"h0": "s_next"}}})
-    with pytest.raises(PassError, match=r"float_fallback auto: recurrent\.state_inputs names input 'h0'"):
+    # before insert_qdq calibrates (`qgraph.preflight`)
+    with pytest.raises(RecipeError, match=r"\(float_fallback\): `auto\.recurrent\.state_inputs` names graph "
+                       "input 'h0'"):
         Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni"), fallback]).run(model, calibration_data=data)
 
 
@@ -422,7 +424,8 @@ def test_auto_outputs_scores_only_the_named_outputs() -> None:
     assert both.details["auto"]["nodes"] and both.details["auto"]["int8_score"] < 40
     assert state.details["auto"]["nodes"] == [] and state.details["auto"]["int8_score"] > 40
     assert any("sqnr of s_next >= 40" in d for d in state.decisions), state.decisions
-    with pytest.raises(PassError, match=r"auto\.outputs names"):
+    # refused before insert_qdq calibrates (`qgraph.preflight`)
+    with pytest.raises(RecipeError, match=r"`auto\.outputs` names graph output 'nope'"):
         Pipeline([qdq, FloatFallback(auto={**auto, "outputs": ["nope"]})]).run(model, calibration_data=data)
 
 

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from qgraph import DataError, PassError, Pipeline
+from qgraph import DataError, GraphHandle, PassContext, PassError, Pipeline, RecipeError
 from qgraph.data import CallableSource
 from qgraph.pass_api import get_pass
 from qgraph.testing import mode_switched_net
@@ -69,8 +69,11 @@ def test_data_for_another_value_is_an_error() -> None:
 
 def test_unknown_input_and_wrong_shape_are_refused() -> None:
     model = mode_switched_net()
-    with pytest.raises(PassError, match="has no input 'rate'"):
+    # in a pipeline, before any pass runs (`qgraph.preflight`); the pass's own check for a caller running it alone
+    with pytest.raises(RecipeError, match=r"`inputs` names graph input 'rate'.* Its inputs: x, mode"):
         Pipeline([get_pass("specialize_inputs")(inputs={"rate": 1})]).run(model)
+    with pytest.raises(PassError, match="has no input 'rate'"):
+        get_pass("specialize_inputs")(inputs={"rate": 1}).requires(GraphHandle(model), PassContext())
     with pytest.raises(PassError, match="has shape"):
         Pipeline([get_pass("specialize_inputs")(inputs={"mode": [1, 2]})]).run(model)
 

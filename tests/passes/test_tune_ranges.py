@@ -171,10 +171,12 @@ def test_without_recurrent_the_score_is_the_chunk_wise_one() -> None:
 
 
 @pytest.mark.parametrize(("tune", "message"), [
-    ({"recurrent": {"state_inputs": {"state": "s_next"}}}, "names input 'state', which the model does not take"),
-    ({"recurrent": {"state_inputs": {"s": "stateN"}}}, "maps 's' to output 'stateN', which the model does not"),
-    ({"outputs": ("prob",)}, "outputs names 'prob', which the model does not produce"),
+    ({"recurrent": {"state_inputs": {"state": "s_next"}}},
+     r"`recurrent.state_inputs` names graph input 'state', which the input model does not take"),
+    ({"recurrent": {"state_inputs": {"s": "stateN"}}}, r"`recurrent.state_inputs` names graph output 'stateN'"),
+    ({"outputs": ("prob",)}, r"`outputs` names graph output 'prob', which the input model does not produce"),
 ])
 def test_bad_recurrent_config_is_refused_naming_the_tensor(tune: dict[str, Any], message: str) -> None:
-    with pytest.raises(PassError, match=message):
+    """Before any pass runs (insert_qdq's calibration included: `qgraph.preflight`)."""
+    with pytest.raises(RecipeError, match=r"\(tune_ranges\): " + message):
         _leaky(**tune)
