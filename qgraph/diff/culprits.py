@@ -21,15 +21,17 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
+from qgraph.diff.bodies import BodyLevel, body_levels
 from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
+from qgraph.diff.probe import only_this_pair
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.quant_points import PointStats, QuantPoint, channels_first, find_points
 from qgraph.quant import dequantize
-from qgraph.rescaling import Rescaling, channel_shape, relative_rescaling, undo_rescaling
+from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
 #: Points measured exactly (A with only that pair) by default; the rest are ranked by their local noise.
 EXACT_TOP = 16
@@ -64,8 +66,8 @@ class Culprit:
         c = self.channel if self.channel is not None else 0
         lo, hi = s.calibrated_range(p)
         return {
-            "tensor": p.tensor, "node": p.node, "kind": p.kind, "q_node": p.q_node, "dq_node": p.dq_node,
-            "dtype": p.dtype.value, "axis": p.axis, "channel": self.channel,
+            "tensor": p.tensor, "node": p.node, "scope": p.scope, "kind": p.kind, "q_node": p.q_node,
+            "dq_node": p.dq_node, "dtype": p.dtype.value, "axis": p.axis, "channel": self.channel,
             "scale": float(p.scale.reshape(-1)[c]), "zero_point": int(p.zero_point.reshape(-1)[c]),
             "calibrated_range": [float(lo[c]), float(hi[c])],
             "observed_range": [float(s.lo[c]), float(s.hi[c])] if s.count[c] else None,
@@ -85,6 +87,9 @@ class Attribution:
     samples: int = 0
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: If/Loop bodies holding Q/DQ pairs that did not run on these inputs (their pairs are not ranked), one
+    #: sentence each.
+    not_run: list[str] = field(default_factory=list)
 
     def headline(self) -> str | None:
         """One sentence naming the worst pair and why, or None when there is no quantization point."""
@@ -99,7 +104,8 @@ class Attribution:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"samples": self.samples, "output_noise": self.output_noise, "seconds": self.seconds,
-                "headline": self.headline(), "notes": self.notes, "culprits": [c.to_dict() for c in self.culprits]}
+                "headline": self.headline(), "notes": self.notes, "not_run": self.not_run,
+                "culprits": [c.to_dict() for c in self.culprits]}
 
 
 def _db(ratio: float | None) -> float:
@@ -170,13 +176,18 @@ def attribute(
     points, notes = find_points(ia, ib)
     feeds = list(feeds if samples is None else list(reiterable(feeds))[:samples])
     out = Attribution(samples=len(feeds), notes=notes)
-    if not points or not feeds:
+    in_bodies = any(r.scope for r in ib.nodes)
+    if not (points or in_bodies) or not feeds:
         out.seconds = time.perf_counter() - start
         return out
     stats = [PointStats(p.channels) for p in points]
     _weight_stats(ia, ib, points, stats, out.notes)
     rescaled = relative_rescaling(a, b)  # equalized tensors: B quantizes f·x where A holds x (`qgraph.rescaling`)
     _activation_stats(a, ia, points, stats, feeds, max_bytes, rescaled)
+    if in_bodies:
+        for level in body_levels(a, b, feeds, index_a=ia, index_b=ib):
+            found, found_stats = _body_points(level, max_bytes, rescaled, out)
+            points, stats = [*points, *found], [*stats, *found_stats]
     culprits = []
     for p, s in zip(points, stats, strict=True):
         if not s.count.sum():
@@ -260,6 +271,33 @@ def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[Quant
         del values
 
 
+def _body_points(level: BodyLevel, max_bytes: int, rescaled: Rescaling, out: Attribution
+                 ) -> tuple[list[QuantPoint], list[PointStats]]:
+    """The Q/DQ pairs in one body of B's own scope with their statistics from A's body on its executions, named by
+    their scoped keys; a body that did not run is said so in ``out.not_run`` and its pairs left out."""
+    if level.b is None or level.index_a is None or level.index_b is None:
+        return [], []
+    notes: list[str] = []
+    points, found_notes = find_points(level.index_a, level.index_b)
+    out.notes += [f"{level.scope}/{n}" for n in found_notes]
+    if not level.ran:
+        if points:
+            out.not_run.append(f"{level.scope} {level.status}: its {len(points)} Q/DQ pair(s) are not ranked "
+                               "(give samples that take it)")
+        return [], []
+    stats = [PointStats(p.channels) for p in points]
+    _weight_stats(level.index_a, level.index_b, points, stats, notes)  # by the standalone body's keys, then renamed
+    _activation_stats(level.a.model, level.index_a, points, stats, level.runs_a, max_bytes, rescaled)
+    out.notes += [f"{level.scope}: {n}" for n in notes]
+    rename = level.keys_b
+    for p in points:
+        p.scope, p.path = level.scope, level.path
+        p.node, p.dq_node = rename.get(p.node, p.node), rename.get(p.dq_node, p.dq_node)
+        p.q_node = None if p.q_node is None else rename.get(p.q_node, p.q_node)
+        p.consumers = [(rename.get(k, k), i) for k, i in p.consumers]
+    return points, stats
+
+
 # --------------------------------------------------------------------------------------------- measurement
 def _outputs(model: onnx.ModelProto, feeds: Sequence[Feed]) -> list[list[np.ndarray]]:
     session = make_session(model, mem_pattern=False)
@@ -300,94 +338,9 @@ def _measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit]
         if c.point.kind == "activation" and opset < 11:
             out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no Round)")
             continue
-        with _only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
+        with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
             if probe is None:
                 continue
             c.output_noise = _noise_ratio(refs, _outputs(work, feeds))
         if out.output_noise:
             c.contribution = c.output_noise / out.output_noise
-
-
-class _only_this_pair:
-    """Apply one pair to ``work`` (A) in place and undo it on exit."""
-
-    def __init__(self, work: onnx.ModelProto, culprit: Culprit, rescaled: tuple[int, np.ndarray] | None = None
-                 ) -> None:
-        self.work, self.c, self.rescaled = work, culprit, rescaled
-        self.undo: list[Any] = []
-
-    def __enter__(self) -> object | None:
-        p = self.c.point
-        return self._activation(p) if p.kind == "activation" else self._weight(p)
-
-    def __exit__(self, *exc: object) -> None:
-        for fn in reversed(self.undo):
-            fn()
-
-    def _weight(self, p: QuantPoint) -> object | None:
-        g = self.work.graph
-        pos = next((i for i, t in enumerate(g.initializer) if t.name == p.tensor), None)
-        if pos is None:
-            return None
-        old = onnx.TensorProto()
-        old.CopyFrom(g.initializer[pos])
-        w = numpy_helper.to_array(old)
-        if p.codes is not None:
-            fq = dequantize(p.codes, p.scale, p.zero_point, p.axis)
-        else:
-            from qgraph.quant import quantize
-
-            fq = dequantize(quantize(w, p.scale, p.zero_point, p.dtype, p.axis), p.scale, p.zero_point, p.axis)
-        g.initializer[pos].CopyFrom(numpy_helper.from_array(fq.astype(w.dtype), p.tensor))
-        self.undo.append(lambda: g.initializer[pos].CopyFrom(old))
-        return True
-
-    def _activation(self, p: QuantPoint) -> object | None:
-        g = self.work.graph
-        base = f"{p.tensor}/qgraph_probe"
-        shape: list[int] = []
-        if p.axis is not None:
-            shape = [1] * (self.c.stats.ndim or 1)
-            shape[p.axis % len(shape)] = p.channels
-        qmin, qmax = p.qrange
-        dt = np.dtype(self.c.stats.value_dtype)
-        scale = np.asarray(p.scale, np.float64).reshape(shape)
-        if self.rescaled is not None:  # B quantizes f·x: on A's x that is the step s / f per channel
-            axis, f = self.rescaled
-            fit = channel_shape(self.c.stats.ndim or 0, axis, f.size)
-            if fit is None or (p.axis is not None and p.axis % len(fit) != axis % len(fit)):
-                return None
-            scale = scale.reshape(fit if p.axis is not None else [1] * len(fit)) / f.reshape(fit)
-            shape = fit if p.axis is not None else shape
-        consts = {"s": scale.astype(dt), "z": np.asarray(p.zero_point, dt).reshape(shape),
-                  "lo": np.asarray(qmin, dt), "hi": np.asarray(qmax, dt)}
-        inits = [numpy_helper.from_array(v, f"{base}/{k}") for k, v in consts.items()]
-
-        def n(op: str, ins: list[str], o: str) -> onnx.NodeProto:
-            return helper.make_node(op, ins, [f"{base}/{o}"], name=f"{base}/{o}")
-
-        nodes = [n("Div", [p.tensor, f"{base}/s"], "div"), n("Round", [f"{base}/div"], "round"),
-                 n("Add", [f"{base}/round", f"{base}/z"], "add"),
-                 n("Clip", [f"{base}/add", f"{base}/lo", f"{base}/hi"], "clip"),
-                 n("Sub", [f"{base}/clip", f"{base}/z"], "sub"), n("Mul", [f"{base}/sub", f"{base}/s"], "fq")]
-        names = {k for k, _ in p.consumers}
-        targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor
-                   and (node.name in names or not names)]
-        if not targets:
-            targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor]
-        if not targets:
-            return None
-        for node, i in targets:
-            node.input[i] = f"{base}/fq"
-        n_nodes, n_inits = len(g.node), len(g.initializer)
-        g.node.extend(nodes)
-        g.initializer.extend(inits)
-
-        def undo() -> None:
-            del g.node[n_nodes:]
-            del g.initializer[n_inits:]
-            for node, i in targets:
-                node.input[i] = p.tensor
-
-        self.undo.append(undo)
-        return True
