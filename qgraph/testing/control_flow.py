@@ -83,4 +83,37 @@ def level_feeds(n: int, seed: int = 1, mode: int = 1) -> list[dict[str, np.ndarr
             for _ in range(n)]
 
 
-__all__ = ["level_feeds", "level_switched_net", "mode_feeds", "mode_switched_net"]
+#: Iterations of `loop_net`'s Loop.
+LOOP_TRIPS = 3
+
+
+def loop_net() -> onnx.ModelProto:
+    """``h <- Relu(h @ W + b)`` three times in a Loop (``W``, ``b`` outer initializers), then a MatMul head outside.
+    Input ``x`` float [1, 16]; output ``y`` [1, 4]."""
+    rng = np.random.default_rng(0)
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h_in", "w"], ["mm"], name="body/matmul"),
+         helper.make_node("Add", ["mm", "b"], ["pre"], name="body/add"),
+         helper.make_node("Relu", ["pre"], ["h_out"], name="body/relu"),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body/cond")],
+        "body",
+        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_in", onnx.TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_out", onnx.TensorProto.FLOAT, [1, 16])])
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.35).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype(np.float32), "b"),
+             numpy_helper.from_array((rng.standard_normal((16, 4)) * 0.3).astype(np.float32), "head_w"),
+             numpy_helper.from_array(np.array(LOOP_TRIPS, np.int64), "trips"),
+             numpy_helper.from_array(np.array(True), "yes")]
+    nodes = [helper.make_node("Loop", ["trips", "yes", "x"], ["h"], body=body, name="loop"),
+             helper.make_node("MatMul", ["h", "head_w"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "looped", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+__all__ = ["LOOP_TRIPS", "level_feeds", "level_switched_net", "loop_net", "mode_feeds", "mode_switched_net"]
