@@ -33,6 +33,7 @@ from qgraph.subgraphs import Body, BodyError, ModelFacts, bodies, body_execution
 BODY_EXECUTIONS = 64
 
 Key = tuple[int, ...]
+_MISSING = "B has no such body (a pass inlined or removed the If/Loop)"
 
 
 @dataclass
@@ -143,7 +144,8 @@ def _descend(sa: _Side, sb: _Side | None, path: tuple[tuple[str, str], ...], lim
     if sb is not None:
         found_b, made_b = _extract(sb)
         runs_b = _runs(sb, made_b, limit)
-        b_of = {(_ident(n), attr): (m, r, pos) for (n, attr, pos), m, r in zip(found_b, made_b, runs_b, strict=True)}
+        b_of = {(_pair_key(n), attr): (m, r, pos)
+                for (n, attr, pos), m, r in zip(found_b, made_b, runs_b, strict=True)}
     for (node, attr, pos), made, runs in zip(found_a, made_a, runs_a, strict=True):
         if not isinstance(made, Body):
             continue  # standalone_body refused it (an outer tensor of unknown type): not observed
@@ -156,7 +158,7 @@ def _descend(sa: _Side, sb: _Side | None, path: tuple[tuple[str, str], ...], lim
             if level.ran:
                 _descend(_Side(made.model, runs, sa.scopes.get(scope, []), sa.scopes), None, level.path, limit, out)
             continue
-        mb, rb, pos_b = b_of.get((_ident(node), attr), ("B has no such body", [], -1))
+        mb, rb, pos_b = b_of.get((_pair_key(node), attr), (_MISSING, [], -1))
         if not isinstance(mb, Body):
             level.status = f"not compared: {mb}"
             continue
@@ -176,6 +178,12 @@ def _descend(sa: _Side, sb: _Side | None, path: tuple[tuple[str, str], ...], lim
 def _ident(node: onnx.NodeProto) -> str:
     """What names an If/Loop in its graph: its first output (unique in the scope), else its name."""
     return node.output[0] if node.output and node.output[0] else node.name
+
+
+def _pair_key(node: onnx.NodeProto) -> str:
+    """What pairs an If/Loop of A with B's: its name (passes keep names, not always output names), else its first
+    output."""
+    return node.name or _ident(node)
 
 
 def _status(runs: int, parents: int, nested: bool, unpaired: int = 0) -> str:

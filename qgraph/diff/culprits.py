@@ -9,6 +9,11 @@ activation with B's scale and zero point) runs on the same samples, and its outp
 ``η_p = mean over outputs of Σ(y_p - y)² / Σ y²`` is compared with B's own ``η``: ``contribution = η_p / η``
 (1.0: this pair alone explains all of B's output error). Culprits are ranked by ``η_p`` (measured first, then
 the rest by local noise), never by graph order, and each carries one sentence saying why it hurts.
+
+Pairs inside If/Loop bodies are found in each body of B made standalone, their values read from A's body run on
+its executions (`qgraph.diff.bodies`), and ranked with the top-level ones under their scoped names; the exact
+measure applies the pair inside that body of A (`qgraph.diff.probe`). The pairs of a body that did not run on the
+data are not ranked, and `Attribution.not_run` says so.
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ least multiplied the error power by ``10^(jump_db/10)``); layers that only inher
 The first such layer in topological order is where the error first jumps; ranked by layer SQNR, the layer that
 added the most error comes first even when upstream layers added some too (e.g. one broken layer in a
 quantized model).
+
+Inside If/Loop bodies (which onnxruntime cannot return tensors from), each body of A and B's body of the same node
+run as standalone models on their own executions, paired by sample (`qgraph.diff.bodies`); their tensors are
+named by A's scoped keys (``If_0.then_branch/<node>``), and the walk above reaches a body's nodes before the
+If/Loop holding it, whose input SQNR is then its bodies' outputs'. A body with no execution on the data is listed
+in `NumericDiff.bodies` as not run, and nothing inside it is compared.
 """
 
 from __future__ import annotations
