@@ -27,6 +27,7 @@ import onnx
 
 from qgraph.data import Feed
 from qgraph.diff.protos import ModelIndex, NodeRef
+from qgraph.errors import ModelError
 from qgraph.subgraphs import Body, BodyError, ModelFacts, bodies, body_executions, standalone_body
 
 #: Executions of one body observed at most (an If runs once per sample, a Loop once per iteration).
@@ -42,7 +43,7 @@ class BodyLevel:
 
     scope: str  # the body's scope in the whole model: ``<If/Loop key>.<attr>``
     path: tuple[tuple[str, str], ...]  # (first output of the If/Loop, attribute) from the top graph down
-    a: Body
+    a: Body | None  # None: not observable (the status says why)
     b: Body | None = None
     index_a: ModelIndex | None = None
     index_b: ModelIndex | None = None
@@ -126,6 +127,17 @@ def _runs(side: _Side, made: Sequence[Body | str], limit: int) -> list[list[tupl
     return out
 
 
+def _observed(side: _Side, made: list[Body | str], limit: int
+              ) -> tuple[list[Body | str], list[list[tuple[Key, Feed]]]]:
+    """`_runs`, or every body marked unobservable with the reason when onnxruntime cannot run the model that
+    records their inputs (the rest of the diff goes on)."""
+    try:
+        return made, _runs(side, made, limit)
+    except ModelError as exc:
+        why = f"its inputs could not be recorded ({str(exc).splitlines()[0][:200]})"
+        return [m if isinstance(m, str) else why for m in made], [[] for _ in made]
+
+
 def _local_keys(body: Body, refs: list[NodeRef]) -> tuple[ModelIndex, dict[str, str]]:
     """The standalone body's index and its top-scope keys mapped to the whole model's scoped keys."""
     index = ModelIndex.build(body.model)
@@ -139,17 +151,18 @@ def _descend(sa: _Side, sb: _Side | None, path: tuple[tuple[str, str], ...], lim
     found_a, made_a = _extract(sa)
     if not found_a:
         return
-    runs_a = _runs(sa, made_a, limit)
+    made_a, runs_a = _observed(sa, made_a, limit)
     b_of: dict[tuple[str, str], tuple[Body | str, list[tuple[Key, Feed]], int]] = {}
     if sb is not None:
         found_b, made_b = _extract(sb)
-        runs_b = _runs(sb, made_b, limit)
+        made_b, runs_b = _observed(sb, made_b, limit)
         b_of = {(_pair_key(n), attr): (m, r, pos)
                 for (n, attr, pos), m, r in zip(found_b, made_b, runs_b, strict=True)}
     for (node, attr, pos), made, runs in zip(found_a, made_a, runs_a, strict=True):
-        if not isinstance(made, Body):
-            continue  # standalone_body refused it (an outer tensor of unknown type): not observed
         scope = f"{sa.refs[pos - (len(sa.model.graph.node) - len(sa.refs))].key}.{attr}"
+        if not isinstance(made, Body):  # e.g. an outer tensor of unknown type
+            out.append(BodyLevel(scope, (*path, (_ident(node), attr)), None, status=f"not compared: {made}"))
+            continue
         level = BodyLevel(scope, (*path, (_ident(node), attr)), made)
         level.index_a, level.keys_a = _local_keys(made, sa.scopes.get(scope, []))
         out.append(level)

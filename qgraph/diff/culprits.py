@@ -280,7 +280,7 @@ def _body_points(level: BodyLevel, max_bytes: int, rescaled: Rescaling, out: Att
                  ) -> tuple[list[QuantPoint], list[PointStats]]:
     """The Q/DQ pairs in one body of B's own scope with their statistics from A's body on its executions, named by
     their scoped keys; a body that did not run is said so in ``out.not_run`` and its pairs left out."""
-    if level.b is None or level.index_a is None or level.index_b is None:
+    if level.a is None or level.b is None or level.index_a is None or level.index_b is None:
         return [], []
     notes: list[str] = []
     points, found_notes = find_points(level.index_a, level.index_b)

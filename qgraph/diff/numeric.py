@@ -305,7 +305,7 @@ def _body_layers(lv: BodyLevel, ia: ModelIndex, max_bytes: int, rescaled: Rescal
                  ) -> list[LayerDiff]:
     """Float tensors a body of A produces in its own scope that B's body produces too, compared on the paired
     executions (A's body on A's inputs, B's on B's), named and ordered by A's scoped keys."""
-    assert lv.b is not None and lv.index_a is not None and lv.index_b is not None
+    assert lv.a is not None and lv.b is not None and lv.index_a is not None and lv.index_b is not None
     ka, kb, ib = lv.keys_a, lv.keys_b, lv.index_b
     types = tensor_types(lv.a.model)
     in_b = {t for r in ib.nodes if not r.scope for t in r.node.output if t}

@@ -16,11 +16,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
+from rich.console import Console
 
 from qgraph import Pipeline
 from qgraph.data import CallableSource
 from qgraph.diff import attribute, diff_files, numeric_diff
-from qgraph.diff.render import diff_json
+from qgraph.diff.render import diff_html, diff_json, print_numeric
 from qgraph.pass_api import get_pass
 from qgraph.testing import mode_feeds, mode_switched_net
 from qgraph.testing.control_flow import LOOP_TRIPS, loop_net
@@ -141,3 +142,24 @@ def test_diff_files_json_says_which_body_ran(models: tuple[onnx.ModelProto, ...]
     assert data["numeric"]["bodies"][THEN] == "observed on 3 execution(s)"
     assert data["attribution"]["not_run"][0].startswith(ELSE)
     assert data["culprits"][0]["scope"] == THEN and data["culprits"][0]["dq_node"] == f"{THEN}/x/dq"
+    assert numeric is not None
+    console = Console(width=200, record=True)
+    print_numeric(console, numeric)
+    text = console.export_text()
+    assert f"body {ELSE}: did not run on these inputs (3 sample(s)); nothing inside it is compared" in text
+    assert f"not run: {ELSE} did not run on these inputs" in text
+    assert f"culprit: most output error comes from the Q/DQ pair on activation x (read by {THEN}/then/conv)" in text
+    page = diff_html(structural, numeric)
+    assert f"body {ELSE}: did not run on these inputs" in page and f"not run: {ELSE}" in page
+
+
+def test_a_body_the_candidate_inlined_is_said_not_compared() -> None:
+    a = mode_switched_net()
+    data = CallableSource(lambda: mode_feeds(8), "8 samples, mode 1")
+    b = Pipeline([get_pass("specialize_inputs")(inputs={"mode": 1}), get_pass("insert_qdq")(preset="ort-x86-vnni")]
+                 ).run(a, calibration_data=data).model
+    assert not any(n.op_type == "If" for n in b.graph.node)
+    d = numeric_diff(a, b, mode_feeds(2))
+    assert set(d.bodies) == {THEN, ELSE} and d.not_run() == [THEN, ELSE]
+    assert all(s.startswith("not compared: B has no such body") for s in d.bodies.values())
+    assert [o.tensor for o in d.outputs] == ["y"] and 20 < d.outputs[0].sqnr_db < 60
