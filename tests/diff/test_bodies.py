@@ -24,7 +24,7 @@ from qgraph.diff import attribute, diff_files, numeric_diff
 from qgraph.diff.render import diff_html, diff_json, print_numeric
 from qgraph.pass_api import get_pass
 from qgraph.testing import mode_feeds, mode_switched_net
-from qgraph.testing.control_flow import LOOP_TRIPS, loop_net
+from qgraph.testing.control_flow import LOOP_TRIPS, loop_net, nested_feeds, nested_switched_net
 
 THEN = "switch.then_branch"
 ELSE = "switch.else_branch"
@@ -163,3 +163,21 @@ def test_a_body_the_candidate_inlined_is_said_not_compared() -> None:
     assert set(d.bodies) == {THEN, ELSE} and d.not_run() == [THEN, ELSE]
     assert all(s.startswith("not compared: B has no such body") for s in d.bodies.values())
     assert [o.tensor for o in d.outputs] == ["y"] and 20 < d.outputs[0].sqnr_db < 60
+
+
+def test_nested_bodies_are_reached_one_level_at_a_time() -> None:
+    a = nested_switched_net()
+    data = CallableSource(lambda: nested_feeds(16), "16 samples down both then-branches")
+    b = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(a, calibration_data=data).model
+    inner = "outer.then_branch/inner.then_branch"
+    d = numeric_diff(a, b, nested_feeds(3))
+    assert d.bodies["outer.then_branch"] == d.bodies[inner] == "observed on 3 execution(s)"
+    assert d.bodies["outer.then_branch/inner.else_branch"] == (
+        "did not run on these inputs (3 execution(s) of the enclosing body)")
+    assert d.bodies["outer.else_branch"] == "did not run on these inputs (3 sample(s))"
+    c2 = next(x for x in d.layers if x.tensor == "c2")
+    assert c2.node == f"{inner}/inner/conv" and 25 < c2.sqnr_db < 60
+    att = attribute(a, b, nested_feeds(3))
+    deep = [c for c in att.culprits if c.point.scope == inner]
+    assert {c.point.tensor for c in deep} >= {"nw2", "h1"}
+    assert all(c.alone_sqnr_db is not None and 25 < c.alone_sqnr_db < 80 for c in deep)
