@@ -9,7 +9,8 @@ or a ``Loop`` body. So a pass that must calibrate a body works on the body as a 
 - `body_feeds` runs the whole model on the calibration data once, for every body together, and returns each
   standalone body's inputs at each execution of the body: for an ``If`` the outer tensors of the samples whose
   condition selects the branch, for a ``Loop`` the formal inputs of every iteration (exposed as extra scan outputs
-  of a copy of the loop) with the outer tensors repeated;
+  of a copy of the loop) with the outer tensors repeated (`body_executions` also says which sample each
+  execution ran on, to pair two models' executions);
 - `graft_body` puts the transformed body back in place of the original (outer tensors stay outer).
 
 Nested control flow needs nothing more: the standalone body still holds its own nested ``If``/``Loop``, and a pass
@@ -158,6 +159,13 @@ def _lift_loop_inputs(probe: onnx.ModelProto, loop: onnx.NodeProto) -> list[str]
 def body_feeds(model: onnx.ModelProto, found: Sequence[Body], data: Iterable[Feed], limit: int) -> list[list[Feed]]:
     """Each standalone body's inputs at each of its executions on ``data`` (at most ``limit`` per body), from one
     session over ``model`` and one pass over the data, whatever the number of bodies."""
+    return [[f for _, f in runs] for runs in body_executions(model, found, data, limit)]
+
+
+def body_executions(model: onnx.ModelProto, found: Sequence[Body], data: Iterable[Feed], limit: int
+                    ) -> list[list[tuple[int, Feed]]]:
+    """`body_feeds`, each execution paired with the position in ``data`` of the sample it ran on (a loop's
+    iterations of one sample share it, in order): what pairs the executions of two models on the same data."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe_nodes = {n.name: n for n in probe.graph.node}
@@ -172,15 +180,15 @@ def body_feeds(model: onnx.ModelProto, found: Sequence[Body], data: Iterable[Fee
     probe = _with_outputs(probe, wanted)
     session = make_session(probe)
     names = [i.name for i in session.get_inputs()]
-    out: list[list[Feed]] = [[] for _ in found]
-    for feed in data:
-        fetched = session_run(session, wanted, {k: feed[k] for k in names}) if wanted else []
+    out: list[list[tuple[int, Feed]]] = [[] for _ in found]
+    for k, feed in enumerate(data):
+        fetched = session_run(session, wanted, {n: feed[n] for n in names}) if wanted else []
         values = dict(zip(wanted, fetched, strict=True))
-        values.update({k: feed[k] for k in graph_inputs if k in feed})
-        for b, feeds in zip(found, out, strict=True):
-            if len(feeds) < limit:
-                feeds += _executions(b, values, stacked.get(b.node.name, []), limit - len(feeds))
-        if all(len(f) >= limit for f in out):
+        values.update({n: feed[n] for n in graph_inputs if n in feed})
+        for b, runs in zip(found, out, strict=True):
+            if len(runs) < limit:
+                runs += [(k, f) for f in _executions(b, values, stacked.get(b.node.name, []), limit - len(runs))]
+        if all(len(r) >= limit for r in out):
             break
     return out
 
@@ -225,5 +233,5 @@ def graft_body(model: onnx.ModelProto, body: Body, transformed: onnx.ModelProto)
             a.g.CopyFrom(new)
 
 
-__all__ = ["BODY_ATTRS", "Body", "BodyError", "ModelFacts", "bodies", "body_feeds", "graft_body", "outer_names",
-           "standalone_body"]
+__all__ = ["BODY_ATTRS", "Body", "BodyError", "ModelFacts", "bodies", "body_executions", "body_feeds", "graft_body",
+           "outer_names", "standalone_body"]

@@ -12,36 +12,8 @@ from qgraph import Pipeline
 from qgraph.data import CallableSource
 from qgraph.pass_api import get_pass
 from qgraph.subgraphs import BodyError, bodies, body_feeds, graft_body, outer_names, standalone_body
-
-TRIPS = 3
-
-
-def loop_net() -> onnx.ModelProto:
-    """h <- Relu(h @ W + b) three times in a Loop (W, b outer initializers), then a MatMul head outside."""
-    rng = np.random.default_rng(0)
-    body = helper.make_graph(
-        [helper.make_node("MatMul", ["h_in", "w"], ["mm"], name="body/matmul"),
-         helper.make_node("Add", ["mm", "b"], ["pre"], name="body/add"),
-         helper.make_node("Relu", ["pre"], ["h_out"], name="body/relu"),
-         helper.make_node("Identity", ["cond_in"], ["cond_out"], name="body/cond")],
-        "body",
-        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
-         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
-         helper.make_tensor_value_info("h_in", onnx.TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
-         helper.make_tensor_value_info("h_out", onnx.TensorProto.FLOAT, [1, 16])])
-    inits = [numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.35).astype(np.float32), "w"),
-             numpy_helper.from_array((rng.standard_normal(16) * 0.1).astype(np.float32), "b"),
-             numpy_helper.from_array((rng.standard_normal((16, 4)) * 0.3).astype(np.float32), "head_w"),
-             numpy_helper.from_array(np.array(TRIPS, np.int64), "trips"),
-             numpy_helper.from_array(np.array(True), "yes")]
-    nodes = [helper.make_node("Loop", ["trips", "yes", "x"], ["h"], body=body, name="loop"),
-             helper.make_node("MatMul", ["h", "head_w"], ["y"], name="head")]
-    graph = helper.make_graph(nodes, "looped", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 16])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.checker.check_model(model, full_check=True)
-    return model
+from qgraph.testing.control_flow import LOOP_TRIPS as TRIPS
+from qgraph.testing.control_flow import loop_net
 
 
 def _feeds(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:

@@ -5,6 +5,9 @@
   with the layer where the error first jumps);
 - `attribute` (every Q/DQ pair of a quantized model ranked by the output error it causes, with the reason);
 - `qgraph.diff.render`: terminal tables, JSON and a self-contained HTML page.
+
+Tensors and pairs inside If/Loop bodies are covered too (`qgraph.diff.bodies`: each body observed as a model of
+its own on its executions; a body the data does not reach is reported as not run).
 """
 
 from __future__ import annotations

@@ -7,18 +7,15 @@ import contextlib
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
-from qgraph.diff.quant_points import QuantPoint
-from qgraph.graph import proto_label
-from qgraph.quant import dequantize
-from qgraph.rescaling import Rescaling, channel_shape
+from qgraph.diff.probe import only_this_pair
+from qgraph.rescaling import Rescaling
 
 if TYPE_CHECKING:
     from qgraph.diff.culprits import Attribution, Culprit
@@ -73,9 +70,9 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
             break
         group = rest[i:i + GROUP]
         # one probe per tensor (two points on one tensor would insert the same probe twice)
-        distinct = list({c.point.tensor: c for c in reversed(group)}.values())
+        distinct = list({(c.point.scope, c.point.tensor): c for c in reversed(group)}.values())
         with contextlib.ExitStack() as stack:
-            applied = [stack.enter_context(OnlyThisPair(work, c, (rescaled or {}).get(c.point.tensor)))
+            applied = [stack.enter_context(only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)))
                        for c in distinct]
             if any(p is not None for p in applied):
                 screened.append((noise_ratio(refs, outputs(work, feeds)), group))
@@ -110,95 +107,10 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
         if c.point.kind == "activation" and opset < 11:
             out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no Round)")
             continue
-        with OnlyThisPair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
+        with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
             if probe is None:
                 continue
             c.output_noise = noise_ratio(refs, outputs(work, feeds))
         if out.output_noise:
             c.contribution = c.output_noise / out.output_noise
     return refs
-
-
-class OnlyThisPair:
-    """Apply one pair to ``work`` (A) in place and undo it on exit."""
-
-    def __init__(self, work: onnx.ModelProto, culprit: Culprit, rescaled: tuple[int, np.ndarray] | None = None
-                 ) -> None:
-        self.work, self.c, self.rescaled = work, culprit, rescaled
-        self.undo: list[Any] = []
-
-    def __enter__(self) -> object | None:
-        p = self.c.point
-        return self._activation(p) if p.kind == "activation" else self._weight(p)
-
-    def __exit__(self, *exc: object) -> None:
-        for fn in reversed(self.undo):
-            fn()
-
-    def _weight(self, p: QuantPoint) -> object | None:
-        g = self.work.graph
-        pos = next((i for i, t in enumerate(g.initializer) if t.name == p.tensor), None)
-        if pos is None:
-            return None
-        old = onnx.TensorProto()
-        old.CopyFrom(g.initializer[pos])
-        w = numpy_helper.to_array(old)
-        if p.codes is not None:
-            fq = dequantize(p.codes, p.scale, p.zero_point, p.axis)
-        else:
-            from qgraph.quant import quantize
-
-            fq = dequantize(quantize(w, p.scale, p.zero_point, p.dtype, p.axis), p.scale, p.zero_point, p.axis)
-        g.initializer[pos].CopyFrom(numpy_helper.from_array(fq.astype(w.dtype), p.tensor))
-        self.undo.append(lambda: g.initializer[pos].CopyFrom(old))
-        return True
-
-    def _activation(self, p: QuantPoint) -> object | None:
-        g = self.work.graph
-        base = f"{p.tensor}/qgraph_probe"
-        shape: list[int] = []
-        if p.axis is not None:
-            shape = [1] * (self.c.stats.ndim or 1)
-            shape[p.axis % len(shape)] = p.channels
-        qmin, qmax = p.qrange
-        dt = np.dtype(self.c.stats.value_dtype)
-        scale = np.asarray(p.scale, np.float64).reshape(shape)
-        if self.rescaled is not None:  # B quantizes f·x: on A's x that is the step s / f per channel
-            axis, f = self.rescaled
-            fit = channel_shape(self.c.stats.ndim or 0, axis, f.size)
-            if fit is None or (p.axis is not None and p.axis % len(fit) != axis % len(fit)):
-                return None
-            scale = scale.reshape(fit if p.axis is not None else [1] * len(fit)) / f.reshape(fit)
-            shape = fit if p.axis is not None else shape
-        consts = {"s": scale.astype(dt), "z": np.asarray(p.zero_point, dt).reshape(shape),
-                  "lo": np.asarray(qmin, dt), "hi": np.asarray(qmax, dt)}
-        inits = [numpy_helper.from_array(v, f"{base}/{k}") for k, v in consts.items()]
-
-        def n(op: str, ins: list[str], o: str) -> onnx.NodeProto:
-            return helper.make_node(op, ins, [f"{base}/{o}"], name=f"{base}/{o}")
-
-        nodes = [n("Div", [p.tensor, f"{base}/s"], "div"), n("Round", [f"{base}/div"], "round"),
-                 n("Add", [f"{base}/round", f"{base}/z"], "add"),
-                 n("Clip", [f"{base}/add", f"{base}/lo", f"{base}/hi"], "clip"),
-                 n("Sub", [f"{base}/clip", f"{base}/z"], "sub"), n("Mul", [f"{base}/sub", f"{base}/s"], "fq")]
-        names = {k for k, _ in p.consumers}
-        targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor
-                   and (proto_label(node) in names or not names)]
-        if not targets:
-            targets = [(node, i) for node in g.node for i, t in enumerate(node.input) if t == p.tensor]
-        if not targets:
-            return None
-        for node, i in targets:
-            node.input[i] = f"{base}/fq"
-        n_nodes, n_inits = len(g.node), len(g.initializer)
-        g.node.extend(nodes)
-        g.initializer.extend(inits)
-
-        def undo() -> None:
-            del g.node[n_nodes:]
-            del g.initializer[n_inits:]
-            for node, i in targets:
-                node.input[i] = p.tensor
-
-        self.undo.append(undo)
-        return True

@@ -9,6 +9,11 @@ activation with B's scale and zero point) runs on the same samples, and its outp
 ``η_p = mean over outputs of Σ(y_p - y)² / Σ y²`` is compared with B's own ``η``: ``contribution = η_p / η``
 (1.0: this pair alone explains all of B's output error). Culprits are ranked by ``η_p`` (measured first, then
 the rest by local noise), never by graph order, and each carries one sentence saying why it hurts.
+
+Pairs inside If/Loop bodies are found in each body of B made standalone, their values read from A's body run on
+its executions (`qgraph.diff.bodies`), and ranked with the top-level ones under their scoped names; the exact
+measure applies the pair inside that body of A (`qgraph.diff.probe`). The pairs of a body that did not run on the
+data are not ranked, and `Attribution.not_run` says so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from onnx import numpy_helper
 
 from qgraph.data import Feed
 from qgraph.diff.alone import measure, measure_more
+from qgraph.diff.bodies import BodyLevel, body_levels
 from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.quant_points import PointStats, QuantPoint, channels_first, find_points
@@ -66,8 +72,8 @@ class Culprit:
         c = self.channel if self.channel is not None else 0
         lo, hi = s.calibrated_range(p)
         return {
-            "tensor": p.tensor, "node": p.node, "kind": p.kind, "q_node": p.q_node, "dq_node": p.dq_node,
-            "dtype": p.dtype.value, "axis": p.axis, "channel": self.channel,
+            "tensor": p.tensor, "node": p.node, "scope": p.scope, "kind": p.kind, "q_node": p.q_node,
+            "dq_node": p.dq_node, "dtype": p.dtype.value, "axis": p.axis, "channel": self.channel,
             "scale": float(p.scale.reshape(-1)[c]), "zero_point": int(p.zero_point.reshape(-1)[c]),
             "calibrated_range": [float(lo[c]), float(hi[c])],
             "observed_range": [float(s.lo[c]), float(s.hi[c])] if s.count[c] else None,
@@ -87,6 +93,9 @@ class Attribution:
     samples: int = 0
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: If/Loop bodies holding Q/DQ pairs that did not run on these inputs (their pairs are not ranked), one
+    #: sentence each.
+    not_run: list[str] = field(default_factory=list)
 
     def headline(self) -> str | None:
         """One sentence naming the worst pair and why, or None when there is no quantization point."""
@@ -101,7 +110,8 @@ class Attribution:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"samples": self.samples, "output_noise": self.output_noise, "seconds": self.seconds,
-                "headline": self.headline(), "notes": self.notes, "culprits": [c.to_dict() for c in self.culprits]}
+                "headline": self.headline(), "notes": self.notes, "not_run": self.not_run,
+                "culprits": [c.to_dict() for c in self.culprits]}
 
 
 def _db(ratio: float | None) -> float:
@@ -175,13 +185,18 @@ def attribute(
     points, notes = find_points(ia, ib)
     feeds = list(feeds if samples is None else list(reiterable(feeds))[:samples])
     out = Attribution(samples=len(feeds), notes=notes)
-    if not points or not feeds:
+    in_bodies = any(r.scope for r in ib.nodes)
+    if not (points or in_bodies) or not feeds:
         out.seconds = time.perf_counter() - start
         return out
     stats = [PointStats(p.channels) for p in points]
     _weight_stats(ia, ib, points, stats, out.notes)
     rescaled = relative_rescaling(a, b)  # equalized tensors: B quantizes f·x where A holds x (`qgraph.rescaling`)
     _activation_stats(a, ia, points, stats, feeds, max_bytes, rescaled)
+    if in_bodies:
+        for level in body_levels(a, b, feeds, index_a=ia, index_b=ib):
+            found, found_stats = _body_points(level, max_bytes, rescaled, out)
+            points, stats = [*points, *found], [*stats, *found_stats]
     culprits = []
     for p, s in zip(points, stats, strict=True):
         if not s.count.sum():
@@ -266,3 +281,28 @@ def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[Quant
         del values
 
 
+def _body_points(level: BodyLevel, max_bytes: int, rescaled: Rescaling, out: Attribution
+                 ) -> tuple[list[QuantPoint], list[PointStats]]:
+    """The Q/DQ pairs in one body of B's own scope with their statistics from A's body on its executions, named by
+    their scoped keys; a body that did not run is said so in ``out.not_run`` and its pairs left out."""
+    if level.a is None or level.b is None or level.index_a is None or level.index_b is None:
+        return [], []
+    notes: list[str] = []
+    points, found_notes = find_points(level.index_a, level.index_b)
+    out.notes += [f"{level.scope}/{n}" for n in found_notes]
+    if not level.ran:
+        if points:
+            out.not_run.append(f"{level.scope} {level.status}: its {len(points)} Q/DQ pair(s) are not ranked "
+                               "(give samples that take it)")
+        return [], []
+    stats = [PointStats(p.channels) for p in points]
+    _weight_stats(level.index_a, level.index_b, points, stats, notes)  # by the standalone body's keys, then renamed
+    _activation_stats(level.a.model, level.index_a, points, stats, level.runs_a, max_bytes, rescaled)
+    out.notes += [f"{level.scope}: {n}" for n in notes]
+    rename = level.keys_b
+    for p in points:
+        p.scope, p.path = level.scope, level.path
+        p.node, p.dq_node = rename.get(p.node, p.node), rename.get(p.dq_node, p.dq_node)
+        p.q_node = None if p.q_node is None else rename.get(p.q_node, p.q_node)
+        p.consumers = [(rename.get(k, k), i) for k, i in p.consumers]
+    return points, stats

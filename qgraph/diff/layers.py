@@ -86,6 +86,13 @@ class NumericDiff:
     evaluation: dict[str, Any] | None = None
     #: Tensors compared after undoing a recorded per-channel rescaling (cross-layer equalization).
     rescaled: list[str] = field(default_factory=list)
+    #: Each If/Loop body of A (scoped ``<node>.<attr>``) and what the diff saw of it: the executions compared, or
+    #: that it did not run on these inputs (then nothing inside it is in ``layers``, which is not "no error").
+    bodies: dict[str, str] = field(default_factory=dict)
+
+    def not_run(self) -> list[str]:
+        """Scopes of the bodies with nothing compared (not run on these inputs, or not comparable)."""
+        return [s for s, status in self.bodies.items() if not status.startswith("observed")]
 
     def nonfinite(self) -> list[LayerDiff]:
         """Tensors holding NaN/Inf in either model, in graph order (outputs first)."""
@@ -137,6 +144,7 @@ class NumericDiff:
             "layers": [d.to_dict() for d in self.layers],
             "skipped": self.skipped,
             "rescaled": self.rescaled,
+            "bodies": self.bodies,
             "nonfinite": [d.to_dict() for d in self.nonfinite()],
             "problem": self.problem(),
             "evaluation": self.evaluation,

@@ -17,21 +17,28 @@ least multiplied the error power by ``10^(jump_db/10)``); layers that only inher
 The first such layer in topological order is where the error first jumps; ranked by layer SQNR, the layer that
 added the most error comes first even when upstream layers added some too (e.g. one broken layer in a
 quantized model).
+
+Inside If/Loop bodies (which onnxruntime cannot return tensors from), each body of A and B's body of the same node
+run as standalone models on their own executions, paired by sample (`qgraph.diff.bodies`); their tensors are
+named by A's scoped keys (``If_0.then_branch/<node>``), and the walk above reaches a body's nodes before the
+If/Loop holding it, whose input SQNR is then its bodies' outputs'. A body with no execution on the data is listed
+in `NumericDiff.bodies` as not run, and nothing inside it is compared.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx
 
 from qgraph.compare import DiffAccumulator, make_session, session_run
 from qgraph.data import DataSource, Feed
+from qgraph.diff.bodies import BodyLevel, body_levels
 from qgraph.diff.layers import LayerDiff, NumericDiff
-from qgraph.diff.protos import ModelIndex
+from qgraph.diff.protos import ModelIndex, NodeRef, subgraphs_of
 from qgraph.errors import DataError, ModelError
 from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
@@ -143,13 +150,16 @@ def stream_pairs(
     *,
     chunks: Sequence[Sequence[int]],
     samples: int | None = None,
+    feeds_b: Iterable[Feed] | None = None,
 ) -> Iterator[tuple[int, dict[int, tuple[np.ndarray, np.ndarray] | str]]]:
-    """Yield ``(chunk_index, {pair_position: (ref, cand) | skip_reason})`` per chunk and sample."""
+    """Yield ``(chunk_index, {pair_position: (ref, cand) | skip_reason})`` per chunk and sample (B on ``feeds_b``
+    when given, paired one to one with ``feeds``: e.g. a body's executions in each model)."""
     feeds = reiterable(feeds)
+    feeds_b = feeds if feeds_b is None else reiterable(feeds_b)
     names_a = [list(dict.fromkeys(pairs[i][0] for i in c)) for c in chunks]
     names_b = [list(dict.fromkeys(pairs[i][1] for i in c)) for c in chunks]
     for (ci, ra), (_, rb) in zip(
-        stream_tensors(a, names_a, feeds, samples), stream_tensors(b, names_b, feeds, samples), strict=True
+        stream_tensors(a, names_a, feeds, samples), stream_tensors(b, names_b, feeds_b, samples), strict=True
     ):
         out: dict[int, tuple[np.ndarray, np.ndarray] | str] = {}
         for i in chunks[ci]:
@@ -202,7 +212,8 @@ def numeric_diff(
     noise_floor_db: float = 80.0,
     jump_db: float = 6.0,
 ) -> NumericDiff:
-    """Compare every float tensor present in both models (by name) and the graph outputs on ``feeds``."""
+    """Compare every float tensor present in both models (by name) and the graph outputs on ``feeds``; tensors
+    inside If/Loop bodies too, on the executions of each body (`qgraph.diff.bodies`)."""
     ia, ib = ModelIndex.build(a), ModelIndex.build(b)
     ins_a = {n for n in ia.graph_inputs if n not in ia.initializers}
     ins_b = {n for n in ib.graph_inputs if n not in ib.initializers}
@@ -219,50 +230,106 @@ def numeric_diff(
         pairs.append(p)
         where.append((prod.key, prod.op, prod.index) if prod else ("", "input", -1))
     feeds = reiterable(feeds)
-    first = next(iter(_limited(feeds, 1)), None)
-    batch = max((int(v.shape[0]) for v in (first or {}).values() if getattr(v, "ndim", 0)), default=1)
-    sizes = [estimate_bytes(types.get(p[0]), batch) for p in pairs]
-    accs = [DiffAccumulator(p[0]) for p in pairs]
-    skipped: dict[str, str] = {}
-    n_samples = 0
-    runs = 0
-    chunks = plan_chunks(sizes, max_bytes)
     rescaled = relative_rescaling(a, b)  # tensors a float-preserving pass rescaled per channel (equalization)
-    for ci, values in stream_pairs(a, b, pairs, feeds, chunks=chunks, samples=samples):
-        runs = max(runs, ci + 1)
-        if ci == 0:
-            n_samples += 1
-        for i, v in values.items():
-            if isinstance(v, str):
-                skipped[pairs[i][0]] = v
-            else:
-                accs[i].add(v[0], _undo(rescaled, pairs[i][1], v[1]))
-        del values  # do not keep this sample's activations alive while the next one is computed
-    if n_samples == 0:
+    top = _Compared(a, b, feeds, max_bytes, samples, rescaled)
+    results = top.run(pairs, where, types, lambda t: ib.producer.get(t))
+    if top.samples == 0:
         raise DataError("the numeric diff got no samples: the data is empty. Give at least one sample.")
-    layers: dict[str, LayerDiff] = {}
-    results: list[LayerDiff] = []
-    for (na, nb), (node, op, order), acc in zip(pairs, where, accs, strict=True):
-        if na in skipped:
-            continue
+    layers = {("", d.tensor): d for d in results if d.candidate is None}
+    status: dict[str, str] = {}
+    if any(r.scope for r in ia.nodes):
+        for lv in body_levels(a, b, _limited(feeds, samples), index_a=ia, index_b=ib):
+            status[lv.scope] = lv.status
+            if lv.ran and lv.b is not None:
+                layers.update(((lv.scope, d.tensor), d) for d in _body_layers(lv, ia, max_bytes, rescaled, top))
+    _attribute_drops(ia, layers)
+    wanted = set(out_pairs)
+    outputs = [d for d in results if (d.tensor, d.candidate or d.tensor) in wanted]
+    ordered = sorted(layers.values(), key=lambda d: d.order)
+    out = NumericDiff(top.samples, ordered, outputs, top.skipped, top.runs, noise_floor_db, jump_db)
+    out.rescaled = sorted(t for t in rescaled if ("", t) in layers)
+    out.bodies = status
+    return out
+
+
+class _Compared:
+    """Streams (A, B) tensor pairs of one pair of models on paired feeds into `LayerDiff` s (skips and counts kept
+    across calls: the top graph, then each body)."""
+
+    def __init__(self, a: onnx.ModelProto, b: onnx.ModelProto, feeds: Iterable[Feed], max_bytes: int,
+                 samples: int | None, rescaled: Rescaling, feeds_b: Iterable[Feed] | None = None) -> None:
+        self.a, self.b, self.feeds, self.feeds_b = a, b, feeds, feeds_b
+        self.max_bytes, self.limit, self.rescaled = max_bytes, samples, rescaled
+        self.skipped: dict[str, str] = {}
+        self.samples = self.runs = 0
+
+    def run(self, pairs: list[tuple[str, str]], where: list[tuple[str, str, int]],
+            types: dict[str, tuple[int, list[int | str]]], producer_b: Callable[[str], NodeRef | None]
+            ) -> list[LayerDiff]:
+        """Metrics of every pair that could be compared (the others in ``skipped`` with the reason)."""
+        first = next(iter(_limited(self.feeds, 1)), None)
+        batch = max((int(v.shape[0]) for v in (first or {}).values() if getattr(v, "ndim", 0)), default=1)
+        chunks = plan_chunks([estimate_bytes(types.get(p[0]), batch) for p in pairs], self.max_bytes)
+        accs = [DiffAccumulator(p[0]) for p in pairs]
+        skipped: set[int] = set()
+        for ci, values in stream_pairs(self.a, self.b, pairs, self.feeds, chunks=chunks, samples=self.limit,
+                                       feeds_b=self.feeds_b):
+            self.runs = max(self.runs, ci + 1)
+            self.samples += ci == 0
+            for i, v in values.items():
+                if isinstance(v, str):
+                    self.skipped[pairs[i][0]] = v
+                    skipped.add(i)
+                else:
+                    accs[i].add(v[0], _undo(self.rescaled, pairs[i][1], v[1]))
+            del values  # do not keep this sample's activations alive while the next one is computed
+        return [self._layer(na, nb, w, acc, producer_b(nb))
+                for i, ((na, nb), w, acc) in enumerate(zip(pairs, where, accs, strict=True)) if i not in skipped]
+
+    @staticmethod
+    def _layer(na: str, nb: str, where: tuple[str, str, int], acc: DiffAccumulator, prod_b: NodeRef | None
+               ) -> LayerDiff:
+        node, op, order = where
         r = acc.result()
         rel = math.sqrt(acc.err_sq / acc.ref_sq) if acc.ref_sq > 0 else (0.0 if acc.err_sq == 0 else math.inf)
         d = LayerDiff(na, node, op, order, r.max_abs, r.scale, r.cosine, r.sqnr_db, rel,
                       candidate=nb if nb != na else None, nonfinite_a=r.nonfinite_reference,
                       nonfinite_b=r.nonfinite_candidate)
-        prod_b = ib.producer.get(nb)
         if prod_b is not None and prod_b.key != node:
             d.node_b, d.pass_name = prod_b.key, prod_b.pass_name
             d.op_b = prod_b.op if prod_b.op != op else None
-        results.append(d)
-        if nb == na:
-            layers[na] = d
-    _attribute_drops(ia, layers)
-    wanted = set(out_pairs)
-    outputs = [d for d in results if (d.tensor, d.candidate or d.tensor) in wanted]
-    ordered = sorted(layers.values(), key=lambda d: d.order)
-    out = NumericDiff(n_samples, ordered, outputs, skipped, runs, noise_floor_db, jump_db)
-    out.rescaled = sorted(t for t in rescaled if t in layers)
+        return d
+
+
+def _body_layers(lv: BodyLevel, ia: ModelIndex, max_bytes: int, rescaled: Rescaling, top: _Compared
+                 ) -> list[LayerDiff]:
+    """Float tensors a body of A produces in its own scope that B's body produces too, compared on the paired
+    executions (A's body on A's inputs, B's on B's), named and ordered by A's scoped keys."""
+    assert lv.a is not None and lv.b is not None and lv.index_a is not None and lv.index_b is not None
+    ka, kb, ib = lv.keys_a, lv.keys_b, lv.index_b
+    types = tensor_types(lv.a.model)
+    in_b = {t for r in ib.nodes if not r.scope for t in r.node.output if t}
+    pairs: list[tuple[str, str]] = []
+    where: list[tuple[str, str, int]] = []
+    for ref in lv.index_a.nodes:
+        glob = ia.by_key.get(ka.get(ref.key, "")) if not ref.scope else None
+        if glob is None or ref.node.op_type == "Constant":
+            continue
+        for t in ref.node.output:
+            info = types.get(t)
+            if t and t in in_b and (info is None or info[0] in FLOAT_TYPES):
+                pairs.append((t, t))
+                where.append((glob.key, glob.op, glob.index))
+
+    def producer_b(t: str) -> NodeRef | None:
+        ref = ib.producer.get(t)
+        return None if ref is None else NodeRef(kb.get(ref.key, f"{lv.scope}/{ref.key}"), ref.node, ref.index,
+                                                lv.scope)
+
+    body = _Compared(lv.a.model, lv.b.model, lv.runs_a, max_bytes, None, rescaled, lv.runs_b)
+    out = body.run(pairs, where, types, producer_b)
+    top.skipped.update({f"{lv.scope}/{t}": why for t, why in body.skipped.items()})
+    top.runs += body.runs
     return out
 
 
@@ -279,15 +346,17 @@ def _noise(sqnr_db: float) -> float:
     return 10.0 ** (-sqnr_db / 10.0) if sqnr_db > -math.inf else math.inf
 
 
-def _attribute_drops(ia: ModelIndex, layers: dict[str, LayerDiff]) -> None:
-    """Fill ``input_sqnr_db``, ``drop_db`` and ``layer_sqnr_db`` in one topological pass over model A."""
+def _attribute_drops(ia: ModelIndex, layers: dict[tuple[str, str], LayerDiff]) -> None:
+    """Fill ``input_sqnr_db``, ``drop_db`` and ``layer_sqnr_db`` in one topological pass over model A (a body's
+    nodes before the If/Loop that holds it, whose inputs are then its own and its bodies' outputs)."""
     up: dict[str, float] = {}  # tensor -> SQNR of the nearest compared tensors at or above it
-    for ref in ia.nodes:
-        if ref.scope:
-            continue
-        in_sqnr = min((up.get(t, math.inf) for t in ref.node.input if t), default=math.inf)
+    pending: list[NodeRef] = []  # If/Loop nodes whose bodies are being walked (ModelIndex lists bodies after them)
+
+    def finish(ref: NodeRef) -> None:
+        ins = [*ref.node.input, *(o.name for at in ref.node.attribute for g in subgraphs_of(at) for o in g.output)]
+        in_sqnr = min((up.get(t, math.inf) for t in ins if t), default=math.inf)
         for t in ref.node.output:
-            d = layers.get(t)
+            d = layers.get((ref.scope, t))
             if d is None:
                 up[t] = in_sqnr
                 continue
@@ -299,3 +368,13 @@ def _attribute_drops(ia: ModelIndex, layers: dict[str, LayerDiff]) -> None:
             own = _noise(d.sqnr_db) - _noise(in_sqnr)
             d.layer_sqnr_db = math.inf if own <= 0 else (-math.inf if own == math.inf else -10 * math.log10(own))
             up[t] = d.sqnr_db
+
+    for ref in ia.nodes:
+        while pending and not ref.scope.startswith(pending[-1].key + "."):
+            finish(pending.pop())
+        if any(True for at in ref.node.attribute for _ in subgraphs_of(at)):
+            pending.append(ref)
+        else:
+            finish(ref)
+    while pending:
+        finish(pending.pop())

@@ -48,6 +48,8 @@ class QuantPoint:
     codes: np.ndarray | None = None  # stored integer weights (offline-quantized)
     in_reference: bool = True  # whether A has the float tensor (else: codes-only analysis)
     note: str = ""
+    scope: str = ""  # the If/Loop body holding the pair (``<node>.<attr>``, nested joined by "/"); "" = top graph
+    path: tuple[tuple[str, str], ...] = ()  # (first output of the If/Loop, attribute) from the top graph down
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -130,6 +132,8 @@ def _point(ref: NodeRef, a_of_b: dict[str, NodeRef], b: ModelIndex, a_tensors: s
         return f"integer type {(zp if zp is not None else codes).dtype} is not analysed"  # type: ignore[union-attr]
     consumers = [(c.key, i) for c in b.consumers.get(dq.output[0], []) for i, t in enumerate(c.node.input)
                  if t == dq.output[0]]
+    if kind == "activation" and tensor not in a_tensors and dq.output[0] in a_tensors:
+        tensor = dq.output[0]  # a graph (or body) output: B renamed the float tensor and its DQ took A's name
     if not tensor or tensor not in a_tensors:
         tensor = _from_consumers(a_of_b, consumers) or tensor or dq.input[0]
     if qdtype == QuantDtype.INT32:

@@ -83,6 +83,12 @@ def _output_rows(outputs: Sequence[LayerDiff]) -> list[list[Any]]:
              d.max_abs, d.relative, d.rel_l2] for d in outputs]
 
 
+def body_lines(n: NumericDiff) -> list[str]:
+    """One line per If/Loop body: what was compared inside it, or that it did not run (never "no error")."""
+    return [f"body {scope}: {status}" + ("" if status.startswith("observed") else "; nothing inside it is compared")
+            for scope, status in n.bodies.items()]
+
+
 # --------------------------------------------------------------------------------------------- terminal
 def print_structural(console: Console, d: StructuralDiff, top: int = 10) -> None:
     """Print the structural diff as tables."""
@@ -153,6 +159,8 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
                       f"before comparing): {', '.join(n.rescaled[:4])}{' ...' if len(n.rescaled) > 4 else ''}",
                       markup=False, highlight=False)
     console.print(_rich_table("outputs", _OUT_HEAD, _output_rows(n.outputs)))
+    for line in body_lines(n):
+        console.print(line, markup=False, highlight=False)
     if n.evaluation is not None:
         console.print(evaluation_line(n.evaluation), markup=False, highlight=False)
     if n.attribution is not None:
@@ -298,7 +306,8 @@ def numeric_html(n: NumericDiff, top: int = 10) -> str:
     return culprits + "".join([
         section("Outputs", f"<p>{n.samples} sample(s); {len(n.layers)} tensors compared in {n.runs} run(s); "
                 f"{len(n.skipped)} skipped.</p>" + table(_OUT_HEAD, _output_rows(n.outputs), table_id="outputs")
-                + (f'<p id="evaluation">{esc(evaluation_line(n.evaluation))}</p>' if n.evaluation else ""),
+                + (f'<p id="evaluation">{esc(evaluation_line(n.evaluation))}</p>' if n.evaluation else "")
+                + "".join(f'<p class="muted body-status">{esc(line)}</p>' for line in body_lines(n)),
                 "outputs-section"),
         section("Per-layer error", jump + layer_chart(labels, [d.sqnr_db for d in n.layers], colors=colors,
                                                       reference=n.noise_floor_db)

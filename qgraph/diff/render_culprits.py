@@ -43,6 +43,8 @@ def culprit_rows(att: Attribution, top: int) -> list[list[Any]]:
 def print_culprits(console: Console, att: Attribution, top: int = 10) -> None:
     """Print the headline (the pair that costs the most, and why) and the ranked culprits, one short block
     each (readable at any terminal width)."""
+    for line in att.not_run:
+        console.print(f"not run: {line}", markup=False, highlight=False)
     headline = att.headline()
     if headline is None:
         return
@@ -66,9 +68,10 @@ def print_culprits(console: Console, att: Attribution, top: int = 10) -> None:
 def culprits_html(att: Attribution, top: int = 10) -> str:
     """The culprits section: headline and the ranked Q/DQ pairs."""
     headline = att.headline()
+    not_run = "".join(f'<p class="muted not-run">not run: {esc(line)}</p>' for line in att.not_run)
     if headline is None:
-        return ""
-    body = (f'<p id="culprit-headline"><b>{esc(headline)}</b></p>'
+        return section("Where accuracy was lost: Q/DQ pairs", not_run, "culprits-section") if not_run else ""
+    body = (f'<p id="culprit-headline"><b>{esc(headline)}</b></p>' + not_run
             + table(_CULPRIT_HEAD, culprit_rows(att, max(top, 20)), table_id="culprits")
             + "".join(f'<p class="muted">{esc(n)}</p>' for n in att.notes[:10])
             + f'<p class="muted">{att.samples} sample(s); {sum(c.output_noise is not None for c in att.culprits)} '
