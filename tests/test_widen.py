@@ -11,34 +11,18 @@ from hypothesis import strategies as st
 from qgraph import GraphHandle, Pipeline, get_pass
 from qgraph.data import CallableSource
 from qgraph.fallback import QParams, dequantize, is_dq, is_q, quantized_nodes
-from qgraph.testing.depthwise import depthwise_net
+from qgraph.testing import depthwise_feeds, depthwise_float_and_qdq, depthwise_net, output_sqnr_db
 from qgraph.testing.models import run_ort
 from qgraph.widen import MS_DOMAIN, wide_params, widen_activations
 
 Feed = dict[str, np.ndarray]
-
-
-def _feeds(n: int, seed: int) -> list[Feed]:
-    rng = np.random.default_rng(seed)
-    return [{"input": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(n)]
+_feeds, _sqnr = depthwise_feeds, output_sqnr_db
 
 
 @pytest.fixture(scope="module")
 def models() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(float, INT8 QDQ) of a depthwise-separable CNN whose channels are 100x apart (opset 13)."""
-    model = depthwise_net(seed=0, spread=100.0)
-    fuse = get_pass("fuse_batchnorm")
-    floats = Pipeline([fuse()]).run(model).model
-    cal = _feeds(8, 1)
-    qdq = Pipeline([fuse(), get_pass("insert_qdq")(preset="ort-x86-vnni")]).run(
-        model, calibration_data=CallableSource(lambda: cal, "calibration")).model
-    return floats, qdq
-
-
-def _sqnr(reference: onnx.ModelProto, candidate: onnx.ModelProto, feeds: list[Feed]) -> float:
-    ref = np.concatenate([run_ort(reference, f)[0] for f in feeds]).astype(np.float64)
-    out = np.concatenate([run_ort(candidate, f)[0] for f in feeds]).astype(np.float64)
-    return float(10 * np.log10(np.sum(ref**2) / np.sum((ref - out) ** 2)))
+    return depthwise_float_and_qdq()
 
 
 def _widened(qdq: onnx.ModelProto, names: tuple[str, ...] | None = None,

@@ -76,3 +76,25 @@ def depthwise_net(
     add_initializer(g, "head/fc.bias", b.rng.normal(0, 0.02, classes).astype(np.float32))
     add_node(g, "Gemm", ["head/flat_out", "head/fc.weight", "head/fc.bias"], ["logits"], "head/fc", transB=1)
     return model
+
+
+def depthwise_feeds(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """``n`` seeded standard-normal inputs ``(1, 3, 32, 32)`` for `depthwise_net`."""
+    rng = np.random.default_rng(seed)
+    return [{"input": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(n)]
+
+
+def depthwise_float_and_qdq(seed: int = 0, spread: float = 100.0, preset: str = "ort-x86-vnni"
+                            ) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(float with BatchNorm folded, its QDQ model from ``insert_qdq`` with ``preset``) of `depthwise_net`,
+    calibrated on 8 `depthwise_feeds` (seed 1): the pair mixed-precision and fallback tests start from."""
+    from qgraph import Pipeline, get_pass
+    from qgraph.data import CallableSource
+
+    model = depthwise_net(seed=seed, spread=spread)
+    fuse = get_pass("fuse_batchnorm")
+    floats = Pipeline([fuse()]).run(model).model
+    cal = depthwise_feeds(8, 1)
+    qdq = Pipeline([fuse(), get_pass("insert_qdq")(preset=preset)]).run(
+        model, calibration_data=CallableSource(lambda: cal, "calibration")).model
+    return floats, qdq

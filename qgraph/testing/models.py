@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from qgraph.testing._common import ir_version_for_opset
 from qgraph.testing.control_flow import level_feeds, level_switched_net, mode_feeds, mode_switched_net
+from qgraph.testing.depthwise import depthwise_feeds, depthwise_float_and_qdq, depthwise_net
 from qgraph.testing.light import (
     LIGHT_MODEL_NAMES,
     cached_light_model,
@@ -28,7 +29,14 @@ from qgraph.testing.light import (
 )
 from qgraph.testing.mobilenet import mobilenet_v2
 from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
-from qgraph.testing.runtime import graph_inputs, make_session, ort_quantize_static, random_feeds, run_ort
+from qgraph.testing.runtime import (
+    graph_inputs,
+    make_session,
+    ort_quantize_static,
+    output_sqnr_db,
+    random_feeds,
+    run_ort,
+)
 from qgraph.testing.synthetic import (
     conv_bn_net,
     conv_bn_relu_chain,
@@ -44,6 +52,9 @@ __all__ = [
     "cached_light_model",
     "conv_bn_net",
     "conv_bn_relu_chain",
+    "depthwise_feeds",
+    "depthwise_float_and_qdq",
+    "depthwise_net",
     "fragile_resnet",
     "graph_inputs",
     "ir_version_for_opset",
@@ -60,6 +71,7 @@ __all__ = [
     "mode_switched_net",
     "offset_conv_bn_chain",
     "ort_quantize_static",
+    "output_sqnr_db",
     "random_feeds",
     "run_ort",
     "transformer_encoder",

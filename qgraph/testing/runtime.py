@@ -90,3 +90,12 @@ def ort_quantize_static(float_path: str | Path, out_path: str | Path, feeds: Seq
 
     quantize_static(str(float_path), str(out_path), Reader(), **{"quant_format": QuantFormat.QDQ, **options})
     return onnx.load(str(out_path))
+
+
+def output_sqnr_db(reference: onnx.ModelProto, candidate: onnx.ModelProto,
+                   feeds: Sequence[Mapping[str, np.ndarray]]) -> float:
+    """SQNR in dB of ``candidate``'s first output against ``reference``'s over ``feeds`` (onnxruntime):
+    ``10 log10(Σ ref² / Σ (ref - out)²)``."""
+    ref = np.concatenate([run_ort(reference, dict(f))[0] for f in feeds]).astype(np.float64)
+    out = np.concatenate([run_ort(candidate, dict(f))[0] for f in feeds]).astype(np.float64)
+    return float(10 * np.log10(np.sum(ref**2) / max(float(np.sum((ref - out) ** 2)), 1e-300)))
