@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import yaml
+from ruamel.yaml import YAML
 
 from qgraph import GraphHandle, Pipeline, Recipe, RecipeError, get_pass
 from qgraph.cli import main
@@ -202,7 +202,7 @@ def test_sensitivity_cli_a16w16_patch_names_the_float_model_and_rebuilds(models:
     model = onnx.load(best)
     assert _sqnr(floats, model, feeds) >= goal - 0.01
     assert any(t.data_type == onnx.TensorProto.INT16 and t.dims and len(t.dims) == 4 for t in model.graph.initializer)
-    step = yaml.safe_load(patch.read_text())["passes"][0]
+    step = YAML(typ="safe").load(patch.read_text())["passes"][0]
     assert step["to"] == "a16w16" and step["float_weights"] == str((tmp_path / "float.onnx").resolve())
     rerun = tmp_path / "rerun.onnx"
     assert main(["run", str(patch), str(tmp_path / "qdq.onnx"), "-o", str(rerun), "-q", "--no-check"]) == 0
