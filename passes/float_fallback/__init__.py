@@ -262,7 +262,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         floats = recipe_reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if weights is None and self.config.float_weights is not None:
-            weights = ReferenceWeights(load_model(self.config.float_weights))
+            weights = ReferenceWeights(load_model(self.config.float_weights), checked=True)
             res.notes.append(f"weights of the chosen nodes from {self.config.float_weights} (float_weights)")
         if self.config.nodes is not None:
             nodes, inner = self._selected(graph)

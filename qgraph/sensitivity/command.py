@@ -295,7 +295,7 @@ def run_command(
             exact_top=exact_top,
             executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
-            float_weights=ReferenceWeights(reference) if remedy == "a16w16" else None, in_bodies=True,
+            float_weights=ReferenceWeights(reference, checked=True) if remedy == "a16w16" else None, in_bodies=True,
         )
     if remedy == "a16w16":  # the patch re-quantizes from the same float weights
         result.float_model = str(Path(model_float).resolve())
