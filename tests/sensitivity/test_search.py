@@ -4,6 +4,7 @@ interrupted run, recipe patch round trip, worker processes, qgraph's own insert_
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -356,7 +357,11 @@ def test_nodes_back_in_float_take_the_float_models_weights(encoder: Path, capsys
     args = ["sensitivity", str(encoder / "float.onnx"), str(encoder / "qdq.onnx"), "--data", str(encoder / "eval.npz"),
             "--target", "sqnr:200", "-o", str(out), "--patch", str(patch), "-q"]
     assert main(args) == 1  # 200 dB is out of reach: the best model keeps every candidate in float
-    assert "every candidate is in float" in capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
+    assert "every candidate is in float" in err
+    # scores in dB to 0.1 (it read "float inf, full INT8 40.8238, best 40.8238")
+    assert "float inf" not in err and re.search(r"full INT8 \d+\.\d dB, best \d+\.\d dB with \d+ node", err), err
+    assert re.search(r"Target NOT met: sqnr >= 200; full INT8 \d+\.\d dB", patch.read_text())
     ref, best = onnx.load(encoder / "float.onnx"), onnx.load(out)
     with np.load(encoder / "eval.npz") as z:
         feeds = [{k: z[k][i : i + 1] for k in z.files} for i in range(len(z[z.files[0]]))]
