@@ -202,4 +202,4 @@ def require_data(passes: Sequence[Pass[Any]], calibration: CalibrationSpec) -> N
     if needs:
         i, name, why = needs[0]
         more = f" ({len(needs) - 1} later pass(es) need it too)" if len(needs) > 1 else ""
-        raise DataError(f"no calibration data given: pass #{i + 1} {name}: {why}{more}")
+        raise DataError(f"no calibration data given: passes[{i}] ({name}): {why}{more}")

@@ -204,12 +204,12 @@ def test_a_pass_that_needs_calibration_data_fails_before_any_pass_without_it(
     text = " ".join(capsys.readouterr().err.split())
     assert code == 2 and not out.exists() and list(tmp_path.iterdir()) == []
     assert "Traceback" not in text and "fold_constants" not in text  # no pass ran
-    assert "no calibration data given: pass #8 insert_qdq: static quantization needs calibration data" in text
+    assert "no calibration data given: passes[7] (insert_qdq): static quantization needs calibration data" in text
     assert "--calibration-data DATA" in text
     events: list[PipelineEvent] = []
     steps = [get_pass("fold_constants")(), get_pass("insert_qdq")(), get_pass("float_fallback")(auto={
         "target": "sqnr:30"}), get_pass("tune_ranges")()]
-    with pytest.raises(DataError, match=r"pass #2 insert_qdq: .* \(2 later pass\(es\) need it too\)"):
+    with pytest.raises(DataError, match=r"passes\[1\] \(insert_qdq\): .* \(2 later pass\(es\) need it too\)"):
         Pipeline(steps).run(leaky_state_net(), on_event=events.append)
     assert [e.kind for e in events] == []
     # what each pass needs follows its options: dynamic mode, a ranges file, auto.data
