@@ -46,6 +46,7 @@ from qgraph.fallback import is_dq, is_q, qparams
 from qgraph.names import GraphOutputName
 from qgraph.qlayers import find_layers
 from qgraph.streaming import OutputScore, Recurrence, check_recurrence
+from qgraph.target import CalibrationSpec
 
 __all__ = ["TuneRanges", "TuneRangesConfig"]
 
@@ -168,10 +169,15 @@ class TuneRanges(Pass[TuneRangesConfig]):
     needs_float_reference = True
     pause_gc = False  # one model export and session per evaluation
 
+    def missing_data(self, calibration: CalibrationSpec) -> str:
+        """The scale factors are scored on calibration data: always needed."""
+        return ("needs calibration data to score the scale factors on: give --calibration-data DATA or the "
+                "recipe's `calibration.data`.")
+
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Calibration data and the float reference (``insert_qdq`` earlier in the recipe)."""
         if ctx.calibration_data is None:
-            raise PassError(f"{NAME}: needs calibration data (--calibration-data or the recipe's calibration).")
+            raise PassError(f"{NAME}: {self.missing_data(ctx.calibration)}")
         quantized = any(n.op == "QuantizeLinear" for g in graph.scopes() for n in g.nodes)
         if ctx.float_reference is None or not quantized:
             raise PassError(f"{NAME}: needs a quantized model and its float reference: run it after `insert_qdq` "

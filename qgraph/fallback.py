@@ -30,7 +30,7 @@ tensor's producer is not already non-negative, a ``Relu`` is inserted on the flo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +39,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
-from qgraph.graph.detach import is_placeholder
-from qgraph.graph.ops import proto_scopes
 from qgraph.qdq import is_dequantize, is_quantize
 from qgraph.quant import dequantize as quant_dequantize
 from qgraph.quant import fake_quantize_counted
+from qgraph.reference_weights import ReferenceWeights as ReferenceWeights  # public here since before the split
 
 PASS_NAME = "float_fallback"
 #: Producers whose output is never negative: a folded Relu after them needs no restoring.
@@ -211,49 +210,6 @@ def dq_inputs(graph: GraphHandle, node: gs.Node) -> list[int]:
     return [i for i, t in enumerate(node.inputs) if (p := graph.producer(t)) is not None and is_dq(p)]
 
 
-class ReferenceWeights:
-    """Float constant inputs of a reference model's nodes, looked up by ``(first output name, input position)``.
-
-    Built in one walk over the reference; values are converted on lookup (only the nodes that go back to float
-    pay), and a weightless reference reads its placeholders from ``weights`` (shared, not copied). Picklable."""
-
-    def __init__(self, reference: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> None:
-        self.weights = dict(weights or {})
-        inits = {t.name: t for t in reference.graph.initializer}
-        floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
-                  onnx.TensorProto.BFLOAT16)
-        self.protos: dict[tuple[str, int], onnx.TensorProto] = {}
-        # Every scope: a node inside an If/Loop body reads its weights from the body's (or the outer) initializers.
-        for g in proto_scopes(reference.graph):
-            inits.update((t.name, t) for t in g.initializer if g is not reference.graph and t.name not in inits)
-        for node in (n for g in proto_scopes(reference.graph) for n in g.node):
-            if not node.output:
-                continue
-            for i, name in enumerate(node.input):
-                proto = inits.get(name)
-                if proto is not None and proto.data_type in floats:
-                    self.protos[(node.output[0], i)] = proto
-        self.by_name = {name: t for name, t in inits.items() if t.data_type in floats}
-
-    def __len__(self) -> int:
-        return len(self.protos)
-
-    def get(self, output: str, position: int, stored: str = "") -> np.ndarray | None:
-        """The float constant read at input ``position`` by the reference node producing ``output``, else (a
-        quantizer that fused the node with the next one renames its output) the reference constant whose name is
-        ``stored`` (the integer constant's name) without a ``_quantized`` or ``/q`` suffix, if any."""
-        proto = self.protos.get((output, position))
-        if proto is None:
-            for suffix in ("_quantized", "/q"):
-                if stored.endswith(suffix) and stored[: -len(suffix)] in self.by_name:
-                    proto = self.by_name[stored[: -len(suffix)]]
-        if proto is None:
-            return None
-        if is_placeholder(proto):
-            return self.weights.get(proto.name)
-        return onnx.numpy_helper.to_array(proto)
-
-
 @dataclass
 class FallbackOutcome:
     """What `fall_back` did, node by node."""
@@ -334,10 +290,12 @@ def _restore(graph: GraphHandle, node: gs.Node, i: int, src: FloatSource, refere
     """The reference's float constant for integer weight input ``i`` of ``node`` (None: none of that shape)."""
     if reference is None or src.weight_dq is None or not node.outputs:
         return None
-    values = reference.get(node.outputs[0].name, i, src.weight_dq.inputs[0].name)
     q = graph.constant_value(src.weight_dq.inputs[0])
     params = qparams(graph, src.weight_dq)
-    if values is None or q is None or params is None or tuple(values.shape) != tuple(q.shape):
+    if q is None or params is None:
+        return None
+    values = reference.get(node.outputs[0].name, i, src.weight_dq.inputs[0].name, (q, params))
+    if values is None or tuple(values.shape) != tuple(q.shape):
         return None
     const = gs.Constant(graph.unique_name(f"{node.name}/float_input{i}"), np.asarray(values, params.scale.dtype))
     out.float_weights_restored.append(const.name)

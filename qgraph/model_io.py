@@ -42,6 +42,9 @@ def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
         raise ModelError(f"model file not found: {p}. Check the path (relative paths start at {Path.cwd()}).")
     if p.is_dir():
         raise ModelError(f"{p} is a directory, not an .onnx file.")
+    if p.suffix.lower() in (".yaml", ".yml"):  # a recipe where a model goes: the arguments swapped
+        raise ModelError(f"{p} is a recipe (YAML), not an ONNX model. Give the .onnx file here; commands take "
+                         "the recipe before the model: `qgraph run RECIPE.yaml MODEL.onnx -o OUT`.")
     try:
         model = onnx.load(str(p), load_external_data=False)
     except (DecodeError, RuntimeError, ValueError) as exc:

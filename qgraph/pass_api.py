@@ -275,6 +275,12 @@ class Pass(Generic[C]):
         """Preconditions, checked right before `run` (raise `PassError` naming what is missing and how to fix it;
         nothing may be changed here)."""
 
+    def missing_data(self, calibration: CalibrationSpec) -> str | None:
+        """Why this pass, as configured, cannot run without calibration data (None: it can). The pipeline asks
+        every pass before the first one runs when no data was given, so a missing ``--calibration-data`` fails in
+        a second (`DataError`) instead of after the passes before this one; `requires` still checks it."""
+        return None
+
     def ensures(self, graph: GraphHandle, ctx: PassContext, result: PassResult) -> None:
         """Postconditions, checked after `run` and the pipeline's own structural check (raise `PassError`)."""
 

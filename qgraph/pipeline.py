@@ -30,7 +30,7 @@ from qgraph.graph import GraphHandle, check_model, describe
 from qgraph.graph.detach import fill_weights
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
-from qgraph.preflight import preflight
+from qgraph.preflight import preflight, require_data
 from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
 from qgraph.target import CalibrationSpec, TargetSpec
 from qgraph.verify import VerifyTolerance, check_pass, measure_tolerance
@@ -305,6 +305,8 @@ class Pipeline:
         cap = samples if samples is not None else spec.samples
         data = (open_data_source(data_spec, samples=cap, layout=layout).bind(model)
                 if data_spec is not None else None)
+        if data is None:  # a pass that needs data fails now, not after the passes before it
+            require_data(self.passes, spec)
         return PassContext(
             input_model=model,
             calibration_data=data,

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
 import onnx
 from pydantic import BaseModel
 
+from qgraph.errors import DataError
 from qgraph.graph.naming import proto_node_names
 from qgraph.names import ModelName, NameKind, suggest, unscoped
 from qgraph.recipe_yaml import RecipeIssue, RecipeValidationError
 
 if TYPE_CHECKING:
     from qgraph.pass_api import Pass
+    from qgraph.target import CalibrationSpec
 
 #: Names listed in a message before "... and N more".
 LISTED = 20
@@ -191,3 +193,13 @@ def _located(issue: NameIssue, locate: Locate | None, source: str) -> RecipeIssu
     path = f"passes[{issue.pass_index}]" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in issue.ref.path)
     file, line, col = locate(issue.pass_index, issue.ref.path, issue.ref.is_key) if locate else (source, None, None)
     return RecipeIssue(file, line, col, f"{path} ({issue.pass_name})", issue.message)
+
+
+def require_data(passes: Sequence[Pass[Any]], calibration: CalibrationSpec) -> None:
+    """Without calibration data, raise `DataError` naming the first pass that cannot run without it
+    (`Pass.missing_data`) and how to give it, before any pass runs (it failed after the passes before it)."""
+    needs = [(i, p.name, why) for i, p in enumerate(passes) if (why := p.missing_data(calibration)) is not None]
+    if needs:
+        i, name, why = needs[0]
+        more = f" ({len(needs) - 1} later pass(es) need it too)" if len(needs) > 1 else ""
+        raise DataError(f"no calibration data given: passes[{i}] ({name}): {why}{more}")

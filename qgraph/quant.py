@@ -419,3 +419,24 @@ def shift_int32_bias(
     clipped = int(np.count_nonzero((moved < -_INT32_MAX - 1) | (moved > _INT32_MAX)))
     out = np.clip(moved, -_INT32_MAX - 1, _INT32_MAX).astype(np.int32)
     return out.reshape(q.shape), clipped
+
+
+def matches_codes(values: npt.ArrayLike, codes: npt.ArrayLike, scale: npt.ArrayLike, zero_point: npt.ArrayLike,
+                  axis: int | None = None, steps: float = 1.01) -> bool:
+    """Whether ``values`` are the float weights ``codes`` were quantized from (so they may stand in for them).
+
+    With ``x̂ = (codes - zero_point) * scale``, an element matches when ``|x̂ - values| <= steps * scale`` (+1e-12):
+    ``steps = 0.51`` asks for round-to-nearest, the default ``1.01`` also admits floor/ceil rounding (AdaRound).
+    True when at least half of the channels along ``axis`` (the whole tensor when None) have >= 99% of their
+    elements matching, so one corrupted channel does not disqualify a weight, while a BatchNorm fused or an
+    equalization applied after the values were taken (every channel rescaled) does. Shapes must agree.
+    """
+    q, v = np.asarray(codes), np.asarray(values, dtype=np.float64)
+    if q.shape != v.shape or q.size == 0:
+        return False
+    deq = dequantize(q, scale, zero_point, axis).astype(np.float64)
+    step = np.abs(dequantize(np.ones_like(q), scale, np.zeros_like(np.asarray(zero_point)), axis)).astype(np.float64)
+    within = np.abs(deq - v) <= steps * step + 1e-12
+    rows = within.reshape(1, -1) if axis is None or q.ndim == 0 else np.moveaxis(within, axis % q.ndim, 0).reshape(
+        q.shape[axis % q.ndim], -1)
+    return bool(np.mean(rows.mean(axis=1) >= 0.99) >= 0.5)

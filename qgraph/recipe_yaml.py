@@ -60,6 +60,9 @@ def read_yaml_text(path: str | Path, what: str) -> str:
         raise RecipeError(f"{what} file not found: {p}. Check the path (relative paths start at {Path.cwd()}).")
     if p.is_dir():
         raise RecipeError(f"{p}: is a directory; give a {what} .yaml file.")
+    if p.suffix.lower() == ".onnx":  # the arguments swapped: the size or NUL-byte refusal would not say so
+        raise RecipeError(f"{p}: is an ONNX model, not a {what} (YAML text). Give the {what} .yaml file here; "
+                          "commands take the recipe before the model: `qgraph run RECIPE.yaml MODEL.onnx -o OUT`.")
     try:
         if p.stat().st_size > MAX_YAML_BYTES:
             raise RecipeError(f"{p}: {p.stat().st_size} bytes is too large for a {what} (limit {MAX_YAML_BYTES}).")

@@ -118,7 +118,7 @@ def _widen_one(graph: GraphHandle, node: gs.Node, dq: gs.Node, reference: Refere
     assert params is not None and codes is not None  # _why_not checked
     stored = dq.inputs[0].name
     out.dangling_q |= graph.constant_value(dq.inputs[0]) is None
-    weights = reference.get(node.outputs[0].name, 1, stored) if reference is not None else None
+    weights = reference.get(node.outputs[0].name, 1, stored, (codes, params)) if reference is not None else None
     if weights is None or weights.shape != codes.shape:
         weights = dequantize(codes, params).astype(np.float32)
         out.from_codes.append(node.name)
@@ -168,7 +168,9 @@ def _bias_follows(graph: GraphHandle, node: gs.Node, w_scale: np.ndarray, refere
     if bias_dq is None:  # a float bias: the float reference's values when there are any
         if not isinstance(bias_in, gs.Constant):
             return w_scale
-        values = ref_bias if ref_bias is not None and ref_bias.shape == bias_in.values.shape else bias_in.values
+        usable = ref_bias is not None and ref_bias.shape == bias_in.values.shape and not (
+            reference is not None and reference.checked and not np.allclose(ref_bias, bias_in.values, 1e-5, 1e-7))
+        values = ref_bias if usable and ref_bias is not None else bias_in.values
         if not int32_bias:
             node.inputs[2] = gs.Constant(graph.unique_name(f"{bias_in.name}/ref", "tensor"), values.astype(np.float32))
             return w_scale
@@ -182,6 +184,8 @@ def _bias_follows(graph: GraphHandle, node: gs.Node, w_scale: np.ndarray, refere
     b_codes = graph.constant_value(bias_dq.inputs[0]) if is_dq(bias_dq) else None
     if b_params is None or b_codes is None or len(graph.consumers(bias_dq.outputs[0])) != 1:
         return w_scale
+    if ref_bias is not None and reference is not None and reference.checked:  # a user's model: the bias it quantized?
+        ref_bias = reference.get(node.outputs[0].name, 2, bias_in.name, (b_codes, b_params))
     bias = ref_bias if ref_bias is not None and ref_bias.shape == b_codes.shape else dequantize(b_codes, b_params)
     return _requantize_bias(graph, node, bias_dq, bias, in_params.scale, w_scale, out)
 

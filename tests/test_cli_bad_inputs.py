@@ -130,3 +130,17 @@ def test_missing_recipe_says_where_relative_paths_start(workspace: Path, capsys,
     assert code == 2, text
     assert f"recipe file not found: nope.yaml. Check the path (relative paths start at {workspace})." in text
     assert "Traceback" not in text and not (workspace / "o.onnx").exists()
+
+
+def test_swapped_recipe_and_model_say_the_order(workspace: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`qgraph run MODEL RECIPE`: it said '6783084 bytes is too large for a recipe' (a real model) or 'contains a
+    NUL byte'; a recipe given as a model read as a corrupt ONNX file. Both now name the mix-up and the order."""
+    monkeypatch.chdir(workspace)
+    code, text = _run(capsys, "run", "model.onnx", "recipe.yaml", "-o", "o.onnx")
+    assert code == 2 and "model.onnx: is an ONNX model, not a recipe (YAML text)" in text, text
+    assert "`qgraph run RECIPE.yaml MODEL.onnx -o OUT`" in text
+    code, text = _run(capsys, "validate", "model.onnx")
+    assert code == 2 and "is an ONNX model, not a recipe" in text, text
+    code, text = _run(capsys, "diff", "recipe.yaml", "model.onnx")
+    assert code == 2 and "recipe.yaml is a recipe (YAML), not an ONNX model" in text, text
+    assert sorted(p.name for p in workspace.iterdir()) == ["model.onnx", "recipe.yaml"]

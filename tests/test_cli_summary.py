@@ -128,3 +128,31 @@ def test_attention_decisions_are_never_cut_and_come_first() -> None:
     assert lines[2:2 + SHOWN_PER_PASS] == [f"    decision: routine {i}" for i in range(SHOWN_PER_PASS)]
     assert lines[2 + SHOWN_PER_PASS] == "    ... 4 more (decision); see --report"
     assert r.to_dict()["attention"] == [r.decisions[-2]] and "attention" not in PassResult().to_dict()
+
+
+def test_output_to_a_pipe_is_not_cut_at_80_columns(tmp_path: Path) -> None:
+    """In a CI log (stdout a pipe, COLUMNS unset) the gate's table was cut at rich's default 80 columns: the
+    reference path read ``examp…utputs.npz`` and the step drop ``0.22`` for 0.225%; with COLUMNS set, or on a
+    terminal, rich's own width stays."""
+    import io
+    import os
+    import subprocess
+    import sys
+
+    from qgraph.cli._app import PIPED_WIDTH, console_width
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    args = ["check", str(DIGITS / "model.onnx"), str(DIGITS / "model.onnx"), "--data", str(DIGITS / "eval.npz"),
+            "--reference-outputs", str(DIGITS / "reference_outputs.npz"), "--metric", str(DIGITS / "metric.py:top1")]
+    done = subprocess.run([sys.executable, "-c", "import sys; from qgraph.cli import main; sys.exit(main())", *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert str(DIGITS / "reference_outputs.npz") in done.stdout and "…" not in done.stdout, done.stdout
+    assert console_width(io.StringIO(), {}) == PIPED_WIDTH
+    assert console_width(io.StringIO(), {"COLUMNS": "100"}) is None
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert console_width(Tty(), {}) is None

@@ -11,10 +11,11 @@ from pydantic import Field
 
 from qgraph import Pass, PassConfig, PassResult, Pipeline, PipelineEvent, Recipe, get_pass, save_model
 from qgraph.cli import main
-from qgraph.errors import PassError, RecipeError
+from qgraph.errors import DataError, PassError, RecipeError
 from qgraph.names import GraphOutputName
 from qgraph.preflight import ModelNames, NameRef, name_refs, preflight
 from qgraph.recipe_yaml import RecipeValidationError
+from qgraph.target import CalibrationSpec
 from qgraph.testing.models import leaky_state_net, mode_switched_net
 
 # fold_constants first: had the check not run before the first pass, it would have started (a pass_start event)
@@ -190,3 +191,31 @@ def test_pass_help_says_what_a_name_option_names() -> None:
     fields = get_pass("tune_ranges").config_class.model_fields
     assert type_name(fields["outputs"].annotation) == "list of graph output name"
     assert type_name(get_pass("float_fallback").config_class.model_fields["nodes"].annotation) == "mapping | none"
+
+
+def test_a_pass_that_needs_calibration_data_fails_before_any_pass_without_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ready recipe without --calibration-data: it ran 7 passes (equalization, SmoothQuant...) and then failed
+    in insert_qdq with exit 1; now it is bad input (exit 2) before the first pass, naming the pass and the fix."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out.onnx"
+    code = main(["run", str(root / "recipes" / "ort-x86-vnni.yaml"), str(root / "examples" / "digits" / "model.onnx"),
+                 "-o", str(out)])
+    text = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and not out.exists() and list(tmp_path.iterdir()) == []
+    assert "Traceback" not in text and "fold_constants" not in text  # no pass ran
+    assert "no calibration data given: passes[7] (insert_qdq): static quantization needs calibration data" in text
+    assert "--calibration-data DATA" in text
+    events: list[PipelineEvent] = []
+    steps = [get_pass("fold_constants")(), get_pass("insert_qdq")(), get_pass("float_fallback")(auto={
+        "target": "sqnr:30"}), get_pass("tune_ranges")()]
+    with pytest.raises(DataError, match=r"passes\[1\] \(insert_qdq\): .* \(2 later pass\(es\) need it too\)"):
+        Pipeline(steps).run(leaky_state_net(), on_event=events.append)
+    assert [e.kind for e in events] == []
+    # what each pass needs follows its options: dynamic mode, a ranges file, auto.data
+    assert get_pass("insert_qdq")(mode="dynamic", activations={"dtype": "uint8"}).missing_data(
+        CalibrationSpec()) is None
+    assert get_pass("insert_qdq")().missing_data(CalibrationSpec(ranges="r.json")) is None
+    assert get_pass("float_fallback")(auto={"target": "sqnr:30", "data": "d.npz"}).missing_data(
+        CalibrationSpec()) is None
+    assert get_pass("float_fallback")(nodes={"op_types": ["Conv"]}).missing_data(CalibrationSpec()) is None

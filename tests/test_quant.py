@@ -19,6 +19,7 @@ from qgraph.quant import (
     dequantize,
     dtype_range,
     fake_quantize,
+    matches_codes,
     quantize,
     quantize_bias,
     symmetric_zero_point,
@@ -279,3 +280,22 @@ def test_quantize_slabs_equal_the_float64_formula(
     got = quantize(x, scale, zp, dtype, axis)
     assert got.dtype == dtype.numpy_dtype and got.shape == x.shape
     np.testing.assert_array_equal(got.astype(np.float64), expected)
+
+
+@given(seed=st.integers(0, 2**16), channels=st.integers(1, 8), factor=st.floats(1.05, 3.0))
+@settings(max_examples=40, deadline=None)
+def test_matches_codes_accepts_the_quantized_weight_and_refuses_a_rescaled_one(seed: int, channels: int,
+                                                                               factor: float) -> None:
+    """The weight that was quantized matches its codes (nearest and floor/ceil rounding); the same weight with
+    every channel scaled by ``factor`` >= 1.05 (a BatchNorm fused or an equalization after it) does not."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((channels, 4, 3, 3)).astype(np.float32)
+    spec = QuantSpec(dtype=QuantDtype.INT8, symmetric=True, per_channel=True, axis=0)
+    absmax = np.abs(w).reshape(channels, -1).max(axis=1)
+    scale, zp = compute_scale_zero_point(-absmax, absmax, spec)
+    codes = quantize(w, scale, zp, QuantDtype.INT8, 0)
+    assert matches_codes(w, codes, scale, zp, 0, steps=0.51)
+    floor = np.clip(np.floor(w / scale.reshape(-1, 1, 1, 1)), -127, 127).astype(np.int8)
+    assert matches_codes(w, floor, scale, zp, 0)  # floor/ceil rounding (AdaRound) is within one step
+    assert not matches_codes(w * np.float32(factor), codes, scale, zp, 0)
+    assert not matches_codes(w[:, :2], codes, scale, zp, 0)  # another shape

@@ -70,6 +70,7 @@ from qgraph.fallback import PASS_NAME, ReferenceWeights, is_qdq
 from qgraph.names import GraphOutputName, unscoped
 from qgraph.sensitivity.targets import Target, parse_target
 from qgraph.streaming import Recurrence, check_recurrence
+from qgraph.target import CalibrationSpec
 
 from .costs import fallback_costs
 from .record import apply_and_record
@@ -232,12 +233,16 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                             "(its Q/DQ are 8-bit and FP8): use to: float (TensorRT runs those layers in fp16/fp32).")
         if self.config.nodes is not None:
             self._selected(graph)
-        auto = self.config.auto
-        if auto is not None and auto.data is None and ctx.calibration_data is None:
-            raise PassError(
-                "float_fallback: auto mode needs evaluation data: set `auto.data` or the recipe's calibration data "
-                "(or --calibration-data)."
-            )
+        why = self.missing_data(ctx.calibration) if ctx.calibration_data is None else None
+        if why is not None:
+            raise PassError(f"float_fallback: {why}")
+
+    def missing_data(self, calibration: CalibrationSpec) -> str | None:
+        """Auto mode measures candidates on ``auto.data``, else on the calibration data."""
+        if self.config.auto is None or self.config.auto.data is not None:
+            return None
+        return ("auto mode needs evaluation data: set `auto.data` or the recipe's `calibration.data`, or give "
+                "--calibration-data DATA.")
 
     def _selected(self, graph: GraphHandle) -> tuple[list[Any], list[str]]:
         """The selected top-graph nodes, and the selected names of nodes inside If/Loop bodies."""
@@ -262,7 +267,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         floats = recipe_reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if weights is None and self.config.float_weights is not None:
-            weights = ReferenceWeights(load_model(self.config.float_weights))
+            weights = ReferenceWeights(load_model(self.config.float_weights), checked=True)
             res.notes.append(f"weights of the chosen nodes from {self.config.float_weights} (float_weights)")
         if self.config.nodes is not None:
             nodes, inner = self._selected(graph)

@@ -11,7 +11,7 @@ import numpy as np
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.graph import topological_order
 from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
-from qgraph.target import CpuInfo, host_cpu
+from qgraph.target import CalibrationSpec, CpuInfo, host_cpu
 
 from .bodies import BodiesOutcome, quantize_bodies
 from .calib import RangeInfo, calibrate, screen
@@ -71,12 +71,17 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 "insert_qdq: dynamic mode quantizes activations to uint8 (DynamicQuantizeLinear); "
                 "set activations.dtype: uint8"
             )
-        if cfg.mode == "static" and ctx.calibration_data is None and not ctx.calibration.ranges:
-            raise PassError(
-                "insert_qdq: static quantization needs calibration data for activation ranges. Run "
-                "`qgraph run RECIPE MODEL --calibration-data DATA` (.npz with one array per input, a folder, or "
-                "module:function), give `calibration.ranges` in the recipe, or use `mode: dynamic`."
-            )
+        why = self.missing_data(ctx.calibration) if ctx.calibration_data is None else None
+        if why is not None:
+            raise PassError(f"insert_qdq: {why}")
+
+    def missing_data(self, calibration: CalibrationSpec) -> str | None:
+        """Static mode needs data for the activation ranges, unless the recipe gives a ranges file."""
+        if self.config.mode != "static" or calibration.ranges:
+            return None
+        return ("static quantization needs calibration data for activation ranges. Run `qgraph run RECIPE MODEL "
+                "--calibration-data DATA` (.npz with one array per input, a folder, or module:function), give "
+                "`calibration.ranges` in the recipe, or use `mode: dynamic`.")
 
     # ------------------------------------------------------------------ run
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:

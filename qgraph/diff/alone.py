@@ -82,12 +82,25 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
             break
         measure(a, b, group, feeds, out, rescaled, refs)
         worst = max(worst, *(c.output_noise or 0.0 for c in group))
-    measured = sum(c.output_noise is not None for c in culprits)
-    screened_n = sum(len(g) for _, g in screened)
-    out.notes.insert(0, f"{measured} of {len(culprits)} Q/DQ pairs measured alone, {screened_n} more screened in "
-                     f"groups of {GROUP}" + ("" if screened_n >= len(rest) else
-                     f" (time budget {seconds:.0f} s: the rest are ranked by local noise only, which may miss "
-                     "pairs that later layers amplify)"))
+    out.notes.insert(0, _screening_note(culprits, first, sum(len(g) for _, g in screened), len(rest), seconds))
+
+
+def _screening_note(culprits: Sequence[Culprit], first: int, screened: int, rest: int, seconds: float) -> str:
+    """How many pairs were measured alone and how they were chosen, adding up to the pairs ranked: the ``first``
+    by local noise, the members of the screened groups that exceeded the bar, and the pairs not measurable."""
+    top = sum(c.output_noise is not None for c in culprits[:first])
+    later = sum(c.output_noise is not None for c in culprits[first:])
+    absent = sum(not c.point.in_reference for c in culprits)
+    text = (f"{top + later} of {len(culprits)} Q/DQ pairs measured alone: the {top} with the most local noise, then "
+            f"{later} of the {screened} others screened in groups of {GROUP} (members of groups whose joint error "
+            "exceeded half the worst pair's)")
+    if screened < rest:
+        text += (f"; {rest - screened} not screened (time budget {seconds:.0f} s): ranked by local noise only, which "
+                 "may miss pairs that later layers amplify")
+    if absent:
+        text += (f"; {absent} not measurable alone (their float tensor is not in A as quantized, e.g. a weight "
+                 "BatchNorm fusion changed)")
+    return text
 
 
 def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit], feeds: list[Feed],

@@ -33,8 +33,8 @@ from qgraph.diff.alone import measure, measure_more
 from qgraph.diff.bodies import BodyLevel, body_levels
 from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
 from qgraph.diff.protos import ModelIndex
-from qgraph.diff.quant_points import PointStats, QuantPoint, channels_first, find_points
-from qgraph.quant import dequantize
+from qgraph.diff.quant_points import PointStats, QuantPoint, find_points
+from qgraph.quant import matches_codes
 from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
 #: Points measured exactly (A with only that pair) by default; the rest are ranked by their local noise.
@@ -241,11 +241,7 @@ def _weight_stats(ia: ModelIndex, ib: ModelIndex, points: Sequence[QuantPoint], 
 def _same_weight(p: QuantPoint, w: np.ndarray) -> bool:
     """Whether most channels of ``w`` round to B's codes (then a corrupted channel still counts as the same)."""
     assert p.codes is not None
-    deq = dequantize(p.codes, p.scale, p.zero_point, p.axis)
-    step = np.abs(dequantize(np.ones_like(p.codes), p.scale, np.zeros_like(p.zero_point), p.axis))
-    within = np.abs(deq.astype(np.float64) - w) <= 0.51 * step + 1e-12
-    rows = channels_first(within, p.axis)
-    return bool(np.mean(rows.mean(axis=1) >= 0.99) >= 0.5)
+    return matches_codes(w, p.codes, p.scale, p.zero_point, p.axis, steps=0.51)
 
 
 def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[QuantPoint],

@@ -267,8 +267,9 @@ def run_command(
 
     Nodes inside If/Loop bodies are candidates too. ``cost``: the search order, as ``float_fallback``'s
     ``auto.cost`` (latency: `cost_spec`'s table); ``remedy``:
-    what chosen nodes become, as its ``to`` (float; a16w8: 16-bit activations; a16w16: 16-bit weights too, from
-    the float model's weights where its node names match the QDQ model's).
+    what chosen nodes become, as its ``to`` (float; a16w8: 16-bit activations; a16w16: 16-bit weights too). For
+    float and a16w16 the chosen nodes' weights come from the float model where they match the QDQ model's codes
+    (`qgraph.reference_weights`; else the dequantized codes), and the patch names it in ``float_weights``.
 
     ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
     every metric (also one named in ``target``) is called as ``metric(outputs, labels)``."""
@@ -295,9 +296,9 @@ def run_command(
             exact_top=exact_top,
             executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
-            float_weights=ReferenceWeights(reference) if remedy == "a16w16" else None, in_bodies=True,
+            float_weights=ReferenceWeights(reference, checked=True) if remedy != "a16w8" else None, in_bodies=True,
         )
-    if remedy == "a16w16":  # the patch re-quantizes from the same float weights
+    if remedy != "a16w8":  # the patch restores (float) or re-quantizes (a16w16) from the same float weights
         result.float_model = str(Path(model_float).resolve())
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:

@@ -97,12 +97,16 @@ class AutoResult:
         """One paragraph: met or not, scores, nodes, why the search stopped, what was tried and how long."""
         verdict = "target met" if self.target_met else "target NOT met"
         shown = self.nodes if len(self.nodes) <= 8 else [*self.nodes[:8], f"... {len(self.nodes) - 8} more"]
-        return (
-            f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); float {self.float_score:.6g}, "
-            f"full INT8 {self.int8_score:.6g}, best {self.score:.6g} with {len(self.nodes)} node(s) {self.became}"
-            f"{': ' + ', '.join(shown) if shown else ''}. Search stopped: {self.stop_reason}. {self.tried()}"
-            f"{self.latency_sentence()}"
-        )
+        return (f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); {self.scores()} with "
+                f"{len(self.nodes)} node(s) {self.became}{': ' + ', '.join(shown) if shown else ''}. Search stopped: "
+                f"{self.stop_reason}. {self.tried()}{self.latency_sentence()}")
+
+    def scores(self) -> str:
+        """``full INT8 20.5 dB, best 44.7 dB``; the float model's own score only for a user metric (against
+        itself it is inf dB or cosine 1)."""
+        fmt, kind = ("{:.1f} dB" if self.target.kind == "sqnr" else "{:.6g}").format, self.target.kind
+        own = f"float {fmt(self.float_score)}, " if kind not in ("sqnr", "cosine") else ""
+        return f"{own}full INT8 {fmt(self.int8_score)}, best {fmt(self.score)}"
 
     def latency_sentence(self) -> str:
         """Modelled and measured latency of the chosen model relative to float, as one sentence ('' if none).
@@ -145,8 +149,7 @@ class AutoResult:
             return None
         header = [
             "# float_fallback patch written by qgraph (automatic fallback).",
-            f"# {'Target met' if self.target_met else 'Target NOT met'}: {self.target.describe()}; "
-            f"best score {self.score:.6g} (float {self.float_score:.6g}, full INT8 {self.int8_score:.6g}).",
+            f"# {'Target met' if self.target_met else 'Target NOT met'}: {self.target.describe()}; {self.scores()}.",
             "# Apply to the same QDQ model: qgraph run RECIPE MODEL --patch THIS_FILE -o OUT.onnx,",
             "# or paste the float_fallback entry at the end of the recipe's passes.",
         ]

@@ -329,4 +329,6 @@ def test_group_screening_finds_a_pair_that_local_noise_ranks_last() -> None:
     top = screened.culprits[0]
     assert top.point.tensor == "h" and top.contribution is not None and top.contribution > 0.9
     assert screened.culprits[1].contribution is not None and screened.culprits[1].contribution < 0.1
-    assert screened.notes[0].startswith("2 of 2 Q/DQ pairs measured alone, 1 more screened in groups of")
+    # the counts add up (it read "2 of 2 measured alone, 1 more screened": the screened one is one of the 2)
+    assert screened.notes[0].startswith("2 of 2 Q/DQ pairs measured alone: the 1 with the most local noise, then 1 "
+                                        "of the 1 others screened in groups of 8")

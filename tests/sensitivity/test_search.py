@@ -4,6 +4,7 @@ interrupted run, recipe patch round trip, worker processes, qgraph's own insert_
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -346,3 +347,27 @@ def test_sensitivity_reaches_nodes_inside_if_bodies(tmp_path: Path, capsys) -> N
     chosen = json.loads(report.read_text())["nodes"]
     assert chosen and set(chosen) <= {"then/conv", "then/relu"}, chosen
     assert [n.op_type for n in onnx.load(best).graph.node].count("If") == 1
+
+
+def test_nodes_back_in_float_take_the_float_models_weights(encoder: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--to float` (the default): a node put back in float reads the FLOAT model's weights where they match the
+    QDQ model's codes, as the patch rebuilds it (`float_weights`), not its int8-rounded weights: with every node
+    in float the model is the float model (it was 'every candidate is in float' at a weight-rounding SQNR)."""
+    out, patch = encoder / "all_float.onnx", encoder / "all_float.yaml"
+    args = ["sensitivity", str(encoder / "float.onnx"), str(encoder / "qdq.onnx"), "--data", str(encoder / "eval.npz"),
+            "--target", "sqnr:200", "-o", str(out), "--patch", str(patch), "-q"]
+    assert main(args) == 1  # 200 dB is out of reach: the best model keeps every candidate in float
+    err = " ".join(capsys.readouterr().err.split())
+    assert "every candidate is in float" in err
+    # scores in dB to 0.1 (it read "float inf, full INT8 40.8238, best 40.8238")
+    assert "float inf" not in err and re.search(r"full INT8 \d+\.\d dB, best \d+\.\d dB with \d+ node", err), err
+    assert re.search(r"Target NOT met: sqnr >= 200; full INT8 \d+\.\d dB", patch.read_text())
+    ref, best = onnx.load(encoder / "float.onnx"), onnx.load(out)
+    with np.load(encoder / "eval.npz") as z:
+        feeds = [{k: z[k][i : i + 1] for k in z.files} for i in range(len(z[z.files[0]]))]
+    assert min(d.sqnr_db for d in compare_models(ref, best, feeds)) > 100  # was ~40 dB: int8 weights left
+    assert f"float_weights: {(encoder / 'float.onnx').resolve()}" in " ".join(patch.read_text().split())
+    rebuilt = encoder / "all_float_rebuilt.onnx"
+    assert main(["run", str(patch), str(encoder / "qdq.onnx"), "-o", str(rebuilt), "-q"]) == 0
+    assert onnx.load(rebuilt).graph.SerializeToString(deterministic=True) == best.graph.SerializeToString(
+        deterministic=True)
