@@ -257,6 +257,8 @@ def fidelity(row: dict[str, Any]) -> str:
     if "slices_db" in m:
         cells = " ".join(f"{k.split('/')[0][0]}{k.split('/')[-1][1:]}:{v:.1f}" for k, v in m["slices_db"].items())
         boxes = f" | map IoU {m['mask_iou']:.3f} box F1 {m['box_f1']:.3f}" if "box_f1" in m else ""
+        if "det_f1" in m:  # a YOLO detector: post-processed detections of INT8 vs float
+            boxes += f" | det F1 {m['det_f1']:.3f} ({m['det_int8']:.0f}/{m['det_float']:.0f} found)"
         return f"min {m['min_db']:.1f} dB ({m['worst']}) | {cells}{boxes}"
     if "cos_mean" in m:
         return f"cos mean {m['cos_mean']:.4f} min {m['cos_min']:.4f} ({m['sqnr_db']:.1f} dB)"

