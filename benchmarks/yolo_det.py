@@ -14,7 +14,7 @@ RGB, ``x/255``, CHW (``cv2.dnn.blobFromImage(..., 1/255, swapRB=True)``; here PI
 Data: the detector fires on faces. Each sample is a scene of a background photo crop with a person photo crop
 (``astronaut`` for calibration, ``camera`` for evaluation) and 0-3 face thumbnails of ``skimage.data.lfw_subset``
 (faces 0-99 for calibration, 100-199 for evaluation) pasted at seeded places and sizes; the backgrounds are
-disjoint photos too; one sample in four is a close-up of the person's face (the stride-16/32 heads fire on
+disjoint photos too; every other sample is a close-up of the person's face (the stride-16/32 heads fire on
 those). Most samples have a detection above the wheel's threshold, at every level.
 
 Post-process (``_postprocess``): a cell is a candidate when its best class score is >= 0.2, then NMS at IoU 0.45
@@ -112,10 +112,10 @@ FACE_CENTRE = (140, 230)  # row, column of the face in both person photos (512x5
 
 
 def close_up(rng: np.random.Generator, person: np.ndarray) -> np.ndarray:
-    """A square crop around the person's face, 140-300 px: the face fills 40-100% of the input, so the stride-16
+    """A square crop around the person's face, 140-240 px: the face fills 40-100% of the input, so the stride-16
     and stride-32 heads fire (a scene's faces are small: the stride-8 head)."""
     h, w = person.shape[:2]
-    side = int(rng.integers(140, 301))
+    side = int(rng.integers(140, 241))
     cy, cx = (c + int(rng.integers(-40, 41)) for c in FACE_CENTRE)
     top = int(np.clip(cy - side // 2, 0, h - side))
     left = int(np.clip(cx - side // 2, 0, w - side))
@@ -131,8 +131,8 @@ def samples(
     photo: Callable[[str], np.ndarray],
     resize: Callable[[np.ndarray, int, int], np.ndarray],
 ) -> list[dict[str, np.ndarray]]:
-    """``n`` samples through the wheel's preprocessing, ``{"images": 1x3x320x320}``: one in four a close-up of the
-    person's face, one in eight the whole person photo, the rest scenes with small faces."""
+    """``n`` samples through the wheel's preprocessing, ``{"images": 1x3x320x320}``: every other one a close-up of
+    the person's face, one in eight the whole person photo, the rest scenes with small faces."""
     rng = np.random.default_rng(seed)
     thumbnails = faces()[face_range[0] : face_range[1]]
     people, grounds = photo(person), [photo(b) for b in backgrounds]
@@ -140,7 +140,7 @@ def samples(
     for i in range(n):
         if i % 8 == 7:
             image = people
-        elif i % 4 == 0:
+        elif i % 2 == 0:
             image = np.ascontiguousarray(close_up(rng, people))
         else:
             image = scene(rng, people, grounds[i % len(grounds)], thumbnails, resize)

@@ -14,7 +14,7 @@ from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
 from qgraph.target import CalibrationSpec, CpuInfo, host_cpu
 
 from .bodies import BodiesOutcome, quantize_bodies
-from .calib import RangeInfo, calibrate, screen
+from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
@@ -26,6 +26,7 @@ from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import activation_codes, analyze
 from .speed import baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
+from .through import through_activations, through_decision, through_details
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -111,18 +112,19 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         forbidden: dict[str, str] = {}
         calib_details: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
-            ranges, calib_details, channels = self._calibrate(graph, ctx, plan, res)
+            ranges, calib_details, cal = self._calibrate(graph, ctx, plan, res)
             forbidden = screen(ranges, cfg)
             joins = wide_joins(plan, ranges, cfg)
             res.decisions += list(joins.values())
             if forbidden or joins:
                 plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
-            dw = self._depthwise(graph, ctx, plan, channels, res)
+            dw = self._depthwise(graph, ctx, plan, cal.channels, res)
             if dw:  # the latency decision then re-labels the neighbours of the float depthwise convs
                 plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw}).plan()
             slow = self._latency(graph, ctx, plan, res)
             if slow:
                 plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw, **slow}).plan()
+            ranges = self._through(graph, plan, ranges, cal, calib_details, res)
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -170,9 +172,10 @@ class InsertQDQ(Pass[InsertQDQConfig]):
 
     def _calibrate(
         self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult
-    ) -> tuple[dict[str, RangeInfo], dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    ) -> tuple[dict[str, RangeInfo], dict[str, Any], Calibration]:
         """Calibrated ranges with the unclipped inputs' observed ranges and the bounded ops' known ranges applied;
-        decisions, the calibration details, and the per-channel ranges of depthwise inputs (``depthwise: auto``)."""
+        decisions, the calibration details, and the calibration (per-tensor results, hand overrides, per-channel
+        ranges of depthwise inputs for ``depthwise: auto``)."""
         dw = depthwise_units(graph, plan.units) if self.config.depthwise == "auto" else []
         axes = {u.act_inputs[0]: 1 for u in dw}
         cal = calibrate(graph, ctx, plan.roots, self.config, axes)
@@ -195,7 +198,22 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             if fixed:
                 details["fixed_ranges"] = fixed
                 res.decisions.append(fixed_decision(fixed))
-        return ranges, details, cal.channels
+        return ranges, details, cal
+
+    def _through(self, graph: GraphHandle, plan: Plan, ranges: dict[str, RangeInfo], cal: Calibration,
+                 details: dict[str, Any], res: PassResult) -> dict[str, RangeInfo]:
+        """``activations.through_activation`` on the final plan (`through.py`): which activations' outputs stay on
+        an integer grid is known only once the joins, depthwise and latency decisions are made."""
+        if not self.config.activations.through_activation:
+            return ranges
+        spec = QuantSpec(dtype=self.config.activations.dtype, symmetric=self.config.activations.symmetric)
+        ranges, through = through_activations(graph, plan, ranges, spec, cal.overridden)
+        if through:
+            details["through_activation"] = through_details(through)
+            # beside the calibration's other range decisions, not after the placement ones (the summary shows 3)
+            at = next((i + 1 for i, d in enumerate(res.decisions) if d.startswith("calibration method")), 0)
+            res.decisions.insert(at, str(through_decision(through)))
+        return ranges
 
     def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
         """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the

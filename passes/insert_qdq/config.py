@@ -170,6 +170,13 @@ class ActivationOptions(PassConfig):
         description="Outputs of Sigmoid/Softmax/HardSigmoid ([0, 1]) and Tanh ([-1, 1]) use the analytic bound "
         "where the data reach half of it, and are never clipped below their observed extremes.",
     )
+    through_activation: bool = Field(
+        default=True,
+        description="A tensor read only by an activation (a Conv output before SiLU x*Sigmoid(x), HardSwish, "
+        "Sigmoid, Tanh, HardSigmoid, Relu, Clip) whose output is quantized too is clipped where the activation is "
+        "within a quarter code of its limit on that output's grid (SiLU with a u8 gate below -6.93, HardSwish below "
+        "-3): no code changes, and the step on the side that matters gets finer.",
+    )
 
     @model_validator(mode="after")
     def _check_method_options(self) -> ActivationOptions:
