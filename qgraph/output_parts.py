@@ -313,13 +313,14 @@ class PartDiffs:
         """One diff per output."""
         return [a.result() for a in self.wholes]
 
+    def by_output(self) -> list[tuple[TensorDiff, list[TensorDiff]]]:
+        """Per output: its diff, and the diffs of its parts (each with its `TensorDiff.part`; empty when whole)."""
+        return [(acc.result(), [replace(a.result(), part=p) for p, a in cuts])
+                for acc, cuts in zip(self.wholes, self.cuts, strict=True)]
+
     def scored(self) -> list[TensorDiff]:
-        """One diff per scored part: the parts of a split output (each with its `TensorDiff.part`), else the
-        whole output."""
-        out: list[TensorDiff] = []
-        for acc, cuts in zip(self.wholes, self.cuts, strict=True):
-            out += [replace(a.result(), part=p) for p, a in cuts] if cuts else [acc.result()]
-        return out
+        """One diff per scored part: the parts of a split output, else the whole output."""
+        return [d for whole, parts in self.by_output() for d in (parts or [whole])]
 
 
 def worst(diffs: Sequence[TensorDiff]) -> TensorDiff | None:
