@@ -24,6 +24,7 @@ import onnx
 
 from qgraph.data import DataSource, Feed
 from qgraph.evaluation import Evaluation
+from qgraph.output_parts import OutputParts, find_output_parts
 from qgraph.qdq import has_qdq
 from qgraph.report import stage_fidelity
 
@@ -136,17 +137,19 @@ def check_fidelity(reference: onnx.ModelProto | str | Path, candidate: onnx.Mode
     stages: list[tuple[str, onnx.ModelProto | str | Path]] = [("final", candidate)]
     if scored:  # the float model's own score, for comparison (one more run, only with a metric)
         stages.insert(0, ("float", reference))
-    rows = stage_fidelity(reference, stages, feeds, evaluation)
+    quantized, parts = _structure(reference)
+    rows = stage_fidelity(reference, stages, feeds, evaluation, parts)
     float_metric = next((r.get("metric") for r in rows if r["stage"] == "float"), None)
     final = [{k: v for k, v in r.items() if k != "stage"} for r in rows if r["stage"] == "final"]
     against = "the float model"
-    if _is_qdq(reference):
+    if quantized:
         against = ("the input model, itself quantized (compare with the float model: qgraph diff FLOAT OUTPUT "
                    "--eval-data DATA)")
     return OutputCheck(desc, held_out, final, float_metric, against)
 
 
-def _is_qdq(model: onnx.ModelProto | str | Path) -> bool:
-    """Whether ``model`` holds Q/DQ nodes (a path is read without its external data)."""
+def _structure(model: onnx.ModelProto | str | Path) -> tuple[bool, OutputParts]:
+    """Whether ``model`` holds Q/DQ nodes, and its outputs' parts (a path is read once, without its external data,
+    and released before any session is built)."""
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
-    return has_qdq(proto)
+    return has_qdq(proto), find_output_parts(proto)

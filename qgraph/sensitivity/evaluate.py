@@ -2,7 +2,8 @@
 
 `Evaluator` holds the QDQ model, the evaluation batches and the float model's outputs on them; `measure` builds
 the variant with given nodes in float (the same rewrite the pass makes), opens one onnxruntime session for it,
-runs every batch through it and compares each output with the reference. `measure_all` measures independent
+runs every batch through it and compares each output with the reference, and each part of an output a final
+Concat joins (`qgraph.output_parts`: `Measurement.scored` is what targets score). `measure_all` measures independent
 variants on an executor (`qgraph.executor`: in this process, in ``jobs`` local worker processes, or as Ray
 tasks); each worker receives the evaluator once, and Ctrl-C or the time budget stops the workers at once.
 """
