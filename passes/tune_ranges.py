@@ -12,7 +12,9 @@ zero points are kept) and keeps the best by::
 
     score = min over graph outputs o of SQNR_o = 10 log10(Σ y_o² / Σ (ŷ_o - y_o)²)      (dB)
 
-where ``y`` are the float reference's outputs (`PassContext.float_reference`: the model before ``insert_qdq``)
+(an output that a final Concat joins from different tensors, a detector's boxes and class scores, counts as one
+output per part, `qgraph.output_parts`; ``output_parts: false`` scores it whole) where ``y`` are the float
+reference's outputs (`PassContext.float_reference`: the model before ``insert_qdq``)
 and ``ŷ`` the quantized model's, on at most ``samples`` calibration samples. This is coordinate descent: each
 pair is tuned with the earlier pairs' choices in place; a factor is kept only when it gains more than
 ``min_gain_db``; with ``sweeps`` > 1 the pairs are visited again (every factor and 1, so an early narrowing can
@@ -36,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from pydantic import Field, field_validator
 
@@ -44,6 +47,7 @@ from qgraph.compare import make_session
 from qgraph.data import Feed
 from qgraph.fallback import is_dq, is_q, qparams
 from qgraph.names import GraphOutputName
+from qgraph.output_parts import OutputParts, find_output_parts
 from qgraph.qlayers import find_layers
 from qgraph.streaming import OutputScore, Recurrence, check_recurrence
 from qgraph.target import CalibrationSpec
@@ -79,6 +83,10 @@ class TuneRangesConfig(PassConfig):
         default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): score "
         "streamed, each model fed its own previous state over the calibration samples in order "
         "(`qgraph.streaming`); unset: every sample as it is in the data.")
+    output_parts: bool = Field(
+        default=True, description="Score each part of an output that a final Concat joins (a detector's boxes "
+        "and class scores) on its own, the worst part deciding (`qgraph.output_parts`); false: every output whole, "
+        "where the largest part's error hides the others'.")
 
 
 @dataclass
@@ -201,7 +209,8 @@ class TuneRanges(Pass[TuneRangesConfig]):
             if len(feeds) >= cfg.samples:
                 break
         reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
-        scorer = OutputScore(reference, feeds, cfg.recurrent, cfg.outputs)
+        parts = _scored_parts(ctx.float_reference, cfg, res)
+        scorer = OutputScore(reference, feeds, cfg.recurrent, cfg.outputs, parts)
         del reference
         pairs = _pairs(graph)
         res.matched = len(pairs)
@@ -211,7 +220,8 @@ class TuneRanges(Pass[TuneRangesConfig]):
             res.decisions.append(f"{inner} of the {len(pairs)} pair(s) sit inside If/Loop bodies: tuned in place, the "
                                  "control flow kept (a branch the data never takes scores no gain and keeps its range)")
         start = time.perf_counter()
-        best = self._score(graph, scorer)
+        before = self._scores(graph, scorer)
+        best, after = min(before, default=math.inf), before
         first, evaluations, reached = best, 1, 0
         current = [1.0] * len(pairs)
         for sweep in range(cfg.sweeps):
@@ -224,10 +234,11 @@ class TuneRanges(Pass[TuneRangesConfig]):
                     if f == current[k]:
                         continue
                     pair.apply(f, graph)
-                    score = self._score(graph, scorer)
+                    scores = self._scores(graph, scorer)
+                    score = min(scores, default=math.inf)
                     evaluations += 1
                     if score > best + cfg.min_gain_db:
-                        best, keep = score, f
+                        best, keep, after = score, f, scores
                 pair.apply(keep, graph)
                 current[k] = keep
         chosen = {p.qs[0].inputs[0].name: f for p, f in zip(pairs, current, strict=True) if f != 1.0}
@@ -236,9 +247,12 @@ class TuneRanges(Pass[TuneRangesConfig]):
         res.rewritten = len(chosen)
         res.details = {"score_before_db": first, "score_after_db": best, "factors": chosen, "pairs": len(pairs),
                        "evaluations": evaluations, "samples": len(feeds), "streamed": scorer.streamed,
-                       "sequences": len(scorer.starts)}
+                       "sequences": len(scorer.starts),
+                       "scored_db_before": dict(zip(scorer.labels, before, strict=True)),
+                       "scored_db_after": dict(zip(scorer.labels, after, strict=True))}
         res.decisions.append(
             f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over "
+            f"{'the parts of ' if len(scorer.units) > len(scorer.names) else ''}"
             f"{'outputs ' + ', '.join(cfg.outputs) if cfg.outputs else 'every output'}, "
             f"{scorer.describe()}) {_db(first)} -> {_db(best)} in {evaluations} evaluation(s)"
             + "".join(f"; {t} x{f:g}" for t, f in list(chosen.items())[:5])
@@ -248,10 +262,25 @@ class TuneRanges(Pass[TuneRangesConfig]):
         return res
 
     @staticmethod
-    def _score(graph: GraphHandle, scorer: OutputScore) -> float:
-        """min over outputs of the output SQNR (dB), run as ``scorer`` runs the reference."""
+    def _scores(graph: GraphHandle, scorer: OutputScore) -> list[float]:
+        """The SQNR (dB) of each scored output part, run as ``scorer`` runs the reference (the score: their min)."""
         model, held = graph.weightless_export()
-        return scorer.score_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
+        return scorer.per_output_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
+
+
+def _scored_parts(reference: onnx.ModelProto, cfg: TuneRangesConfig, res: PassResult) -> OutputParts | None:
+    """The parts of the reference's outputs the score is the minimum over (None: every output whole), with one
+    decision per split output (or per Concat output kept whole, and why)."""
+    found = find_output_parts(reference)
+    split = [s.output for s in found.outputs if s.split and (not cfg.outputs or s.output in cfg.outputs)]
+    if not cfg.output_parts:
+        if split:
+            res.decide(f"{', '.join(split)} scored whole (output_parts: false), though a Concat joins different "
+                       "tensors there: the largest part's error decides")
+        return None
+    for line in found.decisions(cfg.outputs):
+        res.decide(line)
+    return found
 
 def _db(v: float) -> str:
     return f"{v:.2f} dB" if math.isfinite(v) else str(v)

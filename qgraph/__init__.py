@@ -4,12 +4,14 @@ Public API (what passes, plug-ins and scripts import)::
 
     from qgraph import Pipeline, Recipe, Pass, PassConfig, PassResult, PassContext, GraphHandle, register
     from qgraph import NodeSelector, select, load_model, save_model
+    from qgraph import OutputParts, find_output_parts      # outputs a final Concat joins, scored part by part
 """
 
 from qgraph._version import __version__
 from qgraph.errors import DataError, ModelError, PassError, QGraphError, RecipeError, VerificationError
 from qgraph.graph import GraphHandle, GraphIndex
 from qgraph.model_io import load_model, save_model
+from qgraph.output_parts import OutputPart, OutputParts, find_output_parts
 from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult, Skipped, get_pass, register
 from qgraph.pipeline import Pipeline, PipelineEvent, PipelineResult
 from qgraph.recipe import Recipe
@@ -21,6 +23,8 @@ __all__ = [
     "GraphIndex",
     "ModelError",
     "NodeSelector",
+    "OutputPart",
+    "OutputParts",
     "Pass",
     "PassConfig",
     "PassContext",
@@ -37,6 +41,7 @@ __all__ = [
     "SubgraphRange",
     "VerificationError",
     "__version__",
+    "find_output_parts",
     "get_pass",
     "load_model",
     "register",

@@ -3,10 +3,13 @@
 Every stage runs on the same held-out samples and is compared with the first stage (the reference): output
 SQNR, cosine, top-1 agreement (classification-shaped outputs) and the user's metric. The *quality* of a stage is
 its metric when one is given, else its top-1 agreement with the reference when the outputs are class scores,
-else its lowest output cosine. A stage fails when its quality drops from the previous stage's by more than
-``max_drop`` (``1%``: relative to the previous quality; ``0.01``: absolute), or, with ``max_total_drop``, from
-the reference's. The first stage can be outputs saved by the training framework (``--reference-outputs``: an
-``.npz`` with one array per output name, one row per sample), so PyTorch → ONNX is checked without PyTorch.
+else its lowest output cosine. Output SQNR and cosine are the lowest over the parts of every output: an output
+that a final Concat joins from different tensors (a detector's boxes and class scores) is scored part by part
+(`qgraph.output_parts`; ``whole_outputs`` scores it whole). A stage fails when its quality drops from the
+previous stage's by more than ``max_drop`` (``1%``: relative to the previous quality; ``0.01``: absolute), or,
+with ``max_total_drop``, from the reference's. The first stage can be outputs saved by the training framework
+(``--reference-outputs``: an ``.npz`` with one array per output name, one row per sample), so PyTorch → ONNX is
+checked without PyTorch.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from qgraph.compare import TensorDiff
 from qgraph.errors import DataError, QGraphError, UsageError
 from qgraph.evaluation import Evaluation, StageScore, score_stage
+from qgraph.output_parts import OutputParts, output_parts_of
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,13 @@ class CheckRow:
         return {"stage": self.stage, "source": self.source, "sqnr_db": s.sqnr_db, "cosine": s.cosine,
                 "top1_agreement": s.top1_agreement, "metric": s.metric, "quality": self.quality,
                 "step_drop": self.step_drop, "total_drop": self.total_drop, "ok": self.ok, "why": self.why,
-                "error": s.error, "outputs": [{"name": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine,
-                                               "max_abs": d.max_abs} for d in s.outputs]}
+                "error": s.error, "outputs": [_output_dict(d) for d in [*s.outputs, *(p for p in s.parts if p.part)]]}
+
+
+def _output_dict(d: TensorDiff) -> dict[str, Any]:
+    """An output's (or an output part's, with ``part_of``) numbers in the JSON."""
+    out = {"name": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine, "max_abs": d.max_abs}
+    return {**out, "part_of": d.part.output, "part": d.part.to_dict()} if d.part is not None else out
 
 
 @dataclass
@@ -88,6 +98,12 @@ class CheckResult:
     max_drop: Drop
     max_total_drop: Drop | None = None
     failures: list[str] = field(default_factory=list)
+    #: How each output is scored (`qgraph.output_parts`), None when not looked for.
+    parts: OutputParts | None = None
+
+    def part_lines(self) -> list[str]:
+        """One sentence per output scored in parts (or a Concat output kept whole, and why)."""
+        return self.parts.decisions() if self.parts is not None else []
 
     @property
     def passed(self) -> bool:
@@ -105,7 +121,9 @@ class CheckResult:
         """JSON-ready form."""
         return {"data": self.data, "quality": self.quality_name, "max_drop": str(self.max_drop),
                 "max_total_drop": str(self.max_total_drop) if self.max_total_drop else None,
-                "passed": self.passed, "verdict": self.verdict(), "stages": [r.to_dict() for r in self.rows]}
+                "passed": self.passed, "verdict": self.verdict(), "stages": [r.to_dict() for r in self.rows],
+                "output_parts": self.parts.to_dict() if self.parts is not None else [],
+                "output_parts_decisions": self.part_lines()}
 
 
 def _saved_outputs(path: Path, names: list[str], rows: int) -> list[np.ndarray]:
@@ -137,9 +155,12 @@ def check_chain(
     max_drop: Drop,
     max_total_drop: Drop | None = None,
     reference_outputs: Path | None = None,
+    whole_outputs: bool = False,
 ) -> CheckResult:
-    """Score every stage against the first one and apply the drop limits (see module docs)."""
+    """Score every stage against the first one and apply the drop limits (see module docs); ``whole_outputs``
+    scores an output a final Concat joins as one tensor instead of part by part."""
     names, ref_out = evaluation.outputs(reference)
+    parts = output_parts_of(reference, enabled=not whole_outputs)
     stages: list[tuple[str, str, list[np.ndarray] | None, str | None]] = []
     if reference_outputs is not None:
         rows = ref_out[0].shape[0] if ref_out and ref_out[0].ndim else 1
@@ -159,9 +180,10 @@ def check_chain(
             got, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         stages.append((f"candidate {i}", str(path), got, err))
     quality_name = evaluation.metric_spec or ("top-1 agreement" if _classifies(base) else "output cosine")
-    result = CheckResult([], evaluation.describe(), quality_name, max_drop, max_total_drop)
+    result = CheckResult([], evaluation.describe(), quality_name, max_drop, max_total_drop, parts=parts)
     for label, source, outs, err in stages:
-        score = StageScore(label, error=err) if outs is None else score_stage(label, base, names, outs, evaluation)
+        score = StageScore(label, error=err) if outs is None else score_stage(label, base, names, outs, evaluation,
+                                                                               parts)
         row = CheckRow(label, source, score, quality=_quality(score))
         _judge(result, row, evaluation.higher_is_better)
         result.rows.append(row)

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -25,6 +25,9 @@ from qgraph.data import Feed, model_inputs
 from qgraph.errors import DataError, ModelError, VerificationError
 from qgraph.graph.detach import fill_nested, placeholders_as_inputs
 from qgraph.model_io import PROTOBUF_LIMIT, save_model
+
+if TYPE_CHECKING:
+    from qgraph.output_parts import OutputPart
 
 
 def make_session(
@@ -178,6 +181,13 @@ class TensorDiff:
     nonfinite_candidate: int = 0
     #: Samples compared (0 means nothing was measured: not a perfect match).
     samples: int = 1
+    #: The part of a graph output this diff measures (`qgraph.output_parts`); None: the whole tensor ``name``.
+    part: OutputPart | None = None
+
+    @property
+    def output(self) -> str:
+        """The graph output this diff belongs to (``name`` unless it measures a part of one)."""
+        return self.part.output if self.part is not None else self.name
 
     @property
     def finite(self) -> bool:
@@ -211,6 +221,7 @@ class TensorDiff:
             "nonfinite_reference": self.nonfinite_reference,
             "nonfinite_candidate": self.nonfinite_candidate,
             "samples": self.samples,
+            **({"part": self.part.to_dict()} if self.part is not None else {}),
         }
 
 

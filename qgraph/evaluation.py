@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
+from qgraph.compare import TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, import_callable, open_data_source
 from qgraph.errors import DataError
+from qgraph.output_parts import OutputParts, PartDiffs
 
 Metric = Callable[[list[np.ndarray], Any], float]
 LABEL_KEY = "labels"
@@ -172,16 +173,24 @@ class StageScore:
     top1: list[float | None] = field(default_factory=list)
     metric: float | None = None
     error: str | None = None
+    #: The scored parts of the outputs (`qgraph.output_parts`: each part of an output a final Concat joins, else
+    #: the whole output); empty: the outputs themselves.
+    parts: list[TensorDiff] = field(default_factory=list)
+
+    @property
+    def scored(self) -> list[TensorDiff]:
+        """What the lowest SQNR and cosine are taken over: the parts, else the outputs."""
+        return self.parts or self.outputs
 
     @property
     def sqnr_db(self) -> float:
-        """Lowest output SQNR (dB)."""
-        return min((d.sqnr_db for d in self.outputs), default=math.nan)
+        """Lowest output SQNR (dB), over the parts of split outputs."""
+        return min((d.sqnr_db for d in self.scored), default=math.nan)
 
     @property
     def cosine(self) -> float:
-        """Lowest output cosine similarity."""
-        return min((d.cosine for d in self.outputs), default=math.nan)
+        """Lowest output cosine similarity, over the parts of split outputs."""
+        return min((d.cosine for d in self.scored), default=math.nan)
 
     @property
     def top1_agreement(self) -> float | None:
@@ -190,8 +199,9 @@ class StageScore:
 
 
 def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str], got: Sequence[np.ndarray],
-                evaluation: Evaluation | None = None) -> StageScore:
-    """Compare ``got`` with ``reference`` output by output (by position) and apply the metric."""
+                evaluation: Evaluation | None = None, parts: OutputParts | None = None) -> StageScore:
+    """Compare ``got`` with ``reference`` output by output (by position), and part by part where ``parts`` split an
+    output (`qgraph.output_parts`), and apply the metric."""
     if len(got) != len(reference):
         return StageScore(stage, error=f"{len(got)} outputs where the reference has {len(reference)}")
     out = StageScore(stage)
@@ -199,10 +209,10 @@ def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str
         if np.shape(r) != np.shape(g):
             return StageScore(stage, error=f"output {name}: shape {list(np.shape(g))} vs reference "
                                            f"{list(np.shape(r))}")
-        acc = DiffAccumulator(name)
-        acc.add(r, g)
-        out.outputs.append(acc.result())
         out.top1.append(top1_agreement(np.asarray(r), np.asarray(g)))
+    diffs = PartDiffs(parts if parts is not None else OutputParts.whole(names), names)
+    diffs.add(reference, got)
+    out.outputs, out.parts = diffs.whole(), diffs.scored() if parts is not None and parts.split else []
     if evaluation is not None:
         out.metric = evaluation.score(list(got), list(reference))
     return out

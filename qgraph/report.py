@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from qgraph.compare import DiffAccumulator, TensorDiff, make_session, random_feeds, run
+from qgraph.compare import TensorDiff, make_session, random_feeds, run
 from qgraph.data import Feed
 from qgraph.diff.culprits import Attribution, attribute
 from qgraph.diff.graphview import changed_regions_html
@@ -38,6 +38,7 @@ from qgraph.diff.structural import structural_diff
 from qgraph.diff.tables import sqnr_cell
 from qgraph.errors import QGraphError
 from qgraph.evaluation import Evaluation, concat
+from qgraph.output_parts import OutputParts, PartDiffs, output_parts_of
 from qgraph.pass_api import PassResult
 from qgraph.pipeline import PipelineResult
 from qgraph.recipe import Recipe
@@ -133,13 +134,17 @@ def _top1(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int] | None:
 
 def stage_fidelity(reference: onnx.ModelProto | str | Path,
                    stages: Sequence[tuple[str, onnx.ModelProto | str | Path]],
-                   feeds: list[Feed], evaluation: Evaluation | None = None) -> list[dict[str, Any]]:
+                   feeds: list[Feed], evaluation: Evaluation | None = None,
+                   parts: OutputParts | None = None) -> list[dict[str, Any]]:
     """Per stage and output (by position): SQNR, cosine, max abs, relative error, top-1 agreement, and the count
-    of NaN/Inf values in the reference and the stage (models in memory or as files).
+    of NaN/Inf values in the reference and the stage (models in memory or as files); after an output that a final
+    Concat joins, one row per part (``part_of``: the output; `qgraph.output_parts`, found in ``reference`` unless
+    ``parts`` are given).
 
     The reference outputs are computed once; each stage's outputs are folded into accumulators sample by sample.
     A stage onnxruntime cannot load or run gets a row with its error instead.
     """
+    layout = parts if parts is not None else output_parts_of(reference)
     ref_sess = make_session(reference)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = [run(ref_sess, f) for f in feeds]
@@ -147,7 +152,7 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
     ref_all = [concat([r[n] for r in refs]) for n in names] if scored else []
     rows: list[dict[str, Any]] = []
     for label, model in stages:
-        accs = [DiffAccumulator(n) for n in names]
+        accs = PartDiffs(layout, names)
         top1 = [[0, 0] for _ in names]
         got_all: list[list[np.ndarray]] = [[] for _ in names]
         try:
@@ -157,8 +162,8 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
                 raise QGraphError(f"the stage has {len(cand)} outputs, the original {len(names)}")
             for feed, ref in zip(feeds, refs, strict=True):
                 got = run(sess, feed)
+                accs.add([ref[n] for n in names], [got[c] for c in cand])
                 for i, (name, other) in enumerate(zip(names, cand, strict=True)):
-                    accs[i].add(ref[name], got[other])
                     if scored:
                         got_all[i].append(got[other])
                     hit = _top1(ref[name], got[other])
@@ -168,13 +173,20 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
             rows.append({"stage": label, "output": "", "error": str(exc).splitlines()[0][:300]})
             continue
         metric = evaluation.score([concat(g) for g in got_all], ref_all) if scored and evaluation else None
-        for acc, (hits, total) in zip(accs, top1, strict=True):
-            d = acc.result()
-            rows.append({"stage": label, "output": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine,
-                         "max_abs": d.max_abs, "relative": d.relative,
-                         "top1_agreement": hits / total if total else None, "metric": metric,
-                         "nonfinite_reference": d.nonfinite_reference, "nonfinite_candidate": d.nonfinite_candidate})
+        for (d, cut), (hits, total) in zip(accs.by_output(), top1, strict=True):
+            rows.append(_fidelity_row(label, d, hits / total if total else None, metric))
+            rows += [_fidelity_row(label, p, None, metric) for p in cut]
     return rows
+
+
+def _fidelity_row(stage: str, d: TensorDiff, top1: float | None, metric: float | None) -> dict[str, Any]:
+    """One row of `stage_fidelity` (a part's row names its output in ``part_of``)."""
+    row = {"stage": stage, "output": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine, "max_abs": d.max_abs,
+           "relative": d.relative, "top1_agreement": top1, "metric": metric,
+           "nonfinite_reference": d.nonfinite_reference, "nonfinite_candidate": d.nonfinite_candidate}
+    if d.part is not None:
+        row["part_of"] = d.part.output
+    return row
 
 
 def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation | None = None) -> RunReport:

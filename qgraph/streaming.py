@@ -20,8 +20,9 @@ recorded so forms one-sample sequences: the score is then the chunk-wise one, an
 
 The score of a candidate is, per graph output ``o`` over every sample's output,
 ``SQNR_o = 10 log10(Σ y_o² / Σ (ŷ_o - y_o)²)`` (dB; +inf when identical, -inf when not finite), and the model's
-score is the minimum over outputs. Cost: one run per sample (the same as chunk-wise), sequential within a
-sequence.
+score is the minimum over outputs; given the outputs' parts (`qgraph.output_parts`), per part of an output that a
+final Concat joins, the worst part deciding. Cost: one run per sample (the same as chunk-wise), sequential within
+a sequence.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from qgraph.compare import session_run
 from qgraph.data import Feed
 from qgraph.errors import PassError
 from qgraph.names import GraphInputName, GraphOutputName
+from qgraph.output_parts import OutputPart, OutputParts
 from qgraph.pass_api import PassConfig
 
 __all__ = ["OutputScore", "Recurrence", "check_recurrence", "run_streamed", "sequence_starts"]
@@ -130,13 +132,17 @@ def run_streamed(session: Any, names: Sequence[str], feeds: Sequence[Feed], star
 class OutputScore:
     """A float reference's outputs on ``feeds`` (chunk-wise, or streamed with ``recurrence``) and the SQNR of a
     candidate session run the same way (module docstring); ``outputs`` limits the score to those graph outputs
-    (default: all)."""
+    (default: all); ``parts`` (`qgraph.output_parts.find_output_parts` of the reference model) scores each part of
+    a split output (default: every output whole)."""
 
     def __init__(self, reference: Any, feeds: Sequence[Feed], recurrence: Recurrence | None = None,
-                 outputs: Sequence[str] | None = None) -> None:
+                 outputs: Sequence[str] | None = None, parts: OutputParts | None = None) -> None:
         self.feeds = list(feeds)
         self.recurrence = recurrence
         self.names = list(outputs) if outputs else [o.name for o in reference.get_outputs()]
+        split = {s.output: s.parts for s in parts.outputs} if parts is not None else {}
+        #: What is scored: (position in ``names``, part) per scored part (the whole output: its one part).
+        self.units = [(k, p) for k, n in enumerate(self.names) for p in split.get(n, (OutputPart(n, n),))]
         wanted = list(dict.fromkeys([*self.names, *(recurrence.state_inputs.values() if recurrence else ())]))
         chunk = [dict(zip(wanted, session_run(reference, wanted, f), strict=True)) for f in self.feeds]
         self.starts = list(range(len(self.feeds)))
@@ -160,22 +166,28 @@ class OutputScore:
                     "model: set recurrent.sequence_length), so chunk-wise")
         return f"streamed over {len(self.starts)} sequence(s) of {n} samples (own states fed back)"
 
+    @property
+    def labels(self) -> list[str]:
+        """What each value of `per_output_db` measures: an output, or a part of one (``output0[4:22] (scores)``)."""
+        return [p.label for _, p in self.units]
+
     def per_output_db(self, session: Any) -> list[float]:
-        """SQNR (dB) of each output of ``session`` against the reference, run the same way."""
+        """SQNR (dB) of each scored output part of ``session`` (`labels`) against the reference, run the same way."""
         if self.recurrence is not None:
             got = [[r[n] for n in self.names]
                    for r in run_streamed(session, self.names, self.feeds, self.starts, self.recurrence)]
         else:
             got = [session_run(session, self.names, f) for f in self.feeds]
-        signal = np.zeros(len(self.names))
-        noise = np.zeros(len(self.names))
+        signal = np.zeros(len(self.units))
+        noise = np.zeros(len(self.units))
         for ref, out in zip(self.reference, got, strict=True):
-            for k, (a, b) in enumerate(zip(ref, out, strict=True)):
-                signal[k] += float(np.sum(a * a))
-                noise[k] += float(np.sum((a - np.asarray(b, np.float64)) ** 2))
+            for u, (k, part) in enumerate(self.units):
+                a, b = part.cut(ref[k]), part.cut(np.asarray(out[k], np.float64))
+                signal[u] += float(np.sum(a * a))
+                noise[u] += float(np.sum((a - b) ** 2))
         return [-math.inf if not math.isfinite(n) else math.inf if n == 0 else
                 10 * math.log10(max(s, 1e-300) / n) for s, n in zip(signal, noise, strict=True)]
 
     def score_db(self, session: Any) -> float:
-        """min over outputs of `per_output_db` (NaN/Inf outputs give -inf: never "no error")."""
+        """min over the scored parts of `per_output_db` (NaN/Inf outputs give -inf: never "no error")."""
         return float(min(self.per_output_db(session)))

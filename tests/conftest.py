@@ -112,3 +112,28 @@ def local_ray() -> Iterator[Any]:
              object_store_memory=256 << 20)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def detector(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A YOLO-style head whose ``output0`` joins boxes (0..320 px) and class scores (0..1) through a Concat
+    (`qgraph.testing.detection_head`, batch axis dynamic), quantized with one scale for the join (as onnxruntime's
+    quantize_static does: the scores are lost, the whole output reads > 40 dB): paths ``float``, ``int8``,
+    ``calibration`` and ``eval`` (``.npz``, 16 images each), and ``recipe`` (the quantization as a recipe)."""
+    import numpy as np
+
+    from qgraph import Recipe
+    from qgraph.testing import detection_feeds, detection_head
+
+    folder = tmp_path_factory.mktemp("detector")
+    onnx.save(detection_head(batch="batch"), folder / "float.onnx")
+    for name, seed in (("calibration", 1), ("eval", 2)):
+        images = np.concatenate([f["images"] for f in detection_feeds(16, seed=seed)])
+        np.savez(folder / f"{name}.npz", images=images)
+    recipe = folder / "shared.yaml"
+    recipe.write_text("name: shared-join\npasses:\n  - pass: insert_qdq\n    preset: ort-x86-vnni\n"
+                      "    elementwise: always\n    joins: {keep_float: false}\n")
+    Recipe.from_yaml(recipe).pipeline().run(str(folder / "float.onnx"),
+                                            calibration_data=str(folder / "calibration.npz")).save(folder / "int8.onnx")
+    return {"float": folder / "float.onnx", "int8": folder / "int8.onnx", "calibration": folder / "calibration.npz",
+            "eval": folder / "eval.npz", "recipe": recipe}

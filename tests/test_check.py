@@ -151,3 +151,36 @@ def test_labels_are_found_or_given(tmp_path: Path) -> None:
     ev = Evaluation.open(model, DIGITS / "eval.npz", metric=METRIC, samples=450)
     names, outs = ev.outputs(DIGITS / "model.onnx")
     assert names == ["logits"] and ev.score(outs, outs) == pytest.approx(0.9888888, abs=1e-6)
+
+
+def test_an_output_a_concat_joins_is_checked_part_by_part(detector: dict[str, Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A detector's boxes and class scores in one output: the whole output reads > 40 dB while the scores, quantized
+    with the boxes' scale, are lost. The stage's SQNR and cosine are the worst part's (its quality, output cosine,
+    drops); `--whole-outputs` gives the old view, where the boxes hide the scores."""
+    args = ["check", str(detector["float"]), str(detector["int8"]), "--data", str(detector["eval"])]
+    assert main([*args, "--max-drop", "50%", "--json", "-"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["output_parts_decisions"] == [
+        "output0 is scored as 2 parts (Concat on axis 1 of boxes [4] and scores [18]); the worst part decides"]
+    stage = report["stages"][1]
+    rows = {o["name"]: o for o in stage["outputs"]}
+    assert list(rows) == ["output0", "output0[0:4] (boxes)", "output0[4:22] (scores)"]
+    whole, boxes, scores = rows.values()
+    assert boxes["part_of"] == scores["part_of"] == "output0" and scores["part"]["start"] == 4
+    assert scores["sqnr_db"] < 1 and boxes["sqnr_db"] > 40  # one step of 1.25 px: the scores' whole range
+    assert scores["sqnr_db"] <= whole["sqnr_db"] <= boxes["sqnr_db"]
+    assert stage["sqnr_db"] == scores["sqnr_db"] and stage["cosine"] == scores["cosine"] == stage["quality"]
+    assert stage["cosine"] < 0.5 and not stage["ok"]
+
+    assert main([*args, "--max-drop", "50%", "--whole-outputs", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stage = report["stages"][1]
+    assert [o["name"] for o in stage["outputs"]] == ["output0"] and report["output_parts_decisions"] == []
+    assert stage["sqnr_db"] == pytest.approx(whole["sqnr_db"]) and stage["cosine"] > 0.9999
+
+    assert main([*args, "--max-drop", "50%"]) == 1
+    captured = capsys.readouterr()
+    out, err = " ".join(captured.out.split()), " ".join(captured.err.split())
+    assert "output0[0:4] (boxes)" in out and "output0[4:22] (scores)" in out  # the parts table
+    assert "output0 is scored as 2 parts" in err and "FAIL: candidate 1" in err

@@ -112,3 +112,24 @@ def test_a_quantized_input_model_is_named_as_what_the_check_compares_with(
     first = check_fidelity(DIGITS / "model.onnx", tmp_path / "p.onnx",
                            open_data_source(str(DIGITS / "calibration.npz")))
     assert first is not None and first.against == "the float model"
+
+
+def test_run_checks_each_part_of_an_output_a_concat_joins(detector: dict[str, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A detector's boxes and class scores joined in one output: the check prints the whole output and a line per
+    part, --min-sqnr holds each part to the bound, and the report's fidelity rows carry the parts."""
+    out, report = tmp_path / "d.int8.onnx", tmp_path / "r.json"
+    args = ["run", str(detector["recipe"]), str(detector["float"]), "-o", str(out), "-q", "--calibration-data",
+            str(detector["calibration"]), "--eval-data", str(detector["eval"]), "--report", str(report)]
+    assert main([*args, "--min-sqnr", "20"]) == 3  # the whole output is at > 40 dB: only its scores fail
+    err = capsys.readouterr().err
+    found = re.finditer(r"^ *(output0(?:\[\d+:\d+\] \(\w+\))?): SQNR (-?\d+\.\d) dB", err, re.M)
+    lines = {m.group(1): float(m.group(2)) for m in found}
+    assert list(lines) == ["output0", "output0[0:4] (boxes)", "output0[4:22] (scores)"], err
+    assert "\n    output0[4:22] (scores): SQNR" in err  # indented under its output
+    assert lines["output0"] > 40 and lines["output0[0:4] (boxes)"] > 40 and lines["output0[4:22] (scores)"] < 1
+    assert "error: output 'output0[4:22] (scores)': SQNR 0.0 dB: below --min-sqnr 20 dB" in err
+    assert "output 'output0':" not in err
+    rows = [r for r in json.loads(report.read_text())["fidelity"] if r["stage"] == "final"]
+    assert [r.get("part_of") for r in rows] == [None, "output0", "output0"]
+    assert rows[2]["sqnr_db"] == pytest.approx(lines["output0[4:22] (scores)"], abs=0.051)

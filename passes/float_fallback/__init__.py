@@ -73,6 +73,7 @@ from qgraph.streaming import Recurrence, check_recurrence
 from qgraph.target import CalibrationSpec
 
 from .costs import fallback_costs
+from .parts import scored_parts
 from .record import apply_and_record
 from .strip import compare_with, recipe_reference
 
@@ -136,6 +137,11 @@ class AutoFallbackConfig(PassConfig):
         default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): every "
         "full evaluation runs streamed, each model fed its own previous state over the data in order "
         "(`qgraph.streaming`); the one-run ranking stays per sample.",
+    )
+    output_parts: bool = Field(
+        default=True, description="With a cosine/sqnr target, score each part of an output that a final Concat "
+        "joins (a detector's boxes and class scores) on its own, the worst part deciding (`qgraph.output_parts`); "
+        "false: every output whole, where the largest part's error hides the others'.",
     )
 
     @field_validator("target")
@@ -310,6 +316,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             res.decisions.append(f"auto: to {self.config.to}: nodes ranked by output error (the cost table has no "
                                  f"16-bit costs); each chosen node gets 16-bit activations, {what}")
         target = _target(auto, reference)
+        parts = scored_parts(auto, reference, target, res)
         result = auto_fallback(
             reference,
             qdq,
@@ -331,6 +338,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             recurrence=auto.recurrent,
             remedy=self.config.to,
             in_bodies=bool(in_bodies) and auto.bodies,
+            parts=parts,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())

@@ -160,6 +160,10 @@ def sensitivity(
     to: Annotated[Literal["float", "a16w8", "a16w16"], typer.Option(
         "--to", help="What the chosen nodes become (as float_fallback's `to`): float; a16w8 = 16-bit activations, "
         "weights unchanged (NPUs); a16w16 = 16-bit weights too, from MODEL_FLOAT's weights.")] = "float",
+    whole_outputs: Annotated[bool, typer.Option("--whole-outputs", help="Score an output that a final Concat joins "
+                             "from different tensors (a detector's boxes and class scores) as one tensor; default: "
+                             "each part on its own, the worst part deciding (cosine/sqnr targets and the "
+                             "ranking).")] = False,
 ) -> None:
     """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
     exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the
@@ -173,6 +177,7 @@ def sensitivity(
     code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs or 1, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
                        quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,
-                       exact_top=exact_top, executor=spec, cost=cost, latency_preset=latency_preset, remedy=to)
+                       exact_top=exact_top, executor=spec, cost=cost, latency_preset=latency_preset, remedy=to,
+                       whole_outputs=whole_outputs)
     if code:
         raise typer.Exit(code)

@@ -39,9 +39,13 @@ def check(
                                  "first stage of the chain.")] = None,
     samples: Annotated[int | None, typer.Option("--samples", min=1, help="Use at most N samples.")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write JSON to FILE ('-': stdout only).")] = None,
+    whole_outputs: Annotated[bool, typer.Option("--whole-outputs", help="Score an output that a final Concat joins "
+                             "from different tensors (a detector's boxes and class scores) as one tensor; default: "
+                             "each part on its own, the worst part deciding.")] = False,
 ) -> None:
     """Check a chain of models on held-out data: every stage against the first, exit 1 when a step loses more
-    than --max-drop of the quality (the metric; else top-1 agreement; else output cosine)."""
+    than --max-drop of the quality (the metric; else top-1 agreement; else output cosine, the lowest over the
+    parts of an output a final Concat joins)."""
     from qgraph.check import Drop, check_chain
     from qgraph.diff.render import dumps
     from qgraph.errors import UsageError, VerificationError
@@ -65,11 +69,13 @@ def check(
     ev = Evaluation.open(load_model(reference), data, labels=labels, metric=metric, samples=samples,
                          higher_is_better=not lower_is_better)
     result = check_chain(reference, stages, ev, max_drop=drop, max_total_drop=total,
-                         reference_outputs=reference_outputs)
+                         reference_outputs=reference_outputs, whole_outputs=whole_outputs)
     if json_out == "-":
         sys.stdout.write(dumps(result.to_dict()))
     else:
         _print(result)
+        for line in result.part_lines():
+            say(line)
         if json_file:
             say(f"wrote {write_atomic(json_file, dumps(result.to_dict()))}")
     if not result.passed:
@@ -96,3 +102,9 @@ def _print(result: object) -> None:
             "total drop", "verdict"]
     _app.out.print(rich_table(f"validation chain on {result.data} (quality: {result.quality_name}; drops against "
                               "the previous stage and the first)", head, rows))
+    parts = [[r.stage, p.name, cell(p.sqnr_db), cell(p.cosine), cell(p.max_abs)] for r in result.rows[1:]
+             for p in r.score.parts if p.part is not None]
+    if parts:
+        _app.out.print(rich_table("output parts (each part of an output a final Concat joins, against the first "
+                                  "stage; the stage's SQNR and cosine are the worst part's)",
+                                  ["stage", "output part", "SQNR dB", "cosine", "max abs"], parts))

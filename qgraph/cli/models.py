@@ -113,6 +113,10 @@ def diff(
     json_out: Annotated[str | None, typer.Option("--json", help="Write JSON to FILE ('-': stdout only).")] = None,
     html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML page.")] = None,
     top: Annotated[int, typer.Option(min=1, help="Rows in ranked tables.")] = 10,
+    whole_outputs: Annotated[bool, typer.Option("--whole-outputs", help="Compare an output that a final Concat "
+                             "joins from different tensors (a detector's boxes and class scores) only as one tensor, "
+                             "and rank Q/DQ pairs by it; default: a row per part too, the ranking on the worst "
+                             "part.")] = False,
 ) -> None:
     """Diff two models: nodes, ops, weights, opsets, QDQ coverage; with --eval-data, layer-by-layer error, top-1
     agreement and your metric, and the Q/DQ pairs ranked by the output error they cause (and why)."""
@@ -125,7 +129,7 @@ def diff(
                   inputs=[a, b, None if inputs == "random" else data_path(inputs)])
     need_positive(samples, "--samples")
     structural, numeric = diff_files(a, b, inputs=inputs, samples=samples, labels=labels, metric=metric,
-                                     exact_top=exact_top)
+                                     exact_top=exact_top, whole_outputs=whole_outputs)
     if json_out == "-":
         sys.stdout.write(dumps(diff_json(structural, numeric, top)))
     else:

@@ -65,9 +65,12 @@ def diff_files(
     labels: str | os.PathLike[str] | None = None,
     metric: str | None = None,
     exact_top: int = EXACT_TOP,
+    whole_outputs: bool = False,
 ) -> tuple[StructuralDiff, NumericDiff | None]:
     """Structural diff of two model files, plus, when ``inputs`` (evaluation data) is given, the numeric diff,
-    the outputs' top-1 agreement and metric, and the Q/DQ pairs ranked by the output error they cause."""
+    the outputs' top-1 agreement and metric, and the Q/DQ pairs ranked by the output error they cause. An output
+    that a final Concat of A joins is also compared part by part and the ranking measures its worst part
+    (`qgraph.output_parts`), unless ``whole_outputs``."""
     from qgraph.model_io import load_model
 
     ma, mb = load_model(a), load_model(b)
@@ -81,10 +84,10 @@ def diff_files(
     else:
         evaluation = Evaluation.open(ma, str(inputs), labels=None if labels is None else str(labels), metric=metric,
                                      samples=samples)
-    numeric = numeric_diff(ma, mb, evaluation.feeds)
+    numeric = numeric_diff(ma, mb, evaluation.feeds, whole_outputs=whole_outputs)
     numeric.evaluation = compare_outputs(ma, mb, evaluation)
     if structural.coverage_b.dequantize_nodes:
-        numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top)
+        numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top, whole_outputs=whole_outputs)
     return structural, numeric
 
 

@@ -15,6 +15,7 @@ import onnx
 from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 from qgraph.diff.probe import only_this_pair
+from qgraph.output_parts import OutputPart, OutputParts
 from qgraph.rescaling import Rescaling
 
 if TYPE_CHECKING:
@@ -33,16 +34,21 @@ def outputs(model: onnx.ModelProto, feeds: Sequence[Feed]) -> list[list[np.ndarr
     return [[np.asarray(v) for v in session_run(session, names, f)] for f in feeds]
 
 
-def noise_ratio(refs: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
-    """Mean over outputs of Σ(got - ref)² / Σ ref² (inf when ``got`` has NaN/Inf)."""
+def noise_ratio(refs: list[list[np.ndarray]], got: list[list[np.ndarray]],
+                scored: Sequence[OutputPart | None] = ()) -> float:
+    """Mean over outputs of Σ(got - ref)² / Σ ref² (inf when ``got`` has NaN/Inf); ``scored[o]``, when given and
+    not None, is the part of output ``o`` measured instead of the whole (`qgraph.output_parts`)."""
     n_out = len(refs[0]) if refs else 0
     ratios = []
     for o in range(n_out):
         err = sig = 0.0
+        part = scored[o] if o < len(scored) else None
         for r, g in zip(refs, got, strict=True):
             rr, gg = r[o].astype(np.float64), g[o].astype(np.float64)
             if rr.dtype.kind != "f" or rr.shape != gg.shape:
                 break
+            if part is not None:
+                rr, gg = part.cut(rr), part.cut(gg)
             if not np.all(np.isfinite(gg)):
                 return math.inf
             err += float(((gg - rr) ** 2).sum())
@@ -50,6 +56,21 @@ def noise_ratio(refs: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> fl
         else:
             ratios.append(err / sig if sig > 0 else (0.0 if err == 0 else math.inf))
     return float(np.mean(ratios)) if ratios else 0.0
+
+
+def worst_parts(refs: list[list[np.ndarray]], got: list[list[np.ndarray]],
+                parts: OutputParts | None) -> list[OutputPart | None]:
+    """Per output, the part of a split output where ``got`` has the largest noise ratio (None: the whole output)."""
+    if parts is None or not parts.split:
+        return []
+    out: list[OutputPart | None] = []
+    for o, split in enumerate(parts.outputs):
+        if not split.split:
+            out.append(None)
+            continue
+        solo = [[r[o]] for r in refs], [[g[o]] for g in got]
+        out.append(max(split.parts, key=lambda p: noise_ratio(*solo, [p])))
+    return out
 
 
 def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit], first: int, feeds: list[Feed],
@@ -75,7 +96,7 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
             applied = [stack.enter_context(only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)))
                        for c in distinct]
             if any(p is not None for p in applied):
-                screened.append((noise_ratio(refs, outputs(work, feeds)), group))
+                screened.append((noise_ratio(refs, outputs(work, feeds), out.scored), group))
     worst = max((c.output_noise or 0.0 for c in culprits), default=0.0)
     for joint, group in sorted(screened, key=lambda s: -s[0]):
         if joint < worst / 2 or time.perf_counter() - start > seconds:
@@ -109,8 +130,9 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
     """Fill ``output_noise``/``contribution`` of ``culprits`` (A with only that pair), and B's ``η`` (once);
     returns A's outputs for the next call."""
     if refs is None:
-        refs = outputs(a, feeds)
-        out.output_noise = noise_ratio(refs, outputs(b, feeds))
+        refs, got = outputs(a, feeds), outputs(b, feeds)
+        out.scored = worst_parts(refs, got, out.output_parts)
+        out.output_noise = noise_ratio(refs, got, out.scored)
     work = onnx.ModelProto()
     work.CopyFrom(a)
     opset = next((o.version for o in a.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -123,7 +145,7 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
         with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
             if probe is None:
                 continue
-            c.output_noise = noise_ratio(refs, outputs(work, feeds))
+            c.output_noise = noise_ratio(refs, outputs(work, feeds), out.scored)
         if out.output_noise:
             c.contribution = c.output_noise / out.output_noise
     return refs

@@ -8,7 +8,9 @@ measured exactly: A with *only that pair* applied (a fake-quantized weight, or `
 activation with B's scale and zero point) runs on the same samples, and its output noise power ratio
 ``η_p = mean over outputs of Σ(y_p - y)² / Σ y²`` is compared with B's own ``η``: ``contribution = η_p / η``
 (1.0: this pair alone explains all of B's output error). Culprits are ranked by ``η_p`` (measured first, then
-the rest by local noise), never by graph order, and each carries one sentence saying why it hurts.
+the rest by local noise), never by graph order, and each carries one sentence saying why it hurts. An output that
+a final Concat of A joins from different tensors (a detector's boxes and class scores, `qgraph.output_parts`) is
+measured on its worst part in B (the largest noise ratio), for B and for every pair alone: the headline says so.
 
 Pairs inside If/Loop bodies are found in each body of B made standalone, their values read from A's body run on
 its executions (`qgraph.diff.bodies`), and ranked with the top-level ones under their scoped names; the exact
@@ -34,6 +36,7 @@ from qgraph.diff.bodies import BodyLevel, body_levels
 from qgraph.diff.numeric import estimate_bytes, plan_chunks, reiterable, stream_tensors, tensor_types
 from qgraph.diff.protos import ModelIndex
 from qgraph.diff.quant_points import PointStats, QuantPoint, find_points
+from qgraph.output_parts import OutputPart, OutputParts, output_parts_of
 from qgraph.quant import matches_codes
 from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
@@ -96,6 +99,17 @@ class Attribution:
     #: If/Loop bodies holding Q/DQ pairs that did not run on these inputs (their pairs are not ranked), one
     #: sentence each.
     not_run: list[str] = field(default_factory=list)
+    #: How A's outputs split into parts (`qgraph.output_parts`; None: whole), and per output the part the output
+    #: noise is measured on (B's worst; None: the whole output; empty: every output whole).
+    output_parts: OutputParts | None = None
+    scored: list[OutputPart | None] = field(default_factory=list)
+
+    def measured_on(self) -> str:
+        """``output0[4:22] (scores), the worst part of output0`` when some output is measured on a part, else ''."""
+        parts = [p for p in self.scored if p is not None]
+        if not parts:
+            return ""
+        return f"{', '.join(p.label for p in parts)}, the worst part of {', '.join(p.output for p in parts)}"
 
     def headline(self) -> str | None:
         """One sentence naming the worst pair and why, or None when there is no quantization point."""
@@ -103,14 +117,18 @@ class Attribution:
             return None
         c = self.culprits[0]
         where = f"{c.point.kind} {c.point.tensor} (read by {c.point.node})"
+        on = self.measured_on()
+        whose = "its" if on and len(self.scored) == 1 else "the output"
         share = "" if c.contribution is None else (
-            f"; alone it gives {_fmt_db(c.alone_sqnr_db)} dB output SQNR, {c.contribution:.0%} of the output error")
+            f"; alone it gives {_fmt_db(c.alone_sqnr_db)} dB output SQNR{f' on {on}' if on else ''}, "
+            f"{c.contribution:.0%} of {whose} error")
         return f"most output error comes from the Q/DQ pair on {where}: {c.reason}{share}."
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"samples": self.samples, "output_noise": self.output_noise, "seconds": self.seconds,
                 "headline": self.headline(), "notes": self.notes, "not_run": self.not_run,
+                "measured_on": [p.to_dict() if p is not None else None for p in self.scored],
                 "culprits": [c.to_dict() for c in self.culprits]}
 
 
@@ -176,15 +194,17 @@ def attribute(
     exact_top: int = EXACT_TOP,
     max_bytes: int = 256 << 20,
     extend_seconds: float = EXTEND_SECONDS,
+    whole_outputs: bool = False,
 ) -> Attribution:
     """Rank B's quantization points by the output error each causes (see module docs). The first ``exact_top``
     by local noise are measured alone; the others are screened in groups within ``extend_seconds`` (`_measure_more`)
-    and the notes say how many were measured."""
+    and the notes say how many were measured. ``whole_outputs`` measures an output a final Concat joins whole."""
     start = time.perf_counter()
     ia, ib = ModelIndex.build(a), ModelIndex.build(b)
     points, notes = find_points(ia, ib)
     feeds = list(feeds if samples is None else list(reiterable(feeds))[:samples])
     out = Attribution(samples=len(feeds), notes=notes)
+    out.output_parts = None if whole_outputs else output_parts_of(a)
     in_bodies = any(r.scope for r in ib.nodes)
     if not (points or in_bodies) or not feeds:
         out.seconds = time.perf_counter() - start

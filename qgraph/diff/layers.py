@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qgraph.output_parts import OutputPart, OutputParts
+
 
 @dataclass
 class LayerDiff:
@@ -29,6 +31,7 @@ class LayerDiff:
     pass_name: str | None = None  # the qgraph pass that created the producer in B (from its tag)
     nonfinite_a: int = 0  # NaN/Inf elements in model A's tensor (never counted as "no error")
     nonfinite_b: int = 0
+    part: OutputPart | None = None  # the part of a graph output this row measures (`qgraph.output_parts`)
 
     @property
     def op_label(self) -> str:
@@ -59,7 +62,22 @@ class LayerDiff:
         for key in ("candidate", "node_b", "op_b", "pass_name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.part is not None:
+            out.update(part_of=self.part.output, part=self.part.to_dict())
         return out
+
+
+def part_drops(rows: dict[str, list[LayerDiff]], layers: dict[tuple[str, str], LayerDiff]) -> None:
+    """A part of a split output copies its source tensor (the Concat input): its input SQNR is that tensor's, so
+    the drop is what the join lost (e.g. the scores quantized with the boxes' scale)."""
+    for d in (r for part_rows in rows.values() for r in part_rows):
+        source = layers.get(("", d.part.source)) if d.part is not None else None
+        if source is None:
+            continue
+        d.input_sqnr_db = source.sqnr_db
+        d.drop_db = 0.0 if source.sqnr_db == -math.inf or d.sqnr_db == math.inf else source.sqnr_db - d.sqnr_db
+        own = 10.0 ** (-d.sqnr_db / 10.0) - 10.0 ** (-source.sqnr_db / 10.0)
+        d.layer_sqnr_db = math.inf if own <= 0 else -10 * math.log10(own) if math.isfinite(own) else -math.inf
 
 
 def json_number(x: Any) -> Any:
@@ -89,6 +107,17 @@ class NumericDiff:
     #: Each If/Loop body of A (scoped ``<node>.<attr>``) and what the diff saw of it: the executions compared, or
     #: that it did not run on these inputs (then nothing inside it is in ``layers``, which is not "no error").
     bodies: dict[str, str] = field(default_factory=dict)
+    #: How A's outputs are scored (`qgraph.output_parts`), and the rows of the parts of each split output.
+    output_parts: OutputParts | None = None
+    parts: dict[str, list[LayerDiff]] = field(default_factory=dict)
+
+    def output_rows(self) -> list[LayerDiff]:
+        """The outputs, each split output followed by its parts."""
+        return [r for d in self.outputs for r in (d, *self.parts.get(d.tensor, ()))]
+
+    def scored_outputs(self) -> list[LayerDiff]:
+        """What the outputs are judged by: the parts of a split output, else the whole output."""
+        return [r for d in self.outputs for r in (self.parts.get(d.tensor) or [d])]
 
     def not_run(self) -> list[str]:
         """Scopes of the bodies with nothing compared (not run on these inputs, or not comparable)."""
@@ -137,7 +166,10 @@ class NumericDiff:
             "runs": self.runs,
             "noise_floor_db": self.noise_floor_db,
             "jump_db": self.jump_db,
-            "outputs": [d.to_dict() for d in self.outputs],
+            "outputs": [{**d.to_dict(), **({"parts": [p.to_dict() for p in self.parts[d.tensor]]}
+                                            if d.tensor in self.parts else {})} for d in self.outputs],
+            "output_parts": self.output_parts.to_dict() if self.output_parts is not None else [],
+            "output_parts_decisions": self.output_parts.decisions() if self.output_parts is not None else [],
             "first_jump": first.to_dict() if first else None,
             "introduced": [d.to_dict() for d in self.introduced(top)],
             "worst": [d.to_dict() for d in self.worst(top)],

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -37,9 +38,10 @@ import onnx
 from qgraph.compare import DiffAccumulator, make_session, session_run
 from qgraph.data import DataSource, Feed
 from qgraph.diff.bodies import BodyLevel, body_levels
-from qgraph.diff.layers import LayerDiff, NumericDiff
+from qgraph.diff.layers import LayerDiff, NumericDiff, part_drops
 from qgraph.diff.protos import ModelIndex, NodeRef, subgraphs_of
 from qgraph.errors import DataError, ModelError
+from qgraph.output_parts import OutputPart, output_parts_of
 from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -211,9 +213,11 @@ def numeric_diff(
     max_bytes: int = 256 << 20,
     noise_floor_db: float = 80.0,
     jump_db: float = 6.0,
+    whole_outputs: bool = False,
 ) -> NumericDiff:
     """Compare every float tensor present in both models (by name) and the graph outputs on ``feeds``; tensors
-    inside If/Loop bodies too, on the executions of each body (`qgraph.diff.bodies`)."""
+    inside If/Loop bodies too, on the executions of each body (`qgraph.diff.bodies`). Each part of an output that
+    a final Concat of A joins is compared too (`qgraph.output_parts`), unless ``whole_outputs``."""
     ia, ib = ModelIndex.build(a), ModelIndex.build(b)
     ins_a = {n for n in ia.graph_inputs if n not in ia.initializers}
     ins_b = {n for n in ib.graph_inputs if n not in ib.initializers}
@@ -232,6 +236,10 @@ def numeric_diff(
     feeds = reiterable(feeds)
     rescaled = relative_rescaling(a, b)  # tensors a float-preserving pass rescaled per channel (equalization)
     top = _Compared(a, b, feeds, max_bytes, samples, rescaled)
+    split = output_parts_of(a, enabled=not whole_outputs)
+    position = {p: i for i, p in enumerate(pairs)}
+    top.cuts = {position[p]: [(part, DiffAccumulator(part.label)) for part in s.parts]
+                for p, s in zip(out_pairs, split.outputs, strict=False) if s.split and p in position}
     results = top.run(pairs, where, types, lambda t: ib.producer.get(t))
     if top.samples == 0:
         raise DataError("the numeric diff got no samples: the data is empty. Give at least one sample.")
@@ -243,12 +251,13 @@ def numeric_diff(
             if lv.ran and lv.b is not None:
                 layers.update(((lv.scope, d.tensor), d) for d in _body_layers(lv, ia, max_bytes, rescaled, top))
     _attribute_drops(ia, layers)
+    part_drops(top.part_rows, layers)
     wanted = set(out_pairs)
     outputs = [d for d in results if (d.tensor, d.candidate or d.tensor) in wanted]
     ordered = sorted(layers.values(), key=lambda d: d.order)
     out = NumericDiff(top.samples, ordered, outputs, top.skipped, top.runs, noise_floor_db, jump_db)
     out.rescaled = sorted(t for t in rescaled if ("", t) in layers)
-    out.bodies = status
+    out.bodies, out.output_parts, out.parts = status, split, top.part_rows
     return out
 
 
@@ -262,6 +271,9 @@ class _Compared:
         self.max_bytes, self.limit, self.rescaled = max_bytes, samples, rescaled
         self.skipped: dict[str, str] = {}
         self.samples = self.runs = 0
+        #: pair position -> accumulators of the parts of that graph output, and their rows once run (by output)
+        self.cuts: dict[int, list[tuple[OutputPart, DiffAccumulator]]] = {}
+        self.part_rows: dict[str, list[LayerDiff]] = {}
 
     def run(self, pairs: list[tuple[str, str]], where: list[tuple[str, str, int]],
             types: dict[str, tuple[int, list[int | str]]], producer_b: Callable[[str], NodeRef | None]
@@ -281,8 +293,15 @@ class _Compared:
                     self.skipped[pairs[i][0]] = v
                     skipped.add(i)
                 else:
-                    accs[i].add(v[0], _undo(self.rescaled, pairs[i][1], v[1]))
+                    cand = _undo(self.rescaled, pairs[i][1], v[1])
+                    accs[i].add(v[0], cand)
+                    for part, acc in self.cuts.get(i, ()):
+                        acc.add(part.cut(v[0]), part.cut(cand))
             del values  # do not keep this sample's activations alive while the next one is computed
+        for i, cuts in self.cuts.items():
+            if i not in skipped:
+                self.part_rows[pairs[i][0]] = [replace(self._layer(p.label, p.label, where[i], acc, None), part=p)
+                                               for p, acc in cuts]
         return [self._layer(na, nb, w, acc, producer_b(nb))
                 for i, ((na, nb), w, acc) in enumerate(zip(pairs, where, accs, strict=True)) if i not in skipped]
 

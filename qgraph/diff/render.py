@@ -79,8 +79,15 @@ _OUT_HEAD = ["output", "SQNR dB", "cosine", "max abs", "relative", "rel L2"]
 
 
 def _output_rows(outputs: Sequence[LayerDiff]) -> list[list[Any]]:
-    return [[d.tensor if d.candidate is None else f"{d.tensor} ↔ {d.candidate}", sqnr_cell(d.sqnr_db), d.cosine,
-             d.max_abs, d.relative, d.rel_l2] for d in outputs]
+    """Rows of the outputs table; a part of an output (`qgraph.output_parts`) is marked ``↳`` under its output."""
+    return [[f"↳ {d.tensor}" if d.part is not None else d.tensor if d.candidate is None else
+             f"{d.tensor} ↔ {d.candidate}", sqnr_cell(d.sqnr_db), d.cosine, d.max_abs, d.relative, d.rel_l2]
+            for d in outputs]
+
+
+def part_lines(n: NumericDiff) -> list[str]:
+    """One sentence per output scored in parts (or a Concat output kept whole, and why)."""
+    return n.output_parts.decisions() if n.output_parts is not None else []
 
 
 def body_lines(n: NumericDiff) -> list[str]:
@@ -158,8 +165,8 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
         console.print(f"{len(n.rescaled)} tensor(s) rescaled by equalization (recorded per-channel factors undone "
                       f"before comparing): {', '.join(n.rescaled[:4])}{' ...' if len(n.rescaled) > 4 else ''}",
                       markup=False, highlight=False)
-    console.print(_rich_table("outputs", _OUT_HEAD, _output_rows(n.outputs)))
-    for line in body_lines(n):
+    console.print(_rich_table("outputs", _OUT_HEAD, _output_rows(n.output_rows())))
+    for line in [*part_lines(n), *body_lines(n)]:
         console.print(line, markup=False, highlight=False)
     if n.evaluation is not None:
         console.print(evaluation_line(n.evaluation), markup=False, highlight=False)
@@ -305,7 +312,8 @@ def numeric_html(n: NumericDiff, top: int = 10) -> str:
     culprits = culprits_html(n.attribution, top) if n.attribution is not None else ""
     return culprits + "".join([
         section("Outputs", f"<p>{n.samples} sample(s); {len(n.layers)} tensors compared in {n.runs} run(s); "
-                f"{len(n.skipped)} skipped.</p>" + table(_OUT_HEAD, _output_rows(n.outputs), table_id="outputs")
+                f"{len(n.skipped)} skipped.</p>" + table(_OUT_HEAD, _output_rows(n.output_rows()), table_id="outputs")
+                + "".join(f'<p class="output-parts">{esc(line)}</p>' for line in part_lines(n))
                 + (f'<p id="evaluation">{esc(evaluation_line(n.evaluation))}</p>' if n.evaluation else "")
                 + "".join(f'<p class="muted body-status">{esc(line)}</p>' for line in body_lines(n)),
                 "outputs-section"),

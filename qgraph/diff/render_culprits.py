@@ -50,8 +50,9 @@ def print_culprits(console: Console, att: Attribution, top: int = 10) -> None:
         return
     console.print("culprit:", style="bold red", end=" ")
     console.print(headline, markup=False, highlight=False)
+    on = att.measured_on()
     console.print(f"Q/DQ pairs by their share of the output error (top {min(top, len(att.culprits))} of "
-                  f"{len(att.culprits)}; {att.samples} sample(s))", style="bold")
+                  f"{len(att.culprits)}; {att.samples} sample(s){f'; measured on {on}' if on else ''})", style="bold")
     for i, c in enumerate(att.culprits[:top], 1):
         d = c.to_dict()
         alone = "not measured alone" if d["alone_sqnr_db"] is None else (
@@ -76,5 +77,6 @@ def culprits_html(att: Attribution, top: int = 10) -> str:
             + "".join(f'<p class="muted">{esc(n)}</p>' for n in att.notes[:10])
             + f'<p class="muted">{att.samples} sample(s); {sum(c.output_noise is not None for c in att.culprits)} '
               "pairs measured alone (the reference with only that pair applied); the others are ranked by the "
-              "noise they inject.</p>")
+              f"noise they inject{f'. Output error measured on {esc(att.measured_on())}' if att.measured_on() else ''}"
+              ".</p>")
     return section("Where accuracy was lost: Q/DQ pairs", body, "culprits-section")

@@ -24,6 +24,7 @@ from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
+from qgraph.output_parts import output_parts_of
 from qgraph.outputs import write_atomic
 from qgraph.qdq import has_qdq
 from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
@@ -262,6 +263,7 @@ def run_command(
     cost: str = "error",
     latency_preset: str | None = None,
     remedy: str = "float",
+    whole_outputs: bool = False,
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
@@ -272,13 +274,18 @@ def run_command(
     (`qgraph.reference_weights`; else the dequantized codes), and the patch names it in ``float_weights``.
 
     ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
-    every metric (also one named in ``target``) is called as ``metric(outputs, labels)``."""
+    every metric (also one named in ``target``) is called as ``metric(outputs, labels)``. A cosine/sqnr target (and
+    the default ranking) scores each part of an output a final Concat joins (`qgraph.output_parts`), unless
+    ``whole_outputs``."""
     _check_options(target, output, patch, remedy, cost)
     if plot is not None:
         check_plot_path(plot)
     reference, qdq = load_model(model_float), _qdq_model(model_qdq)
     evaluation = Evaluation.open(reference, data, labels=labels, metric=metric, samples=samples)
     tgt = _target(target, metric, evaluation)
+    parts = output_parts_of(reference, enabled=not whole_outputs) if tgt.kind != "metric" else None
+    for line in parts.decisions() if parts is not None else []:
+        console.print(line, markup=False, highlight=False)
     progress, on_progress = _stage_progress(console, quiet)
     run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
     with run, progress:
@@ -297,13 +304,14 @@ def run_command(
             executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
             float_weights=ReferenceWeights(reference, checked=True) if remedy != "a16w8" else None, in_bodies=True,
+            parts=parts,
         )
     if remedy != "a16w8":  # the patch restores (float) or re-quantizes (a16w16) from the same float weights
         result.float_model = str(Path(model_float).resolve())
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
     if result.sensitivity is not None:
         render_table(result.sensitivity, out, remedy=remedy)
-    attribution = attribute(reference, qdq, evaluation.feeds[:ATTRIBUTION_SAMPLES])
+    attribution = attribute(reference, qdq, evaluation.feeds[:ATTRIBUTION_SAMPLES], whole_outputs=whole_outputs)
     print_culprits(out, attribution, top=5)
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
@@ -312,7 +320,8 @@ def run_command(
         payload = (
             result.to_dict() if target is not None else (result.sensitivity.to_dict() if result.sensitivity else {})
         )
-        payload = {**payload, "data": evaluation.describe(), "culprits": [c.to_dict() for c in attribution.culprits]}
+        payload = {**payload, "data": evaluation.describe(), "culprits": [c.to_dict() for c in attribution.culprits],
+                   "output_parts": parts.to_dict() if parts is not None else []}
         write_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
     if plot is not None and result.sensitivity is not None:
         write_plot(plot, result.sensitivity, remedy=remedy)

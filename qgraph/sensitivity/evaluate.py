@@ -2,7 +2,8 @@
 
 `Evaluator` holds the QDQ model, the evaluation batches and the float model's outputs on them; `measure` builds
 the variant with given nodes in float (the same rewrite the pass makes), opens one onnxruntime session for it,
-runs every batch through it and compares each output with the reference. `measure_all` measures independent
+runs every batch through it and compares each output with the reference, and each part of an output a final
+Concat joins (`qgraph.output_parts`: `Measurement.scored` is what targets score). `measure_all` measures independent
 variants on an executor (`qgraph.executor`: in this process, in ``jobs`` local worker processes, or as Ray
 tasks); each worker receives the evaluator once, and Ctrl-C or the time budget stops the workers at once.
 """
@@ -11,17 +12,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from qgraph import DataError, ModelError, NodeSelector, Pipeline, Recipe, get_pass
-from qgraph.compare import DiffAccumulator, TensorDiff, make_session, session_run
+from qgraph.compare import TensorDiff, make_session, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
+from qgraph.output_parts import OutputParts, PartDiffs
 from qgraph.remedy import remedy_model
 from qgraph.streaming import Recurrence, run_streamed, sequence_starts
 
@@ -90,12 +92,19 @@ def concat_outputs(per_batch: list[list[np.ndarray]]) -> list[np.ndarray]:
 
 @dataclass
 class Measurement:
-    """One evaluated model: which nodes were in float, output diffs vs the reference, optional outputs."""
+    """One evaluated model: which nodes were in float, output diffs vs the reference, optional outputs, and the
+    diffs of the scored parts (`qgraph.output_parts`: a split output's parts, else the whole output)."""
 
     nodes: tuple[str, ...]
     diffs: list[TensorDiff]
     outputs: list[np.ndarray] | None
     seconds: float
+    parts: list[TensorDiff] = field(default_factory=list)
+
+    @property
+    def scored(self) -> list[TensorDiff]:
+        """What targets score: the parts' diffs (the whole outputs' when no parts were measured)."""
+        return self.parts or self.diffs
 
 
 class Evaluator:
@@ -113,8 +122,11 @@ class Evaluator:
         recurrence: Recurrence | None = None,
         starts: Sequence[int] = (),
         remedy: str = "float",
+        parts: OutputParts | None = None,
     ) -> None:
         self.qdq = qdq
+        #: The scored parts of the outputs (`qgraph.output_parts`); None: every output whole.
+        self.parts = parts
         self.remedy = remedy  # what a chosen node becomes: float, or 16-bit activations (`qgraph.widen`)
         self.recurrence = recurrence  # streamed: each variant fed its own state (`qgraph.streaming`)
         self.starts = list(starts)
@@ -147,12 +159,11 @@ class Evaluator:
                 f"the QDQ model has {len(names)} outputs but the float model "
                 f"{len(self.reference[0])}; they must match by position."
             )
-        accs = [DiffAccumulator(n) for n in names]
+        accs = PartDiffs(self.parts if self.parts is not None else OutputParts.whole(names), names)
         for ref, cand in zip(self.reference, per_batch, strict=True):
-            for acc, r, c in zip(accs, ref, cand, strict=True):
-                acc.add(r, c)
+            accs.add(ref, cand)
         outputs = concat_outputs(per_batch) if self.keep_outputs else None
-        return Measurement(tuple(nodes), [a.result() for a in accs], outputs, time.perf_counter() - start)
+        return Measurement(tuple(nodes), accs.whole(), outputs, time.perf_counter() - start, accs.scored())
 
     def measure(self, nodes: Sequence[str]) -> Measurement:
         """`run` on the variant with ``nodes`` in float."""

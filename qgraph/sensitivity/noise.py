@@ -1,5 +1,8 @@
 """Predicting output error from local noise ratios: additive noise per graph output, calibrated on the INT8 run.
 
+"Output" below is each scored part of the graph outputs (`qgraph.output_parts`: the parts of an output a final
+Concat joins, each with its own weights ``κ``, else the whole output), in the order of the baseline's diffs.
+
 Model. Quantization noise injected at different nodes is uncorrelated and, relative to the signal it rides
 on, passes through the layers after it roughly unchanged, so each graph output's noise ratio is a sum over the
 nodes that reach it: ``η_o ∝ Σ_n κ_n,o η_n`` (``η_n`` and the output weights ``κ`` from
@@ -40,7 +43,7 @@ class NoiseModel:
         self.sqnr = [d.sqnr_db for d in baseline]
         self.cosine = [d.cosine for d in baseline]
         self.outputs = [o for o, d in enumerate(baseline) if not math.isnan(d.sqnr_db)]
-        self.names = [d.name for d in baseline]
+        self.names = [d.output for d in baseline]  # the graph output of each scored part
         self.total = [0.0] * len(baseline)
         self.bits = {n: [o for o in self.outputs if o < len(c) and c[o] > 0] for n, c in self.contrib.items()}
         for n in self.eta:

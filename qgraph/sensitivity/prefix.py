@@ -108,7 +108,7 @@ class PrefixSearch:
         sets = [(*self.base, *self.order[:m]) for m in todo]
         measured = measure_all(self.evaluator, sets, deadline=self.clock.deadline, executor=self.executor)
         for m, meas in zip(todo, measured, strict=False):
-            score = self.target.score(meas.diffs, meas.outputs, self.clock.refs)
+            score = self.target.score(meas.scored, meas.outputs, self.clock.refs)
             self.scores[m] = score
             self.steps.append(AutoStep(m, score, self.target.met(score, self.threshold), meas.seconds))
             self.clock.eval_seconds.append(meas.seconds)

@@ -14,8 +14,10 @@ The local noise ratio ``η_n = err_n / sig_n`` (local SQNR ``-10 log10 η_n``) i
 injects when everything upstream is exact. Cost: one session and one pass over the evaluation data, whatever
 the number of nodes; per node, a constant number of extra graph nodes.
 
-`output_weights` gives, for every node, how much of its relative error reaches each graph output (one reverse
-walk, with the signal power of the inputs and outputs of merging ops measured in the same run).
+`output_weights` gives, for every node, how much of its relative error reaches each scored part of the graph
+outputs (one reverse walk, with the signal power of the inputs and outputs of merging ops measured in the same
+run): a part of an output that a final Concat joins (`qgraph.output_parts`) starts at the Concat's input, so the
+boxes' signal does not dilute the error of the scores written beside them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from qgraph.compare import make_session, session_run
 from qgraph.data import Feed
 from qgraph.fallback import fall_back, quantized_nodes
 from qgraph.model_io import save_model
+from qgraph.output_parts import OutputParts
 from qgraph.qdq import is_dequantize, is_quantize
+from qgraph.sensitivity import probe_parts
 
 PREFIX = "qgraph_local/"
 OUT_PREFIX = "qgraph_local_out/"  # copies of a node's own output pairs (the same Q may also start a chain)
@@ -52,7 +56,7 @@ class LocalError:
     name: str
     err: float = 0.0
     sig: float = 0.0
-    weights: list[float] = field(default_factory=list)  # κ per graph output (see `output_weights`); 0: unreached
+    weights: list[float] = field(default_factory=list)  # κ per scored output part (`output_weights`); 0: unreached
 
     @property
     def reach(self) -> int:
@@ -83,6 +87,8 @@ class Probe:
     outputs: dict[str, list[tuple[str, str]]]
     skipped: dict[str, str]  # node -> why it has no local measure
     powers: dict[str, str]  # tensor -> output holding Σ t² (inputs and outputs of merging ops)
+    #: node -> (scored unit, Σ err output, Σ sig output) per part of a split graph output it writes
+    parts: dict[str, list[probe_parts.PartReduction]] = field(default_factory=dict)
 
 
 def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
@@ -95,8 +101,9 @@ def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
         handle.release()
 
 
-def build_probe(qdq: onnx.ModelProto, names: Sequence[str]) -> Probe:
-    """The float model plus, right after each node of ``names``, its quantized copy and the two reductions."""
+def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts | None = None) -> Probe:
+    """The float model plus, right after each node of ``names``, its quantized copy and the two reductions (and
+    per part of a split graph output it writes, `qgraph.sensitivity.probe_parts`)."""
     f = float_model(qdq)
     g = qdq.graph
     producer = {o: n for n in g.node for o in n.output if o}
@@ -114,6 +121,7 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str]) -> Probe:
     outputs: dict[str, list[tuple[str, str]]] = {}
     skipped: dict[str, str] = {}
     position = {n.name: i for i, n in enumerate(f.graph.node)}
+    by_output, per_part = probe_parts.cuts(parts), {}
     # In the float model's order, so a Q/DQ copy shared by several nodes sits before every one of them.
     for k, name in enumerate(sorted(names, key=lambda n: position.get(n, -1))):
         node = by_name.get(name)
@@ -128,7 +136,9 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str]) -> Probe:
             skipped[name] = str(why)
             continue
         reductions, names_out = _reductions(f"{PREFIX}{k}/", pairs)
-        groups[name] = nodes + reductions
+        sliced, consts, per_part[name] = probe_parts.part_reductions(f"{PREFIX}{k}/", pairs, by_output)
+        ctx.initializers += consts
+        groups[name] = nodes + reductions + sliced
         outputs[name] = names_out
     ordered: list[onnx.NodeProto] = list(ctx.constants)
     powers: dict[str, str] = {}
@@ -145,8 +155,9 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str]) -> Probe:
     f.graph.node.extend(ordered)
     f.graph.initializer.extend(ctx.initializers)
     fetch = [t for pairs in outputs.values() for pair in pairs for t in pair] + list(powers.values())
+    fetch += [t for cuts in per_part.values() for _, *sums in cuts for t in sums]
     f.graph.output.extend(helper.make_value_info(t, onnx.TypeProto()) for t in fetch)
-    return Probe(f, outputs, skipped, powers)
+    return Probe(f, outputs, skipped, powers, {n: c for n, c in per_part.items() if c})
 
 
 class _NoProbe(Exception):
@@ -272,18 +283,22 @@ def _reductions(p: str, pairs: list[tuple[str, str]]) -> tuple[list[onnx.NodePro
     return nodes, names
 
 
-def output_weights(model: onnx.ModelProto, power: dict[str, float]) -> dict[str, list[float]]:
-    """Per node, ``κ_o``: how much of a relative error on its output reaches graph output ``o`` (one reverse walk).
+def output_weights(model: onnx.ModelProto, power: dict[str, float],
+                   seeds: Sequence[str] | None = None) -> dict[str, list[float]]:
+    """Per node, ``κ_o``: how much of a relative error on its output reaches scored output ``o`` (one reverse walk).
 
     Relative error passes through an op unchanged, except where branches merge (Add, Sub, Sum, Concat): there
     an input's absolute error joins a larger signal, so its relative error is scaled by ``P_in / P_out``
     (``P``: sum of squares over the evaluation data, when measured). Errors reaching an output along several
-    paths add. Graph output ``o`` has ``κ_o = 1``; a node that cannot reach ``o`` has ``κ_o = 0``.
+    paths add. Scored output ``o`` is the tensor ``seeds[o]`` (default: the graph outputs; a part of an output
+    that a Concat joins is that Concat's input, `qgraph.output_parts`) with ``κ_o = 1``; a node that cannot reach
+    ``o`` has ``κ_o = 0``.
     """
-    n_out = len(model.graph.output)
+    targets = list(seeds) if seeds is not None else [o.name for o in model.graph.output]
+    n_out = len(targets)
     kappa: dict[str, list[float]] = {}
-    for o, out in enumerate(model.graph.output):
-        kappa.setdefault(out.name, [0.0] * n_out)[o] = 1.0
+    for o, name in enumerate(targets):
+        kappa.setdefault(name, [0.0] * n_out)[o] = 1.0
     result: dict[str, list[float]] = {}
     for node in reversed(model.graph.node):
         k = [0.0] * n_out
@@ -330,14 +345,18 @@ def local_errors(
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     progress: StepProgress | None = None,
     deadline: float | None = None,
+    parts: OutputParts | None = None,
 ) -> tuple[dict[str, LocalError], dict[str, str], int]:
     """Local errors of ``names`` (see module docs), the nodes skipped with why, and the batches run.
 
-    Stops after the batch during which ``deadline`` (``time.monotonic()``) passes: the sums then cover fewer
-    samples, which still ranks every node (at least one batch always runs)."""
-    probe = build_probe(qdq, names)
+    Each error's ``weights`` are per scored part of ``parts`` (default: per graph output). Stops after the batch
+    during which ``deadline`` (``time.monotonic()``) passes: the sums then cover fewer samples, which still ranks
+    every node (at least one batch always runs)."""
+    probe = build_probe(qdq, names, parts)
     errors = {n: LocalError(n) for n in probe.outputs}
     fetch = [t for pairs in probe.outputs.values() for pair in pairs for t in pair] + list(probe.powers.values())
+    fetch += [t for cuts in probe.parts.values() for _, *sums in cuts for t in sums]
+    part_sums: dict[str, dict[int, list[float]]] = {n: {} for n in probe.parts}
     if not probe.outputs:
         return errors, probe.skipped, 0
     structure = onnx.ModelProto()  # the float model's wiring, for `output_weights` (no weights kept)
@@ -355,13 +374,18 @@ def local_errors(
                 e.sig += float(values[sig])
         for t, out in probe.powers.items():
             power[t] += float(values[out])
+        for name, cuts in probe.parts.items():
+            for unit, err, sig in cuts:
+                acc = part_sums[name].setdefault(unit, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + float(values[err]), acc[1] + float(values[sig])
         done += 1
         if progress is not None:
             progress(done, len(batches))
         if deadline is not None and time.monotonic() > deadline:
             break
     del session
-    weights = output_weights(structure, power)
+    weights = output_weights(structure, power, probe_parts.seeds(structure, parts))
     for name, e in errors.items():
-        e.weights = weights.get(name, [])
+        e.weights = probe_parts.part_weights(weights.get(name, []), e.eta, part_sums.get(name, {}))
     return errors, probe.skipped, done
+

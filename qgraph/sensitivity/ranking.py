@@ -73,7 +73,7 @@ class SensitivityReport:
     target: Target
     float_score: float
     int8_score: float
-    baseline: list[TensorDiff]
+    baseline: list[TensorDiff]  # the INT8 model's diff per scored output part (`Measurement.scored`)
     rows: list[NodeSensitivity]
     candidates: int
     seconds: float
@@ -152,7 +152,7 @@ def sensitivity_report(
     refs = concat_outputs(evaluator.reference) if target.needs_outputs else None
     float_score = target.score([], refs, refs)  # cosine 1, SQNR inf, or the metric on the float outputs
     base_m = baseline if baseline is not None else evaluator.measure(base)
-    int8_score = target.score(base_m.diffs, base_m.outputs, refs)
+    int8_score = target.score(base_m.scored, base_m.outputs, refs)
     todo = [(*base, name) for name, _ in candidates]
     measured = measure_all(evaluator, todo, jobs=jobs, deadline=deadline, progress=progress, executor=executor)
     by_name = {m.nodes[-1]: m for m in measured}
@@ -163,7 +163,7 @@ def sensitivity_report(
         m = by_name.get(name)
         if m is None:
             continue
-        score = target.score(m.diffs, m.outputs, refs)
+        score = target.score(m.scored, m.outputs, refs)
         st = extra.get(name, {})
         rows.append(
             NodeSensitivity(
@@ -171,8 +171,8 @@ def sensitivity_report(
                 ops[name],
                 target.gain(score, int8_score),
                 score,
-                min(d.cosine for d in m.diffs),
-                min(d.sqnr_db for d in m.diffs),
+                min(d.cosine for d in m.scored),
+                min(d.sqnr_db for d in m.scored),
                 clip_fraction=st.get("clip_fraction"),
                 input_sqnr_db=st.get("input_sqnr_db"),
                 inputs=st.get("inputs", []),
@@ -182,7 +182,7 @@ def sensitivity_report(
         target,
         float_score,
         int8_score,
-        base_m.diffs,
+        base_m.scored,
         rows,
         len(candidates),
         time.perf_counter() - start,
@@ -216,13 +216,13 @@ def rank_nodes(
     base = tuple(base_nodes)
     refs = concat_outputs(evaluator.reference) if target.needs_outputs else None
     float_score = target.score([], refs, refs)
-    int8_score = target.score(baseline.diffs, baseline.outputs, refs)
+    int8_score = target.score(baseline.scored, baseline.outputs, refs)
     qdq = evaluator.variant(base)
     errors, skipped, done = local_errors(qdq, evaluator.batches, [n for n, _ in candidates],
                                          optimization=_OPT[evaluator.optimization], progress=progress,
-                                         deadline=deadline)
+                                         deadline=deadline, parts=evaluator.parts)
     del qdq
-    model = NoiseModel(errors, baseline.diffs)
+    model = NoiseModel(errors, baseline.scored)
     ops = dict(candidates)
     order = model.order() + [n for n, _ in candidates if n in skipped]
     notes = [f"{len(skipped)} node(s) have no local measure and are ranked last: "
@@ -259,6 +259,6 @@ def rank_nodes(
             st = extra.get(r.name, {})
             r.clip_fraction, r.input_sqnr_db = st.get("clip_fraction"), st.get("input_sqnr_db")
             r.inputs = st.get("inputs", [])
-    return SensitivityReport(target, float_score, int8_score, baseline.diffs, rows,
+    return SensitivityReport(target, float_score, int8_score, baseline.scored, rows,
                              len(candidates) + len(measured_only), time.perf_counter() - start,
                              done == len(evaluator.batches), base, "one-run", notes, model)

@@ -38,6 +38,7 @@ from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
 from qgraph.graph import named_model
+from qgraph.output_parts import OutputParts
 from qgraph.outputs import write_atomic
 from qgraph.remedy import body_candidates
 from qgraph.sensitivity.cost import (
@@ -216,6 +217,7 @@ def auto_fallback(
     recurrence: Recurrence | None = None,
     remedy: str = "float",
     in_bodies: bool = False,
+    parts: OutputParts | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
@@ -226,19 +228,16 @@ def auto_fallback(
     back to float take instead of their integer ones (`qgraph.fallback.ReferenceWeights` of ``reference``),
     ``costs`` a latency cost table: the search then ranks by output error bought per added latency
     (`qgraph.sensitivity.cost`; ``rank_by="error"``: by error alone all the same) and reports the modelled latency;
-    ``latency_rounds`` > 0
-    times the float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported);
-    with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's
-    latency (1.0: never slower than float). With ``recurrence`` (a recurrent model's state feedback) every full
-    evaluation runs streamed, each model fed its own state (`qgraph.streaming`); the one-run ranking stays
-    per sample (states from the data), its prediction corrected on the streamed measurements.
+    ``latency_rounds`` > 0 times the float, INT8 and chosen models in onnxruntime that many rounds (the measured
+    ratios are reported); with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many
+    times the float model's latency (1.0: never slower than float). With ``recurrence`` (a recurrent model's state
+    feedback) every full evaluation runs streamed, each model fed its own state (`qgraph.streaming`); the one-run
+    ranking stays per sample (states from the data), its prediction corrected on the streamed measurements.
     ``remedy="a16w8"`` gives the chosen nodes 16-bit activations instead of float (`qgraph.widen`; for NPUs),
     ``"a16w16"`` 16-bit weights too (re-quantized from ``float_weights`` when given: `qgraph.widen_weights`).
     ``in_bodies`` makes the quantized nodes inside If/Loop bodies candidates too (`qgraph.remedy`), each measured
-    exactly once for the ranking.
-    With ``report_only`` the ranking is made and no search.
-    Never raises for an unmet target: check ``target_met``.
-    """
+    exactly once for the ranking. ``parts``: the scored parts of the outputs (`qgraph.output_parts`; default: each
+    output whole). With ``report_only`` the ranking is made and no search. Never raises for an unmet target."""
     pool = make_executor(executor, jobs)
     try:
         return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
@@ -246,7 +245,7 @@ def auto_fallback(
                               optimization=optimization, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
                               latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by,
-                              recurrence=recurrence, remedy=remedy, in_bodies=in_bodies)
+                              recurrence=recurrence, remedy=remedy, in_bodies=in_bodies, parts=parts)
     finally:
         if pool is not executor:
             pool.close()
@@ -259,7 +258,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
                    latency_rounds: int, max_latency: float | None, rank_by: str,
                    recurrence: Recurrence | None = None, remedy: str = "float",
-                   in_bodies: bool = False) -> AutoResult:
+                   in_bodies: bool = False, parts: OutputParts | None = None) -> AutoResult:
     """`auto_fallback` with its executor made."""
     run = Clock(time.monotonic(), max_time, progress)
     tgt = parse_target(target) if isinstance(target, str) else target
@@ -280,14 +279,14 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     else:
         refs_per_batch, starts = streamed_reference_outputs(reference, batches, recurrence, optimization)
     evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization,
-                          float_weights=float_weights, recurrence=recurrence, starts=starts, remedy=remedy)
+                          float_weights=float_weights, recurrence=recurrence, starts=starts, remedy=remedy, parts=parts)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
     chosen = list(keep_float)
     base = evaluator.measure(chosen)
     run.evaluations, run.eval_seconds = 1, [base.seconds]
-    int8_score = run.int8_score = tgt.score(base.diffs, base.outputs, run.refs)
+    int8_score = run.int8_score = tgt.score(base.scored, base.outputs, run.refs)
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
     notice = naming.notice()
@@ -331,7 +330,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
                 tick(0, 1)
             confirmed = evaluator.run(out.model, out.nodes)
             run.evaluations += 1
-            out.score = tgt.score(confirmed.diffs, confirmed.outputs, run.refs)
+            out.score = tgt.score(confirmed.scored, confirmed.outputs, run.refs)
             if tick is not None:
                 tick(1, 1)
             run.stage_end("confirmation")

@@ -5,6 +5,9 @@ Syntax (``--target`` on the command line, ``auto.target`` in a recipe):
 - ``cosine:0.99``: the smallest cosine similarity over the model's outputs (each output's samples taken as
   one vector, against the float model) must be at least 0.99;
 - ``sqnr:30``: the smallest output SQNR, ``10 log10(sum r² / sum (c - r)²)``, must be at least 30 dB;
+- both score each part of an output that a final Concat joins from different tensors (boxes and class scores)
+  on its own, the worst part deciding (`qgraph.output_parts`; the whole output's SQNR is never below the worst
+  part's, so this only makes targets stricter);
 - ``package.module:function>=GOAL`` or ``...<=GOAL`` for a user metric, higher-is-better with ``>=`` and
   lower-is-better with ``<=``. ``GOAL`` is an absolute value (``>=0.97``), an offset from the float model's
   score (``>=float-0.005``) or a percentage of it (``>=float-0.5%`` means at least 99.5% of the float score;
@@ -63,9 +66,13 @@ class Target:
     def score(
         self, diffs: Sequence[TensorDiff], outputs: list[np.ndarray] | None, refs: list[np.ndarray] | None
     ) -> float:
-        """The score of one model from its output diffs (or outputs, for user metrics)."""
+        """The score of one model from its output diffs (or outputs, for user metrics).
+
+        ``diffs`` are the scored parts of the outputs (`qgraph.output_parts`: each part of an output a final
+        Concat joins, else the whole output; `Measurement.scored`), so a cosine/sqnr score is the minimum over the
+        parts of every (selected) output; ``outputs`` selects by graph output, each with all its parts."""
         if self.outputs:
-            diffs = [d for d in diffs if d.name in self.outputs]
+            diffs = [d for d in diffs if d.output in self.outputs]
         if self.kind == "cosine":
             return min((d.cosine for d in diffs), default=1.0)
         if self.kind == "sqnr":

@@ -7,6 +7,8 @@
   :func:`transformer_encoder` (+ :func:`transformer_encoder_inputs`),
   :func:`mode_switched_net`, :func:`level_switched_net` (compute in If branches chosen by an input; + their
   ``*_feeds``);
+* a detector's joined output: :func:`detection_head` (boxes and class scores in one output through a final
+  Concat, as YOLOv8's ``output0``; + :func:`detection_feeds`);
 * recurrent: :func:`leaky_state_net` (a leaky integrator whose error grows through its state; :data:`LEAKY_STATE`
   its feedback, :func:`leaky_feeds` data recorded by streaming it);
 * running them: :func:`random_feeds`, :func:`run_ort`.
@@ -21,6 +23,7 @@ from __future__ import annotations
 from qgraph.testing._common import ir_version_for_opset
 from qgraph.testing.control_flow import level_feeds, level_switched_net, mode_feeds, mode_switched_net
 from qgraph.testing.depthwise import depthwise_feeds, depthwise_float_and_qdq, depthwise_net
+from qgraph.testing.detection import detection_feeds, detection_head
 from qgraph.testing.light import (
     LIGHT_MODEL_NAMES,
     cached_light_model,
@@ -55,6 +58,8 @@ __all__ = [
     "depthwise_feeds",
     "depthwise_float_and_qdq",
     "depthwise_net",
+    "detection_feeds",
+    "detection_head",
     "fragile_resnet",
     "graph_inputs",
     "ir_version_for_opset",

@@ -332,3 +332,27 @@ def test_group_screening_finds_a_pair_that_local_noise_ranks_last() -> None:
     # the counts add up (it read "2 of 2 measured alone, 1 more screened": the screened one is one of the 2)
     assert screened.notes[0].startswith("2 of 2 Q/DQ pairs measured alone: the 1 with the most local noise, then 1 "
                                         "of the 1 others screened in groups of 8")
+
+
+def test_culprits_of_an_output_a_concat_joins_are_ranked_on_its_worst_part(detector: dict[str, Path]) -> None:
+    """Boxes and class scores joined in one output, quantized with one scale (the join's output pair: step 1.25 px,
+    the scores' whole range). Measured on the whole output, that pair costs ~nothing next to the boxes' own error;
+    measured on the worst part (the scores), it is the culprit, ~100% of the error, and the sentence says where."""
+    a, b = onnx.load(str(detector["float"])), onnx.load(str(detector["int8"]))
+    feeds = list(feeds_for(a, str(detector["eval"]), 8))
+    parts = attribute(a, b, feeds, extend_seconds=5)
+    top = parts.culprits[0]
+    assert top.point.tensor == "output0" and top.contribution == pytest.approx(1.0, abs=0.05)
+    assert top.alone_sqnr_db is not None and top.alone_sqnr_db < 1
+    assert [p.label if p else None for p in parts.scored] == ["output0[4:22] (scores)"]
+    assert parts.headline() is not None and parts.headline().endswith(  # type: ignore[union-attr]
+        f"alone it gives {top.alone_sqnr_db:.1f} dB output SQNR on output0[4:22] (scores), the worst part of "
+        f"output0, {top.contribution:.0%} of its error.")
+    assert parts.to_dict()["measured_on"][0]["label"] == "output0[4:22] (scores)"
+
+    whole = attribute(a, b, feeds, extend_seconds=5, whole_outputs=True)
+    join = next(c for c in whole.culprits if c.point.tensor == "output0")
+    assert whole.scored == [] and "worst part" not in (whole.headline() or "")
+    assert join.contribution is not None and join.contribution < 0.5  # the boxes' error hides what the join does
+    assert whole.output_noise is not None and parts.output_noise is not None
+    assert parts.output_noise > 1e3 * whole.output_noise

@@ -140,3 +140,50 @@ def test_models_with_different_inputs_are_refused() -> None:
     a, b = onnx.parser.parse_model(text.format("x")), onnx.parser.parse_model(text.format("z"))
     with pytest.raises(ModelError, match=r"different inputs \(\['x'\] vs \['z'\]\)"):
         numeric_diff(a, b, random_feeds(a, 1))
+
+
+def test_an_output_a_concat_joins_has_a_row_per_part(detector: dict[str, Any], tmp_path: Any,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A detector's boxes and class scores in one output: the outputs table and JSON have the whole output and a row
+    per part, each part's SQNR as numpy computes it on the same samples; the whole lies between its parts' (mediant
+    inequality: never below the worst one); the part's input SQNR is its source tensor's, so the drop is the join's
+    loss. `--whole-outputs` keeps the whole output only."""
+    import onnxruntime as ort
+
+    from qgraph.cli import main
+
+    html = tmp_path / "d.html"
+    args = ["diff", str(detector["float"]), str(detector["int8"]), "--eval-data", str(detector["eval"])]
+    assert main([*args, "--json", "-", "--html", str(html)]) == 0
+    numeric = json.loads(capsys.readouterr().out)["numeric"]
+    (whole,) = numeric["outputs"]
+    boxes, scores = whole["parts"]
+    assert [p["tensor"] for p in whole["parts"]] == ["output0[0:4] (boxes)", "output0[4:22] (scores)"]
+    assert boxes["part"]["source"] == "boxes" and scores["part_of"] == "output0"
+    feed = {"images": np.load(detector["eval"])["images"][:8]}  # the diff's 8 samples
+    ref, got = (ort.InferenceSession(str(detector[k]), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+                .astype(np.float64) for k in ("float", "int8"))
+
+    def sqnr(r: np.ndarray, g: np.ndarray) -> float:
+        return float(10 * np.log10((r**2).sum() / ((r - g) ** 2).sum()))
+
+    assert boxes["sqnr_db"] == pytest.approx(sqnr(ref[:, :4], got[:, :4]), abs=1e-3)
+    assert scores["sqnr_db"] == pytest.approx(sqnr(ref[:, 4:], got[:, 4:]), abs=1e-3)
+    assert whole["sqnr_db"] == pytest.approx(sqnr(ref, got), abs=1e-3)
+    low, high = sorted(p["sqnr_db"] for p in whole["parts"])
+    assert low < 1 < 40 < high and low <= whole["sqnr_db"] <= high
+    layers = {d["tensor"]: d for d in numeric["layers"]}
+    assert scores["input_sqnr_db"] == pytest.approx(layers["scores"]["sqnr_db"])
+    assert scores["input_sqnr_db"] > 25  # the scores tensor itself is fine: the join loses it
+    assert scores["drop_db"] == pytest.approx(layers["scores"]["sqnr_db"] - scores["sqnr_db"])
+    assert numeric["output_parts_decisions"] == [
+        "output0 is scored as 2 parts (Concat on axis 1 of boxes [4] and scores [18]); the worst part decides"]
+    page = html.read_text()
+    assert "↳ output0[4:22] (scores)" in page and 'class="output-parts"' in page
+
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "↳ output0[4:22] (scores)" in out and "output0 is scored as 2 parts" in " ".join(out.split())
+    assert main([*args, "--whole-outputs", "--json", "-"]) == 0
+    numeric = json.loads(capsys.readouterr().out)["numeric"]
+    assert "parts" not in numeric["outputs"][0] and numeric["output_parts_decisions"] == []

@@ -485,3 +485,48 @@ def test_float_weights_from_the_model_before_batchnorm_fusion_are_not_taken(tmp_
     before = sqnr(qdq)
     assert 20 < before < 60
     assert sqnr(out.model) >= before - 1.0  # was 25.9 vs 42.2 dB: BatchNorm scale/bias as Conv weights
+
+
+def test_auto_scores_each_part_of_an_output_a_concat_joins() -> None:
+    """A YOLO-style head writes boxes (0..320 px) and class scores (0..1) into one output through a Concat. Quantized
+    with one scale for the join (as onnxruntime's quantize_static does), the whole output reads > 40 dB (the boxes)
+    while the scores are lost (~0 dB). Scored per part, `sqnr:30` returns the join to float; scored whole (the old
+    behaviour, `output_parts: false`), the target reads as met and nothing changes."""
+    import onnxruntime as ort
+
+    from qgraph.data import CallableSource
+    from qgraph.output_parts import find_output_parts
+    from qgraph.pass_api import get_pass
+    from qgraph.streaming import OutputScore
+    from qgraph.testing import detection_feeds, detection_head
+
+    model = detection_head()
+    cal = detection_feeds(16)
+    data = CallableSource(lambda: cal, "16 images")
+    shared = get_pass("insert_qdq")(preset="ort-x86-vnni", elementwise="always", joins={"keep_float": False})
+
+    def session(m: onnx.ModelProto) -> ort.InferenceSession:
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    reference = session(model)
+    whole, parts = OutputScore(reference, cal), OutputScore(reference, cal, parts=find_output_parts(model))
+    int8 = session(Pipeline([shared]).run(model, calibration_data=data).model)
+    assert whole.score_db(int8) > 40 and parts.per_output_db(int8)[1] < 1  # the scores are invisible in the whole
+
+    auto = {"target": "sqnr:30", "latency_rounds": 0}
+    result = Pipeline([shared, FloatFallback(auto=auto)]).run(model, calibration_data=data)
+    res = result.records[-1].result
+    assert ("auto: output0 is scored as 2 parts (Concat on axis 1 of boxes [4] and scores [18]); the worst part "
+            "decides") in res.decisions
+    assert res.details["auto"]["int8_score"] == pytest.approx(parts.score_db(int8), abs=0.01)
+    assert res.details["fallen_back"] == ["head_concat"]  # the shared scale of the join: ranked first, enough alone
+    boxes_db, scores_db = parts.per_output_db(session(result.model))
+    assert scores_db >= 30 and boxes_db >= 30 and res.details["auto"]["score"] == pytest.approx(scores_db, abs=0.01)
+    assert res.details["output_parts"][0]["parts"][1]["label"] == "output0[4:22] (scores)"
+
+    off = Pipeline([shared, FloatFallback(auto={**auto, "output_parts": False})]).run(model, calibration_data=data)
+    res = off.records[-1].result
+    assert res.details["auto"]["target_met"] and res.details["auto"]["nodes"] == [] and not res.rewritten
+    assert res.details["auto"]["int8_score"] == pytest.approx(whole.score_db(int8), abs=0.01)
+    assert any(d.startswith("auto: target met") and "already meets the target" in d for d in res.decisions)
+    assert any(d.startswith("auto: output0 scored whole (output_parts: false)") for d in res.decisions)

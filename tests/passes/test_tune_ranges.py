@@ -180,3 +180,38 @@ def test_bad_recurrent_config_is_refused_naming_the_tensor(tune: dict[str, Any],
     """Before any pass runs (insert_qdq's calibration included: `qgraph.preflight`)."""
     with pytest.raises(RecipeError, match=r"\(tune_ranges\): " + message):
         _leaky(**tune)
+
+
+def test_the_score_is_the_worst_part_of_an_output_a_concat_joins() -> None:
+    """A YOLO-style head (boxes 0..320 px and class scores 0..1 in one output through a Concat, the join left float
+    by insert_qdq and the Sigmoid outputs quantized on [0, 1]): scored per part, the score is the scores' SQNR and
+    narrowing the class ranges buys > 3 dB there; scored whole (`output_parts: false`), the boxes decide and no
+    range is worth narrowing."""
+    from qgraph.output_parts import find_output_parts
+    from qgraph.testing import detection_feeds, detection_head
+
+    model = detection_head()
+    cal = detection_feeds(16)
+    data = CallableSource(lambda: cal, "16 images")
+    qdq = get_pass("insert_qdq")(preset="ort-x86-vnni", elementwise="always")
+    int8 = Pipeline([qdq]).run(model, calibration_data=data).model
+    sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, int8)]
+    boxes_db, scores_db = OutputScore(sessions[0], cal, parts=find_output_parts(model)).per_output_db(sessions[1])
+    whole_db = OutputScore(sessions[0], cal).score_db(sessions[1])
+    assert scores_db < 35 < boxes_db and whole_db == pytest.approx(boxes_db, abs=0.1)
+
+    res = Pipeline([qdq, get_pass("tune_ranges")()]).run(model, calibration_data=data).records[-1].result
+    assert res.decisions[0] == ("output0 is scored as 2 parts (Concat on axis 1 of boxes [4] and scores [18]); the "
+                                "worst part decides")
+    assert res.details["score_before_db"] == pytest.approx(scores_db, abs=0.01)
+    assert res.details["scored_db_before"] == pytest.approx({"output0[0:4] (boxes)": boxes_db,
+                                                             "output0[4:22] (scores)": scores_db}, abs=0.01)
+    after = res.details["scored_db_after"]
+    assert res.details["score_after_db"] == min(after.values()) > scores_db + 3
+    assert after["output0[0:4] (boxes)"] >= boxes_db - 0.5 and set(res.details["factors"]) <= {"cls_logit", "cls_prob"}
+    assert "min SQNR over the parts of every output" in res.decisions[1]
+
+    whole = Pipeline([qdq, get_pass("tune_ranges")(output_parts=False)]).run(model, calibration_data=data)
+    res = whole.records[-1].result
+    assert res.details["score_before_db"] == pytest.approx(whole_db, abs=0.01) and res.details["factors"] == {}
+    assert res.decisions[0].startswith("output0 scored whole (output_parts: false)")

@@ -251,3 +251,31 @@ def test_one_run_ranking_on_a_transformer_is_as_stable_as_the_exact_measure(enco
     # Against the exact gains averaged over the three sets (a steadier exact top-10) the issue's bar holds.
     pooled = set(sorted(mean, key=lambda n: -mean[n])[:10])
     assert min(len(pooled & set(t)) for t in one_tops) >= 7
+
+
+def test_each_part_of_a_joined_output_gets_its_own_weights() -> None:
+    """Output parts (`qgraph.output_parts`): a node feeding only the boxes of a detector's joined output does not
+    reach the scores' part (κ = 0) and the other way round; the join itself, quantized with one scale for boxes and
+    scores, is measured on each part, where its noise on the scores is ~10^4 times its noise on the whole output."""
+    from qgraph import Pipeline
+    from qgraph.data import CallableSource
+    from qgraph.output_parts import find_output_parts
+    from qgraph.pass_api import get_pass
+    from qgraph.sensitivity.probe import local_errors
+    from qgraph.testing import detection_feeds, detection_head
+
+    model = detection_head()
+    feeds = detection_feeds(8)
+    qdq = Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni", elementwise="always", joins={"keep_float": False})]
+                   ).run(model, calibration_data=CallableSource(lambda: feeds, "8 images")).model
+    names = [n for n, _ in candidate_nodes(qdq)[0]]
+    errors, skipped, _ = local_errors(qdq, feeds, names, parts=find_output_parts(model))
+    assert not skipped
+    boxes, scores = 0, 1
+    assert errors["box_conv"].weights[scores] == 0 < errors["box_conv"].weights[boxes]
+    assert errors["cls_conv"].weights[boxes] == 0 < errors["cls_conv"].weights[scores]
+    join = errors["head_concat"]
+    assert join.eta * join.weights[scores] > 1e4 * join.eta  # the scores' own noise ratio, ~1 (0 dB SQNR)
+    assert join.eta * join.weights[scores] == pytest.approx(1.0, rel=0.1)
+    whole, _, _ = local_errors(qdq, feeds, names)
+    assert whole["head_concat"].weights == [1.0] and whole["cls_conv"].weights[0] < 1e-4  # diluted by the boxes

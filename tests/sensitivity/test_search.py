@@ -371,3 +371,31 @@ def test_nodes_back_in_float_take_the_float_models_weights(encoder: Path, capsys
     assert main(["run", str(patch), str(encoder / "qdq.onnx"), "-o", str(rebuilt), "-q"]) == 0
     assert onnx.load(rebuilt).graph.SerializeToString(deterministic=True) == best.graph.SerializeToString(
         deterministic=True)
+
+
+def test_sensitivity_scores_each_part_of_an_output_a_concat_joins(detector: dict[str, Path], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Boxes and class scores joined in one output, the join quantized with one scale: `--target sqnr:30` on the
+    parts needs the join in float (the scores part then meets it, measured by numpy on the same data); with
+    `--whole-outputs` the INT8 model already "meets" it (the boxes decide) and nothing changes."""
+    import onnxruntime as ort
+
+    args = ["sensitivity", str(detector["float"]), str(detector["int8"]), "--data", str(detector["eval"]),
+            "--target", "sqnr:30", "-q", "--exact-top", "0", "--cost", "error"]
+    best, report = tmp_path / "best.onnx", tmp_path / "s.json"
+    assert main([*args, "-o", str(best), "--json", str(report)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "output0 is scored as 2 parts (Concat on axis 1 of boxes [4] and scores [18]); the worst part decides" in err
+    result = json.loads(report.read_text())
+    assert result["nodes"] == ["head_concat"] and result["int8_score"] < 1 <= 30 <= result["score"]
+    assert result["output_parts"][0]["parts"][1]["label"] == "output0[4:22] (scores)"
+    images = np.load(detector["eval"])["images"]
+    ref, got = (ort.InferenceSession(str(m), providers=["CPUExecutionProvider"]).run(None, {"images": images})[0]
+                .astype(np.float64) for m in (detector["float"], best))
+    scores_db = 10 * np.log10((ref[:, 4:] ** 2).sum() / ((ref[:, 4:] - got[:, 4:]) ** 2).sum())
+    assert scores_db == pytest.approx(result["score"], abs=0.01)
+
+    assert main([*args, "--whole-outputs", "--json", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert result["nodes"] == [] and result["int8_score"] > 40 and result["output_parts"] == []
+    assert "scored as 2 parts" not in capsys.readouterr().err
