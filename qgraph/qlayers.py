@@ -127,6 +127,15 @@ class QuantLayer:
         else:
             self.weight = _replaced(self.weight, codes.astype(old.dtype))
 
+    def bias_codes(self) -> npt.NDArray[Any] | None:
+        """A copy of the bias as stored (int32 codes or float values), for `restore_bias` (None without bias)."""
+        return None if self.bias is None else np.array(self.bias.value.values, copy=True)
+
+    def restore_bias(self, stored: npt.NDArray[Any]) -> None:
+        """Put back a bias `bias_codes` returned (undo `shift_bias`)."""
+        assert self.bias is not None
+        self.bias.value = _replaced(self.bias.value, stored)
+
     def bias_values(self) -> npt.NDArray[np.float64] | None:
         """The bias as the graph computes with it, flat ``(C,)`` (None without bias)."""
         b = self.bias

@@ -9,6 +9,7 @@ keeps.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -17,13 +18,16 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 
+from qgraph.compare import make_session
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle
 from qgraph.layer_data import RowSpec
+from qgraph.output_parts import find_output_parts
 from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult
 from qgraph.qlayers import QuantLayer, find_layers
 from qgraph.selectors import NodeSelector, select
+from qgraph.streaming import OutputScore
 
 
 @dataclass
@@ -142,3 +146,33 @@ def row_spec(layer: QuantLayer) -> RowSpec | str:
         dilations=tuple(int(v) for v in node.attrs.get("dilations", [1] * nd)),
         pads=tuple(int(v) for v in node.attrs.get("pads", [0] * 2 * nd)),
     )
+
+
+class FidelityGuard:
+    """The output fidelity of the graph against the float reference on a few calibration samples (the minimum SQNR
+    over outputs, each part of a Concat-joined output on its own: `qgraph.output_parts`), so that a weight-correcting
+    pass keeps its change only where it does not make the model worse (`accept`, reported in ``res``). Costs one
+    reference run and one run of the graph per `score`."""
+
+    def __init__(self, ctx: PassContext, samples: int, res: PassResult) -> None:
+        assert ctx.calibration_data is not None and ctx.float_reference is not None
+        feeds = list(itertools.islice(iter(ctx.calibration_data), samples))
+        reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
+        self.scorer = OutputScore(reference, feeds, parts=find_output_parts(ctx.float_reference))
+        self.res = res
+
+    def score(self, graph: GraphHandle) -> float:
+        """The graph's score now (dB; NaN/Inf outputs give -inf)."""
+        model, held = graph.weightless_export()
+        return self.scorer.score_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
+
+    def accept(self, before: float, after: float, tolerance_db: float) -> bool:
+        """Whether a change that moved the score ``before -> after`` is kept (it may lose ``tolerance_db``); the
+        decision line says which and why."""
+        kept = after >= before - tolerance_db
+        what = ("kept" if kept else "undone: it made the model worse there (guard: false keeps it)")
+        units = len(self.scorer.units)
+        scored = f"min over {units} output part(s)" if units > 1 else "output SQNR"
+        self.res.decisions.append(f"guard: {scored} on {len(self.scorer.feeds)} calibration sample(s) "
+                                  f"{before:.2f} -> {after:.2f} dB: the change is {what}")
+        return kept
