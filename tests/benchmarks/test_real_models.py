@@ -168,3 +168,69 @@ def test_db_boxes_on_drawn_maps(rm: ModuleType) -> None:
     assert ocr.box_iou(got, moved)[0, 0] == pytest.approx((x1 - x0 - 30) / (x1 - x0 + 30))
     f1 = ocr.box_f1([prob], [np.roll(prob, 30, axis=1)])
     assert f1["box_f1"] == 0.0 and f1["boxes_float"] == 1.0
+
+
+def test_yolo_slices_cut_box_and_score_rows_per_level(rm: ModuleType) -> None:
+    _need("nudenet")  # not imported: its __init__ needs cv2 (installed --no-deps)
+    _need("skimage")
+    yd = rm.yolo_module()
+    model = onnx.load(str(rm.package_file("nudenet", "320n.onnx", "")))
+    feeds = yd.samples(4, 5, *yd.EVAL, rm.photo, rm._resize)
+    assert all(f["images"].shape == (1, 3, 320, 320) and 0 <= f["images"].min() <= f["images"].max() <= 1
+               for f in feeds)
+    out = model.graph.output[0].name
+    ref = rm.run_model(model, feeds, rm.EvalSpec("y", "slices", (out,)))
+    y = ref[0][out]
+    assert y.shape == (1, 4 + len(yd.CLASSES), sum(yd.CELLS)) and sum(yd.CELLS) == 2100
+    assert y[:, :4].max() > 50 and 0 <= y[:, 4:].min() and y[:, 4:].max() <= 1  # pixels, then sigmoid scores
+    s8 = rm.Slice("scores/s8", out, 0, 1600, rows=(4, 22))
+    assert s8.cut(y).shape == (1, 18, 1600)
+    assert sum(len(yd.detections(r[out])) for r in ref) >= 2  # the close-ups have faces the detector finds
+    # the metric: identical outputs agree fully; scores at a quarter lose every detection (all below 0.25)
+    slices = tuple(rm.Slice(f"{k}/s{s}", out, a, a + n, rows=rows) for s, n, a in zip(yd.STRIDES, yd.CELLS,
+                   (0, 1600, 2000), strict=True) for k, rows in (("boxes", (0, 4)), ("scores", (4, 22))))
+    spec = rm.EvalSpec("y", "slices", (out,), slices=slices, extra={"yolo_boxes": out})
+    same = rm.score(spec, ref, ref)
+    assert same["det_f1"] == 1.0 and same["min_db"] > 200
+    cut = [{out: r[out].copy()} for r in ref]
+    for r in cut:
+        r[out][:, 4:] *= 0.25
+    low = rm.score(spec, ref, cut)
+    assert low["det_int8"] == 0 and low["det_f1"] == 0.0
+    assert low["slices_db"]["scores/s8"] == pytest.approx(10 * np.log10(1 / 0.75**2), abs=1e-6)  # error 3/4 of it
+    assert low["slices_db"]["boxes/s8"] > 200  # the boxes did not move
+
+
+def test_yolo_through_activation_on_real_weights(rm: ModuleType) -> None:
+    """insert_qdq's through_activation on YOLOv8n (57 SiLU pre-activations, some reaching -136): the score rows and
+    the box rows both gain; the final score Sigmoid, whose output stays float, keeps its logit range."""
+    _need("nudenet")
+    _need("skimage")
+    from qgraph.passes.insert_qdq import InsertQDQ
+
+    from qgraph import Pipeline
+    from qgraph.data import CallableSource
+
+    yd = rm.yolo_module()
+    model = onnx.load(str(rm.package_file("nudenet", "320n.onnx", "")))
+    cal = yd.samples(16, 1, *yd.CAL, rm.photo, rm._resize)
+    ev = yd.samples(16, 2, *yd.EVAL, rm.photo, rm._resize)
+    out = model.graph.output[0].name
+    spec = rm.EvalSpec("y", "slices", (out,), slices=(rm.Slice("boxes", out, rows=(0, 4)),
+                                                      rm.Slice("scores", out, rows=(4, 22))))
+    ref = rm.run_model(model, ev, spec)
+
+    def quantized(through: bool) -> tuple[dict[str, float], dict[str, object]]:
+        qdq = InsertQDQ(preset="ort-x86-vnni", activations={"method": "auto", "through_activation": through})
+        res = Pipeline([qdq]).run(model, calibration_data=CallableSource(lambda: cal, "cal"))
+        details = res.records[0].result.details["calibration"].get("through_activation", {})
+        return rm.score(spec, ref, rm.run_model(res.model, ev, spec))["slices_db"], details
+
+    off, _ = quantized(False)
+    on, chosen = quantized(True)
+    assert on["scores"] > off["scores"] + 1.0 and on["boxes"] > off["boxes"] + 1.0, (off, on)
+    assert len(chosen) >= 20 and all(c["activation"] == "SiLU" for c in chosen.values())
+    assert "/model.22/cv3.0/cv3.0.2/Conv_output_0" not in chosen  # class logits before the float score Sigmoid
+    # clipped at or below -6.93 (a quarter code of the u8 gate; lower where SiLU's own output grid is finer)
+    assert all(-10 < c["range"][0] <= -6.92 for c in chosen.values())
+    assert all(c["range"][0] > c["calibrated"][0] and c["range"][1] == c["calibrated"][1] for c in chosen.values())
