@@ -49,17 +49,17 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from qgraph import GraphHandle, NodeSelector, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, NodeSelector, PassContext, PassResult, register
 from qgraph.layer_data import Twin, channel_means, with_twins
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
-from qgraph.weight_correction import CorrectionPass, FidelityGuard, calibration_batches, weightless
+from qgraph.weight_correction import CorrectionPass, FidelityGuard, GuardConfig, calibration_batches, weightless
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
 NAME = "correct_bias"
 
 
-class CorrectBiasConfig(PassConfig):
+class CorrectBiasConfig(GuardConfig):
     """Which layers to correct and how to order the corrections."""
 
     mode: Literal["local", "one_shot", "sequential"] = Field(
@@ -76,13 +76,6 @@ class CorrectBiasConfig(PassConfig):
     measure_after: bool = Field(
         default=True, description="One more run of the quantized model to report the mean error left per layer."
     )
-    guard: bool = Field(
-        default=True, description="Keep the correction only if the model's output fidelity against the float "
-        "reference (the minimum SQNR over outputs, each part of a Concat-joined output on its own) does not drop by "
-        "more than guard_tolerance_db on guard_samples calibration samples; otherwise undo it (reported).",
-    )
-    guard_samples: int = Field(default=32, ge=1, description="Calibration samples the guard scores on.")
-    guard_tolerance_db: float = Field(default=0.05, ge=0, description="Drop in dB the guard accepts (float noise).")
 
 
 def _tensors(layers: list[QuantLayer]) -> dict[str, tuple[int, bool]]:
@@ -137,9 +130,7 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             res.notes.append("no layer to correct")
             return res
         assert ctx.float_reference is not None
-        guard = FidelityGuard(ctx, self.config.guard_samples, res) if self.config.guard else None
-        before = guard.score(graph) if guard is not None else None
-        stored = [la.bias_codes() for la in layers]
+        guard = FidelityGuard.start(self.config, graph, ctx, layers, res)
         if self.config.mode == "local":
             per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights)
         else:
@@ -150,15 +141,8 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         if clipped:
             res.notes.append(f"{clipped} int32 bias code(s) saturated")
         res.decisions.append(self._summary(per_layer, res.rewritten, runs))
-        if guard is not None and before is not None:
-            after = guard.score(graph)
-            kept = guard.accept(before, after, self.config.guard_tolerance_db)
-            if not kept:
-                for layer, codes in zip(layers, stored, strict=True):
-                    if codes is not None:
-                        layer.restore_bias(codes)
-                graph.changed()
-                res.rewritten = 0
+        if guard is not None and not guard.finish(graph, self.config.guard_tolerance_db):
+            res.rewritten = 0
         return res
 
     def _apply(self, layer: QuantLayer, delta: npt.NDArray[np.float64]) -> tuple[bool, int]:

@@ -20,7 +20,9 @@ from one run of the model as already optimized (later layers see the earlier lay
 group's samples plus one inference. A layer's codes change only when its objective improves, so no layer gets
 worse on the sample; ``time_budget_s`` stops between (or inside) layers with everything done so far kept, and the
 decision says which layers were optimized. Run ``correct_bias`` afterwards to also remove mean shifts from
-upstream layers.
+upstream layers. Each layer improves on its own inputs, yet the model can still lose where the layers' changes add
+up: a guard (``guard: true``, default; `qgraph.weight_correction.FidelityGuard`) scores the model's outputs against
+the float reference on ``guard_samples`` calibration samples before and after and undoes the pass when it lost.
 """
 
 from __future__ import annotations
@@ -32,18 +34,25 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from qgraph import GraphHandle, NodeSelector, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, NodeSelector, PassContext, PassResult, register
 from qgraph.layer_data import RowSpec, sample_inputs
 from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
 from qgraph.rounding import optimize_rounding, rounding_objective, second_moments
-from qgraph.weight_correction import CorrectionPass, calibration_batches, row_spec, weightless
+from qgraph.weight_correction import (
+    CorrectionPass,
+    FidelityGuard,
+    GuardConfig,
+    calibration_batches,
+    row_spec,
+    weightless,
+)
 
 __all__ = ["OptimizeRounding", "OptimizeRoundingConfig"]
 
 NAME = "optimize_rounding"
 
 
-class OptimizeRoundingConfig(PassConfig):
+class OptimizeRoundingConfig(GuardConfig):
     """Which layers, how many input rows per layer, and how long."""
 
     nodes: NodeSelector | None = Field(default=None, description="Only optimize these layers (default: all).")
@@ -99,6 +108,7 @@ class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, [la for la, _ in work], ctx.float_reference_weights)
         per_layer: dict[str, dict[str, float | int]] = {}
+        guard = FidelityGuard.start(cfg, graph, ctx, [la for la, _ in work], res)
         for group in self._groups(work):
             if deadline is not None and time.perf_counter() > deadline:
                 break
@@ -120,6 +130,8 @@ class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
         res.decisions.append(self._summary(per_layer, pending))
         if pending:
             res.details["not_optimized"] = pending
+        if guard is not None and not guard.finish(graph, cfg.guard_tolerance_db):
+            res.rewritten = 0
         return res
 
     def _groups(self, work: list[tuple[QuantLayer, RowSpec]]) -> list[list[tuple[QuantLayer, RowSpec]]]:

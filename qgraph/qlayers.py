@@ -127,14 +127,17 @@ class QuantLayer:
         else:
             self.weight = _replaced(self.weight, codes.astype(old.dtype))
 
-    def bias_codes(self) -> npt.NDArray[Any] | None:
-        """A copy of the bias as stored (int32 codes or float values), for `restore_bias` (None without bias)."""
-        return None if self.bias is None else np.array(self.bias.value.values, copy=True)
+    def snapshot(self) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None]:
+        """Copies of the weight and the bias as stored (codes, or float values), for `restore`."""
+        bias = None if self.bias is None else np.array(self.bias.value.values, copy=True)
+        return np.array(self.weight.values, copy=True), bias
 
-    def restore_bias(self, stored: npt.NDArray[Any]) -> None:
-        """Put back a bias `bias_codes` returned (undo `shift_bias`)."""
-        assert self.bias is not None
-        self.bias.value = _replaced(self.bias.value, stored)
+    def restore(self, stored: tuple[npt.NDArray[Any], npt.NDArray[Any] | None]) -> None:
+        """Put back the weight and bias a `snapshot` took (undo `write_codes` / `shift_bias`)."""
+        weight, bias = stored
+        self.weight = _replaced(self.weight, weight)
+        if bias is not None and self.bias is not None:
+            self.bias.value = _replaced(self.bias.value, bias)
 
     def bias_values(self) -> npt.NDArray[np.float64] | None:
         """The bias as the graph computes with it, flat ``(C,)`` (None without bias)."""

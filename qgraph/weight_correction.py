@@ -10,6 +10,7 @@ keeps.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -17,6 +18,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 import onnx
+from pydantic import Field
 
 from qgraph.compare import make_session
 from qgraph.data import Feed, batched
@@ -148,31 +150,62 @@ def row_spec(layer: QuantLayer) -> RowSpec | str:
     )
 
 
-class FidelityGuard:
-    """The output fidelity of the graph against the float reference on a few calibration samples (the minimum SQNR
-    over outputs, each part of a Concat-joined output on its own: `qgraph.output_parts`), so that a weight-correcting
-    pass keeps its change only where it does not make the model worse (`accept`, reported in ``res``). Costs one
-    reference run and one run of the graph per `score`."""
+class GuardConfig(PassConfig):
+    """The fidelity guard of a weight-correcting pass (`FidelityGuard`): its config class inherits these fields."""
 
-    def __init__(self, ctx: PassContext, samples: int, res: PassResult) -> None:
+    guard: bool = Field(
+        default=True, description="Keep the change only if the model's output fidelity against the float reference "
+        "(the minimum SQNR over outputs, each part of a Concat-joined output on its own) does not drop by more than "
+        "guard_tolerance_db on guard_samples calibration samples; otherwise undo it (reported).",
+    )
+    guard_samples: int = Field(default=32, ge=1, description="Calibration samples the guard scores on.")
+    guard_tolerance_db: float = Field(default=0.05, ge=0, description="Drop in dB the guard accepts (float noise).")
+
+
+class FidelityGuard:
+    """Keeps a weight-correcting pass's change only where it does not make the model worse: the output fidelity
+    against the float reference on a few calibration samples (the minimum SQNR over outputs, each part of a
+    Concat-joined output on its own: `qgraph.output_parts`) before (`start`, with a snapshot of the layers' codes)
+    and after (`finish`, which restores the snapshot when the score dropped). Reported in ``res`` either way. Costs
+    one reference run and two runs of the graph on those samples."""
+
+    def __init__(self, ctx: PassContext, samples: int, layers: list[QuantLayer], res: PassResult) -> None:
         assert ctx.calibration_data is not None and ctx.float_reference is not None
         feeds = list(itertools.islice(iter(ctx.calibration_data), samples))
         reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
         self.scorer = OutputScore(reference, feeds, parts=find_output_parts(ctx.float_reference))
+        self.layers = layers
+        self.stored = [la.snapshot() for la in layers]
         self.res = res
+        self.before = math.nan
+
+    @classmethod
+    def start(cls, config: GuardConfig, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
+              res: PassResult) -> FidelityGuard | None:
+        """A guard holding the graph's score and the layers' codes now, or None when ``config.guard`` is off."""
+        if not config.guard:
+            return None
+        guard = cls(ctx, config.guard_samples, layers, res)
+        guard.before = guard.score(graph)
+        return guard
 
     def score(self, graph: GraphHandle) -> float:
         """The graph's score now (dB; NaN/Inf outputs give -inf)."""
         model, held = graph.weightless_export()
         return self.scorer.score_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
 
-    def accept(self, before: float, after: float, tolerance_db: float) -> bool:
-        """Whether a change that moved the score ``before -> after`` is kept (it may lose ``tolerance_db``); the
-        decision line says which and why."""
-        kept = after >= before - tolerance_db
-        what = ("kept" if kept else "undone: it made the model worse there (guard: false keeps it)")
+    def finish(self, graph: GraphHandle, tolerance_db: float) -> bool:
+        """Score the graph again; undo the change (restore every layer) when it lost more than ``tolerance_db``.
+        Whether it was kept; the decision line says which and why."""
+        after = self.score(graph)
+        kept = after >= self.before - tolerance_db
+        if not kept:
+            for layer, stored in zip(self.layers, self.stored, strict=True):
+                layer.restore(stored)
+            graph.changed()
+        what = "kept" if kept else "undone: it made the model worse there (guard: false keeps it)"
         units = len(self.scorer.units)
         scored = f"min over {units} output part(s)" if units > 1 else "output SQNR"
         self.res.decisions.append(f"guard: {scored} on {len(self.scorer.feeds)} calibration sample(s) "
-                                  f"{before:.2f} -> {after:.2f} dB: the change is {what}")
+                                  f"{self.before:.2f} -> {after:.2f} dB: the change is {what}")
         return kept

@@ -1,0 +1,68 @@
+"""The fidelity guard of weight-correcting passes (qgraph.weight_correction.FidelityGuard), as a plug-in uses it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from qgraph.passes.insert_qdq import InsertQDQ
+
+from qgraph import GraphHandle, PassContext, PassResult, Pipeline
+from qgraph.weight_correction import CorrectionPass, FidelityGuard, GuardConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "passes"))
+from insert_qdq_helpers import feeds_for, source, tiny_cnn
+from weight_correction_helpers import changed
+
+
+class ScrambleConfig(GuardConfig):
+    """Which harm to do: scale every weight code (0 zeroes them)."""
+
+    factor: float = 0.0
+
+
+class ScrambleCodes(CorrectionPass[ScrambleConfig]):
+    """A "correction" that rewrites every layer's codes: the guard must notice when that hurts."""
+
+    name = "scramble_codes"
+    config_class = ScrambleConfig
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
+        res = PassResult()
+        cands = self.start(graph, ctx, None, res)
+        assert cands is not None
+        guard = FidelityGuard.start(self.config, graph, ctx, cands.layers, res)
+        for layer in cands.layers:
+            layer.write_codes(np.rint(layer.codes() * self.config.factor).astype(np.int64))
+            res.rewritten += 1
+        graph.changed()
+        if guard is not None and not guard.finish(graph, self.config.guard_tolerance_db):
+            res.rewritten = 0
+        return res
+
+
+def _run(model: onnx.ModelProto, **options: object) -> tuple[onnx.ModelProto, PassResult]:
+    feeds = feeds_for(model, 8)
+    out = Pipeline([InsertQDQ(preset="ort-x86-vnni"), ScrambleCodes(**options)]).run(
+        model, calibration_data=source(feeds))
+    return out.model, out.records[1].result
+
+
+def test_a_harmful_change_is_undone_and_said_so() -> None:
+    m = tiny_cnn()
+    base = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(m, calibration_data=source(feeds_for(m, 8))).model
+    guarded, res = _run(m)
+    assert changed(base, guarded) == set() and res.rewritten == 0  # every code back as it was
+    line = next(d for d in res.decisions if d.startswith("guard: output SQNR on 8 calibration sample(s)"))
+    before, after = (float(v) for v in line.split("sample(s) ")[1].split(" dB")[0].split(" -> "))
+    assert before > 25 and after < 0 and "undone" in line
+    unguarded, res = _run(m, guard=False)
+    assert changed(base, unguarded) and res.rewritten == 3 and not any(d.startswith("guard") for d in res.decisions)
+
+
+def test_a_harmless_change_is_kept() -> None:
+    m = tiny_cnn()
+    _, res = _run(m, factor=1.0)  # the codes rewritten as they were: the score does not move
+    assert res.rewritten == 3 and any(d.startswith("guard:") and d.endswith("is kept") for d in res.decisions)
