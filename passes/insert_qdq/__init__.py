@@ -24,9 +24,9 @@ from .joins import wide_joins
 from .latency import LatencyOptions
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
-from .saturation import activation_codes, analyze
+from .saturation import saturation_details
 from .speed import baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
-from .through import through_activations, through_decision, through_details
+from .through import clip_flat_sides
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
@@ -113,18 +113,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         calib_details: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
             ranges, calib_details, cal = self._calibrate(graph, ctx, plan, res)
-            forbidden = screen(ranges, cfg)
-            joins = wide_joins(plan, ranges, cfg)
-            res.decisions += list(joins.values())
-            if forbidden or joins:
-                plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
-            dw = self._depthwise(graph, ctx, plan, cal.channels, res)
-            if dw:  # the latency decision then re-labels the neighbours of the float depthwise convs
-                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw}).plan()
-            slow = self._latency(graph, ctx, plan, res)
-            if slow:
-                plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw, **slow}).plan()
-            ranges = self._through(graph, plan, ranges, cal, calib_details, res)
+            plan, forbidden = self._replan(graph, ctx, plan, (selected, floats), ranges, cal, res)
+            ranges = clip_flat_sides(graph, plan, ranges, cal.overridden, cfg.activations, calib_details, res)
             params = self._params(plan, ranges)
         before = len(graph.graph.nodes)
         em = Emitter(graph)
@@ -167,7 +157,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if wq.adjusted:
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
         if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg, cpu):
-            res.details["saturation"] = self._saturation(plan, params, ranges, wq)
+            res.details["saturation"] = saturation_details(plan, params, wq.weights)
         return res
 
     def _calibrate(
@@ -200,20 +190,24 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 res.decisions.append(fixed_decision(fixed))
         return ranges, details, cal
 
-    def _through(self, graph: GraphHandle, plan: Plan, ranges: dict[str, RangeInfo], cal: Calibration,
-                 details: dict[str, Any], res: PassResult) -> dict[str, RangeInfo]:
-        """``activations.through_activation`` on the final plan (`through.py`): which activations' outputs stay on
-        an integer grid is known only once the joins, depthwise and latency decisions are made."""
-        if not self.config.activations.through_activation:
-            return ranges
-        spec = QuantSpec(dtype=self.config.activations.dtype, symmetric=self.config.activations.symmetric)
-        ranges, through = through_activations(graph, plan, ranges, spec, cal.overridden)
-        if through:
-            details["through_activation"] = through_details(through)
-            # beside the calibration's other range decisions, not after the placement ones (the summary shows 3)
-            at = next((i + 1 for i, d in enumerate(res.decisions) if d.startswith("calibration method")), 0)
-            res.decisions.insert(at, str(through_decision(through)))
-        return ranges
+    def _replan(self, graph: GraphHandle, ctx: PassContext, plan: Plan, base: tuple[set[int], set[str]],
+                ranges: dict[str, RangeInfo], cal: Calibration, res: PassResult) -> tuple[Plan, dict[str, str]]:
+        """The plan after calibration, with its outlier-screened tensors: outliers, wide joins, float depthwise
+        convs and units slower in int8 kept float, each decision re-planning once (``base``: selected node ids and
+        float32 tensors)."""
+        cfg, (selected, floats) = self.config, base
+        forbidden = screen(ranges, cfg)
+        joins = wide_joins(plan, ranges, cfg)
+        res.decisions += list(joins.values())
+        if forbidden or joins:
+            plan = Planner(graph, cfg, selected, floats, forbidden, joins).plan()
+        dw = self._depthwise(graph, ctx, plan, cal.channels, res)
+        if dw:  # the latency decision then re-labels the neighbours of the float depthwise convs
+            plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw}).plan()
+        slow = self._latency(graph, ctx, plan, res)
+        if slow:
+            plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw, **slow}).plan()
+        return plan, forbidden
 
     def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
         """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
@@ -368,27 +362,6 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             "excluded_tensors": forbidden,
             "asymmetric_weights": wq.asymmetric,
             "subgraph_nodes_quantized": sub_units,
-        }
-
-    def _saturation(
-        self, plan: Plan, params: dict[str, ActParams], ranges: dict[str, RangeInfo], wq: WeightQuantizer
-    ) -> dict[str, Any]:
-        codes: dict[str, tuple[int, int]] = {}
-        for u in plan.units:
-            if u.kind != "weighted" or not u.act_inputs:
-                continue
-            root = plan.tensors.get(u.act_inputs[0])
-            p = params.get(root or "")
-            if p is None or p.dtype != QuantDtype.UINT8:
-                continue
-            codes[label(u.node)] = activation_codes(p.rmin, p.rmax, p.scale, p.zero_point)
-        results = analyze(wq.weights, codes)
-        risky = [r.to_dict() for r in results if r.at_risk]
-        return {
-            "kernel": "u8 x s8 VPMADDUBSW (AVX2 without VNNI)",
-            "layers_analyzed": len(results),
-            "layers_at_risk": risky,
-            "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
         }
 
 

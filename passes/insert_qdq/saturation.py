@@ -23,6 +23,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qgraph.quant import QuantDtype
+
+from .emit import ActParams
+from .placement import Plan, label
 from .weights import QuantizedWeight
 
 INT16_MIN, INT16_MAX = -32768, 32767
@@ -154,3 +158,25 @@ def analyze(weights: list[QuantizedWeight], codes: dict[str, tuple[int, int]]) -
         if res is not None:
             out.append(res)
     return out
+
+
+def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[QuantizedWeight]) -> dict[str, Any]:
+    """The report of the u8 x s8 saturation analysis: per weighted unit with u8 activations, its input codes against
+    its weights (``WeightQuantizer.weights``)."""
+    codes: dict[str, tuple[int, int]] = {}
+    for u in plan.units:
+        if u.kind != "weighted" or not u.act_inputs:
+            continue
+        root = plan.tensors.get(u.act_inputs[0])
+        p = params.get(root or "")
+        if p is None or p.dtype != QuantDtype.UINT8:
+            continue
+        codes[label(u.node)] = activation_codes(p.rmin, p.rmax, p.scale, p.zero_point)
+    results = analyze(weights, codes)
+    risky = [r.to_dict() for r in results if r.at_risk]
+    return {
+        "kernel": "u8 x s8 VPMADDUBSW (AVX2 without VNNI)",
+        "layers_analyzed": len(results),
+        "layers_at_risk": risky,
+        "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
+    }

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph import GraphHandle
+from qgraph import GraphHandle, PassResult
 from qgraph.calibrate.transfer import ThroughChoice, Transfer, clip_flat
 from qgraph.quant import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
+from .config import ActivationOptions
 from .placement import Plan
 
 #: How many tensors the decision line names.
@@ -142,3 +143,19 @@ def through_decision(chosen: dict[str, ThroughChoice]) -> str | None:
     return (f"through_activation: {len(chosen)} tensor(s) read only by an activation ({kinds}) are clipped where it "
             f"is within a quarter code of its limit: {shown}{more} (activations.through_activation: false keeps the "
             "calibrated ranges)")
+
+
+def clip_flat_sides(graph: GraphHandle, plan: Plan, ranges: dict[str, RangeInfo], overridden: set[str],
+                    options: ActivationOptions, details: dict[str, Any], res: PassResult) -> dict[str, RangeInfo]:
+    """`through_activations` when ``options.through_activation`` is on, run on the final plan (which activations'
+    outputs stay integer is known only after the joins, depthwise and latency decisions): the new ranges, the choices
+    in ``details`` and the decision beside the calibration's other range decisions (the summary shows three)."""
+    if not options.through_activation:
+        return ranges
+    spec = QuantSpec(dtype=options.dtype, symmetric=options.symmetric)
+    ranges, chosen = through_activations(graph, plan, ranges, spec, overridden)
+    if chosen:
+        details["through_activation"] = through_details(chosen)
+        at = next((i + 1 for i, d in enumerate(res.decisions) if d.startswith("calibration method")), 0)
+        res.decisions.insert(at, str(through_decision(chosen)))
+    return ranges
