@@ -33,17 +33,14 @@ import numpy as np
 import onnx
 
 from qgraph.compare import DiffAccumulator, TensorDiff
-from qgraph.graph.detach import is_placeholder
 from qgraph.graph.ops import Inferred
-from qgraph.graph.shapes import static_shapes
+from qgraph.graph.shapes import skeleton, static_shapes
 from qgraph.qdq import is_dequantize, is_quantize
 
 __all__ = ["OutputPart", "OutputParts", "OutputSplit", "PartDiffs", "find_output_parts", "output_parts_of", "worst"]
 
 #: Parts named in a decision sentence before "and N more".
 _NAMED_PARTS = 4
-#: Initializers up to this many bytes stay in the model given to shape inference (Reshape targets etc.).
-_KEEP_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -273,22 +270,7 @@ def _split(name: str, concat: onnx.NodeProto, producer: dict[str, onnx.NodeProto
 
 def _infer(model: onnx.ModelProto) -> Inferred:
     """Shapes of ``model``'s tensors from a weightless skeleton (weights as typed inputs): O(nodes)."""
-    sk = onnx.ModelProto(ir_version=model.ir_version)
-    sk.opset_import.extend(model.opset_import)
-    sk.functions.extend(model.functions)
-    g = sk.graph
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    g.value_info.extend(model.graph.value_info)
-    declared = {v.name for v in model.graph.input}
-    for t in model.graph.initializer:
-        small = not is_placeholder(t) and t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() <= _KEEP_BYTES
-        if small:
-            g.initializer.append(t)
-        elif t.name not in declared:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return static_shapes(sk)
+    return static_shapes(skeleton(model))
 
 
 # ----------------------------------------------------------------------------------------------- measuring them

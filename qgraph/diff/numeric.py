@@ -41,36 +41,17 @@ from qgraph.diff.bodies import BodyLevel, body_levels
 from qgraph.diff.layers import LayerDiff, NumericDiff, part_drops
 from qgraph.diff.protos import ModelIndex, NodeRef, subgraphs_of
 from qgraph.errors import DataError, ModelError
+from qgraph.graph.shapes import skeleton
 from qgraph.output_parts import OutputPart, output_parts_of
 from qgraph.rescaling import Rescaling, relative_rescaling, undo_rescaling
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
-_SMALL_CONSTANT = 64  # initializers up to this many elements keep their data for shape inference
-
-
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` without large weight payloads (declared as inputs instead): cheap to shape-infer."""
-    sk = onnx.ModelProto(ir_version=model.ir_version)
-    sk.opset_import.extend(model.opset_import)
-    sk.functions.extend(model.functions)
-    g = sk.graph
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    declared = {v.name for v in model.graph.input}
-    for t in model.graph.initializer:
-        numel = int(np.prod(t.dims)) if t.dims else 1
-        if numel <= _SMALL_CONSTANT and t.data_location != onnx.TensorProto.EXTERNAL:
-            g.initializer.append(t)
-        elif t.name not in declared:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return sk
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | str]]]:
     """Element type and shape of every typed tensor (shape inference on a weightless copy; best effort)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(model))
+        inferred = onnx.shape_inference.infer_shapes(skeleton(model))
     except Exception:  # inference is an optimisation here: unknown types are simply kept
         inferred = model
     out: dict[str, tuple[int, list[int | str]]] = {}

@@ -44,6 +44,27 @@ def static_shapes(model: onnx.ModelProto) -> Inferred:
     return shapes
 
 
+def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A new model with ``model``'s nodes, inputs, outputs, value_info and functions, its small initializers and its
+    large ones (or placeholders, or external data) as typed graph inputs: shape inference on it costs O(nodes) and
+    copies no weights; ``model`` is not changed."""
+    sk = onnx.ModelProto(ir_version=model.ir_version)
+    sk.opset_import.extend(model.opset_import)
+    sk.functions.extend(model.functions)
+    g = sk.graph
+    g.node.extend(model.graph.node)
+    g.input.extend(model.graph.input)
+    g.output.extend(model.graph.output)
+    g.value_info.extend(model.graph.value_info)
+    declared = {v.name for v in model.graph.input}
+    for t in model.graph.initializer:
+        if not _big(t) and t.data_location != onnx.TensorProto.EXTERNAL:
+            g.initializer.append(t)
+        elif t.name not in declared:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return sk
+
+
 def shapes_with_inputs(model: onnx.ModelProto, dims: dict[str, tuple[int, ...]]) -> Inferred:
     """`static_shapes` of ``model`` (changed in place: pass an export) with the graph inputs named in ``dims``
     given those sizes, e.g. a calibration sample's where the model's are symbolic (``p2o.DynamicDimension.0``).
