@@ -61,9 +61,14 @@ def reading_activation(graph: GraphHandle, tensor: str, quantized: dict[str, str
             return None
         gate = sig.outputs[0].name
         names = sorted(t.name for t in mul.inputs)
-        if names == sorted([tensor, gate]) and not graph.is_graph_output(gate) and graph.consumers(gate) == [mul]:
+        if names == sorted([tensor, gate]) and not graph.is_graph_output(gate) and _only_reader(graph, gate, mul):
             return Reading(Transfer("SiLU"), mul.outputs[0].name, gate if gate in quantized else None)
     return None
+
+
+def _only_reader(graph: GraphHandle, tensor: str, node: gs.Node) -> bool:
+    readers = graph.consumers(tensor)
+    return len(readers) == 1 and readers[0] is node  # identity: graphsurgeon's Node.__eq__ compares whole nodes
 
 
 def _first_input(node: gs.Node) -> str | None:
