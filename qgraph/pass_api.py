@@ -91,6 +91,9 @@ class PassResult:
     #: Nodes this pass deliberately put (back) in float, with why (float_fallback): the answer to "why is this
     #: node not integer" that wins over any pass's skip. Not skips (the pass acted on them), so not counted as such.
     kept_float: list[Skipped] = field(default_factory=list)
+    #: Seconds this pass spent running the float model over the calibration data to collect activation ranges
+    #: (insert_qdq): what the run summary measures every other pass's time against (`qgraph.timing`).
+    calibration_seconds: float | None = None
 
     def decide(self, text: str, attention: bool = False) -> None:
         """Record a decision (`decisions`); with ``attention``, one the summary always shows, first (`attention`)."""

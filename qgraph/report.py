@@ -42,6 +42,7 @@ from qgraph.output_parts import OutputParts, PartDiffs, output_parts_of
 from qgraph.pass_api import PassResult
 from qgraph.pipeline import PipelineResult
 from qgraph.recipe import Recipe
+from qgraph.timing import run_timing
 
 #: Samples of the calibration data used for fidelity (random inputs when there is no data).
 REPORT_SAMPLES = 8
@@ -85,6 +86,8 @@ class RunReport:
     graph_view: str = ""  # the changed regions as inline SVG (HTML only)
     #: The fidelity check ``qgraph run`` printed (`qgraph.fidelity`), None when it did not run.
     check: dict[str, Any] | None = None
+    #: Every pass's time against the calibration's (`qgraph.timing`), None when no pass calibrated from data.
+    timing: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``culprits``: the Q/DQ pairs, best first)."""
@@ -96,7 +99,7 @@ class RunReport:
             "passes": self.passes, "fidelity": self.fidelity,
             "layers": self.layers.to_dict() if self.layers is not None else None,
             "coverage": self.coverage.to_dict(), "skipped": self.skipped, "fallback": self.fallback,
-            "decisions": self.decisions, "check": self.check,
+            "decisions": self.decisions, "check": self.check, "timing": self.timing,
         }
 
 
@@ -234,6 +237,10 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
     if tol is not None and (tol.raised or tol.note):  # host-dependent: shown here, never in the model
         report.decisions.insert(0, {"pass": "--verify", "kind": "host-dependent", "text": tol.describe()})
     report.decisions[:0] = [{"pass": "load", "kind": "decision", "text": t} for t in result.load_decisions]
+    timing = run_timing(result.records)
+    if timing is not None:
+        report.timing = timing.to_dict()
+        report.decisions.append({"pass": "run", "kind": "timing", "text": timing.line()})
     if source is None:
         report.notes.append("no input model in the result: no fidelity or per-layer data.")
         return report

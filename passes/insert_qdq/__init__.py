@@ -170,6 +170,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         axes = {u.act_inputs[0]: 1 for u in dw}
         cal = calibrate(graph, ctx, plan.roots, self.config, axes)
         res.notes += cal.notes
+        res.calibration_seconds = cal.seconds
         details = dict(cal.fragile)
         auto = auto_summary(cal.measured)
         if auto is not None:

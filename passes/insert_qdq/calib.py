@@ -9,6 +9,7 @@ tensor is dominated by masking constants or extreme outliers.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,8 @@ class Calibration:
     #: Per-channel observed ``(min, max)`` of the tensors asked for with ``channel_axes`` (same pass; empty when
     #: the ranges came from a file and no data ran).
     channels: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    #: Seconds the data pass took (None when every range came from the ranges file).
+    seconds: float | None = None
 
 
 def observer_options(cfg: InsertQDQConfig) -> dict[str, Any]:
@@ -117,6 +120,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
     data = ctx.calibration_data
     side = {t: make_observer("minmax", t, axis) for t, axis in (channel_axes or {}).items()}
     model, held = graph.weightless_export()  # sessions read the graph's weights in place: no second copy
+    start = time.perf_counter()
     cal = collect_ranges(
         model,
         missing,
@@ -140,7 +144,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         )
     channels = {t: (np.asarray(o.observed().rmin, np.float64), np.asarray(o.observed().rmax, np.float64))
                 for t, o in side.items() if o.num_updates}
-    return Calibration(out, notes, _fragile(measured), measured, overridden, channels)
+    return Calibration(out, notes, _fragile(measured), measured, overridden, channels, time.perf_counter() - start)
 
 
 def _fragile(measured: dict[str, TensorCalibration]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from qgraph.data import DataLayout
 from qgraph.outputs import check_outputs
 from qgraph.pass_api import PassResult
 from qgraph.pipeline import PipelineEvent, PipelineResult
+from qgraph.timing import run_timing
 
 if TYPE_CHECKING:
     from qgraph.evaluation import Evaluation
@@ -150,6 +151,9 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
                               data_layout=data_layout, keep_input=report is not None)
     for decision in result.load_decisions:
         say(f"  {decision}")
+    timing = run_timing(result.records)
+    if timing is not None and not quiet:
+        say(f"  {timing.line()}")
     if not quiet and result.calibration_data is not None:
         for note in result.calibration_data.notes():
             say(f"  data: {note}")
