@@ -116,6 +116,7 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
         res.save(out)
         row: dict[str, Any] = {"seconds": seconds}
         for rec in res.records:  # an automatic float_fallback stage: what it kept float and its own latency view
+            row.update(("latency_check", d) for d in rec.result.decisions if d.startswith("latency check"))
             auto = rec.result.details.get("auto") if rec.name == "float_fallback" else None
             if auto:
                 row.update(float_nodes=len(auto["nodes"]), candidates=auto.get("candidates"),

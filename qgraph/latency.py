@@ -42,6 +42,23 @@ TABLE_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------- profiling
+def _session(model: onnx.ModelProto | bytes, threads: int, profile_prefix: str | None = None) -> Any:
+    """An onnxruntime CPU session, ``ORT_ENABLE_ALL``, ``threads`` intra-op threads, profiling when a prefix is
+    given."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    src = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
 def profile_kernels(
     models: Mapping[str, onnx.ModelProto | bytes],
     feeds: Mapping[str, np.ndarray],
@@ -53,19 +70,8 @@ def profile_kernels(
     ``ORT_ENABLE_ALL``, ``threads`` intra-op threads. Runs alternate between the models (round-robin), at most
     ``runs`` rounds and no new round after ``budget_seconds``. Names lose onnxruntime's ``_token_<n>`` suffixes;
     kernels onnxruntime added itself (layout transposes, reorders) keep their generated names."""
-    import onnxruntime as ort
-
-    sessions = {}
-    for label, model in models.items():
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        so.enable_profiling = True
-        so.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"qgraph-latency-{label}")
-        src = model if isinstance(model, bytes) else model.SerializeToString()
-        sessions[label] = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    sessions = {label: _session(model, threads, str(Path(tempfile.gettempdir()) / f"qgraph-latency-{label}"))
+                for label, model in models.items()}
     feed = dict(feeds)
     start = time.perf_counter()
     for sess in sessions.values():  # warm-up (the median below also drops it)
@@ -84,6 +90,40 @@ def profile_kernels(
             path.unlink(missing_ok=True)
         out[label] = _medians(events)
     return out
+
+
+def time_models(
+    models: Mapping[str, onnx.ModelProto | bytes],
+    feeds: Mapping[str, np.ndarray],
+    rounds: int = 30,
+    threads: int = 2,
+    budget_seconds: float = 5.0,
+) -> dict[str, float]:
+    """Median wall time (ms) of one ``session.run`` per model, onnxruntime CPU, ``ORT_ENABLE_ALL``: the steady
+    state a deployed model runs in. Models take turns of about 150 ms of consecutive runs so a shared machine
+    slows them alike; the first two runs of every turn are not counted (right after another session ran, a run
+    is 15-30% slower: caches and onnxruntime's parked thread pool; counting them hid a 14% difference on
+    YOLOv8n). At least 3 rounds, at most ``rounds``, no new round after ``budget_seconds``."""
+    sessions = {label: _session(model, threads) for label, model in models.items()}
+    feed = dict(feeds)
+    block = 1
+    for sess in sessions.values():
+        for _ in range(2):
+            t0 = time.perf_counter()
+            sess.run(None, feed)
+        block = max(block, min(200, math.ceil(0.15 / max(time.perf_counter() - t0, 1e-6))))
+    times: dict[str, list[float]] = {label: [] for label in sessions}
+    start = time.perf_counter()
+    for r in range(max(3, rounds)):
+        if r >= 3 and time.perf_counter() - start > budget_seconds:
+            break
+        for label, sess in sessions.items():
+            for k in range(block + 2):
+                t0 = time.perf_counter()
+                sess.run(None, feed)
+                if k >= 2:
+                    times[label].append((time.perf_counter() - t0) * 1e3)
+    return {label: float(statistics.median(v)) for label, v in times.items()}
 
 
 def _medians(events: list[dict[str, Any]]) -> dict[str, float]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import Any
 
@@ -10,22 +9,24 @@ import numpy as np
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.graph import topological_order
-from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
+from qgraph.quant import QuantDtype, QuantSpec
 from qgraph.target import CalibrationSpec, CpuInfo, host_cpu
 
 from .bodies import BodiesOutcome, quantize_bodies
+from .build import activation_params, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
 from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
 from .dynamic import DynamicQuantizer
-from .emit import ActParams, insert_activation_qdq
+from .emit import ActParams
 from .joins import wide_joins
 from .latency import LatencyOptions
+from .latency_check import Builder, run_check, twin_builder
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
 from .saturation import saturation_details
-from .speed import baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
+from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .through import clip_flat_sides
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
@@ -113,28 +114,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         calib_details: dict[str, Any] = {}
         if cfg.mode == "static" and plan.roots:
             ranges, calib_details, cal = self._calibrate(graph, ctx, plan, res)
-            plan, forbidden = self._replan(graph, ctx, plan, (selected, floats), ranges, cal, res)
+            plan, forbidden = self._replan(graph, ctx, plan, (selected, floats, wspec), ranges, cal, res)
             ranges = clip_flat_sides(graph, plan, ranges, cal.overridden, cfg.activations, calib_details, res)
-            params = self._params(plan, ranges)
+            params = activation_params(cfg, plan, ranges)
         before = len(graph.graph.nodes)
-        em = Emitter(graph)
-        wq = WeightQuantizer(em, wspec, cfg.weights.format, cfg.activations.dtype, cfg.bias)
-        wq.auto_symmetric, wq.asym_gain = cfg.weights.symmetric == "auto", cfg.weights.asymmetric_gain
-        dyn = DynamicQuantizer(em, wspec.model_copy(update={"per_channel": cfg.weights.per_channel}))
-        dyn.auto_symmetric, dyn.asym_gain = wq.auto_symmetric, wq.asym_gain
-
-        input_scale = functools.partial(_input_scale, plan, params)
-        wq.prepare([(u, input_scale(u)) for u in plan.units if u.kind == "weighted"])
-        for unit in plan.units:
-            if unit.kind == "dynamic":
-                dyn.unit(unit, graph.graph)
-                continue
-            if unit.node.op == "Sum":  # two-input Sum (old exporters' residual add): Add has a QLinear kernel
-                unit.node.op = "Add"
-            wq.unit(unit, input_scale(unit))
-            for i in unit.const_inputs:
-                wq.constant_operand(unit.node, i)
-        insert_activation_qdq(em, plan, params)
+        built = emit_plan(graph, cfg, wspec, plan, params)
+        em, wq, dyn = built.em, built.weights, built.dynamic
         sub_units, sub_skips = self._subgraphs(graph, em, dyn, ops)
         graph.changed()
         dead = set(dyn.replaced)
@@ -191,12 +176,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 res.decisions.append(fixed_decision(fixed))
         return ranges, details, cal
 
-    def _replan(self, graph: GraphHandle, ctx: PassContext, plan: Plan, base: tuple[set[int], set[str]],
+    def _replan(self, graph: GraphHandle, ctx: PassContext, plan: Plan, base: tuple[set[int], set[str], QuantSpec],
                 ranges: dict[str, RangeInfo], cal: Calibration, res: PassResult) -> tuple[Plan, dict[str, str]]:
         """The plan after calibration, with its outlier-screened tensors: outliers, wide joins, float depthwise
         convs and units slower in int8 kept float, each decision re-planning once (``base``: selected node ids and
-        float32 tensors)."""
-        cfg, (selected, floats) = self.config, base
+        float32 tensors, weight spec)."""
+        cfg, (selected, floats, wspec) = self.config, base
         forbidden = screen(ranges, cfg)
         joins = wide_joins(plan, ranges, cfg)
         res.decisions += list(joins.values())
@@ -205,18 +190,37 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         dw = self._depthwise(graph, ctx, plan, cal.channels, res)
         if dw:  # the latency decision then re-labels the neighbours of the float depthwise convs
             plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw}).plan()
-        slow = self._latency(graph, ctx, plan, res)
+        decided = self._latency(graph, ctx, plan, res)
+        slow = decided.float_nodes
+        if slow and cfg.latency.check:
+            build = twin_builder(graph, cfg, wspec, (selected, floats), (forbidden, {**joins, **dw}), ranges)
+            slow = self._check(ctx, decided, build, res)
         if slow:
             plan = Planner(graph, cfg, selected, floats, forbidden, {**joins, **dw, **slow}).plan()
         return plan, forbidden
 
-    def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> dict[int, str]:
+    def _check(self, ctx: PassContext, out: LatencyOutcome, build: Builder, res: PassResult) -> dict[int, str]:
+        """The latency decision timed on the whole model (`latency_check.py`), unless the recipe declares a target
+        CPU of another architecture than this host's (whose timings would decide for the wrong machine)."""
+        host, target = host_cpu(), ctx.target.cpu_info()
+        if target is not None and target.arch != host.arch and target.source == "declared":
+            res.decisions.append(f"latency check skipped: the recipe targets {ctx.target.cpu} and this host is "
+                                 f"{host.arch}; the modelled decision stands")
+            return out.float_nodes
+        checked = run_check(out, build, ctx, self.config.latency)
+        for text in checked.decisions:  # the check overruling the cost model is shown first in the summary
+            res.decide(text, attention=checked.float_nodes != out.float_nodes)
+        if checked.details and "latency" in res.details:
+            res.details["latency"]["check"] = checked.details
+        return checked.float_nodes
+
+    def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> LatencyOutcome:
         """Units to keep float because int8 would be slower (`latency.py`), measured on an all-int8 twin of the
         graph (``latency: measure``: quantized by this pass with ``latency: off``) or from the cost table."""
         cfg = self.config
         measured = None
         if cfg.latency.mode == "off":
-            return {}
+            return LatencyOutcome()
         if cfg.latency.mode == "measure":
             twin = GraphHandle(name_nodes(graph.to_onnx()))
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
@@ -235,7 +239,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.notes += out.notes
         if out.details:
             res.details["latency"] = out.details
-        return out.float_nodes
+        return out
 
     def _depthwise(self, graph: GraphHandle, ctx: PassContext, plan: Plan,
                    channels: dict[str, tuple[np.ndarray, np.ndarray]], res: PassResult) -> dict[int, str]:
@@ -274,17 +278,6 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.decisions.append(f"opset raised {before} -> {need}: {what} needs opset >= {need} (set `opset: keep` "
                              "to refuse instead)")
         return cfg
-
-    def _params(self, plan: Plan, ranges: dict[str, RangeInfo]) -> dict[str, ActParams]:
-        spec = QuantSpec(dtype=self.config.activations.dtype, symmetric=self.config.activations.symmetric)
-        roots = plan.roots
-        lo = np.array([ranges[r].rmin for r in roots], np.float64)
-        hi = np.array([ranges[r].rmax for r in roots], np.float64)
-        scales, zps = compute_scale_zero_point(lo, hi, spec)  # vectorized over every group
-        return {
-            root: ActParams(float(scales[i]), int(zps[i]), spec.dtype, float(lo[i]), float(hi[i]))
-            for i, root in enumerate(roots)
-        }
 
     def _subgraphs(
         self, graph: GraphHandle, em: Emitter, dyn: DynamicQuantizer, ops: set[str]
@@ -370,12 +363,6 @@ def weight_spec(cfg: InsertQDQConfig, reduce_range: bool) -> QuantSpec:
     """How the options quantize weights (``reduce_range`` resolved for the target CPU)."""
     return QuantSpec(dtype=cfg.weights.dtype, symmetric=cfg.weights.symmetric is not False,
                      narrow_range=cfg.weights.narrow_range, reduce_range=reduce_range)
-
-def _input_scale(plan: Plan, params: dict[str, ActParams], unit: Unit) -> float | None:
-    """The activation scale of ``unit``'s first input (None when it is not quantized)."""
-    act = params.get(plan.tensors.get(unit.act_inputs[0], "")) if unit.act_inputs else None
-    return act.scale if act is not None else None
-
 
 def required_opset(cfg: InsertQDQConfig) -> tuple[int, str]:
     """The lowest default-domain opset the options need, and which option needs it."""

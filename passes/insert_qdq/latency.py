@@ -50,6 +50,17 @@ class LatencyOptions(PassConfig):
         default=20.0, gt=0, le=600, description="Time budget of the profiling runs in measure mode."
     )
     runs: int = Field(default=10, ge=1, le=200, description="Profiling rounds in measure mode (median per node).")
+    check: bool = Field(
+        default=True,
+        description="When the decision keeps units float, time the model as decided against the same model all "
+        "int8 on this host (onnxruntime, one calibration sample) and quantize the float units after all where "
+        "all-int8 is faster by more than check_margin (the cost model cannot see a unit's effect on the ops around "
+        "it). false: the modelled decision alone (host-independent).",
+    )
+    check_margin: float = Field(
+        default=0.05, ge=0, le=0.5, description="How much faster (fraction) all-int8 must run to overrule the model."
+    )
+    check_seconds: float = Field(default=20.0, gt=0, le=600, description="Time budget of the check's timing runs.")
 
 
 @dataclass

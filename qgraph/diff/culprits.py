@@ -81,6 +81,7 @@ class Culprit:
             "calibrated_range": [float(lo[c]), float(hi[c])],
             "observed_range": [float(s.lo[c]), float(s.hi[c])] if s.count[c] else None,
             "clip_fraction": s.clip_fraction(self.channel), "coarseness": float(s.coarseness(p)[c]),
+            "flat_clip_fraction": s.flat_clipped / float(s.count.sum()) if s.count.sum() else 0.0,
             "rounding_sqnr_db": self.local_sqnr_db, "contribution": self.contribution,
             "alone_sqnr_db": self.alone_sqnr_db, "measured": self.output_noise is not None,
             "source": "codes" if s.codes_only else "reference", "reason": self.reason,

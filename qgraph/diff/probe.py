@@ -93,8 +93,10 @@ class only_this_pair:
                 return None
             scale = scale.reshape(fit if p.axis is not None else [1] * len(fit)) / f.reshape(fit)
             shape = fit if p.axis is not None else shape
+        # a flat side (`QuantPoint.flat`) is not clipped: the activation after it gives those values one code anyway
+        lo, hi = (-np.inf if p.flat[0] else qmin), (np.inf if p.flat[1] else qmax)
         consts = {"s": scale.astype(dt), "z": np.asarray(p.zero_point, dt).reshape(shape),
-                  "lo": np.asarray(qmin, dt), "hi": np.asarray(qmax, dt)}
+                  "lo": np.asarray(lo, dt), "hi": np.asarray(hi, dt)}
         inits = [numpy_helper.from_array(v, f"{base}/{k}") for k, v in consts.items()]
 
         def n(op: str, ins: list[str], o: str) -> onnx.NodeProto:

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qgraph.diff.flat_sides import flat_sides
 from qgraph.diff.protos import ModelIndex, NodeRef
 from qgraph.diff.structural import match_nodes
 from qgraph.qdq import is_dequantize, is_quantize
@@ -50,6 +51,8 @@ class QuantPoint:
     note: str = ""
     scope: str = ""  # the If/Loop body holding the pair (``<node>.<attr>``, nested joined by "/"); "" = top graph
     path: tuple[tuple[str, str], ...] = ()  # (first output of the If/Loop, attribute) from the top graph down
+    # (low, high): the side clips only where the activation reading the pair is flat (`qgraph.diff.flat_sides`)
+    flat: tuple[bool, bool] = (False, False)
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -145,6 +148,8 @@ def _point(ref: NodeRef, a_of_b: dict[str, NodeRef], b: ModelIndex, a_tensors: s
         dtype=qdtype, axis=_attr(dq, "axis", 1) if per_channel else None, consumers=consumers, codes=codes,
     )
     point.in_reference = tensor in a_tensors
+    if kind == "activation":
+        point.flat = flat_sides(b, dq.output[0], point.scale, point.zero_point, point.qrange)
     return point
 
 
@@ -180,6 +185,7 @@ class PointStats:
     codes_only: bool = False
     max_code: np.ndarray | None = None  # codes-only: largest |code - zp| per channel
     nonfinite: int = 0
+    flat_clipped: int = 0  # values beyond a flat side (`QuantPoint.flat`): exact after the activation, not counted
     ndim: int | None = None  # rank and dtype of the values seen (for probes that re-apply the pair)
     value_dtype: str = "float32"
 
@@ -204,8 +210,11 @@ class PointStats:
         z = point.zero_point.astype(np.float64).reshape(-1, 1)
         qmin, qmax = point.qrange
         q = np.rint(xs.astype(np.float32) / s.astype(np.float32)).astype(np.float64) + z
-        clipped = (q < qmin) | (q > qmax)
-        err = (np.clip(q, qmin, qmax) - z) * s - xs
+        below, above = q < qmin, q > qmax
+        flat = (below if point.flat[0] else False) | (above if point.flat[1] else False)
+        clipped = (below | above) & ~flat
+        err = np.where(flat, 0.0, (np.clip(q, qmin, qmax) - z) * s - xs)  # a flat side's clip changes no code
+        self.flat_clipped += int(np.count_nonzero(flat))
         sq = err * err
         self.count += xs.shape[1]
         self.signal += (xs * xs).sum(axis=1)

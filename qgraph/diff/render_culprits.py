@@ -60,10 +60,16 @@ def print_culprits(console: Console, att: Attribution, top: int = 10) -> None:
         console.print(f"{i:>2}. {d['kind']} {d['tensor']} → {d['node']}", markup=False, highlight=False)
         console.print(f"    {d['reason']}", markup=False, highlight=False)
         console.print(f"    scale {fmt(d['scale'], 4)}, zero point {d['zero_point']}, clipped "
-                      f"{d['clip_fraction']:.2%}, Q/DQ SQNR {fmt(d['rounding_sqnr_db'], 4)} dB; {alone}",
+                      f"{d['clip_fraction']:.2%}{_flat(d)}, Q/DQ SQNR {fmt(d['rounding_sqnr_db'], 4)} dB; {alone}",
                       style="dim", markup=False, highlight=False)
     for note in att.notes[:3]:
         console.print(f"  note: {note}", markup=False, highlight=False)
+
+
+def _flat(d: dict[str, Any]) -> str:
+    """What a flat side clipped (`qgraph.diff.flat_sides`): not an error, but worth seeing."""
+    f = d.get("flat_clip_fraction") or 0.0
+    return f" (+{f:.2%} beyond a flat side of its activation: same output codes, not counted)" if f else ""
 
 
 def culprits_html(att: Attribution, top: int = 10) -> str:
