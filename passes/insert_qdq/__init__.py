@@ -201,11 +201,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
 
     def _check(self, ctx: PassContext, out: LatencyOutcome, build: Builder, res: PassResult) -> dict[int, str]:
         """The latency decision timed on the whole model (`latency_check.py`), unless the recipe declares a target
-        CPU of another architecture than this host's (whose timings would decide for the wrong machine)."""
+        CPU this host is not (another architecture, or without the target's VNNI/AVX2: its timings would decide for
+        the wrong machine)."""
         host, target = host_cpu(), ctx.target.cpu_info()
-        if target is not None and target.arch != host.arch and target.source == "declared":
+        if target is not None and target.source == "declared" and (
+                (target.arch, target.vnni, target.avx2) != (host.arch, host.vnni, host.avx2)):
             res.decisions.append(f"latency check skipped: the recipe targets {ctx.target.cpu} and this host is "
-                                 f"{host.arch}; the modelled decision stands")
+                                 f"{host.describe()}; the modelled decision stands")
             return out.float_nodes
         checked = run_check(out, build, ctx, self.config.latency)
         for text in checked.decisions:  # the check overruling the cost model is shown first in the summary

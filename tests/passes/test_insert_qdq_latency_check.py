@@ -20,7 +20,7 @@ from qgraph.passes.insert_qdq.latency_check import Region, check_decision
 
 from qgraph import Recipe
 from qgraph.latency import time_models
-from qgraph.target import host_cpu
+from qgraph.target import CPU_FLAGS_ENV, host_cpu
 
 
 def _regions(*groups: list[str]) -> list[Region]:
@@ -140,7 +140,7 @@ def test_the_pass_quantizes_what_timing_overrules(tmp_path: Path, monkeypatch: p
     seen = _patch_timer(monkeypatch, int8_faster=True)
     model = tiny_cnn()
     res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni",
-                   latency={"mode": "table", "table": str(_table(tmp_path))})
+                   latency={"mode": "table", "check": True, "table": str(_table(tmp_path))})
     result = res.records[0].result
     assert seen[0] == [2, 0]  # the twins: as decided (both convs float) and all-int8, built by the pass's code
     assert _float_convs(res.model) == 0
@@ -155,7 +155,7 @@ def test_the_pass_keeps_a_decision_timing_confirms(tmp_path: Path, monkeypatch: 
     _patch_timer(monkeypatch, int8_faster=False)
     model = tiny_cnn()
     res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni",
-                   latency={"mode": "table", "table": str(_table(tmp_path))})
+                   latency={"mode": "table", "check": True, "table": str(_table(tmp_path))})
     result = res.records[0].result
     assert _float_convs(res.model) == 2
     assert any("the decision stands" in d for d in result.decisions)
@@ -165,18 +165,23 @@ def test_the_pass_keeps_a_decision_timing_confirms(tmp_path: Path, monkeypatch: 
 def test_check_false_and_a_foreign_target_time_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _patch_timer(monkeypatch, int8_faster=True)
     model = tiny_cnn()
-    res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni",
-                   latency={"mode": "table", "table": str(_table(tmp_path)), "check": False})
-    assert _float_convs(res.model) == 2 and not seen
-    other = "arm" if host_cpu().arch != "arm" else "x86-vnni"
-    preset = "ort-arm" if other == "arm" else "ort-x86-vnni"
-    table = _table(tmp_path, (preset,))
-    recipe = Recipe.from_text(
-        f"name: t\ntarget: {{runtime: onnxruntime, cpu: {other}}}\npasses:\n  - pass: insert_qdq\n"
-        f"    preset: {preset}\n    latency: {{mode: table, table: {table}}}\n")
-    result = recipe.pipeline().run(model, calibration_data=source(feeds_for(model, 4))).records[0].result
-    assert not seen
-    assert any(d.startswith(f"latency check skipped: the recipe targets {other}") for d in result.decisions)
+    for check in ({}, {"check": False}):  # off unless asked for: a host-dependent choice
+        res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni",
+                       latency={"mode": "table", "table": str(_table(tmp_path)), **check})
+        assert _float_convs(res.model) == 2 and not seen
+    # a declared target this host is not: another architecture, or the same without the target's VNNI
+    for target, preset, flags in (("arm" if host_cpu().arch != "arm" else "x86-vnni", None, None),
+                                  ("x86-vnni", "ort-x86-vnni", "fpu sse4_2 avx2 fma")):
+        preset = preset or ("ort-arm" if target == "arm" else "ort-x86-vnni")
+        if flags:
+            monkeypatch.setenv(CPU_FLAGS_ENV, flags)
+        table = _table(tmp_path, (preset,))
+        recipe = Recipe.from_text(
+            f"name: t\ntarget: {{runtime: onnxruntime, cpu: {target}}}\npasses:\n  - pass: insert_qdq\n"
+            f"    preset: {preset}\n    latency: {{mode: table, check: true, table: {table}}}\n")
+        result = recipe.pipeline().run(model, calibration_data=source(feeds_for(model, 4))).records[0].result
+        assert not seen
+        assert any(d.startswith(f"latency check skipped: the recipe targets {target}") for d in result.decisions)
 
 
 def test_time_models_answers_per_model_in_ms() -> None:
