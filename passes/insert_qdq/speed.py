@@ -112,6 +112,34 @@ def _attributed(profile: dict[str, float], nodes: list[gs.Node]) -> float | None
     return total if found else None
 
 
+#: Float ops whose kernel speed depends on the memory layout onnxruntime gives them: an int8 Conv after one (run
+#: in NHWC) makes the layout optimizer move transposes through it. On YOLOv8n the DFL's Softmax(axis=1) runs in
+#: 4.6-5.2 ms before a float Conv and 0.55 ms before an int8 one, an effect no per-unit cost can hold.
+LAYOUT_SENSITIVE = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
+
+
+def _blind(graph: GraphHandle, units: list[Unit]) -> dict[int, str]:
+    """Conv units whose input comes (through data-movement ops) from a `LAYOUT_SENSITIVE` float op: the cost model
+    cannot see what their label does to it, so they keep int8 like units of unknown cost (O(units x walk))."""
+    idx, out = graph.index, {}
+    for i, u in enumerate(units):
+        if u.node.op != "Conv" or not u.act_inputs:
+            continue
+        cur, steps = u.act_inputs[0], 0
+        while steps < _MAX_WALK:
+            prod = idx.producer.get(cur)
+            if prod is None or not prod.inputs:
+                break
+            if prod.op in LAYOUT_SENSITIVE:
+                out[i] = (f"fed by {prod.op} {label(prod)!r}, whose speed depends on the layout an int8 Conv gives it "
+                          "(not in the cost table): kept int8")
+                break
+            if prod.op not in MOVEMENT:
+                break
+            cur, steps = prod.inputs[0].name, steps + 1
+    return out
+
+
 def _edges(
     graph: GraphHandle, units: list[Unit], model: CostModel
 ) -> tuple[list[Edge], dict[int, list[int]]]:
@@ -161,6 +189,7 @@ class Priced:
     requant: dict[int, list[int]]
     forced: set[int]
     model: CostModel
+    blind: dict[int, str] = field(default_factory=dict)  # units kept int8: a neighbour's cost depends on them
 
 
 def price(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None,
@@ -178,7 +207,8 @@ def price(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | No
     if opts.force is not None:
         chosen = {id(n) for n in select(graph, opts.force).nodes}
         forced = {i for i, u in enumerate(units) if id(u.node) in chosen}
-    return Priced(units, costs, edges, requant, forced, model)
+    blind = _blind(graph, units)
+    return Priced(units, costs, edges, requant, forced | set(blind), model, blind)
 
 
 def latency_decision(
@@ -193,7 +223,7 @@ def latency_decision(
         out.notes.append(p)
         return out
     d = decide(p.costs, p.edges, p.forced, p.requant)
-    _report(out, p.units, p.costs, p.edges, d, p.forced, opts.mode, p.model)
+    _report(out, p, d, opts.mode)
     out.priced, out.labels = p, list(d.int8)
     return out
 
@@ -209,8 +239,8 @@ def baseline(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str |
     return priced, out.labels or [True] * (0 if isinstance(priced, str) else len(priced.units))
 
 
-def _report(out: LatencyOutcome, units: list[Unit], costs: list[Cost | None], edges: list[Edge], d: Decision,
-            forced: set[int], mode: str, model: CostModel) -> None:
+def _report(out: LatencyOutcome, p: Priced, d: Decision, mode: str) -> None:
+    units, costs, edges, forced, model = p.units, p.costs, p.edges, p.forced, p.model
     rows = []
     for i, u in enumerate(units):
         c = costs[i]
@@ -219,7 +249,8 @@ def _report(out: LatencyOutcome, units: list[Unit], costs: list[Cost | None], ed
                      "int8_us": None if c is None else round(c.int8_us, 2),
                      "float_us": None if c is None else round(c.float_us, 2),
                      "int8_with_conversions_us": round(q, 2), "float_with_conversions_us": round(f, 2),
-                     "source": "unknown (kept int8)" if c is None else c.source, "forced": i in forced})
+                     "source": "unknown (kept int8)" if c is None else c.source, "forced": i in forced,
+                     **({"blind": p.blind[i]} if i in p.blind else {})})
         if not d.int8[i] and c is not None:
             out.float_nodes[id(u.node)] = (
                 f"kept float for speed ({mode}): int8 {q:.0f} µs vs float {f:.0f} µs with its Q/DQ conversions and "
@@ -232,7 +263,8 @@ def _report(out: LatencyOutcome, units: list[Unit], costs: list[Cost | None], ed
     out.decisions.append(
         f"latency ({mode}): {kept} of {len(units)} quantizable units kept float for speed; modelled time all-int8 "
         f"{all_int8 / 1e3:.2f} ms -> chosen {chosen / 1e3:.2f} ms (all float {all_float / 1e3:.2f} ms)"
-        + (f"; {unknown} units without a known cost stay int8" if unknown else ""))
+        + (f"; {unknown} units without a known cost stay int8" if unknown else "")
+        + "".join(f"; {label(units[i].node)} {why}" for i, why in sorted(p.blind.items())[:3]))
     out.details = {"mode": mode, "quantize_ns_per_element": model.q_ns, "dequantize_ns_per_element": model.dq_ns,
                    "modelled_all_int8_us": round(all_int8, 1), "modelled_chosen_us": round(chosen, 1),
                    "modelled_all_float_us": round(all_float, 1), "units": rows}

@@ -35,7 +35,9 @@ def culprit_rows(att: Attribution, top: int) -> list[list[Any]]:
         d = c.to_dict()
         share = "-" if d["contribution"] is None else f"{d['contribution']:.0%}"
         alone = "-" if d["alone_sqnr_db"] is None else sqnr_cell(d["alone_sqnr_db"])
-        rows.append([f"{i} {d['kind'][0]}", d["tensor"], d["node"], fmt(d["scale"], 4), f"{d['clip_fraction']:.2%}",
+        rows.append([f"{i} {d['kind'][0]}", d["tensor"], d["node"], fmt(d["scale"], 4),
+                     f"{d['clip_fraction']:.2%}" + (f" (+{d['flat_clip_fraction']:.2%} flat)" if d["flat_clip_fraction"]
+                                                   else ""),
                      sqnr_cell(d["rounding_sqnr_db"]), alone, share, d["reason"]])
     return rows
 

@@ -297,3 +297,52 @@ def test_measure_says_whose_host_it_measured_when_the_recipe_targets_another_arc
     result = recipe.pipeline().run(model, calibration_data=source(feeds)).records[0].result
     line = next(d for d in result.decisions if d.startswith("latency: measured on this host"))
     assert (", but the recipe targets arm" in line) == (host_cpu().arch != "arm"), line
+
+
+DFL = """
+<ir_version: 8, opset_import: ["" : 17]>
+dfl (float[1, 64, 8, 8] x) => (float[1, 4, 64] y) {
+    c0 = Conv (x, w0, b0)
+    r = Reshape (c0, bins)
+    t = Transpose <perm = [0, 2, 1, 3]> (r)
+    s = Softmax <axis = 1> (t)
+    c = Conv (s, w, b)
+    y = Reshape (c, boxes)
+}
+"""
+
+
+def test_a_conv_after_a_softmax_stays_int8_whatever_the_table_says(tmp_path: Path) -> None:
+    """YOLOv8's DFL: the table prices the 1x1 Conv after the box-bin Softmax slower in int8 (with the Q of its
+    input), but an int8 Conv makes onnxruntime run that Softmax 8x faster; the model cannot see it, so the Conv
+    keeps int8 like a unit of unknown cost, and the decision says why."""
+    import numpy as np
+    from insert_qdq_helpers import with_weights
+
+    rng = np.random.default_rng(0)
+    model = with_weights(DFL, {
+        "w0": rng.normal(0, 0.2, (64, 64, 1, 1)).astype(np.float32), "b0": np.zeros(64, np.float32),
+        "w": np.arange(16, dtype=np.float32).reshape(1, 16, 1, 1), "b": np.zeros(1, np.float32),
+        "bins": np.array([1, 4, 16, 64], np.int64), "boxes": np.array([1, 4, 64], np.int64)})
+    table = _table(tmp_path, [{"kind": "Conv/dense/1x1", "bucket": "c16-hw256", "work": 16 * 256, "int8_us": 500.0,
+                               "float_us": 1.0, "samples": 1}])
+    res = quantize(model, feeds_for(model, 4), preset="ort-x86-vnni",
+                   latency={"mode": "table", "check": False, "table": str(table)})
+    producers = {o: n.op_type for n in res.model.graph.node for o in n.output}
+    dfl = next(n for n in res.model.graph.node if n.op_type == "Conv" and n.output[0] == "c")
+    assert producers.get(dfl.input[1]) == "DequantizeLinear"
+    result = res.records[0].result
+    rows = {r["node"]: r for r in result.details["latency"]["units"]}
+    assert rows["Conv(c)"]["decision"] == "int8" and rows["Conv(c)"]["forced"]
+    assert "fed by Softmax 'Softmax(s)'" in rows["Conv(c)"]["blind"]
+    line = next(d for d in result.decisions if d.startswith("latency (table)"))
+    assert "Conv(c) fed by Softmax 'Softmax(s)'" in line, line
+    # without the Softmax (the same Conv on the reshaped tensor) the table's verdict stands: float
+    plain = with_weights(DFL.replace("s = Softmax <axis = 1> (t)", "s = Relu (t)"), {
+        "w0": rng.normal(0, 0.2, (64, 64, 1, 1)).astype(np.float32), "b0": np.zeros(64, np.float32),
+        "w": np.arange(16, dtype=np.float32).reshape(1, 16, 1, 1), "b": np.zeros(1, np.float32),
+        "bins": np.array([1, 4, 16, 64], np.int64), "boxes": np.array([1, 4, 64], np.int64)})
+    res = quantize(plain, feeds_for(plain, 4), preset="ort-x86-vnni",
+                   latency={"mode": "table", "check": False, "table": str(table)})
+    rows = {r["node"]: r for r in res.records[0].result.details["latency"]["units"]}
+    assert rows["Conv(c)"]["decision"] == "float" and "blind" not in rows["Conv(c)"]
