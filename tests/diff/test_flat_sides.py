@@ -130,3 +130,42 @@ def test_a_flat_clip_is_not_named_as_the_pairs_defect(monkeypatch: pytest.Monkey
     assert f["rounding_sqnr_db"] > ch["rounding_sqnr_db"] + 10.0
     assert flat.alone_sqnr_db is not None and charged.alone_sqnr_db is not None
     assert abs(flat.alone_sqnr_db - charged.alone_sqnr_db) < 0.5
+
+
+def _single(op: str, attrs: dict[str, float], c_low: float, c_high: float, out: tuple[float, float]
+            ) -> onnx.ModelProto:
+    """Conv -> Q/DQ [c_low, c_high] -> ``op`` -> Q/DQ ``out`` -> Conv (weights float)."""
+    inits, _ = _conv_silu_conv()
+
+    def qdq(t: str, lo: float, hi: float) -> list[onnx.NodeProto]:
+        s = (hi - lo) / 255.0
+        z = int(np.clip(round(-lo / s), 0, 255))
+        inits.extend([numpy_helper.from_array(np.array(s, np.float32), f"{t}/s"),
+                      numpy_helper.from_array(np.array(z, np.uint8), f"{t}/z")])
+        return [helper.make_node("QuantizeLinear", [t, f"{t}/s", f"{t}/z"], [f"{t}/q"], name=f"{t}/q"),
+                helper.make_node("DequantizeLinear", [f"{t}/q", f"{t}/s", f"{t}/z"], [f"{t}/dq"], name=f"{t}/dq")]
+
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]), *qdq("c", c_low, c_high),
+             helper.make_node(op, ["c/dq"], ["m"], name="act", **attrs), *qdq("m", *out),
+             helper.make_node("Conv", ["m/dq", "w2"], ["y"], name="conv2")]
+    x, y = _io()
+    return helper.make_model(helper.make_graph(nodes, "act_qdq", [x], [y], inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("op", "attrs", "c_range", "out", "flat"), [
+    ("Relu", {}, (0.0, 20.0), (0.0, 20.0), (True, False)),             # negatives clipped to 0: Relu gives 0
+    ("Relu", {}, (-1.0, 20.0), (0.0, 20.0), (True, False)),            # Relu(-1) is already 0
+    ("HardSwish", {}, (-3.0, 20.0), (-0.375, 20.0), (True, False)),    # HardSwish is exactly 0 below -3
+    ("HardSwish", {}, (-2.0, 20.0), (-0.375, 20.0), (False, False)),   # HardSwish(-2) = -0.33: a visible clip
+    ("Sigmoid", {}, (-8.0, 8.0), (0.0, 1.0), (True, True)),            # within half a 1/255 code of 0 and of 1
+    ("Sigmoid", {}, (-4.0, 4.0), (0.0, 1.0), (False, False)),          # sigmoid(-4) = 0.018: 4.6 codes
+    ("Tanh", {}, (-5.0, 5.0), (-1.0, 1.0), (False, False)),            # -1 falls between two codes (zp 128)
+    ("Tanh", {}, (-5.0, 5.0), (-1.0, 127 / 128), (True, True)),        # -1 on the grid: 1 - tanh(5) = 9e-5
+    ("HardSigmoid", {"alpha": 0.2, "beta": 0.5}, (-2.5, 2.5), (0.0, 1.0), (True, True)),  # exactly flat outside
+])
+def test_single_activations_have_their_flat_sides(op: str, attrs: dict[str, float], c_range: tuple[float, float],
+                                                  out: tuple[float, float], flat: tuple[bool, bool]) -> None:
+    model = _single(op, attrs, *c_range, out)
+    points, _ = find_points(ModelIndex.build(reference()), ModelIndex.build(model))
+    assert next(p for p in points if p.dq_node == "c/dq").flat == flat
