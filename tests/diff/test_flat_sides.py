@@ -39,18 +39,23 @@ def reference() -> onnx.ModelProto:
                              opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _qdq(inits: list[onnx.TensorProto], t: str, lo: float, hi: float) -> list[onnx.NodeProto]:
+    """u8 QuantizeLinear -> DequantizeLinear of ``t`` over [lo, hi] (scale and zero point added to ``inits``)."""
+    s = (hi - lo) / 255.0
+    z = int(np.clip(round(-lo / s), 0, 255))
+    inits.extend([numpy_helper.from_array(np.array(s, np.float32), f"{t}/s"),
+                  numpy_helper.from_array(np.array(z, np.uint8), f"{t}/z")])
+    return [helper.make_node("QuantizeLinear", [t, f"{t}/s", f"{t}/z"], [f"{t}/q"], name=f"{t}/q"),
+            helper.make_node("DequantizeLinear", [f"{t}/q", f"{t}/s", f"{t}/z"], [f"{t}/dq"], name=f"{t}/dq")]
+
+
 def quantized(c_low: float, c_high: float = 40.0) -> onnx.ModelProto:
     """The reference with u8 Q/DQ on the conv output (range [c_low, c_high]), the gate ([0, 1]) and the SiLU output
     ([-0.28, c_high]); weights stay float (only activations matter here)."""
     inits, _ = _conv_silu_conv()
 
     def qdq(t: str, lo: float, hi: float) -> list[onnx.NodeProto]:
-        s = (hi - lo) / 255.0
-        z = int(np.clip(round(-lo / s), 0, 255))
-        inits.extend([numpy_helper.from_array(np.array(s, np.float32), f"{t}/s"),
-                      numpy_helper.from_array(np.array(z, np.uint8), f"{t}/z")])
-        return [helper.make_node("QuantizeLinear", [t, f"{t}/s", f"{t}/z"], [f"{t}/q"], name=f"{t}/q"),
-                helper.make_node("DequantizeLinear", [f"{t}/q", f"{t}/s", f"{t}/z"], [f"{t}/dq"], name=f"{t}/dq")]
+        return _qdq(inits, t, lo, hi)
 
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]), *qdq("c", c_low, c_high),
              helper.make_node("Sigmoid", ["c/dq"], ["g"], name="sig"), *qdq("g", 0.0, 1.0),
@@ -138,12 +143,7 @@ def _single(op: str, attrs: dict[str, float], c_low: float, c_high: float, out: 
     inits, _ = _conv_silu_conv()
 
     def qdq(t: str, lo: float, hi: float) -> list[onnx.NodeProto]:
-        s = (hi - lo) / 255.0
-        z = int(np.clip(round(-lo / s), 0, 255))
-        inits.extend([numpy_helper.from_array(np.array(s, np.float32), f"{t}/s"),
-                      numpy_helper.from_array(np.array(z, np.uint8), f"{t}/z")])
-        return [helper.make_node("QuantizeLinear", [t, f"{t}/s", f"{t}/z"], [f"{t}/q"], name=f"{t}/q"),
-                helper.make_node("DequantizeLinear", [f"{t}/q", f"{t}/s", f"{t}/z"], [f"{t}/dq"], name=f"{t}/dq")]
+        return _qdq(inits, t, lo, hi)
 
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c"], name="conv1", pads=[1, 1, 1, 1]), *qdq("c", c_low, c_high),
              helper.make_node(op, ["c/dq"], ["m"], name="act", **attrs), *qdq("m", *out),
