@@ -110,7 +110,8 @@ def check_decision(regions: list[Region], build: Builder, timer: Timer, opts: La
     margin, start = opts.check_margin, time.perf_counter()
     units = sum(len(r.names) for r in regions)
     all_int8 = build({})
-    times = timer({"decided": build(_merge(regions)), "int8": all_int8}, opts.check_seconds / 4)
+    decided = build(_merge(regions))
+    times = timer({"decided": decided, "int8": all_int8}, opts.check_seconds / 4)
     decided_ms, int8_ms = times["decided"], times["int8"]
     trials: list[dict[str, Any]] = [
         {"float_units": units, "ms": round(decided_ms, 3), "all_int8_ms": round(int8_ms, 3)}]
@@ -121,8 +122,7 @@ def check_decision(regions: list[Region], build: Builder, timer: Timer, opts: La
             f"{int8_ms:.2f} ms: the decision stands"], {"trials": trials, "result": "confirmed"})
     kept: list[Region] = []  # one region: all-int8 is the only other choice, and it was just measured faster
     if len(regions) > 1:
-        kept = list(regions)
-        current = build(_merge(kept))
+        kept, current = list(regions), decided
         for r in list(regions):
             if time.perf_counter() - start > opts.check_seconds:
                 trials.append({"stopped": f"check_seconds ({opts.check_seconds:g} s) spent"})

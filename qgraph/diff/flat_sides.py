@@ -26,19 +26,7 @@ _SINGLE = {"Sigmoid": "Sigmoid", "Tanh": "Tanh", "HardSigmoid": "HardSigmoid", "
 
 
 def _const(b: ModelIndex, name: str) -> np.ndarray | None:
-    init = b.initializers.get(name) if name else None
-    if init is not None:
-        from onnx import numpy_helper
-
-        return np.asarray(numpy_helper.to_array(init))
-    prod = b.producer.get(name) if name else None
-    if prod is not None and prod.node.op_type == "Constant":
-        from onnx import numpy_helper
-
-        for attr in prod.node.attribute:
-            if attr.name == "value":
-                return np.asarray(numpy_helper.to_array(attr.t))
-    return None
+    return b.constant(name) if name else None
 
 
 def _grid(b: ModelIndex, tensor: str) -> tuple[float, float] | None:
