@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -51,6 +52,9 @@ from qgraph.output_parts import OutputParts, find_output_parts
 from qgraph.qlayers import find_layers
 from qgraph.streaming import OutputScore, Recurrence, check_recurrence
 from qgraph.target import CalibrationSpec
+
+if TYPE_CHECKING:
+    from qgraph.kernels.measure import Kernels
 
 __all__ = ["TuneRanges", "TuneRangesConfig"]
 
@@ -220,7 +224,8 @@ class TuneRanges(Pass[TuneRangesConfig]):
             res.decisions.append(f"{inner} of the {len(pairs)} pair(s) sit inside If/Loop bodies: tuned in place, the "
                                  "control flow kept (a branch the data never takes scores no gain and keeps its range)")
         start = time.perf_counter()
-        before = self._scores(graph, scorer)
+        kernels = ctx.kernels
+        before = self._scores(graph, scorer, kernels)
         best, after = min(before, default=math.inf), before
         first, evaluations, reached = best, 1, 0
         current = [1.0] * len(pairs)
@@ -234,7 +239,7 @@ class TuneRanges(Pass[TuneRangesConfig]):
                     if f == current[k]:
                         continue
                     pair.apply(f, graph)
-                    scores = self._scores(graph, scorer)
+                    scores = self._scores(graph, scorer, kernels)
                     score = min(scores, default=math.inf)
                     evaluations += 1
                     if score > best + cfg.min_gain_db:
@@ -262,10 +267,11 @@ class TuneRanges(Pass[TuneRangesConfig]):
         return res
 
     @staticmethod
-    def _scores(graph: GraphHandle, scorer: OutputScore) -> list[float]:
-        """The SQNR (dB) of each scored output part, run as ``scorer`` runs the reference (the score: their min)."""
+    def _scores(graph: GraphHandle, scorer: OutputScore, kernels: Kernels) -> list[float]:
+        """The SQNR (dB) of each scored output part with the run's kernels (the target CPU's arithmetic; the
+        score: their min)."""
         model, held = graph.weightless_export()
-        return scorer.per_output_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
+        return scorer.per_output_db(kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
 
 
 def _scored_parts(reference: onnx.ModelProto, cfg: TuneRangesConfig, res: PassResult) -> OutputParts | None:

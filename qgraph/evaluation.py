@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.compare import TensorDiff, make_session, session_run
+from qgraph.compare import TensorDiff, session_run
 from qgraph.data import DataSource, Feed, import_callable, open_data_source
 from qgraph.errors import DataError
+from qgraph.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
 from qgraph.output_parts import OutputParts, PartDiffs
 
 Metric = Callable[[list[np.ndarray], Any], float]
@@ -128,15 +129,22 @@ class Evaluation:
                             "function(outputs, labels or reference outputs), outputs[i] = output i over all "
                             "samples (axis 0).") from exc
 
-    def outputs(self, model: onnx.ModelProto | str | Path) -> tuple[list[str], list[np.ndarray]]:
-        """``model``'s output names and outputs over every sample, concatenated on axis 0."""
-        session = make_session(model, mem_pattern=False)
+    def outputs(self, model: onnx.ModelProto | str | Path,
+                kernels: Kernels | None = None) -> tuple[list[str], list[np.ndarray]]:
+        """``model``'s output names and outputs over every sample, concatenated on axis 0, run with ``kernels``
+        (default: this host's deployed kernels)."""
+        return self.run(model, kernels)[:2]
+
+    def run(self, model: onnx.ModelProto | str | Path, kernels: Kernels | None = None
+            ) -> tuple[list[str], list[np.ndarray], list[SaturationCount]]:
+        """`outputs`, and the layers whose int16 pair sums saturated on the way (emulated AVX2 arithmetic)."""
+        session = (kernels or deployed()).session(model, mem_pattern=False, count=True)
         names = [o.name for o in session.get_outputs()]
         per: list[list[np.ndarray]] = [[] for _ in names]
         for feed in self.feeds:
             for i, v in enumerate(session_run(session, names, feed)):
                 per[i].append(np.asarray(v))
-        return names, [concat(v) for v in per]
+        return names, [concat(v) for v in per], saturation_of(session)
 
 
 def _sample_count(used: int, source: DataSource) -> str:

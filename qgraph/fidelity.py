@@ -24,6 +24,7 @@ import onnx
 
 from qgraph.data import DataSource, Feed
 from qgraph.evaluation import Evaluation
+from qgraph.kernels.measure import KernelChoice, choose, model_target
 from qgraph.output_parts import OutputParts, find_output_parts
 from qgraph.qdq import has_qdq
 from qgraph.report import stage_fidelity
@@ -46,6 +47,10 @@ class OutputCheck:
     float_metric: float | None = None
     #: What the outputs are compared with: the float model, or the input model when it was already quantized.
     against: str = "the float model"
+    #: How the models ran (`qgraph.kernels.measure.KernelChoice`), and with a target this host is not, the rows of
+    #: the same check on this host's deployed kernels (shown, not judged).
+    choice: KernelChoice | None = None
+    host_rows: list[dict[str, Any]] = field(default_factory=list)
 
     def failures(self, min_sqnr_db: float) -> list[str]:
         """One phrase per output below ``min_sqnr_db`` or not comparable (NaN/Inf, a model that failed); an output
@@ -67,11 +72,24 @@ class OutputCheck:
         """What the terminal shows: a header naming the data, then one line per output (worst first beyond
         `SHOWN_OUTPUTS`)."""
         head = f"check against {self.against} on {self.data}:"
-        rows = self.rows
-        if len(rows) > SHOWN_OUTPUTS:
-            rows = sorted(rows, key=_badness)[:SHOWN_OUTPUTS]
-        lines = [head, *(f"{'    ' if 'part_of' in r else '  '}{_describe(r, self.float_metric)}" for r in rows)]
-        rest = [r for r in self.rows if r not in rows]
+        lines = [self.choice.mismatch] if self.choice is not None and self.choice.mismatch else []
+        lines += [head, *self._output_lines(self.rows)]
+        if self.choice is not None:
+            lines.append(f"  measured with {self.choice.kernels.describe()}")
+        if self.host_rows and self.choice is not None and self.choice.other is not None:
+            lines.append(f"  on {self.choice.other.label()} (not judged):")
+            lines += ["  " + line for line in self._output_lines(self.host_rows)]
+        for row in self.rows:
+            for sat in row.get("saturation", []):
+                lines.append(f"  int16 saturation in {sat['node']}: {100 * sat['fraction']:.3g}% of its u8×s8 pair "
+                             f"sums (Q/DQ pair {sat['activation']} × weight {sat['weight']})")
+        return lines
+
+    def _output_lines(self, all_rows: list[dict[str, Any]]) -> list[str]:
+        rows = [r for r in all_rows if "output" in r or "error" in r]
+        shown = sorted(rows, key=_badness)[:SHOWN_OUTPUTS] if len(rows) > SHOWN_OUTPUTS else rows
+        lines = [f"{'    ' if 'part_of' in r else '  '}{_describe(r, self.float_metric)}" for r in shown]
+        rest = [r for r in rows if r not in shown]
         if rest:
             low = min(r["sqnr_db"] for r in rest)
             lines.append(f"  ... {len(rest)} more output(s), all at {low:.1f} dB SQNR or better (--report lists "
@@ -81,7 +99,9 @@ class OutputCheck:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the ``check`` entry of the ``--report`` JSON)."""
         return {"data": self.data, "held_out": self.held_out, "float_metric": self.float_metric,
-                "against": self.against, "outputs": self.rows}
+                "against": self.against, "outputs": self.rows,
+                "kernels": self.choice.to_dict() if self.choice is not None else None,
+                "host_deployed_outputs": self.host_rows}
 
 
 def _badness(row: dict[str, Any]) -> tuple[int, float]:
@@ -121,9 +141,12 @@ def first_samples(data: DataSource, n: int = CHECK_SAMPLES) -> list[Feed]:
 
 
 def check_fidelity(reference: onnx.ModelProto | str | Path, candidate: onnx.ModelProto | str | Path,
-                   data: DataSource | None, evaluation: Evaluation | None = None) -> OutputCheck | None:
+                   data: DataSource | None, evaluation: Evaluation | None = None,
+                   choice: KernelChoice | None = None) -> OutputCheck | None:
     """``candidate``'s outputs against ``reference``'s on ``evaluation``'s samples, else on the first
-    `CHECK_SAMPLES` of ``data`` (the calibration data: labelled not held out); None without samples."""
+    `CHECK_SAMPLES` of ``data`` (the calibration data: labelled not held out); None without samples. The candidate
+    runs with ``choice`` (default: the kernels for the CPU its provenance names, `qgraph.kernels.measure`), and
+    on this host's deployed kernels too when those emulate another CPU."""
     if evaluation is not None:
         feeds, desc, held_out = evaluation.feeds, evaluation.describe(), evaluation.held_out
     else:
@@ -138,14 +161,20 @@ def check_fidelity(reference: onnx.ModelProto | str | Path, candidate: onnx.Mode
     if scored:  # the float model's own score, for comparison (one more run, only with a metric)
         stages.insert(0, ("float", reference))
     quantized, parts = _structure(reference)
-    rows = stage_fidelity(reference, stages, feeds, evaluation, parts)
+    choice = choice or choose(model_target(candidate))
+    ref_kernels = choose(model_target(reference), choice.kernels.mode if choice.other is None else "auto").kernels
+    rows = stage_fidelity(reference, stages, feeds, evaluation, parts, choice.kernels, ref_kernels)
     float_metric = next((r.get("metric") for r in rows if r["stage"] == "float"), None)
     final = [{k: v for k, v in r.items() if k != "stage"} for r in rows if r["stage"] == "final"]
+    host_rows: list[dict[str, Any]] = []
+    if choice.other is not None:
+        host = stage_fidelity(reference, [("final", candidate)], feeds, evaluation, parts, choice.other, ref_kernels)
+        host_rows = [{k: v for k, v in r.items() if k != "stage"} for r in host]
     against = "the float model"
     if quantized:
         against = ("the input model, itself quantized (compare with the float model: qgraph diff FLOAT OUTPUT "
                    "--eval-data DATA)")
-    return OutputCheck(desc, held_out, final, float_metric, against)
+    return OutputCheck(desc, held_out, final, float_metric, against, choice, host_rows)
 
 
 def _structure(model: onnx.ModelProto | str | Path) -> tuple[bool, OutputParts]:

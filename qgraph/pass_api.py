@@ -38,6 +38,7 @@ from qgraph.target import CalibrationSpec, TargetSpec
 
 if TYPE_CHECKING:
     from qgraph.data import DataSource
+    from qgraph.kernels.measure import KernelChoice, Kernels
 
 ENTRY_POINT_GROUP = "qgraph.passes"
 
@@ -152,8 +153,12 @@ class PassContext:
         options: dict[str, Any] | None = None,
         input_model: onnx.ModelProto | None = None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
+        kernels: str = "auto",
     ) -> None:
         self.calibration_data = calibration_data
+        #: How accuracy is measured during the run (`qgraph.kernels.measure`): auto, deployed or emulated.
+        self.kernels_option = kernels
+        self._kernel_choice: KernelChoice | None = None
         self._on_progress = on_progress
         #: The pipeline's input model as loaded (read-only: the float reference for accuracy-driven passes).
         self.input_model = input_model
@@ -166,6 +171,23 @@ class PassContext:
         self.cache: dict[str, Any] = {}
         self._float_reference: onnx.ModelProto | None = None
         self._float_weights: dict[str, np.ndarray] = {}
+
+    @property
+    def kernel_choice(self) -> KernelChoice:
+        """The kernels this run measures accuracy with (`qgraph.kernels.measure.choose`): the host's deployed
+        kernels when it is the recipe's ``target.cpu``, else the target's arithmetic emulated; a recipe that
+        declares no CPU decides with exact int32 arithmetic (the same on every host)."""
+        if self._kernel_choice is None:
+            from qgraph.kernels.measure import EXACT, choose, target_family
+
+            family = target_family(self.target.cpu)
+            self._kernel_choice = choose(family or EXACT, self.kernels_option)
+        return self._kernel_choice
+
+    @property
+    def kernels(self) -> Kernels:
+        """The kernels passes measure accuracy with (``kernel_choice.kernels``)."""
+        return self.kernel_choice.kernels
 
     @property
     def float_reference(self) -> onnx.ModelProto | None:

@@ -21,22 +21,21 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import onnx
 
-from qgraph._version import __version__
 from qgraph.compare import TensorDiff, random_feeds
 from qgraph.contract import run_pass
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
 from qgraph.errors import UsageError, VerificationError
-from qgraph.graph import GraphHandle, check_model, describe
+from qgraph.graph import GraphHandle, check_model
 from qgraph.graph.detach import fill_weights
+from qgraph.kernels.measure import KERNEL_OPTIONS, KernelChoice, choose, target_family
 from qgraph.model_io import load_model, model_fingerprint, save_model
 from qgraph.pass_api import Pass, PassContext, PassResult
 from qgraph.preflight import preflight, require_data
-from qgraph.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
+from qgraph.provenance import write_provenance
+from qgraph.recipe_text import recipe_dict, recipe_yaml
 from qgraph.target import CalibrationSpec, TargetSpec
 from qgraph.verify import VerifyTolerance, check_pass, measure_tolerance
 
-#: At most this many skipped nodes (with reasons) per pass are written into the output model's metadata.
-MAX_SKIPPED_IN_PROVENANCE = 500
 
 class RecipeLike(Protocol):
     """What a pipeline takes from a recipe (`qgraph.Recipe` has it)."""
@@ -111,10 +110,19 @@ class PipelineResult:
     verify_tolerance: VerifyTolerance | None = None
     #: Decisions made on loading the input, before any pass: nodes named by `qgraph.graph.naming`.
     load_decisions: list[str] = field(default_factory=list)
+    #: How the run measured accuracy, and how later checks of its output should (`qgraph.kernels.measure`).
+    kernel_choice: KernelChoice | None = None
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
         return save_model(self.model, path)
+
+
+def _check_options(kernels: str, verify_tolerance: float) -> None:
+    if kernels not in KERNEL_OPTIONS:
+        raise UsageError(f"kernels {kernels!r}: give one of {', '.join(KERNEL_OPTIONS)}.")
+    if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
+        raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
 
 
 def _peak_rss_mb() -> float:
@@ -169,6 +177,7 @@ class Pipeline:
         data_layout: DataLayout = "auto",
         keep_input: bool = True,
         weightless: bool = False,
+        kernels: str = "auto",
     ) -> PipelineResult:
         """Run every pass on a copy of ``model`` and return the result (the input is never modified).
 
@@ -181,9 +190,9 @@ class Pipeline:
         caller that hands them to onnxruntime: no protobuf copy of them is made). ``verify`` checks every
         float-preserving pass in onnxruntime on ``verify_samples`` inputs against ``verify_tolerance``, raised per
         output to 4x the model's own float32 noise floor (`qgraph.verify`; ``result.verify_tolerance`` says which).
+        ``kernels``: how passes measure accuracy (auto, deployed, emulated: `qgraph.kernels.measure.choose`).
         """
-        if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
-            raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
+        _check_options(kernels, verify_tolerance)
         listeners = [*self._subscribers, *([on_event] if on_event else [])]
 
         def emit(event: PipelineEvent) -> None:
@@ -204,7 +213,7 @@ class Pipeline:
             index, name = running[-1] if running else (None, None)
             emit(PipelineEvent("pass_progress", total, index, name, task=task, done=done, of=of))
 
-        ctx = self._context(source, calibration_data, on_progress, samples, data_layout)
+        ctx = self._context(source, calibration_data, on_progress, samples, data_layout, kernels)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
         handle = GraphHandle(source)
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
@@ -259,9 +268,10 @@ class Pipeline:
         if not weightless:
             fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
         del held
-        _write_provenance(out, self.to_dict(), input_hash, records)
+        write_provenance(out, self.to_dict(), input_hash, records, target_family(self.target.cpu))
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions)
+        checked = choose(target_family(self.target.cpu), kernels)  # the output, as it deploys on the target CPU
+        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions, checked)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
@@ -298,6 +308,7 @@ class Pipeline:
         on_progress: Callable[[str, int, int | None], None] | None = None,
         samples: int | None = None,
         layout: DataLayout = "auto",
+        kernels: str = "auto",
     ) -> PassContext:
         spec: CalibrationSpec = self.calibration
         target: TargetSpec = self.target
@@ -313,6 +324,7 @@ class Pipeline:
             target=target,
             calibration=spec,
             on_progress=on_progress,
+            kernels=kernels,
         )
 
     @staticmethod
@@ -338,41 +350,6 @@ def _verified(record: PassRecord, p: Pass[Any], previous: onnx.ModelProto | None
     except VerificationError as exc:
         return exc
     return None
-
-
-def _write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash: str,
-                      records: list[PassRecord]) -> None:
-    stats = [
-        {
-            "pass": r.name,
-            "matched": r.result.matched,
-            "rewritten": r.result.rewritten,
-            "skipped": len(r.result.skipped),
-            # Reasons travel with the model (capped) so `qgraph diff` can say why a node stayed float.
-            "skipped_nodes": [s.to_dict() for s in r.result.skipped[:MAX_SKIPPED_IN_PROVENANCE]],
-            **({"kept_float": [s.to_dict() for s in r.result.kept_float[:MAX_SKIPPED_IN_PROVENANCE]]}
-               if r.result.kept_float else {}),
-            "nodes_before": r.nodes_before,
-            "nodes_after": r.nodes_after,
-            **({"quantizes": True} if r.quantizes else {}),
-            **({"decisions": r.result.decisions} if r.result.decisions else {}),
-        }
-        for r in records
-    ]
-    entries = {
-        "qgraph.version": __version__,
-        "qgraph.recipe": canonical_text(recipe),
-        "qgraph.recipe_sha256": text_sha256(recipe),
-        "qgraph.input_sha256": input_hash,
-        "qgraph.passes": describe(stats),
-    }
-    kept = [p for p in model.metadata_props if p.key not in entries]
-    del model.metadata_props[:]
-    for p in kept:
-        model.metadata_props.add(key=p.key, value=p.value)
-    for key in sorted(entries):
-        model.metadata_props.add(key=key, value=entries[key])
-
 
 
 class _ToTargetOpset(Pass[Any]):

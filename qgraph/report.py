@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from qgraph.compare import TensorDiff, make_session, random_feeds, run
+from qgraph.compare import TensorDiff, random_feeds, run
 from qgraph.data import Feed
 from qgraph.diff.culprits import Attribution, attribute
 from qgraph.diff.graphview import changed_regions_html
@@ -38,6 +38,7 @@ from qgraph.diff.structural import structural_diff
 from qgraph.diff.tables import sqnr_cell
 from qgraph.errors import QGraphError
 from qgraph.evaluation import Evaluation, concat
+from qgraph.kernels.measure import Kernels, deployed, saturation_of
 from qgraph.output_parts import OutputParts, PartDiffs, output_parts_of
 from qgraph.pass_api import PassResult
 from qgraph.pipeline import PipelineResult
@@ -88,6 +89,8 @@ class RunReport:
     check: dict[str, Any] | None = None
     #: Every pass's time against the calibration's (`qgraph.timing`), None when no pass calibrated from data.
     timing: dict[str, Any] | None = None
+    #: How the fidelity was measured (`qgraph.kernels.measure.KernelChoice.to_dict`).
+    kernels: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (``culprits``: the Q/DQ pairs, best first)."""
@@ -99,8 +102,17 @@ class RunReport:
             "passes": self.passes, "fidelity": self.fidelity,
             "layers": self.layers.to_dict() if self.layers is not None else None,
             "coverage": self.coverage.to_dict(), "skipped": self.skipped, "fallback": self.fallback,
-            "decisions": self.decisions, "check": self.check, "timing": self.timing,
+            "decisions": self.decisions, "check": self.check, "timing": self.timing, "kernels": self.kernels,
         }
+
+
+def _measured(report: RunReport) -> str:
+    """``Measured with ...`` (the kernels every stage ran with), empty when unknown."""
+    k = report.kernels
+    if not k:
+        return ""
+    text = f"Measured with {k['kernels']['description']}."
+    return f"{k['mismatch']}. {text}" if k.get("mismatch") else text
 
 
 def _feeds(result: PipelineResult, model: onnx.ModelProto) -> tuple[list[Feed], str]:
@@ -138,17 +150,20 @@ def _top1(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int] | None:
 def stage_fidelity(reference: onnx.ModelProto | str | Path,
                    stages: Sequence[tuple[str, onnx.ModelProto | str | Path]],
                    feeds: list[Feed], evaluation: Evaluation | None = None,
-                   parts: OutputParts | None = None) -> list[dict[str, Any]]:
+                   parts: OutputParts | None = None, kernels: Kernels | None = None,
+                   reference_kernels: Kernels | None = None) -> list[dict[str, Any]]:
     """Per stage and output (by position): SQNR, cosine, max abs, relative error, top-1 agreement, and the count
     of NaN/Inf values in the reference and the stage (models in memory or as files); after an output that a final
     Concat joins, one row per part (``part_of``: the output; `qgraph.output_parts`, found in ``reference`` unless
     ``parts`` are given).
 
     The reference outputs are computed once; each stage's outputs are folded into accumulators sample by sample.
-    A stage onnxruntime cannot load or run gets a row with its error instead.
+    A stage onnxruntime cannot load or run gets a row with its error instead. Stages run with ``kernels``, the
+    reference with ``reference_kernels`` (both default to this host's deployed kernels: `qgraph.kernels`); a row
+    of an emulated AVX2 stage lists the layers that saturated (``saturation``).
     """
     layout = parts if parts is not None else output_parts_of(reference)
-    ref_sess = make_session(reference)
+    ref_sess = (reference_kernels or deployed()).session(reference)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = [run(ref_sess, f) for f in feeds]
     scored = evaluation is not None and evaluation.metric is not None
@@ -159,7 +174,7 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
         top1 = [[0, 0] for _ in names]
         got_all: list[list[np.ndarray]] = [[] for _ in names]
         try:
-            sess = make_session(model)
+            sess = (kernels or deployed()).session(model, count=True)
             cand = [o.name for o in sess.get_outputs()]
             if len(cand) != len(names):
                 raise QGraphError(f"the stage has {len(cand)} outputs, the original {len(names)}")
@@ -176,9 +191,13 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
             rows.append({"stage": label, "output": "", "error": str(exc).splitlines()[0][:300]})
             continue
         metric = evaluation.score([concat(g) for g in got_all], ref_all) if scored and evaluation else None
+        first = len(rows)
         for (d, cut), (hits, total) in zip(accs.by_output(), top1, strict=True):
             rows.append(_fidelity_row(label, d, hits / total if total else None, metric))
             rows += [_fidelity_row(label, p, None, metric) for p in cut]
+        saturated = [c.to_dict() for c in saturation_of(sess)]
+        if saturated and len(rows) > first:  # on the stage's first row: the layers, not an output's
+            rows[first]["saturation"] = saturated
     return rows
 
 
@@ -248,7 +267,13 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
     labelled = [("float original", source)]
     labelled += [(f"after #{i} {r.name}", stages[i]) for i, r in enumerate(result.records) if i < len(stages)]
     labelled.append(("final", result.model))
-    report.fidelity = stage_fidelity(source, labelled, feeds, evaluation)
+    choice = result.kernel_choice
+    report.fidelity = stage_fidelity(source, labelled, feeds, evaluation,
+                                     kernels=choice.kernels if choice is not None else None)
+    if choice is not None:
+        report.kernels = choice.to_dict()
+        if choice.mismatch:
+            report.decisions.insert(0, {"pass": "measure", "kind": "host-dependent", "text": choice.mismatch})
     try:
         report.layers = numeric_diff(source, result.model, feeds)
     except _RUNTIME_ERRORS as exc:
@@ -346,7 +371,8 @@ def report_html(report: RunReport) -> str:
                                  "structural diff", "verify (worst relative)", "verify tolerance"], pass_rows,
                                 table_id="passes"),
                 "passes-section"),
-        section("Fidelity per stage", f"<p>Each stage against the float original on {esc(report.data)}.</p>"
+        section("Fidelity per stage", f"<p>Each stage against the float original on {esc(report.data)}. "
+                f"{esc(_measured(report))}</p>"
                 + table(["stage", "output", "SQNR dB", "cosine", "max abs", "relative", "top-1 agreement", "metric"],
                         fid_rows, table_id="fidelity", row_classes=fid_cls), "fidelity-section"),
     ]

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from qgraph.data import DEFAULT_MAX_SAMPLES
 from qgraph.opsets import MIN_OPSET, max_opset
 
+#: Integer-kernel families (what `CpuInfo.family` returns).
+CpuFamily = Literal["x86-vnni", "x86-avx2", "x86-sse", "arm", "other"]
+
 
 class TargetSpec(BaseModel):
     """Where the model will run: used by presets, ``reduce_range: auto`` and opset checks."""
@@ -79,6 +82,25 @@ class CpuInfo:
     #: The flags a host reading found that matter here (empty when declared).
     flags: tuple[str, ...] = ()
 
+    @property
+    def family(self) -> CpuFamily:
+        """The integer-kernel family: ``x86-vnni`` (exact int32 u8×s8 dot products), ``x86-avx2`` (u8×s8 pair sums
+        saturate int16), ``arm`` (exact), ``x86-sse`` (x86 without AVX2) or ``other``."""
+        if self.arch == "x86":
+            return "x86-vnni" if self.vnni else "x86-avx2" if self.avx2 else "x86-sse"
+        return "arm" if self.arch == "arm" else "other"
+
+    def isa(self) -> str:
+        """The integer-kernel instruction sets a host reading found, e.g. ``AVX512-VNNI, AVX2`` or ``NEON dot
+        product``; for a declared CPU, what the declaration implies."""
+        if self.source == "declared":
+            return {"x86-vnni": "VNNI (AVX512-VNNI or AVX-VNNI)", "x86-avx2": "AVX2 without VNNI",
+                    "arm": "ARM64 NEON"}.get(self.family, self.family)
+        names = [name for flag, name in _ISA_NAMES if flag in self.flags]
+        if self.arch == "arm" and not names:
+            names.append("NEON (no dot product)")
+        return ", ".join(names) or "no AVX2/VNNI"
+
     def describe(self) -> str:
         """``x86 (AVX2, VNNI)``, plus where it came from for a host reading."""
         feats = [f for f, on in (("AVX2", self.avx2), ("VNNI", self.vnni)) if on]
@@ -94,7 +116,13 @@ DECLARED_CPUS: dict[str, CpuInfo] = {
     "arm": CpuInfo("arm", vnni=False, avx2=False),
 }
 
-_RELEVANT_FLAGS = ("avx2", "avx512_vnni", "avx_vnni")
+_RELEVANT_FLAGS = ("avx2", "avx512_vnni", "avx_vnni", "asimddp", "i8mm")
+#: Flag -> instruction-set name, in the order reports list them.
+_ISA_NAMES = (("avx512_vnni", "AVX512-VNNI"), ("avx_vnni", "AVX-VNNI"), ("avx2", "AVX2"),
+              ("asimddp", "NEON dot product"), ("i8mm", "I8MM"))
+#: Flags that only an x86 / an ARM CPU reports (an override names the other architecture's CPU by its flags).
+_X86_ONLY = ("avx", "sse", "fma")
+_ARM_ONLY = ("asimd", "neon", "i8mm")
 
 
 def parse_cpuinfo(text: str, machine: str, source: str = "/proc/cpuinfo") -> CpuInfo:
@@ -105,9 +133,15 @@ def parse_cpuinfo(text: str, machine: str, source: str = "/proc/cpuinfo") -> Cpu
     )
     flags: set[str] = set()
     for line in text.splitlines():
-        if line.startswith("flags") and ":" in line:
+        # x86 lists "flags", ARM64 "Features"
+        if line.startswith(("flags", "Features")) and ":" in line:
             flags.update(line.split(":", 1)[1].split())
             break
+    if source != "/proc/cpuinfo":  # flags given by hand may describe a CPU of the other architecture
+        if any(f.startswith(_X86_ONLY) for f in flags):
+            arch = "x86"
+        elif any(f.startswith(_ARM_ONLY) for f in flags):
+            arch = "arm"
     found = tuple(f for f in _RELEVANT_FLAGS if f in flags)
     return CpuInfo(arch, vnni=bool(flags & {"avx512_vnni", "avx_vnni"}), avx2="avx2" in flags, source=source,
                    flags=found)

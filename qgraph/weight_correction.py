@@ -174,6 +174,7 @@ class FidelityGuard:
         feeds = list(itertools.islice(iter(ctx.calibration_data), samples))
         reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
         self.scorer = OutputScore(reference, feeds, parts=find_output_parts(ctx.float_reference))
+        self.kernels = ctx.kernels  # the target's arithmetic: a correction that only helps elsewhere is undone
         self.layers = layers
         self.stored = [la.snapshot() for la in layers]
         self.res = res
@@ -192,7 +193,7 @@ class FidelityGuard:
     def score(self, graph: GraphHandle) -> float:
         """The graph's score now (dB; NaN/Inf outputs give -inf)."""
         model, held = graph.weightless_export()
-        return self.scorer.score_db(make_session(model, weights={n: v for n, (v, _) in held.items()}))
+        return self.scorer.score_db(self.kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
 
     def finish(self, graph: GraphHandle, tolerance_db: float) -> bool:
         """Score the graph again; undo the change (restore every layer) when it lost more than ``tolerance_db``.

@@ -85,10 +85,11 @@ def test_without_a_metric_the_gate_uses_top1_agreement(int8: Path, degraded: Pat
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     code, data = _check(capsys, str(DIGITS / "model.onnx"), str(degraded), "--data", str(DIGITS / "eval.npz"),
                         "--max-drop", "0.01")
-    assert data["quality"] == "top-1 agreement"
-    agreement = data["stages"][1]["top1_agreement"]
+    assert data["quality"] == "top-1 agreement and output cosine (the lower)"
+    stage = data["stages"][1]
+    agreement = stage["top1_agreement"]
     assert agreement < 0.99 and code == 1
-    assert data["stages"][1]["step_drop"] == pytest.approx(1.0 - agreement)
+    assert stage["step_drop"] == pytest.approx(1.0 - min(agreement, stage["cosine"]))
 
 
 def test_terminal_table_and_messages(int8: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ result; a sensitivity run on Ray equals the local one; without Ray, asking for i
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -106,7 +107,8 @@ def test_deadline_returns_the_finished_items_in_order() -> None:
     start = time.monotonic()
     done = LocalExecutor(1).map(_sleep, list(range(6)), shared=0.4, deadline=start + 0.6)
     assert done[:2] == [0, 1] and len(done) < 6 and done == sorted(done)
-    assert time.monotonic() - start < 1.5
+    # no item starts after the deadline: at most the one running then finishes (a loaded machine only delays it)
+    assert len(done) <= 2 + math.ceil((time.monotonic() - start) / 0.4)
 
 
 def test_a_local_worker_that_dies_is_a_worker_error_and_no_process_is_left(tmp_path: Path) -> None:
@@ -124,11 +126,19 @@ def _writes_slowly(folder: str, x: int) -> int:
     return x
 
 
+def _started(folder: str, x: int) -> int:
+    return x
+
+
 def test_time_budget_stops_local_workers_and_their_temporary_files_go(tmp_path: Path) -> None:
-    start = time.monotonic()
     with LocalExecutor(2) as ex:
-        assert ex.map(_writes_slowly, [0, 1], shared=str(tmp_path), deadline=start + 8.0) == []
-    assert time.monotonic() - start < 30.0
+        # the workers are up and hold the shared object before the clock starts: a loaded machine that is slow to
+        # start processes must not make the budget run out before any task began
+        assert ex.map(_started, [0, 1], shared=str(tmp_path)) == [0, 1]
+        start = time.monotonic()
+        assert ex.map(_writes_slowly, [0, 1], shared=str(tmp_path), deadline=start + 3.0) == []
+        stopped = time.monotonic() - start
+    assert stopped < 3.0 + 30.0  # stopped at the budget, not after the tasks' 60 s
     assert _no_children_left()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert "started0" in names or "started1" in names  # a task was running when the budget ran out
@@ -196,7 +206,7 @@ def test_ray_deadline_cancels_running_tasks(local_ray: Any) -> None:
     start = time.monotonic()
     done = ex.map(_sleep, list(range(6)), shared=30.0, deadline=start + 3.0)
     assert done == [0, 1]
-    assert time.monotonic() - start < 10.0
+    assert time.monotonic() - start < 3.0 + 25.0  # cancelled at the budget, not after the tasks' 30 s
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from qgraph.cli import main
 from qgraph.compare import compare_models
 from qgraph.data import open_data_source
 from qgraph.fidelity import CHECK_SAMPLES, check_fidelity, first_samples
+from qgraph.kernels.measure import choose, model_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
@@ -37,7 +38,9 @@ def test_run_prints_sqnr_of_compare_models(tmp_path: Path, capsys: pytest.Captur
     assert found is not None, err
     model = onnx.load(str(DIGITS / "model.onnx"))
     data = open_data_source(str(DIGITS / "calibration.npz")).bind(model)
-    (diff,) = compare_models(model, onnx.load(str(tmp_path / "d.int8.onnx")), first_samples(data))
+    int8 = onnx.load(str(tmp_path / "d.int8.onnx"))
+    kernels = choose(model_target(int8)).kernels  # what the run measures with: the recipe's CPU, here or emulated
+    (diff,) = compare_models(kernels.session(model), kernels.session(int8), first_samples(data))
     assert math.isfinite(diff.sqnr_db) and 20 < diff.sqnr_db < 80  # quantized: real error, not identity
     assert float(found.group(1)) == pytest.approx(diff.sqnr_db, abs=0.051)
     assert float(found.group(2)) == pytest.approx(diff.cosine, abs=1e-5)

@@ -25,9 +25,13 @@ def example() -> tuple[Path, Path]:
     return root / "model.onnx", root / "calibration.npz"
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
+DECLARED = sorted(p.name for p in RECIPES.glob("*.yaml") if Recipe.from_yaml(p).target.cpu != "host")
+
+
+@pytest.mark.parametrize("recipe", DECLARED)
 def test_ready_recipes_are_byte_identical_on_any_host(recipe: str, example: tuple[Path, Path],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ready recipe that names its CPU; `ort-cpu.yaml` (`cpu: host`) is made for the host by design."""
     rec = Recipe.from_yaml(RECIPES / recipe)
     monkeypatch.setenv(CPU_FLAGS_ENV, VNNI)
     on_vnni = _run(rec, example)
@@ -42,10 +46,20 @@ def test_reduce_range_auto_decides_from_the_declared_cpu(example: tuple[Path, Pa
     avx2 = Recipe.from_text(base % "x86-avx2").pipeline().run(example[0], calibration_data=example[1])
     vnni = Recipe.from_text(base % "x86-vnni").pipeline().run(example[0], calibration_data=example[1])
     anycpu = Recipe.from_text(base % "any").pipeline().run(example[0], calibration_data=example[1])
-    assert avx2.records[0].result.decisions[0].startswith("reduce_range: auto -> true: target CPU x86 (AVX2)")
+    avx2_decisions = avx2.records[0].result.decisions
+    # AVX2: pair saturation is avoided per layer (the channels at risk get a raised scale), not by 7-bit weights
+    assert avx2_decisions[0].startswith("reduce_range: auto -> false: target CPU x86 (AVX2): u8s8 pair sums can "
+                                        "saturate int16, avoided per layer")
+    assert avx2_decisions[1].startswith("saturation: auto -> avoid: target CPU x86 (AVX2)")
+    assert avx2_decisions[2].startswith("saturation: avoid: ")
     assert vnni.records[0].result.decisions[0].startswith("reduce_range: auto -> false: target CPU x86 (AVX2, VNNI)")
+    assert not any(d.startswith("saturation") for d in vnni.records[0].result.decisions)
     assert "declares no target.cpu" in anycpu.records[0].result.decisions[0]
     assert avx2.model.SerializeToString() != vnni.model.SerializeToString()
+    # with the per-layer handling off, auto falls back to 7-bit weights everywhere
+    off = Recipe.from_text(base % "x86-avx2" + "    saturation: off\n").pipeline().run(
+        example[0], calibration_data=example[1])
+    assert off.records[0].result.decisions[0].startswith("reduce_range: auto -> true: target CPU x86 (AVX2)")
 
 
 def test_host_detection_is_explicit_and_recorded(example: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,7 +72,7 @@ def test_host_detection_is_explicit_and_recorded(example: tuple[Path, Path], mon
         assert f"read from ${CPU_FLAGS_ENV}" in provenance
         outputs[flags] = (res.model.SerializeToString(), provenance)
     assert "avx512_vnni" in outputs[VNNI][1] and "reduce_range: auto -> false" in outputs[VNNI][1]
-    assert "flags [avx2]" in outputs[AVX2][1] and "reduce_range: auto -> true" in outputs[AVX2][1]
+    assert "flags [avx2]" in outputs[AVX2][1] and "saturation: auto -> avoid" in outputs[AVX2][1]
     assert outputs[VNNI][0] != outputs[AVX2][0]
 
 
@@ -66,3 +80,22 @@ def test_declared_cpus() -> None:
     assert TargetSpec().cpu_info() is None
     info = TargetSpec(cpu="x86-avx2").cpu_info()
     assert info is not None and info.avx2 and not info.vnni and info.source == "declared"
+
+
+def test_the_host_recipe_picks_the_preset_of_the_host_and_records_it(example: tuple[Path, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recipe.from_yaml(RECIPES / "ort-cpu.yaml")
+    made = {}
+    for flags, family in ((VNNI, "x86-vnni"), (AVX2, "x86-avx2"), ("asimd asimddp", "arm")):
+        monkeypatch.setenv(CPU_FLAGS_ENV, flags)
+        res = rec.pipeline().run(example[0], calibration_data=example[1])
+        meta = {p.key: p.value for p in res.model.metadata_props}
+        assert meta["qgraph.target_cpu"] == family
+        quantize = next(r for r in res.records if r.name == "insert_qdq")
+        assert quantize.result.decisions[0].startswith(f"preset ort-cpu -> ort-{family}: the target CPU is {family}")
+        made[family] = res.model.SerializeToString()
+        same = Recipe.from_yaml(RECIPES / f"ort-{family}.yaml").pipeline().run(example[0], calibration_data=example[1])
+        # the same weights as the recipe that names the family (the files differ in their recipe text only)
+        assert {t.name: t.raw_data for t in res.model.graph.initializer} == \
+            {t.name: t.raw_data for t in same.model.graph.initializer} or family == "arm"
+    assert len(set(made.values())) == 3

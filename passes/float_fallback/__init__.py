@@ -339,6 +339,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             remedy=self.config.to,
             in_bodies=bool(in_bodies) and auto.bodies,
             parts=parts,
+            kernels=ctx.kernels,
         )
         res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())

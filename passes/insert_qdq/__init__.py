@@ -9,6 +9,7 @@ import numpy as np
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.graph import topological_order
+from qgraph.kernels.measure import target_family
 from qgraph.quant import QuantDtype, QuantSpec
 from qgraph.target import CalibrationSpec, CpuInfo, host_cpu
 
@@ -16,7 +17,8 @@ from .bodies import BodiesOutcome, quantize_bodies
 from .build import activation_params, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
-from .config import PRESETS, InsertQDQConfig, resolve_reduce_range, saturation_wanted
+from .config import CPU_PRESETS, PRESETS, InsertQDQConfig
+from .cpu import for_cpu, resolve_reduce_range, resolve_saturation, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
 from .dynamic import DynamicQuantizer
 from .emit import ActParams
@@ -25,7 +27,7 @@ from .latency import LatencyOptions
 from .latency_check import Builder, run_check, twin_builder
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .placement import Plan, Planner, Unit, label
-from .saturation import saturation_details
+from .saturation import pair_safe_decisions, saturation_details
 from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .through import clip_flat_sides
 from .weights import Emitter, WeightQuantizer, check_finite_weights
@@ -89,6 +91,13 @@ class InsertQDQ(Pass[InsertQDQConfig]):
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Plan, calibrate, screen outliers, quantize weights/biases, insert activation Q/DQ (the pipeline pauses the
         cyclic GC around every pass: it made this pass super-linear on 100k-node graphs)."""
+        if self.config.preset in CPU_PRESETS:  # the preset of the target's CPU, known only now (`cpu: host`)
+            family = target_family(ctx.target.cpu) or ctx.kernel_choice.kernels.host.family
+            resolved, why = for_cpu(self.config, family)
+            out = InsertQDQ(resolved).run(graph, ctx)
+            out.decisions.insert(0, why if target_family(ctx.target.cpu) else
+                                 f"{why} (this host's: the recipe declares no target.cpu)")
+            return out
         res = PassResult()
         cfg = self._reach_opset(graph, ctx, res)
         in_bodies = BodiesOutcome()
@@ -99,6 +108,11 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         reduce_range, rr_why = resolve_reduce_range(cfg, cpu)
         if cfg.weights.reduce_range == "auto":
             res.decisions.append(rr_why)
+        saturation, sat_why = resolve_saturation(cfg, cpu, target_family(ctx.target.cpu))
+        if sat_why:
+            res.decisions.append(sat_why)
+        sat_at = len(res.decisions)  # the per-layer outcome is shown right after, before the longer lists
+        cfg = cfg.model_copy(update={"saturation": saturation})
         wspec = weight_spec(cfg, reduce_range)
         selection = select(graph, cfg.nodes)
         res.unmatched += in_bodies.unmatched_everywhere(selection.unmatched)
@@ -143,6 +157,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
         if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg, cpu):
             res.details["saturation"] = saturation_details(plan, params, wq.weights)
+        pair_safe_decisions([*wq.rescaled, *dyn.rescaled], res, cfg.saturation == "avoid", sat_at)
         return res
 
     def _calibrate(

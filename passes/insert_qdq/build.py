@@ -59,6 +59,7 @@ def emit_plan(graph: GraphHandle, cfg: InsertQDQConfig, wspec: QuantSpec, plan: 
     wq.auto_symmetric, wq.asym_gain = cfg.weights.symmetric == "auto", cfg.weights.asymmetric_gain
     dyn = DynamicQuantizer(em, wspec.model_copy(update={"per_channel": cfg.weights.per_channel}))
     dyn.auto_symmetric, dyn.asym_gain = wq.auto_symmetric, wq.asym_gain
+    wq.pair_safe = dyn.pair_safe = cfg.saturation == "avoid"
     scale = functools.partial(input_scale, plan, params)
     wq.prepare([(u, scale(u)) for u in plan.units if u.kind == "weighted"])
     for unit in plan.units:

@@ -21,7 +21,6 @@ from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, f
 from qgraph import NodeSelector, PassConfig
 from qgraph.calibrate import make_observer
 from qgraph.quant import QuantDtype
-from qgraph.target import CpuInfo
 
 from .depthwise import DepthwiseAutoOptions
 from .latency import LatencyOptions
@@ -57,13 +56,15 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
     "ort-x86-avx2": {
         "why": (
             "x86 AVX2 without VNNI: VPMADDUBSW sums two u8 x s8 products into a saturating int16, which "
-            "overflows when both products are large (255 x 127 x 2 > 32767); 7-bit weights (reduce_range) "
-            "bound every pair sum by 255 x 64 x 2 = 32640. The saturation analysis reports the layers that "
-            "would overflow with 8-bit weights."
+            "overflows when both products are large (255 x 127 x 2 > 32767). Decided per layer, not per model: "
+            "full 8-bit s8 weights wherever no pair of codes can overflow, and on the output channels where one "
+            "can, a weight scale raised just enough that every same-sign pair sums to at most 128 codes "
+            "(saturation: avoid; at most the 6 dB that 7-bit reduce_range would cost every channel of every "
+            "layer). Each raised layer is reported with its weight SQNR before and after."
         ),
-        "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": True},
+        "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "uint8", "symmetric": False},
-        "saturation": "report",
+        "saturation": "avoid",
     },
     "ort-arm": {
         "why": (
@@ -109,8 +110,15 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "activations": {"dtype": "uint8", "symmetric": False},
     },
 }
+#: Presets that stand for the preset of the target CPU's family, resolved when the pass runs (the target's
+#: ``cpu: host`` is read then): name -> (family -> preset, why).
+CPU_PRESETS: dict[str, tuple[dict[str, str], str]] = {
+    "ort-cpu": ({"x86-vnni": "ort-x86-vnni", "x86-avx2": "ort-x86-avx2", "arm": "ort-arm"},
+                "onnxruntime on the recipe's target CPU: ort-x86-vnni, ort-x86-avx2 or ort-arm by the family of "
+                "target.cpu (with `cpu: host`, this machine's, probed), resolved when the pass runs and reported."),
+}
 #: The preset names, in the order the catalogue shows them.
-PRESET_NAMES: tuple[str, ...] = tuple(_PRESET_DATA)
+PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
 
 
 class WeightOptions(PassConfig):
@@ -222,8 +230,8 @@ class InsertQDQConfig(PassConfig):
     preset: str | None = Field(
         default=None,
         description="Target preset filling in every option the recipe leaves out: "
-        + " | ".join(_PRESET_DATA) + " (`qgraph passes insert_qdq` explains each).",
-        json_schema_extra={"enum": list(_PRESET_DATA)},
+        + " | ".join(PRESET_NAMES) + " (`qgraph passes insert_qdq` explains each).",
+        json_schema_extra={"enum": list(PRESET_NAMES)},
     )
     opset: Literal["raise", "keep"] = Field(
         default="raise",
@@ -274,9 +282,12 @@ class InsertQDQConfig(PassConfig):
         "every execution) and quantized like the top graph; dynamic: only their MatMul/Gemm with constant weights, "
         "quantized at run time; skip. Bodies the data never reaches get the dynamic treatment.",
     )
-    saturation: Literal["auto", "report", "off"] = Field(
+    saturation: Literal["auto", "avoid", "report", "off"] = Field(
         default="auto",
-        description="u8s8 int16 saturation analysis: auto (when the target lacks VNNI), report (always), off.",
+        description="u8 x s8 int16 pair saturation (x86 AVX2 without VNNI): avoid: raise the weight scales of just "
+        "the output channels where a pair of codes could overflow (full 8-bit elsewhere; reported per layer); "
+        "auto: avoid when the target CPU saturates (x86-avx2, or host on such a CPU), else nothing; report: only "
+        "analyse; off.",
     )
     latency: LatencyOptions = Field(
         default_factory=LatencyOptions,
@@ -300,13 +311,19 @@ class InsertQDQConfig(PassConfig):
     @model_validator(mode="wrap")
     @classmethod
     def _expand_preset(cls, data: Any, handler: ModelWrapValidatorHandler[InsertQDQConfig]) -> InsertQDQConfig:
-        if not isinstance(data, dict) or data.get("preset") not in _PRESET_DATA:
+        if not isinstance(data, dict) or data.get("preset") not in PRESET_NAMES:
             return handler(data)
-        config = handler(merge_preset(_preset_options(data["preset"]), data))
+        # a CPU preset is expanded when the pass runs (`for_cpu`); until then the options are the user's own
+        preset = {} if data["preset"] in CPU_PRESETS else _preset_options(data["preset"])
+        config = handler(merge_preset(preset, data))
         # What the user wrote, so the recipe is written back as `preset:` + these (see module docs).
         config._explicit = {k: (v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v)
                             for k, v in data.items()}
         return config
+
+    def explicit_options(self) -> dict[str, Any] | None:
+        """The options the user wrote beside ``preset`` (None without a preset)."""
+        return self._explicit
 
     def recipe_options(self) -> dict[str, Any]:
         """The options as the recipe states them: ``preset`` plus what the user set, or every non-default."""
@@ -347,31 +364,6 @@ def merge_preset(preset: dict[str, Any], explicit: dict[str, Any]) -> dict[str, 
     return out
 
 
-# ---------------------------------------------------------------------------------------------- CPU decisions
-def resolve_reduce_range(config: InsertQDQConfig, cpu: CpuInfo | None) -> tuple[bool, str]:
-    """The effective ``reduce_range`` and the reason (``auto`` decides from the declared target CPU)."""
-    setting = config.weights.reduce_range
-    if setting != "auto":
-        return bool(setting), f"reduce_range: {str(setting).lower()} (explicit)"
-    u8s8 = config.activations.dtype == QuantDtype.UINT8 and config.weights.dtype == QuantDtype.INT8
-    if cpu is None:
-        return False, ("reduce_range: auto -> false: the recipe declares no target.cpu (declare x86-avx2 for 7-bit "
-                       "weights against int16 saturation on CPUs without VNNI)")
-    if cpu.arch == "x86" and not cpu.vnni and u8s8:
-        return True, f"reduce_range: auto -> true: target CPU {cpu.describe()}: u8s8 pair sums can saturate int16"
-    why = "activations/weights are not u8/s8" if not u8s8 else f"target CPU {cpu.describe()}"
-    return False, f"reduce_range: auto -> false: {why}"
-
-
-def saturation_wanted(config: InsertQDQConfig, cpu: CpuInfo | None) -> bool:
-    """Whether to run the u8s8 saturation analysis: ``report``, or ``auto`` for static u8s8 when the target CPU
-    is x86 without VNNI (the presets for VNNI, ARM and TensorRT targets turn it off: no int16 intermediate)."""
-    if config.saturation != "auto":
-        return config.saturation == "report"
-    u8s8 = config.activations.dtype == QuantDtype.UINT8 and config.weights.dtype == QuantDtype.INT8
-    return config.mode == "static" and u8s8 and cpu is not None and cpu.arch == "x86" and not cpu.vnni
-
-
 def _preset_options(name: str) -> dict[str, Any]:
     return {k: v for k, v in _PRESET_DATA[name].items() if k != "why"}
 
@@ -381,6 +373,9 @@ def _validated_presets() -> dict[str, Preset]:
     for name, data in _PRESET_DATA.items():
         InsertQDQConfig(preset=name)  # a preset that does not expand into a valid config fails at import
         presets[name] = Preset(name, data["why"], _preset_options(name))
+    for name, (table, why) in CPU_PRESETS.items():
+        assert set(table.values()) <= set(_PRESET_DATA), name  # a CPU preset names real presets
+        presets[name] = Preset(name, why, {})
     return presets
 
 

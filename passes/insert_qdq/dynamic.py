@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph.quant import QuantSpec, quantize
+from qgraph.quant import QuantDtype, QuantSpec, quantize
 
 from .placement import Unit
-from .weights import Emitter, finite_constant, quantize_weight_values, release_float
+from .weights import Emitter, PairSafeLayer, finite_constant, pair_safe_layer, quantize_weight_values, release_float
 from .wmath import lopsided
 
 
@@ -34,6 +34,9 @@ class DynamicQuantizer:
         self.replaced: set[int] = set()  # ids of the MatMul/Gemm nodes replaced (removed by the caller)
         self.auto_symmetric = False
         self.asym_gain = 1.25
+        #: ``saturation: avoid``: raise the scales of columns whose u8 x s8 pairs could leave int16 (AVX2).
+        self.pair_safe = False
+        self.rescaled: list[PairSafeLayer] = []
 
     def _quantize_input(self, target: gs.Graph, x: gs.Tensor) -> tuple[gs.Variable, gs.Variable, gs.Variable]:
         key = (id(target), x.name)
@@ -76,6 +79,13 @@ class DynamicQuantizer:
         spec = self.spec.model_copy(update={"per_channel": axis is not None, "axis": axis, "symmetric": symmetric})
         scale, zp = quantize_weight_values(w, spec)
         qw = quantize(w, scale, zp, spec.dtype, axis)
+        if self.pair_safe and symmetric and spec.dtype == QuantDtype.INT8 and w.ndim == 2:
+            # the weight is (K, N) here whatever the node (transB undone above): its kernel rows are MatMul's
+            fixed = pair_safe_layer(gs.Node("MatMul", name=node.name), w, qw, np.asarray(scale, np.float32), spec)
+            if fixed is not None:
+                self.rescaled.append(fixed)
+                scale = fixed.scale
+                qw = quantize(w, scale, zp, spec.dtype, axis)
         base = w_t.name
         wq = em.const(f"{base}/q", qw)
         ws = em.const(f"{base}/scale", (np.asarray(scale, np.float64) * alpha).astype(np.float32))

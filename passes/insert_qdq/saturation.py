@@ -1,13 +1,8 @@
-"""u8 x s8 int16 saturation on x86 without VNNI: analysis from the real weights and a numpy kernel simulation.
+"""u8 x s8 int16 saturation on x86 without VNNI: the pass's analysis of its own quantized weights.
 
-AVX2 integer GEMM kernels (onnxruntime's MLAS without VNNI, FBGEMM) multiply unsigned 8-bit activations by
-signed 8-bit weights with ``VPMADDUBSW``: adjacent products are summed *pairwise into a saturating int16*::
-
-    p[i] = sat16(a[2i] * w[2i] + a[2i+1] * w[2i+1])        then  VPMADDWD(p, 1) -> int32 accumulation
-
-With a in [0, 255] and w in [-128, 127] a pair can reach 255 x 127 x 2 = 64770 > 32767, and the saturated sum
-silently corrupts the dot product. With 7-bit weights (``reduce_range``, w in [-64, 63]) the worst pair is
-255 x 64 x 2 = 32640, which always fits. VNNI's ``VPDPBUSD`` accumulates the four products in int32 directly.
+The arithmetic (``VPMADDUBSW``'s saturating int16 pair sums, measured against onnxruntime's AVX2 kernels) and the
+pair bounds are the engine's (`qgraph.kernels.pairs`). With 7-bit weights (``reduce_range``, w in [-64, 63]) the
+worst pair is 255 x 64 x 2 = 32640, which always fits.
 
 `analyze` bounds every pair of every output channel of every quantized layer over the activation codes the
 calibrated range can produce, ``a in [q(rmin), q(rmax)]``: ``max = sum_j max(lo*w_j, hi*w_j)`` and likewise the
@@ -23,40 +18,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qgraph import PassResult
+from qgraph.kernels.pairs import INT16_MAX, INT16_MIN, kernel_rows, pair_bounds
 from qgraph.quant import QuantDtype
 
 from .emit import ActParams
 from .placement import Plan, label
-from .weights import QuantizedWeight
-
-INT16_MIN, INT16_MAX = -32768, 32767
-
-
-def vpmaddubsw(a: npt.NDArray[np.uint8], w: npt.NDArray[np.int8]) -> npt.NDArray[np.int16]:
-    """Pairwise ``sat16(a[2i] w[2i] + a[2i+1] w[2i+1])`` along the last axis (zero-padded to even length)."""
-    a32, w32 = _pad_even(a.astype(np.int32)), _pad_even(w.astype(np.int32))
-    pairs = a32[..., 0::2] * w32[..., 0::2] + a32[..., 1::2] * w32[..., 1::2]
-    out: npt.NDArray[np.int16] = np.clip(pairs, INT16_MIN, INT16_MAX).astype(np.int16)
-    return out
-
-
-def _pad_even(x: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    if x.shape[-1] % 2 == 0:
-        return x
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, 1)]
-    return np.pad(x, pad)
-
-
-def simulate_u8s8_matmul(a: npt.NDArray[np.uint8], w: npt.NDArray[np.int8]) -> npt.NDArray[np.int32]:
-    """``a (M, K) @ w (K, N)`` the way VPMADDUBSW + VPMADDWD compute it (int16 pair saturation, int32 sums)."""
-    pairs = vpmaddubsw(a[:, None, :], np.ascontiguousarray(w.T)[None, :, :])  # (M, N, K/2) int16
-    out: npt.NDArray[np.int32] = pairs.astype(np.int32).sum(axis=-1, dtype=np.int32)
-    return out
-
-
-def exact_u8s8_matmul(a: npt.NDArray[np.uint8], w: npt.NDArray[np.int8]) -> npt.NDArray[np.int32]:
-    """The exact int32 product (what VNNI computes)."""
-    return a.astype(np.int32) @ w.astype(np.int32)
+from .weights import PairSafeLayer, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -93,33 +61,14 @@ class LayerSaturation:
         }
 
 
-def kernel_rows(w: QuantizedWeight) -> npt.NDArray[np.int32] | None:
-    """The weight as (output channels, K) in the kernel's reduction order, or None if not analyzable."""
-    v = np.asarray(w.values).astype(np.int32)
-    if w.op == "Conv" and v.ndim >= 3:
-        return v.transpose(0, *range(2, v.ndim), 1).reshape(v.shape[0], -1)
-    if w.op == "ConvTranspose" and v.ndim >= 3:
-        return v.transpose(1, *range(2, v.ndim), 0).reshape(v.shape[1], -1)
-    if w.op == "Gemm" and v.ndim == 2:
-        return v if w.transposed else v.T
-    if w.op == "MatMul" and v.ndim >= 2:
-        k, n = v.shape[-2], v.shape[-1]
-        return v.reshape(-1, k, n).transpose(0, 2, 1).reshape(-1, k)
-    return None
-
-
-def pair_bounds(rows: npt.NDArray[np.int32], lo: int, hi: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Largest and smallest pair sums per (channel, pair) for activation codes in [lo, hi]."""
-    r = _pad_even(rows.astype(np.int64))
-    w0, w1 = r[:, 0::2], r[:, 1::2]
-    top = np.maximum(lo * w0, hi * w0) + np.maximum(lo * w1, hi * w1)
-    bottom = np.minimum(lo * w0, hi * w0) + np.minimum(lo * w1, hi * w1)
-    return top, bottom
+def _rows(w: QuantizedWeight) -> npt.NDArray[np.int32] | None:
+    """The weight as (output channels, K) in the kernel's reduction order (`qgraph.kernels.pairs.kernel_rows`)."""
+    return kernel_rows(w.values, w.op, w.transposed)
 
 
 def analyze_layer(w: QuantizedWeight, codes: tuple[int, int]) -> LayerSaturation | None:
     """Saturation risk of one quantized layer whose activation codes span ``codes``."""
-    rows = kernel_rows(w)
+    rows = _rows(w)
     if rows is None or np.asarray(w.values).dtype != np.int8:
         return None
     lo, hi = codes
@@ -178,5 +127,29 @@ def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[Q
         "kernel": "u8 x s8 VPMADDUBSW (AVX2 without VNNI)",
         "layers_analyzed": len(results),
         "layers_at_risk": risky,
-        "advice": "set weights.reduce_range: true (7-bit weights) or run on a VNNI CPU" if risky else "",
+        "advice": ("set saturation: avoid (raises the scale of just the channels at risk), weights.reduce_range: true "
+                   "(7-bit weights everywhere) or run on a VNNI CPU") if risky else "",
     }
+
+
+def pair_safe_decisions(layers: list[PairSafeLayer], res: PassResult, active: bool, at: int) -> None:
+    """One decision (inserted at ``at``) for the layers `saturation: avoid` rescaled (worst first), the rest in
+    ``res.details``."""
+    if not active:
+        return
+    res.details["pair_safe"] = [layer.to_dict() for layer in layers]
+    if not layers:
+        res.decisions.insert(at, "saturation: avoid: no u8×s8 layer has a pair of weight codes that could exceed "
+                                 "int16: every layer keeps full 8-bit weights")
+        return
+    worst = sorted(layers, key=lambda la: la.sqnr_after - la.sqnr_before)
+    channels = sum(la.channels for la in layers)
+    loss = [la.sqnr_before - la.sqnr_after for la in layers]
+    shown = "; ".join(f"{la.node}: {la.channels} of {la.of} channels x{la.max_factor:.2f} max, weight SQNR "
+                      f"{la.sqnr_before:.1f} -> {la.sqnr_after:.1f} dB" for la in worst[:3])
+    more = f" (+{len(layers) - 3} more layers in the report)" if len(layers) > 3 else ""
+    res.decisions.insert(at,
+        f"saturation: avoid: {len(layers)} layer(s) had u8×s8 weight pairs that could exceed int16: the scales of "
+        f"their {channels} channel(s) at risk raised (weight SQNR -{max(loss):.2f} dB at worst, "
+        f"-{float(np.median(loss)):.2f} dB median; every other channel and layer keeps full 8-bit weights): "
+        f"{shown}{more}")

@@ -190,12 +190,27 @@ class Priced:
     forced: set[int]
     model: CostModel
     blind: dict[int, str] = field(default_factory=dict)  # units kept int8: a neighbour's cost depends on them
+    #: Set when another preset's costs stand in for this one's (`COST_PROXIES`): the decision line says so.
+    proxy: str = ""
+
+
+#: Presets priced with another preset's costs when the table has none of their own, and why that stands in.
+COST_PROXIES: dict[str, tuple[str, str]] = {
+    "ort-x86-avx2": ("ort-x86-vnni", "no AVX2 costs are shipped; int8 is relatively slower on AVX2, so a close call "
+                     "may be faster float there: build AVX2 costs with benchmarks/build_latency_table.py"),
+}
 
 
 def price(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | None, measured: Measured | None,
           shapes: Inferred | None = None) -> Priced | str:
     """Cost every unit of ``plan`` and its edges (module docs), or why it cannot (the table has no such preset)."""
     table = load_latency_table(opts.table or SHIPPED_TABLE)
+    proxy = ""
+    if measured is None and preset not in table.presets and preset in COST_PROXIES \
+            and COST_PROXIES[preset][0] in table.presets:
+        stand_in, why = COST_PROXIES[preset]
+        proxy = f"latency (table): the {stand_in} costs stand in for {preset} ({why})"
+        preset = stand_in
     if measured is None and preset not in table.presets:
         return (f"latency: table has no costs for preset {preset!r} (it has {sorted(table.presets)}); every unit "
                 "stays int8. Build one with benchmarks/build_latency_table.py or use `latency: {mode: measure}`.")
@@ -208,7 +223,7 @@ def price(graph: GraphHandle, plan: Plan, opts: LatencyOptions, preset: str | No
         chosen = {id(n) for n in select(graph, opts.force).nodes}
         forced = {i for i, u in enumerate(units) if id(u.node) in chosen}
     blind = _blind(graph, units)
-    return Priced(units, costs, edges, requant, forced | set(blind), model, blind)
+    return Priced(units, costs, edges, requant, forced | set(blind), model, blind, proxy)
 
 
 def latency_decision(
@@ -223,6 +238,8 @@ def latency_decision(
         out.notes.append(p)
         return out
     d = decide(p.costs, p.edges, p.forced, p.requant)
+    if p.proxy:
+        out.decisions.append(p.proxy)
     _report(out, p, d, opts.mode)
     out.priced, out.labels = p, list(d.int8)
     return out

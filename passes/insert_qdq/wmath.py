@@ -52,11 +52,14 @@ def layer_math(
     spec: QuantSpec,
     bias: npt.NDArray[np.float32] | None,
     input_scale: float | None,
+    scale: npt.NDArray[np.float32] | None = None,
 ) -> WeightMath:
-    """One layer: per-channel (``spec.axis``) or per-tensor weight, int32 bias with ``input_scale x w_scale``."""
+    """One layer: per-channel (``spec.axis``) or per-tensor weight, int32 bias with ``input_scale x w_scale``;
+    ``scale`` replaces the weight scale the range gives (a symmetric spec: the zero point does not depend on it)."""
     axis = spec.axis if spec.per_channel else None
     lo, hi = _ranges(w, axis, 0) if w.size else (np.zeros(()), np.zeros(()))
-    scale, zp = compute_scale_zero_point(lo, hi, spec)
+    ranged, zp = compute_scale_zero_point(lo, hi, spec)
+    scale = ranged if scale is None else np.asarray(scale, np.float32).reshape(ranged.shape)
     out = WeightMath(np.empty(0), scale, zp)
     if bias is not None and input_scale is not None:
         n = bias.size

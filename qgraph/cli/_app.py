@@ -106,6 +106,25 @@ def literal(text: str) -> str:
     return escape(text) if getattr(typer.core, "HAS_RICH", True) else text
 
 
+KernelsOption = Annotated[str, typer.Option(
+    "--kernels", help="How models run: auto (this host's deployed kernels, or the target CPU's arithmetic emulated "
+    "when the model was made for another CPU), deployed (onnxruntime's default optimizations on this host), "
+    "emulated (the target's integer arithmetic reproduced in float).", metavar="auto|deployed|emulated")]
+TargetCpuOption = Annotated[str | None, typer.Option(
+    "--target-cpu", help="Judge the candidates for this CPU whatever they were made for: x86-vnni, x86-avx2, arm or "
+    "host (default: the CPU in each model's provenance).", metavar="x86-vnni|x86-avx2|arm|host")]
+
+
+def check_kernel_options(kernels: str, target_cpu: str | None = None) -> None:
+    """`UsageError` for a ``--kernels`` or ``--target-cpu`` value qgraph does not know (before any work)."""
+    from qgraph.kernels.measure import KERNEL_OPTIONS, TARGET_FAMILIES
+
+    if kernels not in KERNEL_OPTIONS:
+        raise UsageError(f"--kernels {kernels!r}: give one of {', '.join(KERNEL_OPTIONS)}.")
+    if target_cpu is not None and target_cpu not in (*TARGET_FAMILIES, "host"):
+        raise UsageError(f"--target-cpu {target_cpu!r}: give one of {', '.join((*TARGET_FAMILIES, 'host'))}.")
+
+
 ExecutorKind = Literal["local", "ray"]
 ExecutorOption = Annotated[
     ExecutorKind,

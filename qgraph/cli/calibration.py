@@ -21,8 +21,11 @@ import qgraph.cli._app as _app
 from qgraph.cli._app import (
     AddressOption,
     ExecutorOption,
+    KernelsOption,
     QGraphCommand,
+    TargetCpuOption,
     app,
+    check_kernel_options,
     data_path,
     executor_spec,
     need_positive,
@@ -164,6 +167,8 @@ def sensitivity(
                              "from different tensors (a detector's boxes and class scores) as one tensor; default: "
                              "each part on its own, the worst part deciding (cosine/sqnr targets and the "
                              "ranking).")] = False,
+    kernels: KernelsOption = "auto",
+    target_cpu: TargetCpuOption = None,
 ) -> None:
     """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
     exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the
@@ -171,6 +176,7 @@ def sensitivity(
     from qgraph.sensitivity.command import run_command
 
     need_positive(max_time, "--max-time")
+    check_kernel_options(kernels, target_cpu)
     spec = executor_spec(executor, address, jobs)
     check_outputs({"--json": json_path, "--plot": plot, "--patch": patch, "-o": output},
                   inputs=[model_float, model_qdq, data_path(data)])
@@ -178,6 +184,6 @@ def sensitivity(
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
                        quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,
                        exact_top=exact_top, executor=spec, cost=cost, latency_preset=latency_preset, remedy=to,
-                       whole_outputs=whole_outputs)
+                       whole_outputs=whole_outputs, kernels=kernels, target_cpu=target_cpu)
     if code:
         raise typer.Exit(code)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import QGraphCommand, app, data_path, say
+from qgraph.cli._app import KernelsOption, QGraphCommand, TargetCpuOption, app, check_kernel_options, data_path, say
 
 LabelsOption = Annotated[
     str | None, typer.Option("--labels", help="Labels: FILE.npy, FILE.npz or FILE.npz:KEY (default: a 'labels' "
@@ -42,6 +42,8 @@ def check(
     whole_outputs: Annotated[bool, typer.Option("--whole-outputs", help="Score an output that a final Concat joins "
                              "from different tensors (a detector's boxes and class scores) as one tensor; default: "
                              "each part on its own, the worst part deciding.")] = False,
+    kernels: KernelsOption = "auto",
+    target_cpu: TargetCpuOption = None,
 ) -> None:
     """Check a chain of models on held-out data: every stage against the first, exit 1 when a step loses more
     than --max-drop of the quality (the metric; else top-1 agreement; else output cosine, the lowest over the
@@ -55,6 +57,7 @@ def check(
 
     if not data:
         raise UsageError("qgraph check needs --data: the held-out samples every stage runs on.")
+    check_kernel_options(kernels, target_cpu)
     stages = list(candidates or [])
     if not stages and reference_outputs is None:
         raise UsageError("qgraph check needs at least two stages: REFERENCE CANDIDATE..., or REFERENCE with "
@@ -69,11 +72,16 @@ def check(
     ev = Evaluation.open(load_model(reference), data, labels=labels, metric=metric, samples=samples,
                          higher_is_better=not lower_is_better)
     result = check_chain(reference, stages, ev, max_drop=drop, max_total_drop=total,
-                         reference_outputs=reference_outputs, whole_outputs=whole_outputs)
+                         reference_outputs=reference_outputs, whole_outputs=whole_outputs, kernels=kernels,
+                         target=target_cpu)
     if json_out == "-":
         sys.stdout.write(dumps(result.to_dict()))
     else:
+        for line in result.kernel_lines():
+            _app.out.print(line, markup=False, highlight=False, soft_wrap=True)
         _print(result)
+        for line in [*result.host_lines(), *result.saturation_lines()]:
+            _app.out.print(line, markup=False, highlight=False, soft_wrap=True)
         for line in result.part_lines():
             say(line)
         if json_file:

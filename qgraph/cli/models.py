@@ -11,7 +11,16 @@ import typer
 from rich.table import Table
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import QGraphCommand, app, data_path, need_positive, say
+from qgraph.cli._app import (
+    KernelsOption,
+    QGraphCommand,
+    TargetCpuOption,
+    app,
+    check_kernel_options,
+    data_path,
+    need_positive,
+    say,
+)
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.opsets import model_opset
 from qgraph.outputs import check_output, check_outputs
@@ -48,7 +57,9 @@ def lower(
 
 @app.command(cls=QGraphCommand)
 def inspect(
-    model: Annotated[Path, typer.Argument(help="ONNX model.")],
+    model: Annotated[Path | None, typer.Argument(help="ONNX model (not needed with --host).")] = None,
+    host: Annotated[bool, typer.Option("--host", help="This machine instead: its CPU, what onnxruntime's integer "
+                                       "kernels compute here, and which ready recipe fits it.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     opset: Annotated[int | None, typer.Option(help="Check ops against this target opset.")] = None,
     target: Annotated[str | None, typer.Option(help="Check int8 support on a target preset.")] = None,
@@ -59,10 +70,27 @@ def inspect(
     top: Annotated[int, typer.Option(min=1, help="Rows per analysis table.")] = 10,
 ) -> None:
     """Summarize a model (opset, IR, ops, I/O, weights, subgraphs, external data) and analyse it: QDQ coverage,
-    foldable BatchNorms, ops unsupported at --opset or on --target, extreme ranges, int16 saturation risk."""
+    foldable BatchNorms, ops unsupported at --opset or on --target, extreme ranges, int16 saturation risk; with
+    --host, this machine: CPU, integer-kernel arithmetic and the recipe that fits it."""
     from qgraph.diff.render import dumps, print_analysis
+    from qgraph.errors import UsageError
     from qgraph.inspect import inspect_model
     from qgraph.opsets import check_opset
+
+    if host:
+        from qgraph.kernels.guide import host_lines, host_report
+
+        if model is not None:
+            raise UsageError("qgraph inspect --host describes this machine: give no MODEL with it.")
+        report = host_report()
+        if as_json:
+            sys.stdout.write(dumps(report))
+        else:
+            for line in host_lines(report):
+                _app.out.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
+    if model is None:
+        raise UsageError("qgraph inspect needs a MODEL (or --host for this machine).")
 
     if opset is not None:
         check_opset(opset, "--opset")
@@ -117,6 +145,8 @@ def diff(
                              "joins from different tensors (a detector's boxes and class scores) only as one tensor, "
                              "and rank Q/DQ pairs by it; default: a row per part too, the ranking on the worst "
                              "part.")] = False,
+    kernels: KernelsOption = "auto",
+    target_cpu: TargetCpuOption = None,
 ) -> None:
     """Diff two models: nodes, ops, weights, opsets, QDQ coverage; with --eval-data, layer-by-layer error, top-1
     agreement and your metric, and the Q/DQ pairs ranked by the output error they cause (and why)."""
@@ -128,8 +158,10 @@ def diff(
     check_outputs({"--json": json_file, "--html": html},
                   inputs=[a, b, None if inputs == "random" else data_path(inputs)])
     need_positive(samples, "--samples")
+    check_kernel_options(kernels, target_cpu)
     structural, numeric = diff_files(a, b, inputs=inputs, samples=samples, labels=labels, metric=metric,
-                                     exact_top=exact_top, whole_outputs=whole_outputs)
+                                     exact_top=exact_top, whole_outputs=whole_outputs, kernels=kernels,
+                                     target_cpu=target_cpu)
     if json_out == "-":
         sys.stdout.write(dumps(diff_json(structural, numeric, top)))
     else:

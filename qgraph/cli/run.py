@@ -193,7 +193,7 @@ def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evalua
         return None  # float-preserving passes only: --verify is their check
     from qgraph.fidelity import check_fidelity
 
-    outcome = check_fidelity(model, output, result.calibration_data, evaluation)
+    outcome = check_fidelity(model, output, result.calibration_data, evaluation, result.kernel_choice)
     if outcome is None:
         say("check: no data to measure the transformed model against the float model on: give --eval-data or "
             "--calibration-data (or run qgraph diff MODEL OUTPUT --eval-data DATA).")

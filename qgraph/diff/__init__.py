@@ -25,6 +25,8 @@ from qgraph.diff.numeric import numeric_diff
 from qgraph.diff.qdq import NodeQuant, QdqCoverage, SaturationRisk, qdq_coverage, saturation_risks
 from qgraph.diff.structural import StructuralDiff, structural_diff
 from qgraph.evaluation import Evaluation, load_metric, score_stage
+from qgraph.kernels.host import saturates
+from qgraph.kernels.measure import KernelChoice, Kernels, choose, model_target, target_family
 
 __all__ = [
     "Attribution",
@@ -66,11 +68,19 @@ def diff_files(
     metric: str | None = None,
     exact_top: int = EXACT_TOP,
     whole_outputs: bool = False,
+    kernels: str = "auto",
+    target_cpu: str | None = None,
 ) -> tuple[StructuralDiff, NumericDiff | None]:
     """Structural diff of two model files, plus, when ``inputs`` (evaluation data) is given, the numeric diff,
     the outputs' top-1 agreement and metric, and the Q/DQ pairs ranked by the output error they cause. An output
     that a final Concat of A joins is also compared part by part and the ranking measures its worst part
-    (`qgraph.output_parts`), unless ``whole_outputs``."""
+    (`qgraph.output_parts`), unless ``whole_outputs``.
+
+    B is measured for the CPU it was made for (its provenance; ``target_cpu`` overrides it): its outputs' top-1
+    agreement, metric, SQNR and cosine with the kernels `qgraph.kernels.measure.choose` picks (and this host's
+    deployed kernels beside them when those emulate another CPU); the layer-by-layer comparison with that CPU's
+    arithmetic emulated (a fused integer kernel's intermediate tensors cannot be read), int16 pair saturation
+    included for an AVX2 target."""
     from qgraph.model_io import load_model
 
     ma, mb = load_model(a), load_model(b)
@@ -84,17 +94,41 @@ def diff_files(
     else:
         evaluation = Evaluation.open(ma, str(inputs), labels=None if labels is None else str(labels), metric=metric,
                                      samples=samples)
-    numeric = numeric_diff(ma, mb, evaluation.feeds, whole_outputs=whole_outputs)
-    numeric.evaluation = compare_outputs(ma, mb, evaluation)
+    choice = choose(target_family(target_cpu) if target_cpu else model_target(mb), kernels)
+    numeric = numeric_diff(ma, layers_model(mb, choice.kernels), evaluation.feeds, whole_outputs=whole_outputs)
+    numeric.evaluation = compare_outputs(ma, mb, evaluation, choice)
     if structural.coverage_b.dequantize_nodes:
         numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top, whole_outputs=whole_outputs)
     return structural, numeric
 
 
-def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluation) -> dict[str, Any]:
-    """Top-1 agreement of B with A and the metric of both on the evaluation samples."""
-    names, ref = evaluation.outputs(a)
-    score = score_stage("B", ref, names, evaluation.outputs(b)[1], evaluation)
-    return {"data": evaluation.describe(), "top1_agreement": score.top1_agreement,
-            "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
-            "error": score.error}
+def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluation,
+                    choice: KernelChoice | None = None) -> dict[str, Any]:
+    """Top-1 agreement of B with A, the metric of both, B's lowest output SQNR and cosine, on the evaluation
+    samples, B run with ``choice`` (default: this host's deployed kernels; A with the kernels for its own CPU);
+    ``host``: the same numbers on this host's deployed kernels when ``choice`` emulates another CPU;
+    ``saturation``: B's layers whose int16 pair sums saturated."""
+    choice = choice or choose(None)
+    names, ref, _ = evaluation.run(a, choose(model_target(a)).kernels)
+    _, got, saturation = evaluation.run(b, choice.kernels)
+    score = score_stage("B", ref, names, got, evaluation)
+    out = {"data": evaluation.describe(), "top1_agreement": score.top1_agreement,
+           "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
+           "sqnr_db": score.sqnr_db, "cosine": score.cosine, "error": score.error,
+           "kernels": choice.to_dict(), "measured_with": choice.kernels.label(),
+           "saturation": [c.to_dict() for c in saturation]}
+    if choice.other is not None:
+        host = score_stage("B", ref, names, evaluation.run(b, choice.other)[1], evaluation)
+        out["host"] = {"measured_with": choice.other.label(), "top1_agreement": host.top1_agreement,
+                       "metric_b": host.metric, "sqnr_db": host.sqnr_db, "cosine": host.cosine, "error": host.error}
+    return out
+
+
+def layers_model(model: onnx.ModelProto, kernels: Kernels) -> onnx.ModelProto:
+    """The model the layer-by-layer comparison reads tensors from: ``model`` (its Q/DQ computed in float: exact
+    int32 arithmetic), with an AVX2 target's pair saturation added where ``kernels`` emulate one."""
+    if not (kernels.emulates and saturates(kernels.family)):
+        return model
+    from qgraph.kernels.emulate import emulate
+
+    return emulate(model, kernels.family, host_saturates=kernels.host.probed_saturation, count=False).model

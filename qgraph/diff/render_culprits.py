@@ -15,8 +15,26 @@ _CULPRIT_HEAD = ["#", "Q/DQ pair on", "read by", "scale", "clipped", "Q/DQ SQNR 
 
 
 def evaluation_line(ev: dict[str, Any]) -> str:
-    """``on DATA: top-1 agreement 98.9%; metric M: A 0.9889 → B 0.98 (-0.9%)``."""
-    parts = [f"on {ev['data']}"]
+    """``B on deployed kernels (x86-vnni, this host), on DATA: SQNR 40.7 dB, cosine 0.99996; top-1 agreement
+    98.9%; metric M: A 0.9889 → B 0.98 (-0.9%)`` (and the same on this host's kernels when B was measured for
+    another CPU; the layers whose int16 pair sums saturated)."""
+    lines = [_scores(ev, f"B on {ev.get('measured_with', 'this host')}, on {ev['data']}")]
+    mismatch = (ev.get("kernels") or {}).get("mismatch")
+    if mismatch:
+        lines.insert(0, mismatch)
+    if ev.get("host"):
+        lines.append(_scores({**ev, **ev["host"]}, f"B on {ev['host']['measured_with']} (not the target)"))
+    for s in ev.get("saturation", []):
+        lines.append(f"int16 saturation in {s['node']}: {100 * s['fraction']:.3g}% of its u8×s8 pair sums (Q/DQ "
+                     f"pair {s['activation']} × weight {s['weight']}; {s['channels_at_risk']} of {s['channels']} "
+                     "channels can)")
+    return "\n".join(lines)
+
+
+def _scores(ev: dict[str, Any], head: str) -> str:
+    parts = [head]
+    if ev.get("sqnr_db") is not None:
+        parts.append(f"lowest output SQNR {fmt(ev['sqnr_db'], 4)} dB, cosine {fmt(ev.get('cosine'), 6)}")
     if ev.get("top1_agreement") is not None:
         parts.append(f"top-1 agreement {ev['top1_agreement']:.2%}")
     if ev.get("metric"):

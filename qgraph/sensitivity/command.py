@@ -24,6 +24,7 @@ from qgraph.diff.render_culprits import print_culprits
 from qgraph.evaluation import Evaluation
 from qgraph.executor import ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
+from qgraph.kernels.measure import choose, model_target, target_family
 from qgraph.output_parts import output_parts_of
 from qgraph.outputs import write_atomic
 from qgraph.qdq import has_qdq
@@ -264,6 +265,8 @@ def run_command(
     latency_preset: str | None = None,
     remedy: str = "float",
     whole_outputs: bool = False,
+    kernels: str = "auto",
+    target_cpu: str | None = None,
 ) -> int:
     """The body of ``qgraph sensitivity``; returns the exit code (1 when a target is not met).
 
@@ -276,7 +279,8 @@ def run_command(
     ``metric`` (with optional ``labels``) ranks by the user's metric when no ``target`` is given; with labels,
     every metric (also one named in ``target``) is called as ``metric(outputs, labels)``. A cosine/sqnr target (and
     the default ranking) scores each part of an output a final Concat joins (`qgraph.output_parts`), unless
-    ``whole_outputs``."""
+    ``whole_outputs``. Every evaluation runs with the kernels for the CPU the QDQ model was made for
+    (``target_cpu`` overrides its provenance; `qgraph.kernels.measure.choose` under ``kernels``)."""
     _check_options(target, output, patch, remedy, cost)
     if plot is not None:
         check_plot_path(plot)
@@ -286,6 +290,10 @@ def run_command(
     parts = output_parts_of(reference, enabled=not whole_outputs) if tgt.kind != "metric" else None
     for line in parts.decisions() if parts is not None else []:
         console.print(line, markup=False, highlight=False)
+    choice = choose(target_family(target_cpu) if target_cpu else model_target(qdq), kernels)
+    for text in (choice.mismatch, f"measured with {choice.kernels.describe()}"):
+        if text:
+            console.print(text, markup=False, highlight=False)
     progress, on_progress = _stage_progress(console, quiet)
     run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
     with run, progress:
@@ -304,7 +312,7 @@ def run_command(
             executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
             float_weights=ReferenceWeights(reference, checked=True) if remedy != "a16w8" else None, in_bodies=True,
-            parts=parts,
+            parts=parts, kernels=choice.kernels,
         )
     if remedy != "a16w8":  # the patch restores (float) or re-quantizes (a16w16) from the same float weights
         result.float_model = str(Path(model_float).resolve())
@@ -320,7 +328,8 @@ def run_command(
         payload = (
             result.to_dict() if target is not None else (result.sensitivity.to_dict() if result.sensitivity else {})
         )
-        payload = {**payload, "data": evaluation.describe(), "culprits": [c.to_dict() for c in attribution.culprits],
+        payload = {**payload, "data": evaluation.describe(), "kernels": choice.to_dict(),
+                   "culprits": [c.to_dict() for c in attribution.culprits],
                    "output_parts": parts.to_dict() if parts is not None else []}
         write_atomic(json_path, json.dumps(payload, indent=2, default=str) + "\n")
     if plot is not None and result.sensitivity is not None:

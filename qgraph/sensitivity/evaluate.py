@@ -19,21 +19,16 @@ import onnx
 import onnxruntime as ort
 
 from qgraph import DataError, ModelError, NodeSelector, Pipeline, Recipe, get_pass
-from qgraph.compare import TensorDiff, make_session, session_run
+from qgraph.compare import TensorDiff, session_run
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
+from qgraph.kernels.measure import Kernels, deployed
 from qgraph.output_parts import OutputParts, PartDiffs
 from qgraph.remedy import remedy_model
 from qgraph.streaming import Recurrence, run_streamed, sequence_starts
 
 Progress = Callable[[int, int], None]
-
-_OPT = {
-    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
 
 
 #: Input bytes per evaluation batch at most (see `load_feeds`).
@@ -117,7 +112,7 @@ class Evaluator:
         reference: list[list[np.ndarray]],
         *,
         keep_outputs: bool = False,
-        optimization: str = "all",
+        kernels: Kernels | None = None,
         float_weights: ReferenceWeights | None = None,
         recurrence: Recurrence | None = None,
         starts: Sequence[int] = (),
@@ -134,7 +129,9 @@ class Evaluator:
         self.batches = batches
         self.reference = reference
         self.keep_outputs = keep_outputs
-        self.optimization = optimization
+        #: How each variant runs: the target CPU's arithmetic (`qgraph.kernels.measure`; default: this host's
+        #: deployed kernels).
+        self.kernels = kernels or deployed()
 
     def variant(self, nodes: Sequence[str]) -> onnx.ModelProto:
         """The QDQ model with ``nodes`` fallen back (the model itself when ``nodes`` is empty), their integer
@@ -147,7 +144,7 @@ class Evaluator:
     def run(self, model: onnx.ModelProto, nodes: Sequence[str] = ()) -> Measurement:
         """Run ``model`` on every batch and compare each output with the reference."""
         start = time.perf_counter()
-        session = make_session(model, optimization=_OPT[self.optimization], mem_pattern=False)
+        session = self.kernels.session(model, mem_pattern=False)
         names = [o.name for o in session.get_outputs()]
         if self.recurrence is None:
             per_batch = run_batches(session, self.batches)
@@ -198,16 +195,16 @@ def measure_all(
 
 
 def reference_outputs(
-    reference: onnx.ModelProto, batches: Sequence[Feed], optimization: str = "all"
+    reference: onnx.ModelProto, batches: Sequence[Feed], kernels: Kernels | None = None
 ) -> list[list[np.ndarray]]:
-    """The float model's outputs per batch."""
-    return run_batches(make_session(reference, optimization=_OPT[optimization]), batches)
+    """The float model's outputs per batch (with ``kernels``; default: this host's deployed kernels)."""
+    return run_batches((kernels or deployed()).session(reference), batches)
 
 
 def streamed_reference_outputs(reference: onnx.ModelProto, feeds: Sequence[Feed], recurrence: Recurrence,
-                               optimization: str = "all") -> tuple[list[list[np.ndarray]], list[int]]:
+                               kernels: Kernels | None = None) -> tuple[list[list[np.ndarray]], list[int]]:
     """The float model's outputs per sample run streamed (`qgraph.streaming`), and where its sequences start."""
-    session = make_session(reference, optimization=_OPT[optimization])
+    session = (kernels or deployed()).session(reference)
     names = [o.name for o in session.get_outputs()]
     chunk = [dict(zip(names, out, strict=True)) for out in run_batches(session, feeds)]
     starts = sequence_starts(recurrence, feeds, chunk)

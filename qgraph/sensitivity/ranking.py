@@ -30,7 +30,7 @@ from qgraph import GraphHandle, NodeSelector, PassError, select
 from qgraph.compare import TensorDiff
 from qgraph.executor import Executor, ExecutorSpec
 from qgraph.fallback import quantized_nodes
-from qgraph.sensitivity.evaluate import _OPT, Evaluator, Measurement, Progress, concat_outputs, measure_all
+from qgraph.sensitivity.evaluate import Evaluator, Measurement, Progress, concat_outputs, measure_all
 from qgraph.sensitivity.noise import NoiseModel
 from qgraph.sensitivity.probe import StepProgress, local_errors
 from qgraph.sensitivity.stats import range_stats
@@ -219,7 +219,7 @@ def rank_nodes(
     int8_score = target.score(baseline.scored, baseline.outputs, refs)
     qdq = evaluator.variant(base)
     errors, skipped, done = local_errors(qdq, evaluator.batches, [n for n, _ in candidates],
-                                         optimization=_OPT[evaluator.optimization], progress=progress,
+                                         progress=progress,
                                          deadline=deadline, parts=evaluator.parts)
     del qdq
     model = NoiseModel(errors, baseline.scored)

@@ -38,6 +38,7 @@ from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.executor import Executor, ExecutorSpec, make_executor
 from qgraph.fallback import ReferenceWeights
 from qgraph.graph import named_model
+from qgraph.kernels.measure import Kernels
 from qgraph.output_parts import OutputParts
 from qgraph.outputs import write_atomic
 from qgraph.remedy import body_candidates
@@ -204,7 +205,7 @@ def auto_fallback(
     jobs: int = 1,
     samples: int | None = None,
     batch_size: int = 32,
-    optimization: str = "all",
+    kernels: Kernels | None = None,
     progress: StageProgress | None = None,
     report_only: bool = False,
     exact_top: int = 0,
@@ -242,7 +243,7 @@ def auto_fallback(
     try:
         return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
                               max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
-                              optimization=optimization, progress=progress, report_only=report_only,
+                              kernels=kernels, progress=progress, report_only=report_only,
                               exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
                               latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by,
                               recurrence=recurrence, remedy=remedy, in_bodies=in_bodies, parts=parts)
@@ -253,7 +254,7 @@ def auto_fallback(
 
 def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str | DataSource, target: str | Target,
                    *, keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
-                   max_time: float | None, samples: int | None, batch_size: int, optimization: str,
+                   max_time: float | None, samples: int | None, batch_size: int, kernels: Kernels | None,
                    progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
                    float_weights: ReferenceWeights | None, costs: CostSpec | None,
                    latency_rounds: int, max_latency: float | None, rank_by: str,
@@ -275,10 +276,10 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     shapes = {k: tuple(v.shape) for k, v in _one_sample(batches[0], reference).items()}
     starts: list[int] = []
     if recurrence is None:
-        refs_per_batch = reference_outputs(reference, batches, optimization)
+        refs_per_batch = reference_outputs(reference, batches, kernels)
     else:
-        refs_per_batch, starts = streamed_reference_outputs(reference, batches, recurrence, optimization)
-    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, optimization=optimization,
+        refs_per_batch, starts = streamed_reference_outputs(reference, batches, recurrence, kernels)
+    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, kernels=kernels,
                           float_weights=float_weights, recurrence=recurrence, starts=starts, remedy=remedy, parts=parts)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)

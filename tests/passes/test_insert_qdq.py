@@ -118,11 +118,13 @@ def test_tensorrt_keeps_float_weights_behind_qdq_and_symmetric_int8() -> None:
 
 
 def test_reduce_range_gives_7_bit_weights() -> None:
-    m = quantize(tiny_cnn(), FEEDS, preset="ort-x86-avx2", weights={"symmetric": True}).model
+    m = quantize(tiny_cnn(), FEEDS, preset="ort-x86-avx2", weights={"symmetric": True, "reduce_range": True}).model
     assert int(np.abs(initializer(m, "w2/q")).max()) == 63
-    m = quantize(tiny_cnn(), FEEDS, preset="ort-x86-avx2").model
+    m = quantize(tiny_cnn(), FEEDS, preset="ort-x86-avx2", weights={"reduce_range": True}).model
     w = initializer(m, "w2/q")
     assert -64 <= int(w.min()) and int(w.max()) <= 63
+    # the preset itself keeps 8-bit codes (its `saturation: avoid` raises only the channels at risk)
+    assert int(np.abs(initializer(quantize(tiny_cnn(), FEEDS, preset="ort-x86-avx2").model, "w2/q")).max()) > 64
 
 
 def test_auto_symmetry_gives_lopsided_layers_a_zero_point() -> None:
@@ -168,8 +170,8 @@ def test_static_without_data_says_how_to_pass_it() -> None:
 
 def test_presets_expand_and_explicit_keys_win() -> None:
     cfg = InsertQDQConfig(preset="ort-x86-avx2", weights={"per_channel": False})
-    assert cfg.weights.reduce_range is True and cfg.weights.per_channel is False
-    assert cfg.activations.dtype.value == "uint8" and cfg.saturation == "report"
+    assert cfg.weights.reduce_range is False and cfg.weights.per_channel is False
+    assert cfg.activations.dtype.value == "uint8" and cfg.saturation == "avoid"
     assert "VPMADDUBSW" in PRESETS["ort-x86-avx2"].why
     assert InsertQDQConfig(preset="tensorrt").weights.format == "float_qdq"
     text = Pipeline([InsertQDQ(cfg)]).to_yaml()

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from insert_qdq_helpers import cosine, feeds_for, initializer, nodes_by_name, quantize, run, with_weights
 from qgraph.passes.insert_qdq import InsertQDQConfig
-from qgraph.passes.insert_qdq.config import resolve_reduce_range
+from qgraph.passes.insert_qdq.cpu import resolve_reduce_range
 
 from qgraph.qdq import ort_fusion_report
 from qgraph.target import CpuInfo, parse_cpuinfo
@@ -122,12 +122,16 @@ def test_cpuinfo_parsing(flags: str, machine: str, expected: CpuInfo) -> None:
 
 
 def test_reduce_range_auto_follows_the_cpu() -> None:
-    cfg = InsertQDQConfig()  # default: u8 activations, s8 weights, reduce_range auto
-    on, why = resolve_reduce_range(cfg, CpuInfo("x86", vnni=False, avx2=True))
+    cfg = InsertQDQConfig()  # default: u8 activations, s8 weights, reduce_range auto, saturation auto
+    avx2 = CpuInfo("x86", vnni=False, avx2=True)
+    on, why = resolve_reduce_range(cfg, avx2)
+    assert not on and "avoided per layer" in why  # saturation: auto protects just the channels at risk
+    plain = InsertQDQConfig(saturation="off")  # without it, 7-bit weights everywhere
+    on, why = resolve_reduce_range(plain, avx2)
     assert on and "without" not in why and "saturate" in why
     off, why = resolve_reduce_range(cfg, CpuInfo("x86", vnni=True, avx2=True))
     assert not off and "VNNI" in why
     assert not resolve_reduce_range(cfg, CpuInfo("arm", False, False))[0]
-    s8s8 = InsertQDQConfig(activations={"dtype": "int8"})
-    assert not resolve_reduce_range(s8s8, CpuInfo("x86", False, True))[0]
-    assert resolve_reduce_range(InsertQDQConfig(preset="ort-x86-avx2"), CpuInfo("x86", True, True))[0]
+    # s8 activations saturate on AVX2 too: onnxruntime shifts them to u8 before the same kernel
+    assert resolve_reduce_range(InsertQDQConfig(activations={"dtype": "int8"}, saturation="off"), avx2)[0]
+    assert not resolve_reduce_range(InsertQDQConfig(preset="ort-x86-avx2"), CpuInfo("x86", True, True))[0]

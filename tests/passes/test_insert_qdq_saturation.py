@@ -5,14 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from insert_qdq_helpers import initializer, quantize, with_weights
-from qgraph.passes.insert_qdq.saturation import (
-    INT16_MAX,
-    exact_u8s8_matmul,
-    pair_bounds,
-    simulate_u8s8_matmul,
-    vpmaddubsw,
-)
 
+from qgraph.kernels.pairs import INT16_MAX, exact_u8s8_matmul, pair_bounds, simulate_u8s8_matmul, vpmaddubsw
 from qgraph.quant import QuantSpec, compute_scale_zero_point
 from qgraph.quant import quantize as q_array
 
@@ -66,16 +60,22 @@ def _model() -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
     return with_weights(text, {"w": w}), [{"x": row[None]} for row in x]
 
 
-def test_pass_reports_the_layer_and_reduce_range_clears_it() -> None:
+def test_pass_reports_the_layer_and_avoid_clears_it_per_channel() -> None:
     m, feeds = _model()
-    risky = quantize(m, feeds, preset="ort-x86-avx2", weights={"reduce_range": False}).records[0].result
+    risky = quantize(m, feeds, preset="ort-x86-avx2", saturation="report").records[0].result
     sat = risky.details["saturation"]
     assert sat["layers_analyzed"] == 1 and len(sat["layers_at_risk"]) == 1
     layer = sat["layers_at_risk"][0]
     assert layer["op"] == "MatMul" and layer["weight"] == "w" and layer["worst_pair_sum"] > INT16_MAX
-    assert layer["channels_at_risk"] == 8 and "reduce_range" in sat["advice"]
-    res = quantize(m, feeds, preset="ort-x86-avx2")
-    assert res.records[0].result.details["saturation"]["layers_at_risk"] == []
+    assert layer["channels_at_risk"] == 8 and "saturation: avoid" in sat["advice"]
+    res = quantize(m, feeds, preset="ort-x86-avx2")  # the preset avoids it: the 8 channels' scales raised
+    result = res.records[0].result
+    assert result.details["saturation"]["layers_at_risk"] == []
+    (safe,) = result.details["pair_safe"]
+    assert safe["channels"] == 8 and safe["of"] == 8 and 1.0 < safe["max_factor"] <= 2.0
+    assert safe["weight_sqnr_db"] - 6.1 < safe["weight_sqnr_pair_safe_db"] < safe["weight_sqnr_db"]
+    assert any(d.startswith("saturation: avoid: 1 layer(s)") for d in result.decisions)
+    assert int(np.abs(initializer(res.model, "w/q")).max()) > 64  # still 8-bit codes, unlike reduce_range
     # the simulated kernel on the pass's own weights and the real activation codes agrees with exact math
     wq = initializer(res.model, "w/q")
     xs, xz = float(initializer(res.model, "r/scale")), int(initializer(res.model, "r/zero_point"))

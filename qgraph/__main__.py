@@ -1,0 +1,5 @@
+"""``python -m qgraph``: the same as the ``qgraph`` command."""
+
+from qgraph.cli import main
+
+main()
