@@ -11,13 +11,19 @@ with the same calibration data, each in a fresh subprocess (wall time of the qua
 
 - ``ort_static``: onnxruntime ``quantize_static`` (QDQ, per-channel, MinMax, its other defaults) on the float
   graph after qgraph's preparation passes (the recipe's passes before ``insert_qdq``: BN folded), so both tools
-  quantize the same graph; ``ort_dynamic`` (``quantize_dynamic``, per-channel s8) for the encoders;
-- ``qgraph:<recipe>``: the ready recipes ``ort-x86-vnni`` and ``tensorrt`` (static, also for the encoders,
-  since static transformer quantization is what the issue asks for) and ``transformer-ort-x86-vnni``
+  quantize the same graph; ``ort_static_rr`` the same with ``reduce_range`` (7-bit weights: onnxruntime's advice
+  for AVX2 without VNNI); ``ort_dynamic`` (``quantize_dynamic``, per-channel s8) for the encoders;
+- ``qgraph:<recipe>``: the ready recipes ``ort-x86-vnni``, ``ort-x86-avx2`` and ``tensorrt`` (static, also for
+  the encoders, since static transformer quantization is what the issue asks for) and ``transformer-ort-x86-vnni``
   (dynamic) for the encoders;
 - every ``--recipe PATH`` (all models) or ``--recipe MODEL=PATH`` (that model only): your passes measured
   with the same data and metric (e.g. ``cross_layer_equalization`` before ``insert_qdq``); ``--tools`` narrows
   the built-in tools (``--tools`` alone: only your recipes; ``--tools vnni ort_static``: those and yours).
+
+Every number is measured with onnxruntime's default optimizations on the host that runs the benchmark (its
+deployed kernels; the table's title names the CPU): run it under qemu-user on an emulated AVX2 CPU for an AVX2
+host's accuracy numbers (``qemu-x86_64 -cpu Haswell-noTSX python benchmarks/bench_accuracy.py``; its latency column
+is then meaningless).
 
 Then, in one evaluation subprocess per model: the corpus metric of each INT8 model against float (top-1 vs
 labels and agreement with float; SQNR per output slice; embedding cosine) and INT8 latency relative to float
@@ -53,7 +59,7 @@ ENCODERS = ("minilm", "encoder")
 def tools_for(name: str, extra: list[str], only: list[str] | None = None) -> list[str]:
     """The tools run on ``name``: onnxruntime's quantizers, qgraph's ready recipes (those whose name contains one of
     ``only``, when given), then the extra recipes."""
-    tools = ["ort_static", "qgraph:ort-x86-vnni", "qgraph:tensorrt"]
+    tools = ["ort_static", "ort_static_rr", "qgraph:ort-x86-vnni", "qgraph:ort-x86-avx2", "qgraph:tensorrt"]
     if name in ENCODERS:
         tools += ["ort_dynamic", "qgraph:transformer-ort-x86-vnni"]
     if only is not None:
@@ -130,6 +136,8 @@ def quantize(tool: str, name: str, paths: dict[str, str], out: str) -> dict[str,
     start = time.perf_counter()
     if tool == "ort_static":
         ort_quantize_static(paths["prep.onnx"], out, feeds, per_channel=True)
+    elif tool == "ort_static_rr":  # onnxruntime's advice for AVX2 without VNNI: 7-bit weights
+        ort_quantize_static(paths["prep.onnx"], out, feeds, per_channel=True, reduce_range=True)
     else:
         quantize_dynamic(paths["prep.onnx"], out, weight_type=QuantType.QInt8, per_channel=True)
     return {"seconds": time.perf_counter() - start}
@@ -286,7 +294,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for line in lines:
             print(" | ".join(line))
         return
-    table = Table(*header, show_lines=False)
+    from qgraph.kernels.host import host_kernels
+
+    table = Table(*header, show_lines=False, title=f"host {host_kernels().describe()}; {host_kernels().runtime}")
     for line in lines:
         table.add_row(*line)
     Console(width=200).print(table)

@@ -154,10 +154,12 @@ class PassContext:
         input_model: onnx.ModelProto | None = None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
         kernels: str = "auto",
+        made_for: str | None = None,
     ) -> None:
         self.calibration_data = calibration_data
         #: How accuracy is measured during the run (`qgraph.kernels.measure`): auto, deployed or emulated.
         self.kernels_option = kernels
+        self.made_for = made_for  # the CPU family the model is made for without a target.cpu (`Pass.made_for_cpu`)
         self._kernel_choice: KernelChoice | None = None
         self._on_progress = on_progress
         #: The pipeline's input model as loaded (read-only: the float reference for accuracy-driven passes).
@@ -180,13 +182,13 @@ class PassContext:
         if self._kernel_choice is None:
             from qgraph.kernels.measure import EXACT, choose, target_family
 
-            family = target_family(self.target.cpu)
+            family = target_family(self.target.cpu) or self.made_for
             self._kernel_choice = choose(family or EXACT, self.kernels_option)
         return self._kernel_choice
 
     @property
     def kernels(self) -> Kernels:
-        """The kernels passes measure accuracy with (``kernel_choice.kernels``)."""
+        """``kernel_choice.kernels``."""
         return self.kernel_choice.kernels
 
     @property
@@ -308,6 +310,11 @@ class Pass(Generic[C]):
 
     def ensures(self, graph: GraphHandle, ctx: PassContext, result: PassResult) -> None:
         """Postconditions, checked after `run` and the pipeline's own structural check (raise `PassError`)."""
+
+    def made_for_cpu(self) -> str | None:
+        """The CPU family this pass makes the model for when the recipe declares none (a quantizer's CPU preset),
+        recorded as ``qgraph.target_cpu`` and measured with (`qgraph.kernels`); None: no particular CPU."""
+        return None
 
     @classmethod
     def help_text(cls) -> str:

@@ -253,7 +253,7 @@ class Pipeline:
                 if keep_stages:
                     stages.append(current)
             # verified before its end is announced, so a pass that fails --verify is never shown as done
-            failed = _verified(record, p, previous, current, verify_feeds, tolerance) if tolerance is not None else None
+            failed = _verified(record, p, (previous, current), verify_feeds, tolerance, ctx) if tolerance else None
             emit(PipelineEvent("pass_end", total, i, p.name, record.seconds, record.peak_rss_mb, record.result,
                                failed=str(failed) if failed is not None else None))
             if failed is not None:
@@ -268,10 +268,16 @@ class Pipeline:
         if not weightless:
             fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
         del held
-        write_provenance(out, self.to_dict(), input_hash, records, target_family(self.target.cpu))
+        write_provenance(out, self.to_dict(), input_hash, records, self.made_for())
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        checked = choose(target_family(self.target.cpu), kernels)  # the output, as it deploys on the target CPU
+        checked = choose(self.made_for(), kernels)  # the output, as it deploys on the CPU it is made for
         return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions, checked)
+
+    def made_for(self) -> str | None:
+        """The CPU family the output is made for: the recipe's ``target.cpu`` (``host`` resolved), else the first
+        pass that makes the model for one (`Pass.made_for_cpu`: a quantizer's CPU preset)."""
+        return target_family(self.target.cpu) or next(
+            (f for f in (p.made_for_cpu() for p in self.passes) if f is not None), None)
 
     @staticmethod
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
@@ -325,6 +331,7 @@ class Pipeline:
             calibration=spec,
             on_progress=on_progress,
             kernels=kernels,
+            made_for=self.made_for(),
         )
 
     @staticmethod
@@ -340,13 +347,15 @@ class Pipeline:
         return random_feeds(model, n)
 
 
-def _verified(record: PassRecord, p: Pass[Any], previous: onnx.ModelProto | None, current: onnx.ModelProto,
-              feeds: list[Feed], tolerance: VerifyTolerance) -> VerificationError | None:
-    """Check a float-preserving pass against the model before it (`record.verify`); its failure, not raised."""
+def _verified(record: PassRecord, p: Pass[Any], models: tuple[onnx.ModelProto | None, onnx.ModelProto],
+              feeds: list[Feed], tolerance: VerifyTolerance, ctx: PassContext) -> VerificationError | None:
+    """Check a float-preserving pass against the model before it (`record.verify`; a quantized stage with the
+    run's kernels, `qgraph.verify.check_pass`); its failure, not raised."""
+    previous, current = models
     if previous is None or not p.preserves_float:
         return None
     try:
-        record.verify = check_pass(p.name, record.index, previous, current, feeds, tolerance)
+        record.verify = check_pass(p.name, record.index, previous, current, feeds, tolerance, ctx.kernels)
     except VerificationError as exc:
         return exc
     return None

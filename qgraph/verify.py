@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 import onnxruntime as ort
@@ -34,6 +34,10 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from qgraph.compare import TensorDiff, compare_models, make_session
 from qgraph.data import Feed
 from qgraph.errors import QGraphError, VerificationError
+from qgraph.qdq import has_qdq
+
+if TYPE_CHECKING:
+    from qgraph.kernels.measure import Kernels
 
 #: The tolerance of an output is at least this many times its measured float32 noise floor.
 NOISE_FLOOR_FACTOR = 4.0
@@ -116,11 +120,15 @@ def measure_tolerance(model: onnx.ModelProto, feeds: Sequence[Feed], requested: 
 
 
 def check_pass(name: str, index: int, before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequence[Feed],
-               tolerance: VerifyTolerance) -> list[TensorDiff]:
+               tolerance: VerifyTolerance, kernels: Kernels | None = None) -> list[TensorDiff]:
     """Compare ``after`` (the model after pass #``index`` ``name``) with ``before`` on ``feeds``; raise
     `VerificationError` when an output is not finite or differs beyond its tolerance (``tolerance.for_output``).
-    """
-    diffs = compare_models(before, after, feeds)
+    A quantized ``before`` (a pass after quantization) runs with ``kernels`` (the target CPU's arithmetic,
+    `qgraph.kernels`): the pass must keep what deploys, fused integer kernels included."""
+    if kernels is not None and has_qdq(before):
+        diffs = compare_models(kernels.session(before), kernels.session(after), feeds)
+    else:
+        diffs = compare_models(before, after, feeds)
     broken = [d for d in diffs if not d.finite]
     if broken:
         before_bad = [d for d in broken if d.nonfinite_reference]

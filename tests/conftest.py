@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -11,6 +12,27 @@ import pytest
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, pass_api
+
+#: Modules whose assertions are accuracy thresholds measured with a target CPU's arithmetic (`qgraph.kernels`):
+#: marked ``accuracy``, and run again by CI with QGRAPH_CPU_FLAGS declaring an AVX2 host and a VNNI host, so each
+#: threshold is proven under both arithmetics whatever CPU CI has (issue #28).
+ACCURACY_MODULES = frozenset({
+    "recipes/test_recipes.py", "kernels/test_check_saturation.py", "kernels/test_measure.py", "test_check.py",
+    "test_fidelity.py", "test_example.py", "test_target_cpu.py", "passes/test_insert_qdq_saturation.py",
+    "passes/test_tune_ranges.py", "passes/test_correct_bias.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of `ACCURACY_MODULES` ``accuracy`` (``pytest -m accuracy`` selects them)."""
+    root = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            module = Path(str(item.path)).resolve().relative_to(root).as_posix()
+        except ValueError:
+            continue
+        if module in ACCURACY_MODULES:
+            item.add_marker(pytest.mark.accuracy)
 
 
 class DropIdentityConfig(PassConfig):

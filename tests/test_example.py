@@ -1,4 +1,5 @@
-"""The README's main job on the bundled example: provenance, byte-identical re-runs, INT8 accuracy."""
+"""The README's main job on the bundled example: provenance, byte-identical re-runs, INT8 accuracy measured as it
+deploys on this host (the host recipe picks this host's preset; `qgraph.kernels`)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ import onnx
 
 from qgraph import Recipe
 from qgraph.cli import main
-from qgraph.compare import make_session
+from qgraph.kernels.measure import choose, model_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
-RECIPE = ROOT / "recipes" / "ort-x86-vnni.yaml"
+RECIPE = ROOT / "recipes" / "ort-cpu.yaml"
 
 
 def _top1(model: onnx.ModelProto | str) -> float:
     data = np.load(DIGITS / "eval.npz")
-    sess = make_session(model)
+    sess = choose(model_target(model)).kernels.session(model)  # this host's kernels for the CPU it is made for
     name = sess.get_inputs()[0].name
     logits = sess.run(None, {name: data[name]})[0]
     return float(np.mean(np.argmax(logits, axis=1) == data["labels"]))
@@ -37,6 +38,7 @@ def test_readme_main_job(tmp_path: Path) -> None:
     onnx.checker.check_model(out, full_check=True)
     meta = {p.key: p.value for p in out.metadata_props}
     assert meta["qgraph.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
+    assert meta["qgraph.target_cpu"] == choose(None).kernels.host.family  # made for this host
     stats = json.loads(meta["qgraph.passes"])
     assert [s["pass"] for s in stats] == ["fold_constants", "fuse_bias", "fuse_batchnorm", "fuse_activations",
                                           "cleanup", "equalize_weights", "smooth_quant", "insert_qdq", "correct_bias"]

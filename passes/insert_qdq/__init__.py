@@ -17,7 +17,7 @@ from .bodies import BodiesOutcome, quantize_bodies
 from .build import activation_params, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
-from .config import CPU_PRESETS, PRESETS, InsertQDQConfig
+from .config import CPU_PRESETS, PRESET_CPUS, PRESETS, InsertQDQConfig
 from .cpu import for_cpu, resolve_reduce_range, resolve_saturation, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
 from .dynamic import DynamicQuantizer
@@ -59,6 +59,10 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         return super().help_text() + "\n\n" + presets
 
     # ------------------------------------------------------------------ validation
+    def made_for_cpu(self) -> str | None:
+        """The family of the preset's CPU (ort-x86-vnni: x86-vnni, ...), None for other presets."""
+        return PRESET_CPUS.get(self.config.preset or "")
+
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Opset rules and data availability, before anything is written."""
         cfg, opset = self.config, graph.opset

@@ -117,6 +117,9 @@ CPU_PRESETS: dict[str, tuple[dict[str, str], str]] = {
                 "onnxruntime on the recipe's target CPU: ort-x86-vnni, ort-x86-avx2 or ort-arm by the family of "
                 "target.cpu (with `cpu: host`, this machine's, probed), resolved when the pass runs and reported."),
 }
+#: The CPU family each CPU-specific preset is made for.
+PRESET_CPUS: dict[str, str] = {"ort-x86-vnni": "x86-vnni", "ort-x86-avx2": "x86-avx2", "ort-arm": "arm",
+                               "transformer-ort-x86-vnni": "x86-vnni"}
 #: The preset names, in the order the catalogue shows them.
 PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
 
