@@ -39,6 +39,8 @@ from qgraph.testing.runtime import (
     output_sqnr_db,
     random_feeds,
     run_ort,
+    run_target,
+    target_session,
 )
 from qgraph.testing.synthetic import (
     conv_bn_net,
@@ -79,6 +81,8 @@ __all__ = [
     "output_sqnr_db",
     "random_feeds",
     "run_ort",
+    "run_target",
+    "target_session",
     "transformer_encoder",
     "transformer_encoder_inputs",
 ]

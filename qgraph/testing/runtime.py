@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -57,6 +58,22 @@ def make_session(
     return compare.make_session(model, optimization=optimization_level, threads=threads)
 
 
+def target_session(model: onnx.ModelProto | str | Path) -> Any:
+    """A session computing ``model`` as it deploys on the CPU it is made for, on any host: its provenance's
+    ``qgraph.target_cpu`` (deployed kernels on such a host, that arithmetic emulated elsewhere), exact int32
+    arithmetic for a quantized model made for no CPU in particular (`qgraph.kernels`). For assertions on a
+    quantized model's accuracy that must hold on every host (a plain session's deployed kernels on an AVX2 host
+    saturate where a VNNI host's do not)."""
+    from qgraph.kernels.measure import EXACT, choose, model_target
+
+    return choose(model_target(model) or EXACT).kernels.session(model)
+
+
+def run_target(model: onnx.ModelProto | str | Path, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """`target_session` run once on ``feeds``: the outputs in graph order."""
+    return [np.asarray(r) for r in target_session(model).run(None, dict(feeds))]
+
+
 def run_ort(
     model: onnx.ModelProto | str | Path,
     feeds: Mapping[str, np.ndarray],
@@ -94,8 +111,9 @@ def ort_quantize_static(float_path: str | Path, out_path: str | Path, feeds: Seq
 
 def output_sqnr_db(reference: onnx.ModelProto, candidate: onnx.ModelProto,
                    feeds: Sequence[Mapping[str, np.ndarray]]) -> float:
-    """SQNR in dB of ``candidate``'s first output against ``reference``'s over ``feeds`` (onnxruntime):
+    """SQNR in dB of ``candidate``'s first output against ``reference``'s over ``feeds`` (onnxruntime, each model
+    as it deploys on the CPU it is made for: `target_session`):
     ``10 log10(Σ ref² / Σ (ref - out)²)``."""
-    ref = np.concatenate([run_ort(reference, dict(f))[0] for f in feeds]).astype(np.float64)
-    out = np.concatenate([run_ort(candidate, dict(f))[0] for f in feeds]).astype(np.float64)
+    ref = np.concatenate([run_target(reference, dict(f))[0] for f in feeds]).astype(np.float64)
+    out = np.concatenate([run_target(candidate, dict(f))[0] for f in feeds]).astype(np.float64)
     return float(10 * np.log10(np.sum(ref**2) / max(float(np.sum((ref - out) ** 2)), 1e-300)))

@@ -12,7 +12,7 @@ from qgraph.passes.float_fallback import FloatFallback
 from qgraph import GraphHandle, NodeSelector, PassError, Pipeline, Recipe, RecipeError
 from qgraph.compare import make_session
 from qgraph.fallback import is_dq, is_q, quantized_nodes
-from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+from qgraph.testing import target_session, transformer_encoder, transformer_encoder_inputs
 
 # x -> Q/DQ shared by mm_a and mm_b; mm_a's output t -> Q/DQ -> graph output y, also read by mm_c (quantized);
 # mm_c's output r -> Q/DQ with zero point 0 (a folded Relu) -> mm_d; weight DQ wa_dq shared by mm_a and mm_d.
@@ -367,7 +367,6 @@ def test_manual_selection_reaches_nodes_inside_bodies_by_name() -> None:
 def test_auto_scores_a_recurrent_model_streamed_when_asked(streamed: bool) -> None:
     """With `auto.recurrent` every full evaluation feeds each model its own state (`qgraph.streaming`): the INT8
     baseline's score is the streamed one; without it, each sample with its recorded state."""
-    import onnxruntime as ort
 
     from qgraph.data import CallableSource
     from qgraph.pass_api import get_pass
@@ -384,7 +383,7 @@ def test_auto_scores_a_recurrent_model_streamed_when_asked(streamed: bool) -> No
     fallback = FloatFallback(auto={"target": "sqnr:10", "latency_rounds": 0, **recurrent})
     res = Pipeline([*steps, fallback]).run(model, calibration_data=data).records[-1].result
     qdq = Pipeline(steps).run(model, calibration_data=data).model
-    sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, qdq)]
+    sessions = [target_session(m) for m in (model, qdq)]
     score = OutputScore(sessions[0], cal, Recurrence(state_inputs=LEAKY_STATE) if streamed else None)
     other = OutputScore(sessions[0], cal, None if streamed else Recurrence(state_inputs=LEAKY_STATE))
     assert res.details["auto"]["int8_score"] == pytest.approx(score.score_db(sessions[1]), abs=0.01)
@@ -506,7 +505,7 @@ def test_auto_scores_each_part_of_an_output_a_concat_joins() -> None:
     shared = get_pass("insert_qdq")(preset="ort-x86-vnni", elementwise="always", joins={"keep_float": False})
 
     def session(m: onnx.ModelProto) -> ort.InferenceSession:
-        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return target_session(m)
 
     reference = session(model)
     whole, parts = OutputScore(reference, cal), OutputScore(reference, cal, parts=find_output_parts(model))

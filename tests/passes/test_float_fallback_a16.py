@@ -13,7 +13,7 @@ from qgraph.data import CallableSource
 from qgraph.fallback import quantized_nodes
 from qgraph.graph import GraphHandle
 from qgraph.testing.depthwise import depthwise_net
-from qgraph.testing.models import run_ort
+from qgraph.testing.models import run_target
 
 Feed = dict[str, np.ndarray]
 
@@ -24,8 +24,8 @@ def _feeds(n: int, seed: int) -> list[Feed]:
 
 
 def _sqnr(reference: onnx.ModelProto, candidate: onnx.ModelProto, feeds: list[Feed]) -> float:
-    ref = np.concatenate([run_ort(reference, f)[0] for f in feeds]).astype(np.float64)
-    out = np.concatenate([run_ort(candidate, f)[0] for f in feeds]).astype(np.float64)
+    ref = np.concatenate([run_target(reference, f)[0] for f in feeds]).astype(np.float64)
+    out = np.concatenate([run_target(candidate, f)[0] for f in feeds]).astype(np.float64)
     return float(10 * np.log10(np.sum(ref**2) / np.sum((ref - out) ** 2)))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -9,6 +11,7 @@ from onnx import helper, numpy_helper
 
 from qgraph import Pipeline
 from qgraph.pass_api import get_pass
+from qgraph.target import TargetSpec
 
 H, IN, T = 16, 8, 5
 
@@ -54,7 +57,7 @@ def _x(seed: int = 1) -> np.ndarray:
 
 
 def test_structure_int8_transposed_weights_and_the_contrib_domain() -> None:
-    res = Pipeline([get_pass("quantize_lstm")()]).run(lstm_net())
+    res = Pipeline([get_pass("quantize_lstm")(saturation="off")]).run(lstm_net())
     node = res.model.graph.node[0]
     assert (node.op_type, node.domain, len(node.input)) == ("DynamicQuantizeLSTM", "com.microsoft", 12)
     inits = {t.name: numpy_helper.to_array(t) for t in res.model.graph.initializer}
@@ -65,6 +68,27 @@ def test_structure_int8_transposed_weights_and_the_contrib_domain() -> None:
     np.testing.assert_allclose(w_q.transpose(0, 2, 1) * w_s[:, :, None], w, atol=w_s.max() / 2 + 1e-7)
     assert ("com.microsoft", 1) in {(o.domain, o.version) for o in res.model.opset_import}
     assert res.records[0].result.rewritten == 1
+
+
+def test_gate_rows_that_could_saturate_avx2_get_a_raised_scale_unless_the_cpu_is_exact() -> None:
+    """The op's GEMMs multiply u8 activations by these weights: on x86 without VNNI a pair of same-sign codes
+    summing past 128 overflows int16. Made for no CPU in particular (or for AVX2), only those rows lose resolution;
+    made for a VNNI CPU, every row keeps its full range."""
+    from qgraph.kernels.pairs import kernel_rows, risky_pairs
+
+    def weights(res: Any) -> np.ndarray:
+        node = res.model.graph.node[0]
+        return numpy_helper.to_array(next(t for t in res.model.graph.initializer if t.name == node.input[1]))
+
+    safe = Pipeline([get_pass("quantize_lstm")()]).run(lstm_net())
+    w_q = weights(safe)[0]  # [I, 4H]: K x output channels
+    rows = kernel_rows(w_q, "MatMul")
+    assert rows is not None and risky_pairs(rows.astype(np.int32)).count == 0
+    assert 0 < int((np.abs(w_q).max(axis=0) < 127).sum()) < w_q.shape[1]  # only some rows were raised
+    assert any(d.startswith("saturation: avoid (the recipe declares no CPU") for d in safe.records[0].result.decisions)
+    vnni = Pipeline([get_pass("quantize_lstm")()], target=TargetSpec(cpu="x86-vnni")).run(lstm_net())
+    assert np.abs(weights(vnni)[0]).max(axis=0).min() == 127
+    assert any(d.startswith("saturation: off (the target CPU is x86-vnni)") for d in vnni.records[0].result.decisions)
 
 
 def test_numbers_close_to_float_and_per_channel_helps() -> None:

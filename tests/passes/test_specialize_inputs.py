@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
 from qgraph import DataError, GraphHandle, PassContext, PassError, Pipeline, RecipeError
 from qgraph.data import CallableSource
 from qgraph.pass_api import get_pass
-from qgraph.testing import mode_switched_net
+from qgraph.testing import mode_switched_net, target_session
 
 
 def _feeds(n: int, mode: int = 1) -> list[dict[str, np.ndarray]]:
@@ -21,7 +20,7 @@ def _feeds(n: int, mode: int = 1) -> list[dict[str, np.ndarray]]:
 
 
 def _run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> np.ndarray:
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = target_session(model)
     names = {i.name for i in sess.get_inputs()}
     return np.asarray(sess.run(None, {k: v for k, v in feed.items() if k in names})[0])
 

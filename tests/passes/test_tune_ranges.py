@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
@@ -15,7 +14,7 @@ from qgraph import PassError, Pipeline, PipelineResult, Recipe, RecipeError
 from qgraph.data import CallableSource
 from qgraph.pass_api import get_pass
 from qgraph.streaming import OutputScore, Recurrence
-from qgraph.testing import level_feeds, level_switched_net
+from qgraph.testing import level_feeds, level_switched_net, target_session
 from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
 
 MINMAX = {"preset": "ort-x86-vnni", "activations": {"method": "minmax"}}
@@ -29,7 +28,7 @@ def _quantize(*after: Any, specialize: bool = True) -> PipelineResult:
 
 
 def _outputs(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> np.ndarray:
-    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    s = target_session(model)
     names = {i.name for i in s.get_inputs()}
     return np.concatenate([s.run(None, {k: v for k, v in f.items() if k in names})[0] for f in feeds])
 
@@ -135,11 +134,10 @@ def _leaky(**tune: Any) -> tuple[PipelineResult, list[dict[str, np.ndarray]]]:
 
 def _streamed_sqnr(model: onnx.ModelProto, held_out: list[dict[str, np.ndarray]]) -> float:
     """SQNR of ``y`` against the float model, each fed its own state (held-out sequences)."""
-    score = OutputScore(ort.InferenceSession(leaky_state_net().SerializeToString(),
-                                             providers=["CPUExecutionProvider"]),
+    score = OutputScore(target_session(leaky_state_net()),
                         held_out, Recurrence(state_inputs=LEAKY_STATE), outputs=["y"])
     assert score.starts == [0, 32, 64, 96]
-    return score.score_db(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]))
+    return score.score_db(target_session(model))
 
 
 def test_streamed_tuning_beats_chunk_wise_tuning_on_the_streamed_score() -> None:
@@ -161,9 +159,9 @@ def test_without_recurrent_the_score_is_the_chunk_wise_one() -> None:
     model = leaky_state_net()
     cal = leaky_feeds(4, 32, seed=1, model=model)
     qdq = Pipeline([get_pass("insert_qdq")(**MINMAX)]).run(model, calibration_data=CallableSource(lambda: cal, "cal"))
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = target_session(model)
     expected = OutputScore(session, cal, outputs=["y"]).score_db(
-        ort.InferenceSession(qdq.model.SerializeToString(), providers=["CPUExecutionProvider"]))
+        target_session(qdq.model))
     plain = _leaky()[0].records[-1].result
     assert plain.details["score_before_db"] == pytest.approx(expected, abs=1e-4)
     assert not plain.details["streamed"] and plain.details["sequences"] == 128
@@ -195,7 +193,7 @@ def test_the_score_is_the_worst_part_of_an_output_a_concat_joins() -> None:
     data = CallableSource(lambda: cal, "16 images")
     qdq = get_pass("insert_qdq")(preset="ort-x86-vnni", elementwise="always")
     int8 = Pipeline([qdq]).run(model, calibration_data=data).model
-    sessions = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, int8)]
+    sessions = [target_session(m) for m in (model, int8)]
     boxes_db, scores_db = OutputScore(sessions[0], cal, parts=find_output_parts(model)).per_output_db(sessions[1])
     whole_db = OutputScore(sessions[0], cal).score_db(sessions[1])
     assert scores_db < 35 < boxes_db and whole_db == pytest.approx(boxes_db, abs=0.1)

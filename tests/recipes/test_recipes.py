@@ -9,14 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from typer.testing import CliRunner
 
 from qgraph import Recipe
 from qgraph.cli import app
 from qgraph.qdq import ort_fusion_report
-from qgraph.testing import transformer_encoder, transformer_encoder_inputs
+from qgraph.testing import target_session, transformer_encoder, transformer_encoder_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -27,9 +26,7 @@ CNN_RECIPES = ["ort-x86-vnni", "ort-x86-avx2", "ort-arm", "tensorrt"]
 def _top1(model_path: Path) -> float:
     with np.load(DIGITS / "eval.npz") as data:
         images, labels = data["input"].astype(np.float32), data["labels"]
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    sess = target_session(model_path)  # as it deploys on the CPU the recipe makes it for, on any host
     logits = sess.run(None, {"input": images})[0]
     return float(np.mean(np.argmax(logits, axis=1) == labels))
 
@@ -102,10 +99,7 @@ def test_transformer_recipe_runs_on_an_encoder(tmp_path: Path) -> None:
     assert code == 0, text
     q = onnx.load(str(out))
     onnx.checker.check_model(q, full_check=True)
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    ref = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
-    sess = ort.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
+    ref, sess = target_session(src), target_session(out)
     a = np.concatenate([ref.run(None, f)[0].ravel() for f in feeds])
     b = np.concatenate([sess.run(None, f)[0].ravel() for f in feeds])
     assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.99
