@@ -294,7 +294,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for line in lines:
             print(" | ".join(line))
         return
-    from qgraph.kernels.host import host_kernels
+    from qgraph.runtime.kernels.host import host_kernels
 
     table = Table(*header, show_lines=False, title=f"host {host_kernels().describe()}; {host_kernels().runtime}")
     for line in lines:

@@ -1,5 +1,5 @@
 """The README's main job on the bundled example: provenance, byte-identical re-runs, INT8 accuracy measured as it
-deploys on this host (the host recipe picks this host's preset; `qgraph.kernels`)."""
+deploys on this host (the host recipe picks this host's preset; `qgraph.runtime.kernels`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import onnx
 
 from qgraph import Recipe
 from qgraph.cli import main
-from qgraph.kernels.measure import choose, model_target
+from qgraph.runtime.kernels.measure import choose, model_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
@@ -37,7 +37,7 @@ def test_readme_main_job(tmp_path: Path) -> None:
     out = onnx.load(str(tmp_path / "a.onnx"))
     onnx.checker.check_model(out, full_check=True)
     meta = {p.key: p.value for p in out.metadata_props}
-    assert meta["qgraph.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
+    assert meta["qgraph.pipeline.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
     assert meta["qgraph.target_cpu"] == choose(None).kernels.host.family  # made for this host
     stats = json.loads(meta["qgraph.passes"])
     assert [s["pass"] for s in stats] == ["fold_constants", "fuse_bias", "fuse_batchnorm", "fuse_activations",

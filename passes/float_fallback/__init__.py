@@ -8,7 +8,7 @@ Manual::
         names: [classifier]
 
 Automatic (ranks every quantized node from one run, then falls back ranked prefixes until the target holds,
-in few full evaluations; see `qgraph.sensitivity.search`)::
+in few full evaluations; see `qgraph.analysis.sensitivity.search`)::
 
     - pass: float_fallback
       auto:
@@ -21,7 +21,7 @@ in few full evaluations; see `qgraph.sensitivity.search`)::
 
 With ``cost: latency`` the ranked prefixes follow output error bought per added latency (the cost table of
 ``insert_qdq``; a node next to float nodes costs less than an isolated one, which adds a DQ and a Q; see
-`qgraph.sensitivity.cost`), and the summary gives the chosen model's modelled latency and, with
+`qgraph.analysis.sensitivity.cost`), and the summary gives the chosen model's modelled latency and, with
 ``latency_rounds`` (default 5), its latency measured in onnxruntime against the float and the INT8 model.
 After ``insert_qdq`` in the same recipe, the search compares with the recipe's float model and the nodes that
 go back to float get their float weights back.
@@ -29,8 +29,8 @@ go back to float get their float weights back.
 Nodes inside If/Loop bodies: names in ``nodes.names`` are found there too, and auto mode's candidates include
 the quantized nodes of every body (``auto.bodies``, default on; each measured exactly once for the ranking, since
 onnxruntime returns no tensor from a body): a model whose compute sits in branches chosen at run time keeps its
-control flow (`qgraph.remedy`). ``to: a16w8`` gives the chosen nodes 16-bit activations instead of float
-(`qgraph.widen`, for NPUs); ``to: a16w16`` 16-bit weights too, re-quantized from the float reference.
+control flow (`qgraph.remedy.apply`). ``to: a16w8`` gives the chosen nodes 16-bit activations instead of float
+(`qgraph.remedy.widen`, for NPUs); ``to: a16w16`` 16-bit weights too, re-quantized from the float reference.
 
 For an NPU (no cheap float path), 16-bit activations instead of float::
 
@@ -65,12 +65,14 @@ from qgraph import (
     register,
     select,
 )
-from qgraph.executor import ExecutorSpec
-from qgraph.fallback import PASS_NAME, ReferenceWeights, is_qdq
-from qgraph.names import GraphOutputName, unscoped
-from qgraph.sensitivity.targets import Target, parse_target
-from qgraph.streaming import Recurrence, check_recurrence
-from qgraph.target import CalibrationSpec
+from qgraph.analysis.sensitivity.targets import Target, parse_target
+from qgraph.graph.names import GraphOutputName, unscoped
+from qgraph.pipeline.target import CalibrationSpec
+from qgraph.quant.qdq_graph import is_qdq
+from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.remedy.fallback import PASS_NAME
+from qgraph.runtime.executor import ExecutorSpec
+from qgraph.runtime.streaming import Recurrence, check_recurrence
 
 from .costs import fallback_costs
 from .parts import scored_parts
@@ -136,11 +138,11 @@ class AutoFallbackConfig(PassConfig):
     recurrent: Recurrence | None = Field(
         default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): every "
         "full evaluation runs streamed, each model fed its own previous state over the data in order "
-        "(`qgraph.streaming`); the one-run ranking stays per sample.",
+        "(`qgraph.runtime.streaming`); the one-run ranking stays per sample.",
     )
     output_parts: bool = Field(
         default=True, description="With a cosine/sqnr target, score each part of an output that a final Concat "
-        "joins (a detector's boxes and class scores) on its own, the worst part deciding (`qgraph.output_parts`); "
+        "joins (a detector's boxes and class scores) on its own, the worst part deciding (`qgraph.runtime.output_parts`); "
         "false: every output whole, where the largest part's error hides the others'.",
     )
 
@@ -173,9 +175,9 @@ class FloatFallbackConfig(PassConfig):
         default="float",
         description="What the chosen nodes become: float; a16w8: 16-bit activations, weights unchanged (for NPUs, "
         "which run A16W8 layers natively and have no cheap float path; on onnxruntime's CPU provider such a "
-        "layer runs in float between its 16-bit Q/DQ). The 16-bit range is the 8-bit one x 2 (`qgraph.widen`). "
+        "layer runs in float between its 16-bit Q/DQ). The 16-bit range is the 8-bit one x 2 (`qgraph.remedy.widen`). "
         "a16w16: also int16 weights (per channel, from the float reference) and their int32 biases "
-        "(`qgraph.widen_weights`).",
+        "(`qgraph.remedy.widen_weights`).",
     )
 
     float_weights: str | None = Field(
@@ -214,9 +216,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     A Relu a quantizer folded into a bypassed Q (zero point at the integer
     minimum) is restored.
 
-    ``to: a16w8`` keeps the chosen nodes quantized with 16-bit activations instead (`qgraph.widen`; for NPUs),
-    ``to: a16w16`` with 16-bit weights too (`qgraph.widen_weights`).
-    Nodes inside If/Loop bodies are reached by name and by auto mode (`qgraph.remedy`); the control flow stays.
+    ``to: a16w8`` keeps the chosen nodes quantized with 16-bit activations instead (`qgraph.remedy.widen`; for NPUs),
+    ``to: a16w16`` with 16-bit weights too (`qgraph.remedy.widen_weights`).
+    Nodes inside If/Loop bodies are reached by name and by auto mode (`qgraph.remedy.apply`); the control flow stays.
     """
 
     name = PASS_NAME
@@ -290,7 +292,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
 
     def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult, floats: onnx.ModelProto | None,
               weights: ReferenceWeights | None) -> None:
-        from qgraph.sensitivity.search import auto_fallback
+        from qgraph.analysis.sensitivity.search import auto_fallback
 
         auto = self.config.auto
         assert auto is not None

@@ -9,9 +9,10 @@ import numpy as np
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.graph import topological_order
-from qgraph.kernels.measure import target_family
-from qgraph.quant import QuantDtype, QuantSpec
-from qgraph.target import CalibrationSpec, CpuInfo, host_cpu
+from qgraph.pipeline.target import CalibrationSpec
+from qgraph.quant.math import QuantDtype, QuantSpec
+from qgraph.runtime.kernels.cpu import CpuInfo, host_cpu
+from qgraph.runtime.kernels.measure import target_family
 
 from .bodies import BodiesOutcome, quantize_bodies
 from .build import activation_params, emit_plan

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgraph import GraphHandle
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
 from .config import InsertQDQConfig

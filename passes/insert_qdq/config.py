@@ -7,7 +7,7 @@ written back (``Recipe.to_yaml``, provenance, reports) as ``preset:`` plus exact
 preset name in that text changes everything the preset decides.
 
 Choices that depend on the CPU (``reduce_range: auto``, ``saturation: auto``) are made from the recipe's declared
-``target.cpu``, never from the machine that runs qgraph (`qgraph.target`).
+``target.cpu``, never from the machine that runs qgraph (`qgraph.pipeline.target`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, f
 
 from qgraph import NodeSelector, PassConfig
 from qgraph.calibrate import make_observer
-from qgraph.quant import QuantDtype
+from qgraph.quant.math import QuantDtype
 
 from .depthwise import DepthwiseAutoOptions
 from .latency import LatencyOptions

@@ -205,7 +205,7 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
 
 def other_kernel_cost(priced: Priced, node: gs.Node) -> Cost | None:
     """A depthwise conv whose kernel size the table never measured (e.g. 5x5), priced from the measured depthwise
-    kernel nearest in size, scaled by MACs like any table estimate (`qgraph.latency.LatencyTable.estimate`)."""
+    kernel nearest in size, scaled by MACs like any table estimate (`qgraph.runtime.latency.LatencyTable.estimate`)."""
     m = priced.model
     sig = m.signature(node) if m.table is not None else None
     if sig is None or m.table is None:

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import onnx_graphsurgeon as gs
 
-from qgraph.quant import QuantDtype
+from qgraph.quant.math import QuantDtype
 
 from .placement import Plan
 from .weights import Emitter, storage

@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, PassResult
 from qgraph.calibrate.transfer import ThroughChoice, Transfer, clip_flat
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
 from .config import ActivationOptions
