@@ -149,9 +149,10 @@ def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int
     reference = rm.run_model(model, ev, spec)
     results: dict[str, Any] = {"float": {"metric": rm.score(spec, reference, reference)}}
     sessions = {"float": _session(paths["float.onnx"])}
+    cpu = os.environ.get("QGRAPH_BENCH_CPU")  # --cpu: every model as it deploys on that CPU
     for tool, path in made.items():
         try:
-            results[tool] = {"metric": rm.score(spec, reference, rm.run_model(path, ev, spec))}
+            results[tool] = {"metric": rm.score(spec, reference, rm.run_model(path, ev, spec, cpu=cpu))}
             sessions[tool] = _session(path)
         except Exception as exc:  # a model onnxruntime cannot run is a result, not a crash of the whole table
             results[tool] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
@@ -229,6 +230,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds")
     parser.add_argument("--eval-samples", type=int, help="held-out samples per model (default: the loader's)")
+    parser.add_argument("--cpu", choices=["x86-vnni", "x86-avx2", "arm"],
+                        help="measure every INT8 model as it deploys on this CPU (qgraph.kernels: this host's kernels "
+                        "when it is one, that CPU's arithmetic emulated otherwise; latency stays this host's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", type=Path, help="keep models and data in this folder")
     parser.add_argument("--child", nargs="*")
@@ -245,6 +249,8 @@ def main() -> None:
         return
     if args.eval_samples:
         os.environ["QGRAPH_BENCH_EVAL"] = str(args.eval_samples)  # read by the children (`_sizes`)
+    if args.cpu:
+        os.environ["QGRAPH_BENCH_CPU"] = args.cpu  # read by the evaluation child
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-acc-") as tmp:
         base = args.keep or Path(tmp)
@@ -296,7 +302,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return
     from qgraph.runtime.kernels.host import host_kernels
 
-    table = Table(*header, show_lines=False, title=f"host {host_kernels().describe()}; {host_kernels().runtime}")
+    cpu = os.environ.get("QGRAPH_BENCH_CPU")
+    measured = f"as deployed on {cpu} (qgraph.kernels)" if cpu else "this host's deployed kernels"
+    table = Table(*header, show_lines=False,
+                  title=f"fidelity: {measured}; host {host_kernels().describe()}; {host_kernels().runtime}")
     for line in lines:
         table.add_row(*line)
     Console(width=200).print(table)

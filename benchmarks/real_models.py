@@ -199,8 +199,11 @@ def run_model(
     spec: EvalSpec,
     threads: int = 2,
     optimized: bool = True,
+    cpu: str | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """Run ``model`` (proto, path or bytes) on every feed in onnxruntime; returns the ``spec.fetches()``.
+    """Run ``model`` (proto, path or bytes) on every feed in onnxruntime; returns the ``spec.fetches()``. With
+    ``cpu`` (``x86-vnni``, ``x86-avx2``, ``arm``) the model runs as it deploys on that CPU (`qgraph.kernels`: this
+    host's kernels when it is one, that CPU's arithmetic emulated otherwise).
 
     The probe (logits) is found again in each model as the input of its final Softmax (passes may drop the
     Identity the float model had there) and returned under ``spec.probe``."""
@@ -218,6 +221,13 @@ def run_model(
             proto = onnx.ModelProto.FromString(proto.SerializeToString())
             proto.graph.output.add().name = own
         model = proto
+    if cpu is not None:
+        from qgraph.kernels.measure import choose
+
+        proto = model if isinstance(model, onnx.ModelProto) else (
+            onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model))
+        sess = choose(cpu).kernels.session(proto, threads=threads)
+        return [dict(zip(fetch, sess.run(run_names, f), strict=True)) for f in feeds]
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     so = ort.SessionOptions()
@@ -594,7 +604,8 @@ LOADERS: dict[str, Callable[..., RealModel]] = {
     "minilm": load_minilm,
     "ocr_det": load_ocr_det,
     "yolo": load_yolo,
-    **{n: (lambda n=n, **kw: load_synthetic(n, **kw)) for n in ("digits", "squeezenet", "resnet50", "encoder")},
+    **{n: (lambda n=n, **kw: load_synthetic(n, **kw))
+       for n in ("digits", "squeezenet", "resnet50", "inception_v1", "shufflenet", "encoder")},
 }
 REAL = ("orientation", "layout", "minilm", "ocr_det", "yolo")
 

@@ -124,7 +124,8 @@ def test_bench_accuracy_tools_and_extra_recipes(rm: ModuleType, tmp_path: Path) 
     spec.loader.exec_module(bench)
     mine = tmp_path / "cle.yaml"
     cnn = bench.tools_for("orientation", [str(mine), f"minilm={tmp_path / 'smooth.yaml'}"])
-    assert cnn == ["ort_static", "qgraph:ort-x86-vnni", "qgraph:tensorrt", f"recipe:{mine}"]
+    assert cnn == ["ort_static", "ort_static_rr", "qgraph:ort-x86-vnni", "qgraph:ort-x86-avx2", "qgraph:tensorrt",
+                   f"recipe:{mine}"]
     enc = bench.tools_for("minilm", [f"minilm={tmp_path / 'smooth.yaml'}"])
     assert enc[-3:] == ["ort_dynamic", "qgraph:transformer-ort-x86-vnni", f"recipe:{tmp_path / 'smooth.yaml'}"]
     assert all(bench._recipe_path(t).exists() for t in cnn + enc if t.startswith("qgraph:"))
