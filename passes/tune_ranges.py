@@ -89,8 +89,8 @@ class TuneRangesConfig(PassConfig):
         "(`qgraph.runtime.streaming`); unset: every sample as it is in the data.")
     output_parts: bool = Field(
         default=True, description="Score each part of an output that a final Concat joins (a detector's boxes "
-        "and class scores) on its own, the worst part deciding (`qgraph.runtime.output_parts`); false: every output whole, "
-        "where the largest part's error hides the others'.")
+        "and class scores) on its own, the worst part deciding (`qgraph.runtime.output_parts`); false: every output "
+        "whole, where the largest part's error hides the others'.")
 
 
 @dataclass

@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from qgraph import Recipe
-from qgraph.pipeline import pass_api
 from qgraph.cli import main
+from qgraph.pipeline import pass_api
 from qgraph.runtime.compare import make_session, run
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugin"

@@ -1,4 +1,5 @@
-"""qgraph.remedy.apply: a remedy (float or 16-bit activations) for nodes anywhere in a model, If/Loop bodies included."""
+"""qgraph.remedy.apply: a remedy (float or 16-bit activations) for nodes anywhere in a model, If/Loop bodies
+included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The adaptive-rounding solver and the int32 bias fold (qgraph.recovery.rounding, qgraph.quant.math.shift_int32_bias)."""
+"""The adaptive-rounding solver and the int32 bias fold (qgraph.recovery.rounding,
+qgraph.quant.math.shift_int32_bias)."""
 
 from __future__ import annotations
 

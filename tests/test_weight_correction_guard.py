@@ -1,4 +1,5 @@
-"""The fidelity guard of weight-correcting passes (qgraph.recovery.weight_correction.FidelityGuard), as a plug-in uses it."""
+"""The fidelity guard of weight-correcting passes (qgraph.recovery.weight_correction.FidelityGuard), as a plug-in uses
+it."""
 
 from __future__ import annotations
 

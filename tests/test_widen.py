@@ -1,4 +1,5 @@
-"""qgraph.remedy.widen: 16-bit activations on chosen nodes of a QDQ model (A16W8): structure, biases, domains, numbers."""
+"""qgraph.remedy.widen: 16-bit activations on chosen nodes of a QDQ model (A16W8): structure, biases, domains,
+numbers."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from qgraph.analysis.sensitivity.cost import CostSpec, shipped_latency_table
 from qgraph.runtime.latency import load_latency_table
 
 if TYPE_CHECKING:
-    from . import AutoFallbackConfig
+    from .config import AutoFallbackConfig
 
 
 def fallback_costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:

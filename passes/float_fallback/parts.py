@@ -12,7 +12,7 @@ from qgraph.analysis.sensitivity.targets import Target
 from qgraph.runtime.output_parts import OutputParts, find_output_parts
 
 if TYPE_CHECKING:
-    from . import AutoFallbackConfig
+    from .config import AutoFallbackConfig
 
 
 def scored_parts(auto: AutoFallbackConfig, reference: onnx.ModelProto, target: Target,

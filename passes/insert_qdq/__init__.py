@@ -18,7 +18,7 @@ from .bodies import BodiesOutcome, quantize_bodies
 from .build import activation_params, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
-from .config import CPU_PRESETS, PRESET_CPUS, PRESETS, InsertQDQConfig
+from .config import PRESETS, InsertQDQConfig
 from .cpu import for_cpu, resolve_reduce_range, resolve_saturation, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
 from .dynamic import DynamicQuantizer
@@ -27,10 +27,12 @@ from .joins import wide_joins
 from .latency import LatencyOptions
 from .latency_check import Builder, run_check, twin_builder
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
-from .placement import Plan, Planner, Unit, label
+from .placement import Planner
+from .presets import CPU_PRESETS, PRESET_CPUS
 from .saturation import pair_safe_decisions, saturation_details
 from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .through import clip_flat_sides
+from .units import Plan, Unit, label
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]

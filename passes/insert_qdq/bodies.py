@@ -14,19 +14,20 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from qgraph import GraphHandle, PassContext, PassResult
+from qgraph import GraphHandle, Pass, PassContext, PassResult
 from qgraph.data import CallableSource, Feed
 from qgraph.graph import proto_label
 from qgraph.runtime.bodies import Body, BodyError, ModelFacts, bodies, body_feeds, graft_body, standalone_body
 
 if TYPE_CHECKING:
-    from . import InsertQDQ
+    from .config import InsertQDQConfig
 
 #: Executions of one body recorded at most (a loop runs its body many times per sample).
 MAX_BODY_SAMPLES = 256
 
 
-def quantize_bodies(quantizer: InsertQDQ, graph: GraphHandle, ctx: PassContext, res: PassResult) -> BodiesOutcome:
+def quantize_bodies(quantizer: Pass[InsertQDQConfig], graph: GraphHandle, ctx: PassContext,
+                    res: PassResult) -> BodiesOutcome:
     """Quantize every top-level If/Loop body on the data that reaches it."""
     outcome = BodiesOutcome()
     if ctx.calibration_data is None or next(graph.subgraphs(), None) is None:

@@ -18,7 +18,7 @@ from .calib import RangeInfo
 from .config import InsertQDQConfig
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
-from .placement import Plan, Unit
+from .units import Plan, Unit
 from .weights import Emitter, WeightQuantizer
 
 

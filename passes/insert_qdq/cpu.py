@@ -9,7 +9,8 @@ from qgraph import PassError
 from qgraph.quant.math import QuantDtype
 from qgraph.runtime.kernels.cpu import CpuInfo
 
-from .config import CPU_PRESETS, InsertQDQConfig
+from .config import InsertQDQConfig
+from .presets import CPU_PRESETS
 
 
 def for_cpu(config: InsertQDQConfig, family: str) -> tuple[InsertQDQConfig, str]:

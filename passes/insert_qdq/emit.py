@@ -20,7 +20,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.quant.math import QuantDtype
 
-from .placement import Plan
+from .units import Plan
 from .weights import Emitter, storage
 
 

@@ -38,12 +38,14 @@ from .build import activation_params, emit_plan
 from .calib import RangeInfo
 from .config import InsertQDQConfig
 from .latency import LatencyOptions
-from .placement import Planner, label
+from .placement import Planner
 from .speed import LatencyOutcome
+from .units import label
 
 #: Builds the model with the given units (node id -> why) kept float, every other unit int8 (serialized).
 Builder = Callable[[dict[int, str]], bytes]
-#: Times serialized models within a budget (s): median ms per label (`qgraph.runtime.latency.time_models` on one sample).
+# : Times serialized models within a budget (s): median ms per label (`qgraph.runtime.latency.time_models` on one
+# sample).
 Timer = Callable[[Mapping[str, bytes], float], dict[str, float]]
 
 

@@ -23,7 +23,7 @@ from qgraph.quant.math import QuantDtype
 from qgraph.runtime.kernels.pairs import INT16_MAX, INT16_MIN, kernel_rows, pair_bounds
 
 from .emit import ActParams
-from .placement import Plan, label
+from .units import Plan, label
 from .weights import PairSafeLayer, QuantizedWeight
 
 
@@ -62,7 +62,8 @@ class LayerSaturation:
 
 
 def _rows(w: QuantizedWeight) -> npt.NDArray[np.int32] | None:
-    """The weight as (output channels, K) in the kernel's reduction order (`qgraph.runtime.kernels.pairs.kernel_rows`)."""
+    """The weight as (output channels, K) in the kernel's reduction order
+    (`qgraph.runtime.kernels.pairs.kernel_rows`)."""
     return kernel_rows(w.values, w.op, w.transposed)
 
 

@@ -24,7 +24,7 @@ from qgraph.runtime.latency import LatencyTable, load_latency_table, op_signatur
 
 from .latency import Cost, Decision, Edge, LatencyOptions, decide
 from .ops import MOVEMENT
-from .placement import Plan, Unit, label
+from .units import Plan, Unit, label
 
 #: The cost table shipped with the pass (built by benchmarks/build_latency_table.py).
 SHIPPED_TABLE = Path(__file__).with_name("latency_table.json")

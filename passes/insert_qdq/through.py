@@ -27,7 +27,7 @@ from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
 from .config import ActivationOptions
-from .placement import Plan
+from .units import Plan
 
 #: How many tensors the decision line names.
 SHOWN = 3

@@ -6,11 +6,11 @@ metric when one is given, else the lower of its top-1 agreement with the referen
 the outputs are class scores (agreement alone would pass a model whose scores collapsed but whose arg-max held),
 else its lowest output cosine. Output SQNR and cosine are the lowest over the parts of every output: an output that
 a final Concat joins from different tensors (a detector's boxes and class scores) is scored part by part
-(`qgraph.runtime.output_parts`; ``whole_outputs`` scores it whole). A stage fails when its quality drops from the previous
-stage's by more than ``max_drop`` (``1%``: relative to the previous quality; ``0.01``: absolute), or, with
+(`qgraph.runtime.output_parts`; ``whole_outputs`` scores it whole). A stage fails when its quality drops from the
+previous stage's by more than ``max_drop`` (``1%``: relative to the previous quality; ``0.01``: absolute), or, with
 ``max_total_drop``, from the reference's. The first stage can be outputs saved by the training framework
-(``--reference-outputs``: an ``.npz`` with one array per output name, one row per sample), so PyTorch → ONNX is
-checked without PyTorch.
+(``--reference-outputs``: an ``.npz`` with one array per output name, one row per sample), so PyTorch → ONNX is checked
+without PyTorch.
 """
 
 from __future__ import annotations

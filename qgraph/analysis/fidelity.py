@@ -47,7 +47,8 @@ class OutputCheck:
     float_metric: float | None = None
     #: What the outputs are compared with: the float model, or the input model when it was already quantized.
     against: str = "the float model"
-    #: How the models ran (`qgraph.runtime.kernels.measure.KernelChoice`), and with a target this host is not, the rows of
+    # : How the models ran (`qgraph.runtime.kernels.measure.KernelChoice`), and with a target this host is not, the rows
+    # of
     #: the same check on this host's deployed kernels (shown, not judged).
     choice: KernelChoice | None = None
     host_rows: list[dict[str, Any]] = field(default_factory=list)

@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from qgraph.analysis.diff.culprits import Attribution, attribute
+from qgraph.analysis.diff.attribution import Attribution
+from qgraph.analysis.diff.culprits import attribute
 from qgraph.analysis.diff.graphview import changed_regions_html
 from qgraph.analysis.diff.html import esc, page, section, table, write_text_atomic
 from qgraph.analysis.diff.layers import NumericDiff
@@ -41,7 +42,7 @@ from qgraph.pipeline.recipe import Recipe
 from qgraph.pipeline.runner import PipelineResult
 from qgraph.pipeline.timing import run_timing
 from qgraph.runtime.compare import TensorDiff, random_feeds, run
-from qgraph.runtime.evaluation import Evaluation, concat
+from qgraph.runtime.evaluation import Evaluation, concat, top1_agreement
 from qgraph.runtime.kernels.measure import Kernels, deployed, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs, output_parts_of
 
@@ -139,14 +140,6 @@ def _stages(recipe: Recipe, result: PipelineResult) -> tuple[list[onnx.ModelProt
                           "to avoid it)."]
 
 
-def _top1(ref: np.ndarray, cand: np.ndarray) -> tuple[int, int] | None:
-    """Top-1 agreement counts for class scores ``[N, C]`` (or ``[N, C, 1, ...]``), else None."""
-    if ref.ndim < 2 or ref.shape[1] < 2 or ref.shape != cand.shape or any(d != 1 for d in ref.shape[2:]):
-        return None
-    r, c = ref.reshape(ref.shape[0], -1), cand.reshape(cand.shape[0], -1)
-    return int(np.sum(r.argmax(axis=1) == c.argmax(axis=1))), int(ref.shape[0])
-
-
 def stage_fidelity(reference: onnx.ModelProto | str | Path,
                    stages: Sequence[tuple[str, onnx.ModelProto | str | Path]],
                    feeds: list[Feed], evaluation: Evaluation | None = None,
@@ -154,8 +147,8 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
                    reference_kernels: Kernels | None = None) -> list[dict[str, Any]]:
     """Per stage and output (by position): SQNR, cosine, max abs, relative error, top-1 agreement, and the count
     of NaN/Inf values in the reference and the stage (models in memory or as files); after an output that a final
-    Concat joins, one row per part (``part_of``: the output; `qgraph.runtime.output_parts`, found in ``reference`` unless
-    ``parts`` are given).
+    Concat joins, one row per part (``part_of``: the output; `qgraph.runtime.output_parts`, found in ``reference``
+    unless ``parts`` are given).
 
     The reference outputs are computed once; each stage's outputs are folded into accumulators sample by sample.
     A stage onnxruntime cannot load or run gets a row with its error instead. Stages run with ``kernels``, the
@@ -184,9 +177,10 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
                 for i, (name, other) in enumerate(zip(names, cand, strict=True)):
                     if scored:
                         got_all[i].append(got[other])
-                    hit = _top1(ref[name], got[other])
-                    if hit is not None:
-                        top1[i] = [top1[i][0] + hit[0], top1[i][1] + hit[1]]
+                    agree = top1_agreement(np.asarray(ref[name]), np.asarray(got[other]))
+                    if agree is not None:
+                        count = int(np.shape(ref[name])[0])
+                        top1[i] = [top1[i][0] + round(agree * count), top1[i][1] + count]
         except _RUNTIME_ERRORS as exc:
             rows.append({"stage": label, "output": "", "error": str(exc).splitlines()[0][:300]})
             continue

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from qgraph import __version__
+from qgraph._version import __version__
 from qgraph.cli import calibration, check, models, recipes, run  # noqa: F401  (registers the commands)
 from qgraph.cli._app import STATE, app, console, out
 from qgraph.errors import QGraphError

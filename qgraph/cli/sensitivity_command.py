@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from qgraph import ModelError, RecipeError, load_model, save_model
 from qgraph.analysis.diff.culprits import attribute
 from qgraph.analysis.diff.render_culprits import print_culprits
 from qgraph.analysis.sensitivity.cost import CostSpec, shipped_latency_table
@@ -26,6 +25,8 @@ from qgraph.analysis.sensitivity.ranking import SensitivityReport
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.stats import matmul_flops
 from qgraph.analysis.sensitivity.targets import Target, parse_target
+from qgraph.errors import ModelError, RecipeError
+from qgraph.io.model_io import load_model, save_model
 from qgraph.io.outputs import write_atomic
 from qgraph.quant.qdq import has_qdq
 from qgraph.quant.reference_weights import ReferenceWeights

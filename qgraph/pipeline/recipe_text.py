@@ -1,7 +1,7 @@
 """A recipe as text: the canonical mapping (defaults omitted), its YAML, and the hash provenance records.
 
-Shared by `qgraph.pipeline.recipe.Recipe` and `qgraph.pipeline.runner.Pipeline`, so a pipeline built in Python and the recipe
-it came from (or becomes) serialize identically without either module importing the other.
+Shared by `qgraph.pipeline.recipe.Recipe` and `qgraph.pipeline.runner.Pipeline`, so a pipeline built in Python and the
+recipe it came from (or becomes) serialize identically without either module importing the other.
 """
 
 from __future__ import annotations

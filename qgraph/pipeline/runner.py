@@ -69,7 +69,8 @@ class PipelineEvent:
     of: int | None = None
     #: ``pass_end``: the pass failed its --verify check (the message); the run stops with that error.
     failed: str | None = None
-    #: ``pipeline_start``: warnings found before any pass ran (`qgraph.pipeline.preflight`: a node name the model lacks).
+    # : ``pipeline_start``: warnings found before any pass ran (`qgraph.pipeline.preflight`: a node name the model
+    # lacks).
     warnings: tuple[str, ...] = ()
 
 
@@ -189,8 +190,9 @@ class Pipeline:
         returns the output with its large weights as placeholders and their arrays in ``result.weights`` (for a
         caller that hands them to onnxruntime: no protobuf copy of them is made). ``verify`` checks every
         float-preserving pass in onnxruntime on ``verify_samples`` inputs against ``verify_tolerance``, raised per
-        output to 4x the model's own float32 noise floor (`qgraph.pipeline.verify`; ``result.verify_tolerance`` says which).
-        ``kernels``: how passes measure accuracy (auto, deployed, emulated: `qgraph.runtime.kernels.measure.choose`).
+        output to 4x the model's own float32 noise floor (`qgraph.pipeline.verify`; ``result.verify_tolerance`` says
+        which). ``kernels``: how passes measure accuracy (auto, deployed, emulated:
+        `qgraph.runtime.kernels.measure.choose`).
         """
         _check_options(kernels, verify_tolerance)
         listeners = [*self._subscribers, *([on_event] if on_event else [])]

@@ -1,13 +1,13 @@
 """The float weights of a reference model, looked up by the quantized node that reads them (`ReferenceWeights`).
 
-Falling a node back to float (`qgraph.remedy.fallback`) or widening its weights to 16 bits (`qgraph.remedy.widen_weights`) takes
-the node's float weight from the model the QDQ model was made from, when there is one. Inside a recipe that is the
-pipeline's float reference, made by the same passes, so its constants are exactly what was quantized. A model the
-user names (``float_fallback: {float_weights: ...}``, ``qgraph sensitivity FLOAT QDQ``) is usually the *original*
-float model: where the quantized model fused a BatchNorm into a Conv, its Conv's output name now belongs to the
-BatchNorm in the reference (whose scale and bias sit at the Conv's weight and bias positions), and equalization
-rescaled every channel under the same names. Such a reference is ``checked``: a constant is used only where it
-matches the stored integers (`qgraph.quant.math.matches_codes`), else the caller keeps the dequantized codes.
+Falling a node back to float (`qgraph.remedy.fallback`) or widening its weights to 16 bits
+(`qgraph.remedy.widen_weights`) takes the node's float weight from the model the QDQ model was made from, when there is
+one. Inside a recipe that is the pipeline's float reference, made by the same passes, so its constants are exactly what
+was quantized. A model the user names (``float_fallback: {float_weights: ...}``, ``qgraph sensitivity FLOAT QDQ``) is
+usually the *original* float model: where the quantized model fused a BatchNorm into a Conv, its Conv's output name now
+belongs to the BatchNorm in the reference (whose scale and bias sit at the Conv's weight and bias positions), and
+equalization rescaled every channel under the same names. Such a reference is ``checked``: a constant is used only where
+it matches the stored integers (`qgraph.quant.math.matches_codes`), else the caller keeps the dequantized codes.
 """
 
 from __future__ import annotations

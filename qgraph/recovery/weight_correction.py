@@ -119,7 +119,8 @@ class CorrectionPass(Pass[C]):
         return cands
 def weightless(graph: GraphHandle) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
     """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
-    `qgraph.runtime.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the weights."""
+    `qgraph.runtime.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the
+    weights."""
     model, held = graph.weightless_export()
     return model, {name: value for name, (value, _) in held.items()}
 
@@ -166,7 +167,8 @@ class GuardConfig(PassConfig):
 class FidelityGuard:
     """Keeps a weight-correcting pass's change only where it does not make the model worse: the output fidelity
     against the float reference on a few calibration samples (the minimum SQNR over outputs, each part of a
-    Concat-joined output on its own: `qgraph.runtime.output_parts`) before (`start`, with a snapshot of the layers' codes)
+    Concat-joined output on its own: `qgraph.runtime.output_parts`) before (`start`, with a snapshot of the layers'
+    codes)
     and after (`finish`, which restores the snapshot when the score dropped). Reported in ``res`` either way. Costs
     one reference run and two runs of the graph on those samples."""
 

@@ -1,11 +1,11 @@
 """What chosen nodes of a QDQ model become, in the top graph and inside If/Loop bodies.
 
-A *remedy* is float (`qgraph.remedy.fallback.fall_back`), 16-bit activations (`qgraph.remedy.widen.widen_activations`), or
-16-bit activations and weights (`qgraph.remedy.widen_weights.widen_weights` too).
-`apply_remedy` applies it to nodes of one graph; `remedy_model` to nodes named anywhere in a model: the top graph
-through a `GraphHandle`, each body as a model of its own (`qgraph.runtime.bodies.standalone_body`, rewritten, then
-`graft_body`), nested bodies by recursion. So a model whose compute sits in ``If`` branches selected at run time
-(a sample-rate switch) keeps its control flow and still gets its body nodes back to float one by one.
+A *remedy* is float (`qgraph.remedy.fallback.fall_back`), 16-bit activations (`qgraph.remedy.widen.widen_activations`),
+or 16-bit activations and weights (`qgraph.remedy.widen_weights.widen_weights` too). `apply_remedy` applies it to nodes
+of one graph; `remedy_model` to nodes named anywhere in a model: the top graph through a `GraphHandle`, each body as a
+model of its own (`qgraph.runtime.bodies.standalone_body`, rewritten, then `graft_body`), nested bodies by recursion. So
+a model whose compute sits in ``If`` branches selected at run time (a sample-rate switch) keeps its control flow and
+still gets its body nodes back to float one by one.
 
 Body nodes are named by their own node name, as `qgraph.graph.naming` gives it (the models are named first, so an
 unnamed node is ``<OpType>(<first output>)`` and a name used again, as in both branches of an ``If``, ``name#2``):

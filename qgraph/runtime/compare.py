@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
@@ -25,9 +25,7 @@ from qgraph.data import Feed, model_inputs
 from qgraph.errors import DataError, ModelError, VerificationError
 from qgraph.graph.detach import fill_nested, placeholders_as_inputs
 from qgraph.io.model_io import PROTOBUF_LIMIT, save_model
-
-if TYPE_CHECKING:
-    from qgraph.runtime.output_parts import OutputPart
+from qgraph.runtime.part import OutputPart
 
 
 def make_session(

@@ -68,7 +68,8 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
                   weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
     """Per-channel mean of each tensor over every batch: ``tensors[name] = (channels, channel_first)`` (axis 1 for
     Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
-    values of a weightless ``model``'s placeholders, read in place by the session (`qgraph.runtime.compare.make_session`)."""
+    values of a weightless ``model``'s placeholders, read in place by the session
+    (`qgraph.runtime.compare.make_session`)."""
     opset = _opset(model)
     after: dict[str, list[onnx.NodeProto]] = {}
     inits: list[onnx.TensorProto] = []

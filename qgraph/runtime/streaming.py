@@ -20,9 +20,9 @@ recorded so forms one-sample sequences: the score is then the chunk-wise one, an
 
 The score of a candidate is, per graph output ``o`` over every sample's output,
 ``SQNR_o = 10 log10(Σ y_o² / Σ (ŷ_o - y_o)²)`` (dB; +inf when identical, -inf when not finite), and the model's
-score is the minimum over outputs; given the outputs' parts (`qgraph.runtime.output_parts`), per part of an output that a
-final Concat joins, the worst part deciding. Cost: one run per sample (the same as chunk-wise), sequential within
-a sequence.
+score is the minimum over outputs; given the outputs' parts (`qgraph.runtime.output_parts`), per part of an output that
+a final Concat joins, the worst part deciding. Cost: one run per sample (the same as chunk-wise), sequential within a
+sequence.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def run_streamed(session: Any, names: Sequence[str], feeds: Sequence[Feed], star
 class OutputScore:
     """A float reference's outputs on ``feeds`` (chunk-wise, or streamed with ``recurrence``) and the SQNR of a
     candidate session run the same way (module docstring); ``outputs`` limits the score to those graph outputs
-    (default: all); ``parts`` (`qgraph.runtime.output_parts.find_output_parts` of the reference model) scores each part of
-    a split output (default: every output whole)."""
+    (default: all); ``parts`` (`qgraph.runtime.output_parts.find_output_parts` of the reference model) scores each part
+    of a split output (default: every output whole)."""
 
     def __init__(self, reference: Any, feeds: Sequence[Feed], recurrence: Recurrence | None = None,
                  outputs: Sequence[str] | None = None, parts: OutputParts | None = None) -> None:

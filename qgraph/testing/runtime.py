@@ -37,7 +37,8 @@ def random_feeds(
     dims: Mapping[str, int] | None = None,
     int_high: int = 10,
 ) -> list[Feeds]:
-    """``n`` seeded feed dicts from the model's declared inputs (`qgraph.runtime.compare.random_feeds`, ints in [0, 10))."""
+    """``n`` seeded feed dicts from the model's declared inputs (`qgraph.runtime.compare.random_feeds`, ints in [0,
+    10))."""
     return compare.random_feeds(model, n, seed, dynamic_dim, dims=dims, int_high=int_high)
 
 

@@ -1,4 +1,5 @@
-"""The emulation model computes a CPU's integer arithmetic in onnxruntime on any host (`qgraph.runtime.kernels.emulate`).
+"""The emulation model computes a CPU's integer arithmetic in onnxruntime on any host
+(`qgraph.runtime.kernels.emulate`).
 
 Checked against an independent numpy model of the AVX2 kernels (`kernel_models.avx2_reference`): on every layer
 shape the difference between the emulated AVX2 and the exact (VNNI) output is exactly what int16 pair saturation

@@ -1,4 +1,5 @@
-"""Which kernels measure a model (`qgraph.runtime.kernels.measure`), and the host they describe (`qgraph.runtime.kernels.host`)."""
+"""Which kernels measure a model (`qgraph.runtime.kernels.measure`), and the host they describe
+(`qgraph.runtime.kernels.host`)."""
 
 from __future__ import annotations
 

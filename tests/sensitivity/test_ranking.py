@@ -254,7 +254,8 @@ def test_one_run_ranking_on_a_transformer_is_as_stable_as_the_exact_measure(enco
 
 
 def test_each_part_of_a_joined_output_gets_its_own_weights() -> None:
-    """Output parts (`qgraph.runtime.output_parts`): a node feeding only the boxes of a detector's joined output does not
+    """Output parts (`qgraph.runtime.output_parts`): a node feeding only the boxes of a detector's joined output does
+    not
     reach the scores' part (κ = 0) and the other way round; the join itself, quantized with one scale for boxes and
     scores, is measured on each part, where its noise on the scores is ~10^4 times its noise on the whole output."""
     from qgraph import Pipeline

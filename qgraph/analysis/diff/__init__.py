@@ -18,7 +18,8 @@ from typing import Any
 
 import onnx
 
-from qgraph.analysis.diff.culprits import EXACT_TOP, Attribution, Culprit, attribute
+from qgraph.analysis.diff.attribution import Attribution, Culprit
+from qgraph.analysis.diff.culprits import EXACT_TOP, attribute
 from qgraph.analysis.diff.layers import LayerDiff, NumericDiff
 from qgraph.analysis.diff.numeric import numeric_diff
 from qgraph.analysis.diff.qdq import NodeQuant, QdqCoverage, SaturationRisk, qdq_coverage, saturation_risks

@@ -19,7 +19,7 @@ from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputPart, OutputParts
 
 if TYPE_CHECKING:
-    from qgraph.analysis.diff.culprits import Attribution, Culprit
+    from qgraph.analysis.diff.attribution import Attribution, Culprit
 
 #: The other pairs are screened in groups of this many (one run each: A with the whole group applied), and the
 #: members of the groups that could hold a pair worse than the worst measured are measured one by one, within

@@ -197,7 +197,8 @@ def numeric_diff(
     whole_outputs: bool = False,
 ) -> NumericDiff:
     """Compare every float tensor present in both models (by name) and the graph outputs on ``feeds``; tensors
-    inside If/Loop bodies too, on the executions of each body (`qgraph.analysis.diff.bodies`). Each part of an output that
+    inside If/Loop bodies too, on the executions of each body (`qgraph.analysis.diff.bodies`). Each part of an output
+    that
     a final Concat of A joins is compared too (`qgraph.runtime.output_parts`), unless ``whole_outputs``."""
     ia, ib = ModelIndex.build(a), ModelIndex.build(b)
     ins_a = {n for n in ia.graph_inputs if n not in ia.initializers}

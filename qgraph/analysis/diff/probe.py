@@ -20,7 +20,7 @@ from qgraph.quant.math import dequantize
 from qgraph.quant.rescaling import channel_shape
 
 if TYPE_CHECKING:
-    from qgraph.analysis.diff.culprits import Culprit
+    from qgraph.analysis.diff.attribution import Culprit
 
 
 def body_graphs(model: onnx.ModelProto, path: tuple[tuple[str, str], ...]) -> list[onnx.GraphProto] | None:

@@ -79,7 +79,8 @@ _OUT_HEAD = ["output", "SQNR dB", "cosine", "max abs", "relative", "rel L2"]
 
 
 def _output_rows(outputs: Sequence[LayerDiff]) -> list[list[Any]]:
-    """Rows of the outputs table; a part of an output (`qgraph.runtime.output_parts`) is marked ``↳`` under its output."""
+    """Rows of the outputs table; a part of an output (`qgraph.runtime.output_parts`) is marked ``↳`` under its
+    output."""
     return [[f"↳ {d.tensor}" if d.part is not None else d.tensor if d.candidate is None else
              f"{d.tensor} ↔ {d.candidate}", sqnr_cell(d.sqnr_db), d.cosine, d.max_abs, d.relative, d.rel_l2]
             for d in outputs]
@@ -368,7 +369,8 @@ def structural_html(d: StructuralDiff, top: int = 10) -> str:
 
 
 def diff_html(structural: StructuralDiff, numeric: NumericDiff | None, top: int = 10, graph_view: str = "") -> str:
-    """One self-contained HTML page for a diff (``graph_view``: `qgraph.analysis.diff.graphview.changed_regions_html`)."""
+    """One self-contained HTML page for a diff (``graph_view``:
+    `qgraph.analysis.diff.graphview.changed_regions_html`)."""
     title = f"qgraph diff: {structural.a.path or 'A'} → {structural.b.path or 'B'}"
     body = [structural_html(structural, top)]
     if graph_view:

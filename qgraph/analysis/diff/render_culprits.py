@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.console import Console
 
-from qgraph.analysis.diff.culprits import Attribution
+from qgraph.analysis.diff.attribution import Attribution
 from qgraph.analysis.diff.html import esc, fmt, section, table
 from qgraph.analysis.diff.tables import sqnr_cell
 

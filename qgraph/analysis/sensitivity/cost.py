@@ -36,10 +36,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from qgraph import GraphHandle
 from qgraph.analysis.sensitivity.noise import NoiseModel
 from qgraph.analysis.sensitivity.targets import Target
-from qgraph.graph import tensor_shape
+from qgraph.graph import GraphHandle, tensor_shape
 from qgraph.quant.qdq_graph import is_dq, is_q, is_qdq, quantized_nodes
 from qgraph.runtime.latency import LatencyTable, op_signature
 

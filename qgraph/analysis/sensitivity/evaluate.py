@@ -3,9 +3,9 @@
 `Evaluator` holds the QDQ model, the evaluation batches and the float model's outputs on them; `measure` builds
 the variant with given nodes in float (the same rewrite the pass makes), opens one onnxruntime session for it,
 runs every batch through it and compares each output with the reference, and each part of an output a final
-Concat joins (`qgraph.runtime.output_parts`: `Measurement.scored` is what targets score). `measure_all` measures independent
-variants on an executor (`qgraph.runtime.executor`: in this process, in ``jobs`` local worker processes, or as Ray
-tasks); each worker receives the evaluator once, and Ctrl-C or the time budget stops the workers at once.
+Concat joins (`qgraph.runtime.output_parts`: `Measurement.scored` is what targets score). `measure_all` measures
+independent variants on an executor (`qgraph.runtime.executor`: in this process, in ``jobs`` local worker processes, or
+as Ray tasks); each worker receives the evaluator once, and Ctrl-C or the time budget stops the workers at once.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from qgraph import DataError, ModelError, NodeSelector, Pipeline, Recipe, get_pass
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
+from qgraph.errors import DataError, ModelError
+from qgraph.graph.selectors import NodeSelector
+from qgraph.pipeline.pass_api import get_pass
+from qgraph.pipeline.recipe import Recipe
+from qgraph.pipeline.runner import Pipeline
 from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.remedy.apply import remedy_model
 from qgraph.runtime.compare import TensorDiff, session_run
@@ -66,6 +70,14 @@ def load_feeds(
     per_sample = max(1, sum(int(v.nbytes) for v in feeds[0].values()))
     batch_size = max(1, min(batch_size, MAX_BATCH_INPUT_BYTES // per_sample))
     return list(batched(feeds, batch_size)) if dynamic and batch_size > 1 else feeds
+
+
+def first_sample(feed: Feed, model: onnx.ModelProto) -> Feed:
+    """The first sample of an evaluation batch: `load_feeds` batches along axis 0 only when every input's first
+    dimension is symbolic; otherwise (a recurrent state [2, batch, 128]) the feed is one sample already."""
+    batched = all(bool(s.shape) and not (isinstance(s.shape[0], int) and s.shape[0] > 0)  # type: ignore[index]
+                  for s in model_inputs(model))
+    return {k: v[:1] if batched and v.ndim else v for k, v in feed.items()}
 
 
 def run_batches(session: ort.InferenceSession, batches: Sequence[Feed]) -> list[list[np.ndarray]]:

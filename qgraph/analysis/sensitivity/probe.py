@@ -33,9 +33,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from qgraph import GraphHandle
 from qgraph.analysis.sensitivity import probe_parts
 from qgraph.data import Feed
+from qgraph.graph import GraphHandle
 from qgraph.io.model_io import save_model
 from qgraph.quant.qdq import is_dequantize, is_quantize
 from qgraph.quant.qdq_graph import quantized_nodes
@@ -292,8 +292,8 @@ def output_weights(model: onnx.ModelProto, power: dict[str, float],
     an input's absolute error joins a larger signal, so its relative error is scaled by ``P_in / P_out``
     (``P``: sum of squares over the evaluation data, when measured). Errors reaching an output along several
     paths add. Scored output ``o`` is the tensor ``seeds[o]`` (default: the graph outputs; a part of an output
-    that a Concat joins is that Concat's input, `qgraph.runtime.output_parts`) with ``κ_o = 1``; a node that cannot reach
-    ``o`` has ``κ_o = 0``.
+    that a Concat joins is that Concat's input, `qgraph.runtime.output_parts`) with ``κ_o = 1``; a node that cannot
+    reach ``o`` has ``κ_o = 0``.
     """
     targets = list(seeds) if seeds is not None else [o.name for o in model.graph.output]
     n_out = len(targets)

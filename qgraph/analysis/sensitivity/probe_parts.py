@@ -1,4 +1,5 @@
-"""The one-run probe (`qgraph.analysis.sensitivity.probe`) for outputs scored part by part (`qgraph.runtime.output_parts`).
+"""The one-run probe (`qgraph.analysis.sensitivity.probe`) for outputs scored part by part
+(`qgraph.runtime.output_parts`).
 
 A part of an output that a final Concat joins is a scored output of its own: its weights ``κ`` start at the
 Concat's input (`seeds`), so a node feeding the boxes has ``κ = 0`` for the scores. The Concat itself (with the

@@ -26,12 +26,14 @@ from typing import Any
 
 import onnx
 
-from qgraph import GraphHandle, NodeSelector, PassError, select
 from qgraph.analysis.sensitivity.evaluate import Evaluator, Measurement, Progress, concat_outputs, measure_all
 from qgraph.analysis.sensitivity.noise import NoiseModel
 from qgraph.analysis.sensitivity.probe import StepProgress, local_errors
 from qgraph.analysis.sensitivity.stats import range_stats
 from qgraph.analysis.sensitivity.targets import Target
+from qgraph.errors import PassError
+from qgraph.graph import GraphHandle
+from qgraph.graph.selectors import NodeSelector, select
 from qgraph.quant.qdq_graph import quantized_nodes
 from qgraph.runtime.compare import TensorDiff
 from qgraph.runtime.executor import Executor, ExecutorSpec

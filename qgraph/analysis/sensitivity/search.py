@@ -33,7 +33,6 @@ from typing import Any
 
 import onnx
 
-from qgraph import ModelError, NodeSelector, Recipe
 from qgraph.analysis.sensitivity.cost import (
     CostSpec,
     LatencyModel,
@@ -46,6 +45,7 @@ from qgraph.analysis.sensitivity.evaluate import (
     Evaluator,
     build_model,
     concat_outputs,
+    first_sample,
     load_feeds,
     patch_recipe,
     reference_outputs,
@@ -54,9 +54,12 @@ from qgraph.analysis.sensitivity.evaluate import (
 from qgraph.analysis.sensitivity.prefix import AutoStep, Clock, PrefixSearch, StageProgress
 from qgraph.analysis.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
 from qgraph.analysis.sensitivity.targets import Target, parse_target
-from qgraph.data import DataSource, Feed, model_inputs
+from qgraph.data import DataSource, model_inputs
+from qgraph.errors import ModelError
 from qgraph.graph import named_model
+from qgraph.graph.selectors import NodeSelector
 from qgraph.io.outputs import write_atomic
+from qgraph.pipeline.recipe import Recipe
 from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.remedy.apply import body_candidates
 from qgraph.runtime.executor import Executor, ExecutorSpec, make_executor
@@ -222,23 +225,23 @@ def auto_fallback(
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
-    ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data,
-    ``keep_float`` nodes that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the
-    ranked nodes to measure exactly, ``executor`` where full evaluations run (`qgraph.runtime.executor`; default: ``jobs``
-    local processes; one executor serves the whole search), ``float_weights`` the float weights that nodes going
-    back to float take instead of their integer ones (`qgraph.remedy.fallback.ReferenceWeights` of ``reference``),
-    ``costs`` a latency cost table: the search then ranks by output error bought per added latency
-    (`qgraph.analysis.sensitivity.cost`; ``rank_by="error"``: by error alone all the same) and reports the modelled latency;
-    ``latency_rounds`` > 0 times the float, INT8 and chosen models in onnxruntime that many rounds (the measured
-    ratios are reported); with ``costs``, ``max_latency`` keeps the search to prefixes modelled at most that many
-    times the float model's latency (1.0: never slower than float). With ``recurrence`` (a recurrent model's state
-    feedback) every full evaluation runs streamed, each model fed its own state (`qgraph.runtime.streaming`); the one-run
-    ranking stays per sample (states from the data), its prediction corrected on the streamed measurements.
-    ``remedy="a16w8"`` gives the chosen nodes 16-bit activations instead of float (`qgraph.remedy.widen`; for NPUs),
-    ``"a16w16"`` 16-bit weights too (re-quantized from ``float_weights`` when given: `qgraph.remedy.widen_weights`).
-    ``in_bodies`` makes the quantized nodes inside If/Loop bodies candidates too (`qgraph.remedy.apply`), each measured
-    exactly once for the ranking. ``parts``: the scored parts of the outputs (`qgraph.runtime.output_parts`; default: each
-    output whole). With ``report_only`` the ranking is made and no search. Never raises for an unmet target."""
+    ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data, ``keep_float`` nodes
+    that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the ranked nodes to measure
+    exactly, ``executor`` where full evaluations run (`qgraph.runtime.executor`; default: ``jobs`` local processes; one
+    executor serves the whole search), ``float_weights`` the float weights that nodes going back to float take instead
+    of their integer ones (`qgraph.remedy.fallback.ReferenceWeights` of ``reference``), ``costs`` a latency cost table:
+    the search then ranks by output error bought per added latency (`qgraph.analysis.sensitivity.cost`;
+    ``rank_by="error"``: by error alone all the same) and reports the modelled latency; ``latency_rounds`` > 0 times the
+    float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported); with ``costs``,
+    ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's latency (1.0: never
+    slower than float). With ``recurrence`` (a recurrent model's state feedback) every full evaluation runs streamed,
+    each model fed its own state (`qgraph.runtime.streaming`); the one-run ranking stays per sample (states from the
+    data), its prediction corrected on the streamed measurements. ``remedy="a16w8"`` gives the chosen nodes 16-bit
+    activations instead of float (`qgraph.remedy.widen`; for NPUs), ``"a16w16"`` 16-bit weights too (re-quantized from
+    ``float_weights`` when given: `qgraph.remedy.widen_weights`). ``in_bodies`` makes the quantized nodes inside If/Loop
+    bodies candidates too (`qgraph.remedy.apply`), each measured exactly once for the ranking. ``parts``: the scored
+    parts of the outputs (`qgraph.runtime.output_parts`; default: each output whole). With ``report_only`` the ranking
+    is made and no search. Never raises for an unmet target."""
     pool = make_executor(executor, jobs)
     try:
         return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
@@ -273,7 +276,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
             "model was made from."
         )
     batches = load_feeds(data, reference, samples=samples, batch_size=1 if recurrence else batch_size, others=[qdq])
-    shapes = {k: tuple(v.shape) for k, v in _one_sample(batches[0], reference).items()}
+    shapes = {k: tuple(v.shape) for k, v in first_sample(batches[0], reference).items()}
     starts: list[int] = []
     if recurrence is None:
         refs_per_batch = reference_outputs(reference, batches, kernels)
@@ -376,19 +379,11 @@ def _latency(out: AutoResult, latency: LatencyModel | None, base: Sequence[str],
         if all(math.isfinite(v) for v in modelled.values()):
             out.latency.update(modelled)
     if rounds > 0 and len(out.nodes) > len(base):
-        feed = _one_sample(evaluator.batches[0], reference)
+        feed = first_sample(evaluator.batches[0], reference)
         measured = measure_latency({"float": reference, "int8": evaluator.variant(base), "chosen": out.model}, feed,
                                    rounds)
         out.latency.update({f"measured_{k}": v for k, v in measured.items() if k != "float"})
         out.latency["measured_float_ms"] = measured["float_ms"]
-
-
-def _one_sample(feed: Feed, model: onnx.ModelProto) -> Feed:
-    """The first sample of an evaluation batch: `load_feeds` batches along axis 0 only when every input's first
-    dimension is symbolic; otherwise (a recurrent state [2, batch, 128]) the feed is one sample already."""
-    batched = all(bool(s.shape) and not (isinstance(s.shape[0], int) and s.shape[0] > 0)  # type: ignore[index]
-                  for s in model_inputs(model))
-    return {k: v[:1] if batched and v.ndim else v for k, v in feed.items()}
 
 
 def _finish(clock: Clock, out: AutoResult, reason: str) -> AutoResult:

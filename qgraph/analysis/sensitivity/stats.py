@@ -10,9 +10,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qgraph import GraphHandle
 from qgraph.data import Feed
-from qgraph.graph import insert_after_producers
+from qgraph.graph import GraphHandle, insert_after_producers
 from qgraph.quant.qdq_graph import float_source, is_dq, qparams
 from qgraph.runtime.compare import make_session, session_run
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qgraph import RecipeError
 from qgraph.data import import_callable
+from qgraph.errors import RecipeError
 from qgraph.runtime.compare import TensorDiff
 
 Metric = Callable[[list[np.ndarray], list[np.ndarray]], float]

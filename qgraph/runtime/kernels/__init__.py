@@ -7,6 +7,6 @@
 - `qgraph.runtime.kernels.measure`: `Kernels`, how qgraph runs a model when it measures accuracy (the host's deployed
   kernels, or a target's arithmetic emulated), and the choice between them.
 
-This package imports onnx and onnxruntime lazily where it can; it depends on `qgraph.pipeline.target`, `qgraph.quant.qdq`,
-`qgraph.graph.ops` and `qgraph.runtime.compare` only.
+This package imports onnx and onnxruntime lazily where it can; it depends on `qgraph.pipeline.target`,
+`qgraph.quant.qdq`, `qgraph.graph.ops` and `qgraph.runtime.compare` only.
 """

@@ -5,12 +5,12 @@ For a layer ``Y = A · W`` on raw activation codes ``a`` and weight codes ``w``,
 
     corr_n = Σ_{risky pairs i of channel n} (sat16(p_i) - p_i)
 
-and only the pairs `qgraph.runtime.kernels.pairs.risky_pairs` lists can contribute. The subgraph gathers those pairs' codes
-(``Gather`` on K; a convolution's codes are first unfolded channels-last with one strided ``Slice`` per kernel
-offset over the input padded with the zero point), forms ``p``, takes ``Clip(p) - p`` (exact in float32: |p| <=
-65280), sums it per output channel with one ``CumSum`` in float64 over the channel-sorted pairs (differences at
-segment ends; exact) and adds ``corr`` to the layer's output: scaled by ``s_a · s_w[n]`` (and Gemm's alpha) for a
-float output, as int32 for an integer accumulator. Cost: O(rows · risky pairs), nothing for a layer without them.
+and only the pairs `qgraph.runtime.kernels.pairs.risky_pairs` lists can contribute. The subgraph gathers those pairs'
+codes (``Gather`` on K; a convolution's codes are first unfolded channels-last with one strided ``Slice`` per kernel
+offset over the input padded with the zero point), forms ``p``, takes ``Clip(p) - p`` (exact in float32: |p| <= 65280),
+sums it per output channel with one ``CumSum`` in float64 over the channel-sorted pairs (differences at segment ends;
+exact) and adds ``corr`` to the layer's output: scaled by ``s_a · s_w[n]`` (and Gemm's alpha) for a float output, as
+int32 for an integer accumulator. Cost: O(rows · risky pairs), nothing for a layer without them.
 
 Two scalar outputs per layer count the pair sums that saturated and the risky pair sums computed, so a measurement
 can say how often each layer saturated on the data.

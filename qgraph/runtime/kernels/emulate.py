@@ -9,10 +9,11 @@ VNNI and ARM dot products compute. Two things stand between that and a given CPU
    ``MatMulIntegerToFloat``) run onnxruntime's real integer kernels even with optimizations off, so on an AVX2
    host they saturate. The fused forms are expanded into their standard-op definitions; where this host's kernels
    saturate, ``MatMulInteger``/``ConvInteger`` become the same sums in float64/float32 (exact).
-2. **AVX2 without VNNI** adds adjacent u8 x s8 products into a saturating int16 (`qgraph.runtime.kernels.pairs`). For that
+2. **AVX2 without VNNI** adds adjacent u8 x s8 products into a saturating int16 (`qgraph.runtime.kernels.pairs`). For
+   that
    target every layer that runs as a u8 x s8 integer kernel on deployment gets the correction subgraph of
-   `qgraph.runtime.kernels.corrections` for exactly the weight pairs that can overflow. Which Q/DQ layers fuse is asked of
-   onnxruntime itself: the graph its optimizer (``ORT_ENABLE_EXTENDED``) writes names each fused kernel after the
+   `qgraph.runtime.kernels.corrections` for exactly the weight pairs that can overflow. Which Q/DQ layers fuse is asked
+   of onnxruntime itself: the graph its optimizer (``ORT_ENABLE_EXTENDED``) writes names each fused kernel after the
    layer it replaces.
 
 Measured against onnxruntime 1.32's AVX2 kernels under qemu-user on convolutions (odd/even channels, groups,

@@ -155,7 +155,8 @@ class Kernels:
     def session(self, model: onnx.ModelProto | str | Path, *, weights: Mapping[str, np.ndarray] | None = None,
                 mem_pattern: bool = True, threads: int = 1, count: bool = False) -> Any:
         """An onnxruntime CPU session that computes ``model`` with these kernels (``weights``: the values of a
-        weightless model's placeholders, `qgraph.runtime.compare.make_session`). An emulated AVX2 session counts the pair
+        weightless model's placeholders, `qgraph.runtime.compare.make_session`). An emulated AVX2 session counts the
+        pair
         sums that saturate (`saturation_of`); with ``count``, so does a deployed one on an AVX2 host (the
         emulation runs beside it for the counts only: twice the work)."""
         import onnxruntime as ort
