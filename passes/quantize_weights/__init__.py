@@ -32,8 +32,9 @@ from qgraph.target import CalibrationSpec
 from .awq import search_scales
 from .config import QuantizeWeightsConfig
 from .emission import Layer, as_layer, emit
-from .gptq import quantize_gptq
+from .gptq import HessianFactor, inverse_hessian_factor, quantize_gptq
 from .hqq import quantize_hqq
+from .mixed import output_errors, promote, weight_error
 from .packing import Packed, dequantize_linear, matmul_nbits
 from .rtn import quantize_rtn
 from .stats import InputStats, collect
@@ -81,15 +82,45 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         stats = collect(graph, ctx, sorted({str(lay.node.inputs[0].name) for lay in layers})) if cfg.needs_data \
             else {}
         scales = self._awq(graph, layers, stats, res) if cfg.algorithm == "awq" else {}
+        self._factors: dict[str, HessianFactor] = {}
+        results = [self._quantize_layer(layer, stats, scales, 8 if id(layer.node) in wide else cfg.bits)
+                   for layer in layers]
+        if cfg.keep_8bit_budget > 0:
+            self._promote(graph, ctx, layers, results, stats, scales, wide, res)
+        self._emit_all(graph, layers, results, res)
+        self._summarise(res, len(layers), [str(lay.node.name) for lay in layers if id(lay.node) in wide])
+        return res
+
+    def _quantize_layer(self, layer: Layer, stats: dict[str, InputStats],
+                        scales: dict[int, npt.NDArray[np.float64]], bits: int) -> BlockQuant:
+        fmt = BlockFormat(bits, self.config.block_size, self.config.symmetric)
+        name = str(layer.node.inputs[0].name)
+        return self._quantize(layer.matrix(), fmt, stats.get(name), scales.get(id(layer.node)), name)
+
+    def _promote(self, graph: GraphHandle, ctx: PassContext, layers: list[Layer], results: list[BlockQuant],
+                 stats: dict[str, InputStats], scales: dict[int, npt.NDArray[np.float64]], wide: set[int],
+                 res: PassResult) -> None:
+        """Re-quantize the layers `mixed.promote` picks within ``keep_8bit_budget`` with 8-bit codes."""
+        todo = [i for i, lay in enumerate(layers) if id(lay.node) not in wide]
+        measured = output_errors(graph, ctx, [(layers[i].weight_name, layers[i].stored(results[i].dequantize()))
+                                              for i in todo])
+        errors = measured if measured is not None else [weight_error(layers[i].matrix(), results[i]) for i in todo]
+        what = "output error alone" if measured is not None else "relative weight error"
+        sizes = [results[i].k * results[i].codes.shape[0] for i in todo]
+        budget = self.config.keep_8bit_budget * sum(r.k * r.codes.shape[0] for r in results)
+        for j in promote(errors, sizes, budget / max(sum(sizes), 1)):
+            i = todo[j]
+            results[i] = self._quantize_layer(layers[i], stats, scales, 8)
+            wide.add(id(layers[i].node))
+            res.notes.append(f"{layers[i].node.name}: 8-bit ({what} at {self.config.bits} bits {errors[j]:.2e})")
+
+    def _emit_all(self, graph: GraphHandle, layers: list[Layer], results: list[BlockQuant],
+                  res: PassResult) -> None:
         inserts: dict[int, list[gs.Node]] = {}
         before = after = 0
-        for layer in layers:
-            fmt = BlockFormat(8 if id(layer.node) in wide else cfg.bits, cfg.block_size, cfg.symmetric)
-            w = layer.matrix()
-            st = stats.get(str(layer.node.inputs[0].name))
-            bq = self._quantize(w, fmt, st, scales.get(id(layer.node)))
+        for layer, bq in zip(layers, results, strict=True):
             packed = self.pack(bq, layer.weight_name, layer.dtype, layer.linear.transposed)
-            before += w.size * layer.dtype.itemsize
+            before += bq.k * bq.codes.shape[0] * layer.dtype.itemsize
             after += packed.nbytes
             created = emit(graph, layer, packed)
             for node in created:
@@ -102,8 +133,8 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             if mine:
                 rebuild(scope, replacements=mine)
         res.nodes_added = sum(len(v) - 1 for v in inserts.values())
-        self._summarise(res, len(layers), len(wide), before, after)
-        return res
+        res.details = {"weight_bytes": [before, after], "algorithm": self.config.algorithm,
+                       "format": self.config.format}
 
     def pack(self, bq: BlockQuant, base: str, dtype: np.dtype[Any], transposed: bool) -> Packed:
         """The configured format's tensors for one quantized weight."""
@@ -114,10 +145,10 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
 
     def quantize_matrix(self, w: npt.NDArray[np.floating], fmt: BlockFormat) -> BlockQuant:
         """A data-free algorithm (rtn/hqq) on one ``W [K, N]`` (the streamed path uses it)."""
-        return self._quantize(w, fmt, None, None)
+        return self._quantize(w, fmt, None, None, "")
 
     def _quantize(self, w: npt.NDArray[np.floating], fmt: BlockFormat, st: InputStats | None,
-                  awq_s: npt.NDArray[np.float64] | None) -> BlockQuant:
+                  awq_s: npt.NDArray[np.float64] | None, name: str) -> BlockQuant:
         cfg = self.config
         h_diag = None
         if st is not None:
@@ -126,7 +157,9 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             return quantize_hqq(w, fmt, cfg.clip_ratios, cfg.hqq_iterations, cfg.hqq_lp_norm,
                                 float_zero=cfg.format == "matmul_nbits")
         if cfg.algorithm == "gptq" and st is not None:
-            return quantize_gptq(w, fmt, st.hessian, cfg.clip_ratios, cfg.damping, cfg.gptq_batch, cfg.act_order)
+            if name not in self._factors:  # Q/K/V read one input: one factorisation of its Hessian
+                self._factors[name] = inverse_hessian_factor(st.hessian, cfg.damping, cfg.act_order)
+            return quantize_gptq(w, fmt, self._factors[name], np.diag(st.hessian), cfg.clip_ratios, cfg.gptq_batch)
         return quantize_rtn(w, fmt, cfg.clip_ratios, h_diag)
 
     def _layers(self, graph: GraphHandle, res: PassResult) -> list[Layer]:
@@ -200,13 +233,17 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         res.decide(f"opset raised {before} -> {QDQ_OPSET}: blocked DequantizeLinear (block_size) needs opset "
                    f">= {QDQ_OPSET}")
 
-    def _summarise(self, res: PassResult, n: int, wide: int, before: int, after: int) -> None:
+    def _summarise(self, res: PassResult, n: int, wide: list[str]) -> None:
         cfg = self.config
+        before, after = res.details["weight_bytes"]
         what = "com.microsoft.MatMulNBits" if cfg.format == "matmul_nbits" else "blocked DequantizeLinear"
         res.decide(f"{n} weight(s) quantized by {cfg.algorithm}, {cfg.bits}-bit "
                    f"{'symmetric' if cfg.symmetric else 'with zero points'}, block {cfg.block_size}, as {what}: "
                    f"{before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / max(before, 1):.3f}x)")
         if wide:
-            res.decide(f"{wide} layer(s) kept 8-bit (keep_8bit)")
-        res.details = {"weight_bytes": [before, after], "algorithm": cfg.algorithm, "format": cfg.format}
+            how = [w for w, on in (("keep_8bit", cfg.keep_8bit is not None),
+                                   (f"keep_8bit_budget {cfg.keep_8bit_budget:g}: largest relative output error",
+                                    cfg.keep_8bit_budget > 0)) if on]
+            shown = ", ".join(wide[:8]) + (f" and {len(wide) - 8} more" if len(wide) > 8 else "")
+            res.decide(f"{len(wide)} layer(s) kept 8-bit ({'; '.join(how)}): {shown}")
 

@@ -60,6 +60,12 @@ class QuantizeWeightsConfig(PassConfig):
         default=None,
         description="Selected layers quantized with 8-bit codes instead (sensitive layers: the first/last).",
     )
+    keep_8bit_budget: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="Fraction of the selected weights (by count) that may be kept 8-bit, the layers whose 4-bit "
+        "weight alone costs the most output error first (measured on calibration samples; without data, by "
+        "relative weight error). 0.2 keeps 4-bit block-32 MatMul weights under 0.2x their float bytes.",
+    )
     hqq_iterations: int = Field(default=20, ge=1, le=200, description="hqq: proximal iterations per weight.")
     hqq_lp_norm: float = Field(default=0.7, gt=0, le=1, description="hqq: p of the sparsity-promoting l_p error.")
     damping: float = Field(

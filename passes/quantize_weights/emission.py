@@ -55,6 +55,11 @@ class Layer:
         m = self.linear.matrix(np.asarray(w))
         return np.asarray(m * np.float32(self.alpha) if self.alpha != 1.0 else m, np.float32)
 
+    def stored(self, matrix: np.ndarray) -> np.ndarray:
+        """A ``[K, N]`` matrix in the weight's stored layout and dtype (Gemm ``transB``, ``alpha`` undone)."""
+        m = matrix / np.float32(self.alpha) if self.alpha != 1.0 else matrix
+        return np.ascontiguousarray(m.T if self.linear.transposed else m).astype(self.dtype)
+
     @property
     def dtype(self) -> np.dtype[Any]:
         """The weight's float type (scales are stored in it)."""

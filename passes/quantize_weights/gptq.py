@@ -22,6 +22,7 @@ and needs no ``g_idx``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -31,43 +32,55 @@ from qgraph.blockwise import BlockFormat, BlockQuant, channel_weights, search_cl
 F64 = npt.NDArray[np.float64]
 
 
-def inverse_hessian_factor(h: F64, damping: float) -> tuple[F64, npt.NDArray[np.bool_]]:
-    """``U`` (upper) with ``H⁻¹ = UᵀU`` after damping, and the dead channels (``H_kk = 0``)."""
+@dataclass(frozen=True)
+class HessianFactor:
+    """``U`` (upper) with ``H_π⁻¹ = UᵀU`` for the damped Hessian in sweep order ``π``, and the dead channels."""
+
+    u: F64
+    dead: npt.NDArray[np.bool_]
+    order: npt.NDArray[np.intp]
+
+
+def inverse_hessian_factor(h: F64, damping: float, act_order: bool) -> HessianFactor:
+    """The factor GPTQ sweeps with (module docstring): channels by decreasing ``H_kk`` with ``act_order``, else in
+    order; the permutation is applied to ``H`` before factorising (the factor of a permuted matrix is not the
+    permuted factor)."""
     h = np.array(h, np.float64)
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(h.shape[0])
+    h = h[np.ix_(order, order)]
     damp = damping * float(np.mean(np.diag(h)))
     h[np.diag_indices_from(h)] += damp
     for _ in range(6):  # a near-singular H (few samples): more damping until the factorisation exists
         try:
-            low = np.linalg.cholesky(h)
-            inv = np.linalg.inv(low)
-            return np.linalg.cholesky(inv.T @ inv).T, dead
+            # H = R Rᵀ with R upper (Cholesky of the reversed matrix, reversed back), so H⁻¹ = UᵀU, U = R⁻¹:
+            # one factorisation and one triangular inverse instead of inverting H and factorising H⁻¹
+            r = np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
+            return HessianFactor(np.linalg.inv(r), dead, order)
         except np.linalg.LinAlgError:
             h[np.diag_indices_from(h)] += damp * 10
             damp *= 10
     raise np.linalg.LinAlgError("Hessian not positive definite after damping")
 
 
-def quantize_gptq(w: npt.NDArray[np.floating], fmt: BlockFormat, h: F64, ratios: Sequence[float], damping: float,
-                  batch: int, act_order: bool) -> BlockQuant:
-    """``W [K, N]`` quantized by GPTQ against the Hessian ``h [K, K]`` (module docstring)."""
+def quantize_gptq(w: npt.NDArray[np.floating], fmt: BlockFormat, factor: HessianFactor, h_diag: F64,
+                  ratios: Sequence[float], batch: int) -> BlockQuant:
+    """``W [K, N]`` quantized by GPTQ with ``factor = inverse_hessian_factor(H, damping, act_order)`` and
+    ``diag H`` (module docstring)."""
     k, n = w.shape
     bs, nb = fmt.block_size, fmt.n_blocks(k)
-    u, dead = inverse_hessian_factor(h, damping)
-    diag = np.diag(h).astype(np.float32)
+    u_p, dead, order = factor.u, factor.dead, factor.order
+    act_order = bool(np.any(order != np.arange(k)))
+    diag = np.asarray(h_diag, np.float32)
     wt = np.zeros((n, nb * bs), np.float64)  # rows = outputs, columns = input channels (zero-padded)
     wt[:, :k] = np.asarray(w, np.float64).T
     wt[:, :k][:, dead] = 0.0
     scale = np.zeros((n, nb), np.float32)
     zero = np.zeros((n, nb), np.float32)
-    if act_order:
+    if act_order:  # static groups: block parameters from the float weights, fixed before the sweep
         blocks = to_blocks(wt[:, :k].T, bs)
         scale, zero = search_clip(blocks, fmt, ratios, channel_weights(diag, k, bs))
-        order = np.argsort(-diag, kind="stable")
-    else:
-        order = np.arange(k)
-    u_p = u[np.ix_(order, order)]
     work = wt[:, order]  # channels in sweep order
     codes = np.zeros((n, nb * bs), np.uint8)
     batch = max(bs, -(-batch // bs) * bs)

@@ -34,7 +34,7 @@ class InputStats:
 
     def update(self, x: npt.NDArray[np.floating], sample_index: int | None = None, /) -> None:
         """Fold one batch (any leading shape, channels last)."""
-        flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        flat = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
         if not np.all(np.isfinite(flat)):
             raise PassError(f"quantize_weights: tensor {self.name!r} holds NaN/Inf on calibration sample "
                             f"{sample_index}; fix the model or the data")
@@ -43,8 +43,8 @@ class InputStats:
             self.gram = np.zeros((self.channels, self.channels))
             self.abs_sum = np.zeros(self.channels)
         assert self.abs_sum is not None
-        self.gram += flat.T @ flat
-        self.abs_sum += np.abs(flat).sum(axis=0)
+        self.gram += flat.T @ flat  # float32 product per batch (BLAS speed), summed in float64 across batches
+        self.abs_sum += np.abs(flat).sum(axis=0, dtype=np.float64)
         self.rows += flat.shape[0]
 
     @property
