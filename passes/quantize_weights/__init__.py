@@ -18,6 +18,7 @@ DequantizeLinear): it rewrites nothing.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,8 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             else {}
         scales = self._awq(graph, layers, stats, res) if cfg.algorithm == "awq" else {}
         self._factors: dict[str, HessianFactor] = {}
+        self._deadline = time.monotonic() + cfg.time_budget_s if cfg.time_budget_s else None
+        self._late: list[str] = []
         results = [self._quantize_layer(layer, stats, scales, 8 if id(layer.node) in wide else cfg.bits)
                    for layer in layers]
         if cfg.keep_8bit_budget > 0:
@@ -153,10 +156,15 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         h_diag = None
         if st is not None:
             h_diag = np.diag(st.hessian) / (awq_s**2 if awq_s is not None else 1.0)
+        if fmt.bits > cfg.bits:  # a layer kept 8-bit: 16x less rounding error, the clip search is enough
+            return quantize_rtn(w, fmt, cfg.clip_ratios, h_diag)
         if cfg.algorithm == "hqq":
             return quantize_hqq(w, fmt, cfg.clip_ratios, cfg.hqq_iterations, cfg.hqq_lp_norm,
                                 float_zero=cfg.format == "matmul_nbits")
-        if cfg.algorithm == "gptq" and st is not None:
+        if cfg.algorithm == "gptq" and st is not None and self._deadline is not None \
+                and time.monotonic() > self._deadline:
+            self._late.append(name)
+        elif cfg.algorithm == "gptq" and st is not None:
             if name not in self._factors:  # Q/K/V read one input: one factorisation of its Hessian
                 self._factors[name] = inverse_hessian_factor(st.hessian, cfg.damping, cfg.act_order)
             return quantize_gptq(w, fmt, self._factors[name], np.diag(st.hessian), cfg.clip_ratios, cfg.gptq_batch)
@@ -240,6 +248,9 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         res.decide(f"{n} weight(s) quantized by {cfg.algorithm}, {cfg.bits}-bit "
                    f"{'symmetric' if cfg.symmetric else 'with zero points'}, block {cfg.block_size}, as {what}: "
                    f"{before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / max(before, 1):.3f}x)")
+        if self._late:
+            res.decide(f"gptq: time_budget_s {cfg.time_budget_s:g} s ran out: {len(self._late)} layer(s) quantized by "
+                       "rtn (clip search weighted by E[x²]) instead", attention=True)
         if wide:
             how = [w for w, on in (("keep_8bit", cfg.keep_8bit is not None),
                                    (f"keep_8bit_budget {cfg.keep_8bit_budget:g}: largest relative output error",

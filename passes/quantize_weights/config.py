@@ -77,6 +77,11 @@ class QuantizeWeightsConfig(PassConfig):
         description="gptq: quantize input channels by decreasing Hessian diagonal (block scales are fixed "
         "beforehand so the stored layout stays sequential).",
     )
+    time_budget_s: float | None = Field(
+        default=None, gt=0,
+        description="gptq: seconds for the GPTQ sweeps (after the calibration pass); layers not reached are "
+        "quantized by rtn with the clip search weighted by E[x²] (reported).",
+    )
     awq_grid: int = Field(default=20, ge=2, le=100, description="awq: α values tried in [0, 1).")
 
     @model_validator(mode="after")
@@ -89,7 +94,7 @@ class QuantizeWeightsConfig(PassConfig):
         set_ = self.model_fields_set
         if self.format == "qdq" and "accuracy_level" in set_:
             raise ValueError("accuracy_level is a MatMulNBits attribute: remove it or use `format: matmul_nbits`")
-        own = {"hqq": ("hqq_iterations", "hqq_lp_norm"), "gptq": ("damping", "gptq_batch", "act_order"),
+        own = {"hqq": ("hqq_iterations", "hqq_lp_norm"), "gptq": ("damping", "gptq_batch", "act_order", "time_budget_s"),
                "awq": ("awq_grid",)}
         for algo, options in own.items():
             stray = [o for o in options if o in set_ and self.algorithm != algo]
