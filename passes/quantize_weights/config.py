@@ -94,8 +94,8 @@ class QuantizeWeightsConfig(PassConfig):
         set_ = self.model_fields_set
         if self.format == "qdq" and "accuracy_level" in set_:
             raise ValueError("accuracy_level is a MatMulNBits attribute: remove it or use `format: matmul_nbits`")
-        own = {"hqq": ("hqq_iterations", "hqq_lp_norm"), "gptq": ("damping", "gptq_batch", "act_order", "time_budget_s"),
-               "awq": ("awq_grid",)}
+        own = {"hqq": ("hqq_iterations", "hqq_lp_norm"), "awq": ("awq_grid",),
+               "gptq": ("damping", "gptq_batch", "act_order", "time_budget_s")}
         for algo, options in own.items():
             stray = [o for o in options if o in set_ and self.algorithm != algo]
             if stray:

@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
-from qgraph import DataError, GraphHandle, PassContext, PassError, Pipeline, Recipe, RecipeError
 from qgraph.passes.quantize_weights import QuantizeWeights
 from qgraph.passes.quantize_weights.streaming import quantize_file
+
+from qgraph import DataError, GraphHandle, PassContext, PassError, Pipeline, Recipe, RecipeError
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 ROOT = Path(__file__).resolve().parents[2]

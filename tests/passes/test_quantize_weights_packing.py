@@ -9,6 +9,7 @@ import onnxruntime as ort
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
+from qgraph.passes.quantize_weights.packing import dequantize_linear, matmul_nbits
 
 from qgraph.blockwise import (
     BlockFormat,
@@ -20,7 +21,6 @@ from qgraph.blockwise import (
     unpack_int4,
     unpack_zero_points,
 )
-from qgraph.passes.quantize_weights.packing import dequantize_linear, matmul_nbits
 
 FORMATS = st.builds(BlockFormat, bits=st.sampled_from([4, 8]), block_size=st.sampled_from([16, 32, 64, 128, 256]),
                     symmetric=st.booleans())
