@@ -160,6 +160,8 @@ def search_clip(blocks: F32, fmt: BlockFormat, ratios: Sequence[float] = DEFAULT
                 weights: F32 | None = None) -> tuple[F32, F32]:
     """Per block, the ``(scale, zero_point)`` of the ratio in ``ratios`` with the least (weighted) squared
     error, in chunks of rows (memory O(chunk), not O(weight) per candidate)."""
+    if len(ratios) == 1:  # nothing to compare: no error to compute
+        return block_params(blocks, fmt, ratios[0])
     n, nb, bs = blocks.shape
     scale = np.empty((n, nb), np.float32)
     zero = np.empty((n, nb), np.float32)
