@@ -25,7 +25,9 @@ the first in the low nibble: `pack_int4`. Signed storage (``int4``/``int8``) hol
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,19 +168,25 @@ def search_clip(blocks: F32, fmt: BlockFormat, ratios: Sequence[float] = DEFAULT
     scale = np.empty((n, nb), np.float32)
     zero = np.empty((n, nb), np.float32)
     step = max(1, _CHUNK_ELEMENTS // max(1, nb * bs))
-    for lo in range(0, n, step):
+
+    def chunk(lo: int) -> None:
         part = blocks[lo:lo + step]
-        best_err: F32 | None = None
-        for r in ratios:
+        best_s, best_z = block_params(part, fmt, ratios[0])
+        best_err = block_error(part, best_s, best_z, fmt.qmax, weights)
+        for r in ratios[1:]:
             s, z = block_params(part, fmt, r)
             err = block_error(part, s, z, fmt.qmax, weights)
-            if best_err is None:
-                best_err, bs_, bz = err, s, z
-                continue
             better = err < best_err
             best_err = np.where(better, err, best_err)
-            bs_, bz = np.where(better, s, bs_), np.where(better, z, bz)
-        scale[lo:lo + step], zero[lo:lo + step] = bs_, bz
+            best_s, best_z = np.where(better, s, best_s), np.where(better, z, best_z)
+        scale[lo:lo + step], zero[lo:lo + step] = best_s, best_z
+
+    starts = range(0, n, step)
+    if len(starts) > 1:  # numpy releases the GIL: chunks of one layer run on every core (same result)
+        with ThreadPoolExecutor(max_workers=min(len(starts), os.cpu_count() or 1)) as pool:
+            list(pool.map(chunk, starts))
+    else:
+        chunk(0)
     return scale, zero
 
 

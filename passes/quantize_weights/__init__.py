@@ -160,7 +160,7 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             return quantize_rtn(w, fmt, cfg.clip_ratios, h_diag)
         if cfg.algorithm == "hqq":
             return quantize_hqq(w, fmt, cfg.clip_ratios, cfg.hqq_iterations, cfg.hqq_lp_norm,
-                                float_zero=cfg.format == "matmul_nbits")
+                                float_zero=cfg.format == "matmul_nbits" and fmt.bits == 4)  # CPU kernel: 4-bit only
         if cfg.algorithm == "gptq" and st is not None and self._deadline is not None \
                 and time.monotonic() > self._deadline:
             self._late.append(name)

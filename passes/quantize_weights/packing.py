@@ -60,6 +60,8 @@ def matmul_nbits(bq: BlockQuant, base: str, dtype: np.dtype[Any], accuracy_level
         "scales": _dense(f"{base}/scale", bq.scale.reshape(-1).astype(dtype)),
     }
     if not fmt.symmetric:
+        if fmt.bits == 8 and not bq.integer_zero_points:
+            raise ValueError("MatMulNBits on CPU reads float zero points only with 4-bit codes")
         z = (pack_zero_points(bq.zero_point, fmt.bits) if bq.integer_zero_points
              else bq.zero_point.reshape(-1).astype(dtype))
         tensors["zero_points"] = _dense(f"{base}/zero_point", z)
