@@ -13,8 +13,11 @@ channels, N outputs) is cut, per output column ``n``, into ``nb = ceil(K / B)`` 
   ``s = r · max_k |w| / (2^(b-1) - 1)``.
 
 ``r`` (the clip ratio, 1 = the block's full range) is chosen per block by `search_clip`: the ratio of a grid
-minimising the block's squared error ``Σ_k h_k (w_k - w'_k)²`` (``h`` optional per-input-channel weights, e.g. the
-Hessian diagonal ``E[x_k²]``: an error on a large input counts more).
+minimising the block's expected output error ``Σ_k h_k Δ_k² + (Σ_k √h_k Δ_k)² / B`` (``Δ = w' - w``; ``h``
+optional per-input-channel weights, e.g. the Hessian diagonal ``E[x_k²]``: an error on a large input counts more).
+The second term is why clipping is not free: rounding errors are unbiased and cancel over a dot product, clipping
+errors all shrink the block toward zero and add up coherently wherever inputs have a mean (GELU and softmax outputs
+are positive); it is ``E[(Σ x_k Δ_k)²]`` for inputs whose mean equals their spread.
 
 Layouts (exactly onnxruntime's ``com.microsoft.MatMulNBits``): ``B [N, nb, B·b/8]`` uint8, 4-bit codes two per
 byte, element ``2i`` in the low nibble and ``2i + 1`` in the high one; ``scales [N, nb]`` (stored flat);
@@ -139,13 +142,16 @@ def dequantize_blocks(codes: U8, scale: F32, zero_point: F32) -> F32:
 
 
 def block_error(blocks: F32, scale: F32, zero_point: F32, qmax: int, weights: F32 | None = None) -> F32:
-    """``Σ_k h_k (w_k - w'_k)²`` per block ``[N, nb]`` (``weights`` ``[nb, B]``, None: all 1)."""
+    """``Σ_k h_k Δ_k² + (Σ_k √h_k Δ_k)² / B`` per block ``[N, nb]``, ``Δ = w' - w`` (``weights`` ``h`` as
+    ``[nb, B]``, None: all 1): the expected squared error of the block's share of ``x · w`` for inputs whose mean
+    is as large as their spread (module docstring)."""
     q = np.clip(np.rint(blocks / scale[..., None] + zero_point[..., None]), 0, qmax)
     d = (q - zero_point[..., None]) * scale[..., None] - blocks
-    d *= d
     if weights is not None:
-        d *= weights[None]
-    return np.asarray(d.sum(axis=-1), np.float32)
+        d *= np.sqrt(weights)[None]
+    bias = d.sum(axis=-1)
+    d *= d
+    return np.asarray(d.sum(axis=-1) + bias * bias / blocks.shape[-1], np.float32)
 
 
 def channel_weights(h: npt.NDArray[np.floating] | None, k: int, block_size: int) -> F32 | None:
