@@ -19,6 +19,7 @@ DequantizeLinear): it rewrites nothing.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,16 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         res.nodes_added = sum(len(v) - 1 for v in inserts.values())
         res.details = {"weight_bytes": [before, after], "algorithm": self.config.algorithm,
                        "format": self.config.format}
+
+    def streams_file(self) -> bool:
+        """rtn/hqq into MatMulNBits stream a file one initializer at a time (`streaming`)."""
+        return not self.config.needs_data and self.config.format == "matmul_nbits"
+
+    def run_file(self, src: Path, dst: Path) -> PassResult:
+        """`streaming.quantize_file`."""
+        from .streaming import quantize_file
+
+        return quantize_file(src, dst, self)
 
     def pack(self, bq: BlockQuant, base: str, dtype: np.dtype[Any], transposed: bool) -> Packed:
         """The configured format's tensors for one quantized weight."""

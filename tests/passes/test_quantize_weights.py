@@ -42,6 +42,14 @@ def mlp(seed: int = 0) -> onnx.ModelProto:
     return model
 
 
+def _save_external(model: onnx.ModelProto, path: Path) -> None:
+    """``model`` with every initializer in ``path.name + ".data"`` (text-parsed tensors hold float_data: made raw)."""
+    raw = [onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t), t.name) for t in model.graph.initializer]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(raw)
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
+
+
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -133,7 +141,7 @@ def test_streamed_file_gives_the_in_memory_result(tmp_path: Path) -> None:
     onnx.helper.make_attribute("transB", 1)
     model.graph.node[3].attribute.extend([onnx.helper.make_attribute("transB", 1)])
     del model.graph.node[3].input[2]
-    onnx.save(model, str(src), save_as_external_data=True, location="mlp.onnx.data", size_threshold=0)
+    _save_external(model, src)
     q = QuantizeWeights(algorithm="hqq")
     res = quantize_file(src, tmp_path / "out.onnx", q)
     assert res.rewritten == 2 and (tmp_path / "out.onnx.data").exists()
@@ -185,3 +193,21 @@ def test_qdq_recipe_on_an_encoder() -> None:
     dq = [n for n in out.graph.node if n.op_type == "DequantizeLinear"]
     assert dq and all(n.name.endswith("/dq") for n in dq)
     assert _cosine(model, out, transformer_encoder_inputs(4, seq=32, d_model=64, seed=9)) > 0.98
+
+
+def test_qgraph_run_streams_a_data_free_recipe_over_external_data(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from qgraph.cli import app
+
+    src = tmp_path / "mlp.onnx"
+    _save_external(mlp(), src)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: w4\npasses:\n  - pass: quantize_weights\n    algorithm: rtn\n")
+    out = tmp_path / "out.onnx"
+    result = CliRunner().invoke(app, ["run", str(recipe), str(src), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "streamed" in result.output and "Gemm with a bias C" in result.output  # the stream's one refusal, said
+    model = onnx.load(str(out))
+    assert _ops(model) == ["Add", "Gemm", "MatMulNBits", "Relu"]
+    assert (tmp_path / "out.onnx.data").exists()
