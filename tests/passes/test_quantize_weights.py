@@ -211,3 +211,17 @@ def test_qgraph_run_streams_a_data_free_recipe_over_external_data(tmp_path: Path
     model = onnx.load(str(out))
     assert _ops(model) == ["Add", "Gemm", "MatMulNBits", "Relu"]
     assert (tmp_path / "out.onnx.data").exists()
+
+
+@pytest.mark.parametrize("fmt", ["matmul_nbits", "qdq"])
+def test_diff_blames_blocks_and_compares_numbers(fmt: str, tmp_path: Path) -> None:
+    from qgraph.diff import diff_files
+
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    onnx.save(mlp(), str(a))
+    onnx.save(Pipeline([QuantizeWeights(format=fmt)]).run(mlp()).model, str(b))  # type: ignore[arg-type]
+    np.savez(tmp_path / "ev.npz", x=X[:4])
+    structural, numeric = diff_files(a, b, inputs=tmp_path / "ev.npz", samples=4)
+    assert sorted(r.node for r in structural.blocks) == ["Gemm(y)", "MatMul(h)"]
+    assert all(15 < r.weight_sqnr_db < 40 and 0 < r.worst_block_share <= 1 for r in structural.blocks)
+    assert numeric is not None and [(d.tensor, d.sqnr_db > 15) for d in numeric.outputs] == [("y", True)]
