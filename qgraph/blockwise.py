@@ -29,7 +29,7 @@ the first in the low nibble: `pack_int4`. Signed storage (``int4``/``int8``) hol
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -164,45 +164,65 @@ def channel_weights(h: npt.NDArray[np.floating] | None, k: int, block_size: int)
     return out.reshape(nb, block_size)
 
 
+def _best_ratio(part: F32, fmt: BlockFormat, ratios: Sequence[float], weights: F32 | None) -> tuple[F32, F32]:
+    """`search_clip` on one chunk of rows, single-threaded."""
+    best_s, best_z = block_params(part, fmt, ratios[0])
+    if len(ratios) == 1:  # nothing to compare: no error to compute
+        return best_s, best_z
+    best_err = block_error(part, best_s, best_z, fmt.qmax, weights)
+    for r in ratios[1:]:
+        s, z = block_params(part, fmt, r)
+        err = block_error(part, s, z, fmt.qmax, weights)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s, best_z = np.where(better, s, best_s), np.where(better, z, best_z)
+    return best_s, best_z
+
+
+def _over_rows(n: int, step: int, work: Callable[[int, int], None]) -> None:
+    """``work(lo, hi)`` for every chunk of ``step`` rows of ``n``, on every core: numpy releases the GIL, and each
+    chunk writes its own rows, so the result does not depend on the threads."""
+    starts = range(0, n, step)
+    if len(starts) < 2:
+        work(0, n)
+        return
+    with ThreadPoolExecutor(max_workers=min(len(starts), os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda lo: work(lo, min(lo + step, n)), starts))
+
+
 def search_clip(blocks: F32, fmt: BlockFormat, ratios: Sequence[float] = DEFAULT_RATIOS,
                 weights: F32 | None = None) -> tuple[F32, F32]:
-    """Per block, the ``(scale, zero_point)`` of the ratio in ``ratios`` with the least (weighted) squared
-    error, in chunks of rows (memory O(chunk), not O(weight) per candidate)."""
-    if len(ratios) == 1:  # nothing to compare: no error to compute
-        return block_params(blocks, fmt, ratios[0])
+    """Per block, the ``(scale, zero_point)`` of the ratio in ``ratios`` with the least `block_error`, in chunks of
+    rows (memory O(chunk), not O(weight) per candidate)."""
     n, nb, bs = blocks.shape
     scale = np.empty((n, nb), np.float32)
     zero = np.empty((n, nb), np.float32)
-    step = max(1, _CHUNK_ELEMENTS // max(1, nb * bs))
 
-    def chunk(lo: int) -> None:
-        part = blocks[lo:lo + step]
-        best_s, best_z = block_params(part, fmt, ratios[0])
-        best_err = block_error(part, best_s, best_z, fmt.qmax, weights)
-        for r in ratios[1:]:
-            s, z = block_params(part, fmt, r)
-            err = block_error(part, s, z, fmt.qmax, weights)
-            better = err < best_err
-            best_err = np.where(better, err, best_err)
-            best_s, best_z = np.where(better, s, best_s), np.where(better, z, best_z)
-        scale[lo:lo + step], zero[lo:lo + step] = best_s, best_z
+    def work(lo: int, hi: int) -> None:
+        scale[lo:hi], zero[lo:hi] = _best_ratio(blocks[lo:hi], fmt, ratios, weights)
 
-    starts = range(0, n, step)
-    if len(starts) > 1:  # numpy releases the GIL: chunks of one layer run on every core (same result)
-        with ThreadPoolExecutor(max_workers=min(len(starts), os.cpu_count() or 1)) as pool:
-            list(pool.map(chunk, starts))
-    else:
-        chunk(0)
+    _over_rows(n, max(1, _CHUNK_ELEMENTS // max(1, nb * bs)), work)
     return scale, zero
 
 
 def quantize_weight(w: npt.NDArray[np.floating], fmt: BlockFormat, ratios: Sequence[float] = (1.0,),
                     h: npt.NDArray[np.floating] | None = None) -> BlockQuant:
-    """Round-to-nearest block quantization of ``W [K, N]`` with the per-block clip search of `search_clip`."""
-    k = w.shape[0]
-    blocks = to_blocks(w, fmt.block_size)
-    scale, zero = search_clip(blocks, fmt, ratios, channel_weights(h, k, fmt.block_size))
-    return BlockQuant(fmt, k, quantize_blocks(blocks, scale, zero, fmt.qmax), scale, zero)
+    """Round-to-nearest block quantization of ``W [K, N]`` with the per-block clip search of `search_clip`, by
+    chunks of output columns (blocks, parameters and codes of one chunk at a time, on every core)."""
+    k, n = w.shape
+    nb, bs = fmt.n_blocks(k), fmt.block_size
+    weights = channel_weights(h, k, bs)
+    codes = np.empty((n, nb, bs), np.uint8)
+    scale = np.empty((n, nb), np.float32)
+    zero = np.empty((n, nb), np.float32)
+
+    def work(lo: int, hi: int) -> None:
+        blocks = to_blocks(w[:, lo:hi], bs)
+        s, z = _best_ratio(blocks, fmt, ratios, weights)
+        codes[lo:hi], scale[lo:hi], zero[lo:hi] = quantize_blocks(blocks, s, z, fmt.qmax), s, z
+
+    _over_rows(n, max(1, _CHUNK_ELEMENTS // max(1, nb * bs)), work)
+    return BlockQuant(fmt, k, codes, scale, zero)
 
 
 def pack_nibbles(codes: U8) -> U8:
