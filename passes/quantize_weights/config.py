@@ -91,7 +91,8 @@ class QuantizeWeightsConfig(PassConfig):
             raise ValueError(f"block_size must be a power of two between 16 and 256 (16, 32, 64, 128, 256), got {bs}")
         if any(not 0.2 <= r <= 1.0 for r in self.clip_ratios):
             raise ValueError(f"clip_ratios must lie in [0.2, 1.0], got {list(self.clip_ratios)}")
-        set_ = self.model_fields_set
+        # an option given with a non-default value (a written-out example lists every default: not a mistake)
+        set_ = {f for f in self.model_fields_set if getattr(self, f) != type(self).model_fields[f].default}
         if self.format == "qdq" and "accuracy_level" in set_:
             raise ValueError("accuracy_level is a MatMulNBits attribute: remove it or use `format: matmul_nbits`")
         own = {"hqq": ("hqq_iterations", "hqq_lp_norm"), "awq": ("awq_grid",),
