@@ -31,6 +31,7 @@ from qgraph.blockwise import BlockFormat, BlockQuant
 from qgraph.graph import NoMatch, const_value, rebuild
 from qgraph.target import CalibrationSpec
 
+from ..smooth_quant.groups import apply_fold, find_groups  # smooth_quant's fold, shared
 from .awq import search_scales
 from .config import QuantizeWeightsConfig
 from .emission import Layer, as_layer, emit
@@ -211,8 +212,6 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
     def _awq(self, graph: GraphHandle, layers: list[Layer], stats: dict[str, InputStats],
              res: PassResult) -> dict[int, npt.NDArray[np.float64]]:
         """Search and fold AWQ scales per group of layers sharing an input (`awq`); the scale of each layer."""
-        from qgraph.passes.smooth_quant.groups import apply_fold, find_groups
-
         cfg = self.config
         mine = {id(lay.node) for lay in layers}
         skips: list[tuple[str, str]] = []
