@@ -17,6 +17,7 @@ pipeline for them.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qgraph import GraphHandle, PassError, PassResult, selected_ids
+from qgraph import GraphHandle, PassError, PassResult, __version__, selected_ids
 from qgraph.blockwise import BlockFormat
 from qgraph.graph import is_default_domain
 from qgraph.outputs import temporary_file
@@ -163,10 +164,20 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], quan
             _stream(model, layers, quantizer, folder, _DataWriter(f, data_name), res, progress)
         if layers:
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        _provenance(model, quantizer, res)
         tmp_model.write_bytes(model.SerializeToString())
         os.replace(tmp_data, folder_out / data_name)  # the data first: the model never points at a missing file
         os.replace(tmp_model, dst_p)
     return res
+
+
+def _provenance(model: onnx.ModelProto, quantizer: Any, res: PassResult) -> None:
+    """What the pipeline records, for the one streamed pass (`qgraph diff` reads the skip reasons from it)."""
+    entry = {"pass": quantizer.name, "options": quantizer.config.recipe_options(), "streamed": True,
+             "matched": res.matched, "rewritten": res.rewritten, "skipped": len(res.skipped),
+             "skipped_nodes": [s.to_dict() for s in res.skipped], "decisions": res.decisions}
+    for key, value in (("qgraph.version", __version__), ("qgraph.passes", json.dumps([entry], sort_keys=True))):
+        model.metadata_props.add(key=key, value=value)
 
 
 def _stream(model: onnx.ModelProto, layers: dict[int, onnx.NodeProto], quantizer: Any, folder: Path,

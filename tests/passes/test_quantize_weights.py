@@ -210,6 +210,8 @@ def test_qgraph_run_streams_a_data_free_recipe_over_external_data(tmp_path: Path
     assert "streamed" in result.output and "Gemm with a bias C" in result.output  # the stream's one refusal, said
     model = onnx.load(str(out))
     assert _ops(model) == ["Add", "Gemm", "MatMulNBits", "Relu"]
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert '"streamed": true' in meta["qgraph.passes"] and "Gemm with a bias C" in meta["qgraph.passes"]
     assert (tmp_path / "out.onnx.data").exists()
 
 
