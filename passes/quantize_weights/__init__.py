@@ -221,6 +221,11 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         for node, reason in skips:
             res.notes.append(f"awq: {node} quantized unscaled: {reason}")
         for group in groups:
+            scalar = _scalar_fold(group)
+            if scalar:
+                res.notes.append(f"awq: {group.x.name} quantized unscaled: folding 1/s would turn {scalar} into a "
+                                 "vector, which stops onnxruntime's fusions (GELU, LayerNorm)")
+                continue
             st = stats[str(group.x.name)]
             fmt = BlockFormat(cfg.bits, cfg.block_size, cfg.symmetric)
             ws = [lay.matrix(lay.value()) for lay in group.layers]
@@ -268,3 +273,13 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             shown = ", ".join(wide[:8]) + (f" and {len(wide) - 8} more" if len(wide) > 8 else "")
             res.decide(f"{len(wide)} layer(s) kept 8-bit ({'; '.join(how)}): {shown}")
 
+
+def _scalar_fold(group: Any) -> str | None:
+    """The scalar constant (e.g. the 0.5 of an exported GELU) the group's fold would make per-channel, if any."""
+    if group.fold is None:
+        return None
+    for node, index in group.fold.consts:
+        value = const_value(node.inputs[index])
+        if value is not None and value.size == 1:
+            return f"{node.op} {node.name!r}'s constant {node.inputs[index].name!r}"
+    return None

@@ -13,7 +13,9 @@ those weights a finer relative step. Per group of layers sharing ``X``, with ``x
 
 and the group keeps ``argmin L`` (α = 0 when nothing beats it: the group is left unscaled). The scaled weights are
 then quantized with the clip search weighted by ``diag(H) / s²`` (the scaled inputs' energy). A group whose X
-cannot absorb ``1/s`` upstream (a residual Add, a graph input, other readers) is quantized unscaled, and said so.
+cannot absorb ``1/s`` upstream (a residual Add, a graph input, other readers), or only by turning a scalar constant
+into a vector (the 0.5 of an exported GELU, which onnxruntime then no longer fuses), is quantized unscaled, and
+said so.
 """
 
 from __future__ import annotations
