@@ -15,6 +15,9 @@ language reference topics of ``pydoc_data``, split by module into training (90 %
 
 ``python benchmarks/decoder_lm.py [--steps N]`` trains (cached under ``$QGRAPH_BENCH_CACHE``) and prints the float
 model's held-out perplexity; `load_decoder` is what ``bench_weight_only.py`` calls (it trains on first use).
+Measured here (Python 3.11's stdlib, torch 2.13 CPU): 344,749 training and 52,857 held-out tokens; 1,200 steps in
+36 min on 2 shared cores, training loss 3.66; float held-out perplexity 71.9 on 64 windows of 64 tokens (71.45 on the
+benchmark's 128). The corpus depends on the Python version that builds it, so the numbers move with it.
 """
 
 from __future__ import annotations
