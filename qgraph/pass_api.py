@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
@@ -307,6 +308,17 @@ class Pass(Generic[C]):
         every pass before the first one runs when no data was given, so a missing ``--calibration-data`` fails in
         a second (`DataError`) instead of after the passes before this one; `requires` still checks it."""
         return None
+
+    def streams_file(self) -> bool:
+        """Whether this pass, as configured, can transform a model *file* one initializer at a time (`run_file`):
+        ``qgraph run`` then streams a recipe made of this pass alone over a model whose weights live in external
+        data, never holding them all (weight-only quantization of a model larger than memory)."""
+        return False
+
+    def run_file(self, src: Path, dst: Path) -> PassResult:
+        """Transform the model file ``src`` into ``dst`` (external data beside it) without loading its weights;
+        only called when `streams_file` is True."""
+        raise NotImplementedError(f"{self.name} does not stream files")
 
     def ensures(self, graph: GraphHandle, ctx: PassContext, result: PassResult) -> None:
         """Postconditions, checked after `run` and the pipeline's own structural check (raise `PassError`)."""
