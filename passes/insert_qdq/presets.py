@@ -91,4 +91,34 @@ PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "uint8", "symmetric": False},
     },
+    "transformer-ort-x86-avx2": {
+        "why": (
+            "Encoders on x86 AVX2 without VNNI: as transformer-ort-x86-vnni, but VPMADDUBSW adds two u8 x s8 "
+            "products of the *raw* codes (zero point included) into a saturating int16, so 8-bit weights clip "
+            "(asymmetric codes with zero points up to +-74: MiniLM cosine 0.02-0.92 deployed). 7-bit weights "
+            "(reduce_range: every raw code in [-64, 63]) bound every pair by 255 x 128 = 32640 < 32767, keeping "
+            "onnxruntime's fast u8s8 kernel with exact int32 results; a zero point per column recovers part of the "
+            "lost bit (MiniLM after smooth_quant: 0.9976 asymmetric vs 0.9969 symmetric, 0.9990 unreduced on VNNI). "
+            "weights.dtype: uint8 (u8 x u8, exact on AVX2 but a slower kernel) is the full-precision alternative."
+        ),
+        "mode": "dynamic",
+        "op_types": ["MatMul", "Gemm"],
+        "activation_matmuls": False,
+        "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": True},
+        "activations": {"dtype": "uint8", "symmetric": False},
+    },
+    "transformer-ort-arm": {
+        "why": (
+            "Encoders on ARM (NEON SDOT/UDOT, I8MM): dot products accumulate in int32, so full 8-bit s8 weights "
+            "with a zero point per column are exact, as on VNNI. Activations are u8 because onnxruntime quantizes "
+            "them at run time with DynamicQuantizeLinear (u8 only); its ARM kernels take u8 x s8 on the same "
+            "dot-product path (the signed side is re-biased). Same options as transformer-ort-x86-vnni, declared "
+            "for ARM so no x86-only choice (reduce_range: auto) ever applies."
+        ),
+        "mode": "dynamic",
+        "op_types": ["MatMul", "Gemm"],
+        "activation_matmuls": False,
+        "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": False},
+        "activations": {"dtype": "uint8", "symmetric": False},
+    },
 }
