@@ -1,4 +1,4 @@
-"""Configuration of ``insert_qdq``: explicit, validated choices plus target presets stored as data.
+"""Configuration of ``insert_qdq``: explicit, validated choices plus target presets stored as data (`presets`).
 
 A preset is a named partial config merged *under* what the recipe says: every key the recipe sets wins, every
 key it leaves out comes from the preset, and the rest from the defaults. Presets are validated when this module
@@ -24,102 +24,12 @@ from qgraph.quant import QuantDtype
 
 from .depthwise import DepthwiseAutoOptions
 from .latency import LatencyOptions
-from .ops import MOVEMENT
+from .presets import CPU_PRESETS as CPU_PRESETS  # re-exported: `cpu.py` and the pass read them here
+from .presets import ORT_CPU_OPS
+from .presets import PRESET_CPUS as PRESET_CPUS
+from .presets import PRESET_DATA as _PRESET_DATA
+from .presets import TENSORRT_OPS as TENSORRT_OPS  # re-exported: the tensorrt preset's op types
 
-#: Op types whose QDQ form onnxruntime's CPU graph optimizer fuses into an integer kernel (or drops).
-ORT_CPU_OPS: tuple[str, ...] = (
-    "Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Mul", "Sum", "Concat", "AveragePool",
-    "GlobalAveragePool", "LeakyRelu", "Sigmoid", "Relu", "Clip", "MaxPool", "Reshape", "Transpose", "Flatten",
-    "Squeeze", "Unsqueeze", "Slice", "Gather", "Expand", "Tile", "Resize", "Split", "Identity",
-)
-
-#: Op types the tensorrt preset quantizes: the inputs of the weighted ops (and of MatMuls of two activations),
-#: with the data-movement ops Q/DQ commute through. Residual Adds, Mul, Concat, pools, Softmax and LayerNorm stay in
-#: TensorRT's higher precision: their int8 forms only add a requantization (TensorRT's Q/DQ placement guidance).
-TENSORRT_OPS: tuple[str, ...] = ("Conv", "ConvTranspose", "Gemm", "MatMul",
-                                 *(op for op in ORT_CPU_OPS if op in MOVEMENT))
-
-#: Presets as data (name -> why + options); validated at import into `PRESETS` (`Preset` objects).
-_PRESET_DATA: dict[str, dict[str, Any]] = {
-    "ort-x86-vnni": {
-        "why": (
-            "x86 with AVX512-VNNI/AVX-VNNI: VPDPBUSD multiplies u8 activations by s8 weights and accumulates "
-            "in int32 with no int16 intermediate, so full 8-bit weights cannot saturate; u8 asymmetric "
-            "activations keep ReLU outputs' full range and are what onnxruntime's x86 QLinear kernels take; "
-            "s8 symmetric per-channel weights keep each output channel's precision on the fast kernel path "
-            "(weights.symmetric: auto trades some speed for zero points on lopsided layers)."
-        ),
-        "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
-        "activations": {"dtype": "uint8", "symmetric": False},
-        "saturation": "off",
-    },
-    "ort-x86-avx2": {
-        "why": (
-            "x86 AVX2 without VNNI: VPMADDUBSW sums two u8 x s8 products into a saturating int16, which "
-            "overflows when both products are large (255 x 127 x 2 > 32767). Decided per layer, not per model: "
-            "full 8-bit s8 weights wherever no pair of codes can overflow, and on the output channels where one "
-            "can, a weight scale raised just enough that every same-sign pair sums to at most 128 codes "
-            "(saturation: avoid; at most the 6 dB that 7-bit reduce_range would cost every channel of every "
-            "layer). Each raised layer is reported with its weight SQNR before and after."
-        ),
-        "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
-        "activations": {"dtype": "uint8", "symmetric": False},
-        "saturation": "avoid",
-    },
-    "ort-arm": {
-        "why": (
-            "ARM (NEON SDOT/I8MM): signed 8-bit dot products are native, so activations and weights are both "
-            "s8 (activations asymmetric, weights symmetric per-channel); no int16 saturation, no reduce_range."
-        ),
-        "weights": {"dtype": "int8", "symmetric": True, "per_channel": True, "reduce_range": False},
-        "activations": {"dtype": "int8", "symmetric": False},
-        "saturation": "off",
-    },
-    "tensorrt": {
-        "why": (
-            "TensorRT explicit quantization: symmetric s8 everywhere (zero point 0), per-channel weights kept "
-            "as float initializers behind Q/DQ so TensorRT folds them itself, float bias (TensorRT fuses it)."
-        ),
-        "weights": {
-            "dtype": "int8",
-            "symmetric": True,
-            "per_channel": True,
-            "narrow_range": True,
-            "reduce_range": False,
-            "format": "float_qdq",
-        },
-        "activations": {"dtype": "int8", "symmetric": True},
-        "bias": "float",
-        "saturation": "off",
-        "placement": "tensorrt",
-        "op_types": list(TENSORRT_OPS),
-    },
-    "transformer-ort-x86-vnni": {
-        "why": (
-            "Encoders on x86 VNNI: only the linear layers (MatMul/Gemm with constant weights) are quantized, "
-            "with activations quantized at run time per batch (DynamicQuantizeMatMul in onnxruntime), s8 "
-            "per-channel *asymmetric* weights (a zero point per output column uses all 256 codes of each "
-            "column's [min, max]; +0.5 dB SQNR over symmetric at the same speed); attention score/context "
-            "MatMuls, Softmax, LayerNormalization, GELU and the residual adds stay float because their ranges are "
-            "wide or data dependent."
-        ),
-        "mode": "dynamic",
-        "op_types": ["MatMul", "Gemm"],
-        "activation_matmuls": False,
-        "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": False},
-        "activations": {"dtype": "uint8", "symmetric": False},
-    },
-}
-#: Presets that stand for the preset of the target CPU's family, resolved when the pass runs (the target's
-#: ``cpu: host`` is read then): name -> (family -> preset, why).
-CPU_PRESETS: dict[str, tuple[dict[str, str], str]] = {
-    "ort-cpu": ({"x86-vnni": "ort-x86-vnni", "x86-avx2": "ort-x86-avx2", "arm": "ort-arm"},
-                "onnxruntime on the recipe's target CPU: ort-x86-vnni, ort-x86-avx2 or ort-arm by the family of "
-                "target.cpu (with `cpu: host`, this machine's, probed), resolved when the pass runs and reported."),
-}
-#: The CPU family each CPU-specific preset is made for.
-PRESET_CPUS: dict[str, str] = {"ort-x86-vnni": "x86-vnni", "ort-x86-avx2": "x86-avx2", "ort-arm": "arm",
-                               "transformer-ort-x86-vnni": "x86-vnni"}
 #: The preset names, in the order the catalogue shows them.
 PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
 
