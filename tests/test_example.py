@@ -37,7 +37,7 @@ def test_readme_main_job(tmp_path: Path) -> None:
     out = onnx.load(str(tmp_path / "a.onnx"))
     onnx.checker.check_model(out, full_check=True)
     meta = {p.key: p.value for p in out.metadata_props}
-    assert meta["qgraph.pipeline.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
+    assert meta["qgraph.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
     assert meta["qgraph.target_cpu"] == choose(None).kernels.host.family  # made for this host
     stats = json.loads(meta["qgraph.passes"])
     assert [s["pass"] for s in stats] == ["fold_constants", "fuse_bias", "fuse_batchnorm", "fuse_activations",

@@ -42,7 +42,7 @@ def test_provenance_and_rerun_determinism(toy_passes, small_model, tmp_path: Pat
     in_memory = Pipeline([toy_passes["toy_drop_identity"]()]).run(onnx.load(str(src))).model
     assert {p.key: p.value for p in in_memory.metadata_props}["qgraph.input_sha256"] == meta["qgraph.input_sha256"]
     rec = Recipe.from_yaml(recipe)
-    assert meta["qgraph.pipeline.recipe"] == rec.canonical_text()
+    assert meta["qgraph.recipe"] == rec.canonical_text()
     assert meta["qgraph.recipe_sha256"] == hashlib.sha256(rec.canonical_text().encode()).hexdigest()
     assert '"pass":"toy_drop_identity"' in meta["qgraph.passes"]
     assert '"rewritten":2' in meta["qgraph.passes"]

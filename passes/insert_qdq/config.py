@@ -23,7 +23,11 @@ from qgraph.calibrate import make_observer
 from qgraph.quant.math import QuantDtype
 
 from .latency import LatencyOptions
-from .presets import _PRESET_DATA, CPU_PRESETS, ORT_CPU_OPS, PRESET_NAMES
+from .presets import CPU_PRESETS, ORT_CPU_OPS
+from .presets import PRESET_DATA as _PRESET_DATA
+
+#: The preset names, in the order the catalogue shows them.
+PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
 
 
 class WeightOptions(PassConfig):

@@ -1,6 +1,8 @@
-"""``insert_qdq``'s target presets, as data: each a named partial config merged under what the recipe says (see
-`config`), with why it chooses what it does; CPU presets that stand for the preset of the target's CPU family.
-Validated when `config` loads (each must expand into a valid config)."""
+"""The target presets of ``insert_qdq`` as data: name -> ``why`` (shown by ``qgraph passes insert_qdq``) + options.
+
+`config` merges a preset under what the recipe says and validates every preset when it loads; each preset has a
+ready recipe of the same name in ``recipes/``.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ ORT_CPU_OPS: tuple[str, ...] = (
 TENSORRT_OPS: tuple[str, ...] = ("Conv", "ConvTranspose", "Gemm", "MatMul",
                                  *(op for op in ORT_CPU_OPS if op in MOVEMENT))
 
-#: Presets as data (name -> why + options); validated at import into `PRESETS` (`Preset` objects).
-_PRESET_DATA: dict[str, dict[str, Any]] = {
+#: Presets as data (name -> why + options); validated when `config` loads, into `PRESETS` (`Preset` objects).
+PRESET_DATA: dict[str, dict[str, Any]] = {
     "ort-x86-vnni": {
         "why": (
             "x86 with AVX512-VNNI/AVX-VNNI: VPDPBUSD multiplies u8 activations by s8 weights and accumulates "
@@ -91,6 +93,36 @@ _PRESET_DATA: dict[str, dict[str, Any]] = {
         "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": False},
         "activations": {"dtype": "uint8", "symmetric": False},
     },
+    "transformer-ort-x86-avx2": {
+        "why": (
+            "Encoders on x86 AVX2 without VNNI: as transformer-ort-x86-vnni, but VPMADDUBSW adds two u8 x s8 "
+            "products of the *raw* codes (zero point included) into a saturating int16, so 8-bit weights clip "
+            "(asymmetric codes with zero points up to +-74: MiniLM cosine 0.02-0.92 deployed). 7-bit weights "
+            "(reduce_range: every raw code in [-64, 63]) bound every pair by 255 x 128 = 32640 < 32767, keeping "
+            "onnxruntime's fast u8s8 kernel with exact int32 results; a zero point per column recovers part of the "
+            "lost bit (MiniLM after smooth_quant: 0.9976 asymmetric vs 0.9969 symmetric, 0.9990 unreduced on VNNI). "
+            "weights.dtype: uint8 (u8 x u8, exact on AVX2 but a slower kernel) is the full-precision alternative."
+        ),
+        "mode": "dynamic",
+        "op_types": ["MatMul", "Gemm"],
+        "activation_matmuls": False,
+        "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": True},
+        "activations": {"dtype": "uint8", "symmetric": False},
+    },
+    "transformer-ort-arm": {
+        "why": (
+            "Encoders on ARM (NEON SDOT/UDOT, I8MM): dot products accumulate in int32, so full 8-bit s8 weights "
+            "with a zero point per column are exact, as on VNNI. Activations are u8 because onnxruntime quantizes "
+            "them at run time with DynamicQuantizeLinear (u8 only); its ARM kernels take u8 x s8 on the same "
+            "dot-product path (the signed side is re-biased). Same options as transformer-ort-x86-vnni, declared "
+            "for ARM so no x86-only choice (reduce_range: auto) ever applies."
+        ),
+        "mode": "dynamic",
+        "op_types": ["MatMul", "Gemm"],
+        "activation_matmuls": False,
+        "weights": {"dtype": "int8", "symmetric": False, "per_channel": True, "reduce_range": False},
+        "activations": {"dtype": "uint8", "symmetric": False},
+    },
 }
 #: Presets that stand for the preset of the target CPU's family, resolved when the pass runs (the target's
 #: ``cpu: host`` is read then): name -> (family -> preset, why).
@@ -101,6 +133,5 @@ CPU_PRESETS: dict[str, tuple[dict[str, str], str]] = {
 }
 #: The CPU family each CPU-specific preset is made for.
 PRESET_CPUS: dict[str, str] = {"ort-x86-vnni": "x86-vnni", "ort-x86-avx2": "x86-avx2", "ort-arm": "arm",
-                               "transformer-ort-x86-vnni": "x86-vnni"}
-#: The preset names, in the order the catalogue shows them.
-PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
+                               "transformer-ort-x86-vnni": "x86-vnni", "transformer-ort-x86-avx2": "x86-avx2",
+                               "transformer-ort-arm": "arm"}

@@ -33,11 +33,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
-from qgraph.graph import const_value, rebuild, redirect, renew_const
-from qgraph.recovery.equalize import log_change, scale_const_per_channel, smoothing_error, smoothing_scales, sole_use
+from qgraph.graph import rebuild, redirect
+from qgraph.recovery.equalize import log_change, smoothing_error, smoothing_scales
 
 from .config import SmoothQuantConfig
-from .groups import Group, find_groups
+from .groups import Group, apply_fold, find_groups, scale_group_weights, weight_dtype
 from .measure import ChannelStats, measure
 
 
@@ -138,34 +138,15 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
 
     def _apply(self, graph: GraphHandle, group: Group, s: np.ndarray) -> int:
         """Rescale the group's weights by ``s`` and put ``1 / s`` upstream; returns the nodes added (0 or 1)."""
-        inv = 1.0 / s
-        for layer in group.layers:
-            renew_const(layer.weight, layer.scale_in(layer.value(), s).astype(_dtype(layer.weight)))
         if group.fold is None:
-            return self._insert_mul(graph, group, inv)
-        for node, index in group.fold.consts:
-            const = node.inputs[index]
-            value = const_value(const)
-            assert value is not None
-            scaled = scale_const_per_channel(value, inv, -1, max(value.ndim, 1))
-            assert scaled is not None  # checked by plan_fold
-            if sole_use(const, node):
-                renew_const(const, scaled)
-            else:  # shared (one 0.5 for every GELU): this node gets its own copy
-                node.inputs[index] = gs.Constant(graph.unique_name(f"{const.name}/smoothed", kind="tensor"), scaled)
-        for layer in group.fold.layers:
-            renew_const(layer.weight, layer.scale_out(layer.value(), inv).astype(_dtype(layer.weight)))
-            if layer.bias is not None:
-                bias = const_value(layer.bias)
-                assert bias is not None
-                scaled = scale_const_per_channel(bias, inv, -1, max(bias.ndim, 1))
-                assert scaled is not None
-                renew_const(layer.bias, scaled)
+            scale_group_weights(group, s)
+            return self._insert_mul(graph, group, 1.0 / s)
+        apply_fold(graph, group, s)
         return 0
 
     def _insert_mul(self, graph: GraphHandle, group: Group, inv: np.ndarray) -> int:
         x = group.x
-        dtype = _dtype(group.layers[0].weight)
+        dtype = weight_dtype(group.layers[0].weight)
         factor = gs.Constant(graph.unique_name(f"{x.name}/smooth_scale", kind="tensor"), inv.astype(dtype))
         smoothed = gs.Variable(graph.unique_name(f"{x.name}/smoothed", kind="tensor"), dtype=x.dtype)
         redirect(x, smoothed, keep=group.others)
@@ -174,12 +155,6 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         first = min((layer.node for layer in group.layers), key=lambda n: self._order[id(n)])
         self._inserts[id(first)] = [node, first]
         return 1
-
-
-def _dtype(tensor: gs.Tensor) -> np.dtype:
-    value = const_value(tensor)
-    assert value is not None
-    return value.dtype
 
 
 def _describe(group: Group, a: np.ndarray, w: np.ndarray, s: np.ndarray) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, producer
+from qgraph import GraphHandle
+from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, producer, renew_const
 from qgraph.recovery.equalize import LinearLayer, as_linear, scale_const_per_channel, sole_use
 
 
@@ -156,3 +157,42 @@ def _group(x: gs.Tensor, selected: set[int] | None, insert_mul: bool, outputs: s
             if not insert_mul:
                 raise
     return Group(x, layers, channels, fold, others)
+
+
+def weight_dtype(tensor: gs.Tensor) -> np.dtype:
+    """The float type of constant ``tensor``."""
+    value = const_value(tensor)
+    assert value is not None
+    return value.dtype
+
+
+def scale_group_weights(group: Group, s: np.ndarray) -> None:
+    """``W ← diag(s) · W`` for every layer of the group (input channel ``j`` times ``s_j``)."""
+    for layer in group.layers:
+        renew_const(layer.weight, layer.scale_in(layer.value(), s).astype(weight_dtype(layer.weight)))
+
+
+def apply_fold(graph: GraphHandle, group: Group, s: np.ndarray) -> None:
+    """Scale the group's weights by ``s`` and fold ``1 / s`` into its producer (``group.fold``, not None): the
+    model computes the same function. Used by ``smooth_quant`` and by ``quantize_weights``' AWQ."""
+    assert group.fold is not None
+    scale_group_weights(group, s)
+    inv = 1.0 / s
+    for node, index in group.fold.consts:
+        const = node.inputs[index]
+        value = const_value(const)
+        assert value is not None
+        scaled = scale_const_per_channel(value, inv, -1, max(value.ndim, 1))
+        assert scaled is not None  # checked by plan_fold
+        if sole_use(const, node):
+            renew_const(const, scaled)
+        else:  # shared (one 0.5 for every GELU): this node gets its own copy
+            node.inputs[index] = gs.Constant(graph.unique_name(f"{const.name}/smoothed", kind="tensor"), scaled)
+    for layer in group.fold.layers:
+        renew_const(layer.weight, layer.scale_out(layer.value(), inv).astype(weight_dtype(layer.weight)))
+        if layer.bias is not None:
+            bias = const_value(layer.bias)
+            assert bias is not None
+            scaled = scale_const_per_channel(bias, inv, -1, max(bias.ndim, 1))
+            assert scaled is not None
+            renew_const(layer.bias, scaled)

@@ -37,7 +37,7 @@ from qgraph.analysis.diff.structural import structural_diff
 from qgraph.analysis.diff.tables import sqnr_cell
 from qgraph.data import Feed
 from qgraph.errors import QGraphError
-from qgraph.pipeline.pass_api import PassResult
+from qgraph.pipeline.pass_result import PassResult
 from qgraph.pipeline.recipe import Recipe
 from qgraph.pipeline.runner import PipelineResult
 from qgraph.pipeline.timing import run_timing

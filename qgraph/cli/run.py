@@ -24,7 +24,7 @@ from qgraph.cli._app import (
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
 from qgraph.io.outputs import check_outputs
-from qgraph.pipeline.pass_api import PassResult
+from qgraph.pipeline.pass_result import PassResult
 from qgraph.pipeline.runner import PipelineEvent, PipelineResult
 from qgraph.pipeline.timing import run_timing
 
@@ -139,6 +139,8 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
     if min_sqnr is not None and not (eval_data or calibration_data or rec.calibration.data):
         raise_usage("--min-sqnr needs samples to measure on: give --eval-data or --calibration-data.")
     pipeline = rec.pipeline()
+    if _stream(pipeline.passes, model, output, verify or report is not None or bool(patch), quiet):
+        return
     progress = Progress(
         SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -184,6 +186,24 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         raise FidelityError(f"{'; '.join(failed)}: below --min-sqnr {min_sqnr:g} dB on {outcome.data}. {output} was "
                             f"written; exit 3. See where the error comes from with qgraph diff {model} {output} "
                             "--eval-data DATA, or keep the worst layers in float (float_fallback).")
+
+
+def _stream(passes: list[Any], model: Path, output: Path, in_memory: bool, quiet: bool) -> bool:
+    """A recipe of one pass that streams files (`Pass.streams_file`) over a model with external data: transform the
+    file one initializer at a time (its weights never all in memory); False when the pipeline must run instead."""
+    from qgraph.io.model_io import external_data_files
+
+    if len(passes) != 1 or in_memory or not passes[0].streams_file() or not external_data_files(model):
+        return False
+    import time
+
+    start = time.perf_counter()
+    result = passes[0].run_file(model, output)
+    if not quiet:
+        say("  streamed: the model's weights are read, transformed and written one initializer at a time")
+        print_pass(_app.console, passes[0].name, result, time.perf_counter() - start, None)
+    say(f"wrote {output}")
+    return True
 
 
 def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evaluation | None) -> OutputCheck | None:

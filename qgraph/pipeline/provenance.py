@@ -13,7 +13,7 @@ import onnx
 
 from qgraph._version import __version__
 from qgraph.graph import describe
-from qgraph.pipeline.pass_api import PassResult
+from qgraph.pipeline.pass_result import PassResult
 from qgraph.pipeline.recipe_text import canonical_text, text_sha256
 from qgraph.runtime.kernels.measure import TARGET_KEY
 
@@ -53,7 +53,7 @@ def write_provenance(model: onnx.ModelProto, recipe: dict[str, Any], input_hash:
     ]
     entries = {
         "qgraph.version": __version__,
-        "qgraph.pipeline.recipe": canonical_text(recipe),
+        "qgraph.recipe": canonical_text(recipe),
         "qgraph.recipe_sha256": text_sha256(recipe),
         "qgraph.input_sha256": input_hash,
         "qgraph.passes": describe(stats),

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from qgraph.pipeline.pass_api import PassResult
+from qgraph.pipeline.pass_result import PassResult
 
 #: The multiple of the calibration time a pass may take before the summary flags it.
 BUDGET = 10.0

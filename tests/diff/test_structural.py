@@ -172,9 +172,9 @@ def test_provenance_metadata_is_read_back() -> None:
     stats = [{"pass": "p1", "matched": 1, "rewritten": 1, "skipped": 0, "nodes_before": 1, "nodes_after": 1,
               "skipped_nodes": [{"node": "mm", "reason": "too small"}]}]
     b.metadata_props.add(key="qgraph.passes", value=json.dumps(stats))
-    b.metadata_props.add(key="qgraph.pipeline.recipe", value=json.dumps({"name": "r", "passes": []}))
+    b.metadata_props.add(key="qgraph.recipe", value=json.dumps({"name": "r", "passes": []}))
     d = structural_diff(a, b)
     assert d.recipe == "r" and d.provenance[0]["pass"] == "p1"
     assert d.coverage_b.nodes[0].reason == "p1: too small"
-    assert set(d.metadata_changes) == {"qgraph.passes", "qgraph.pipeline.recipe"}
+    assert set(d.metadata_changes) == {"qgraph.passes", "qgraph.recipe"}
     assert json.loads(json.dumps(d.to_dict()))["summary"]["unchanged"] == 1

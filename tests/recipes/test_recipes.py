@@ -43,7 +43,8 @@ def _run(*args: str) -> tuple[int, str]:
 def test_every_preset_has_a_recipe_named_after_it() -> None:
     from qgraph.passes.insert_qdq.config import PRESETS
 
-    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(PRESETS)
+    static = [p.stem for p in RECIPES.glob("*.yaml") if any(q.name == "insert_qdq" for q in Recipe.from_yaml(p).passes)]
+    assert sorted(static) == sorted(PRESETS)
     for name in PRESETS:
         recipe = Recipe.from_yaml(RECIPES / f"{name}.yaml")
         quantizer = next(p for p in recipe.passes if p.name == "insert_qdq")

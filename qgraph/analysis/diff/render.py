@@ -136,6 +136,13 @@ def print_structural(console: Console, d: StructuralDiff, top: int = 10) -> None
     if rows:
         console.print(_rich_table("initializers (largest first)" + (f", {more} more" if more else ""),
                                   ["name", "kind", "before", "after", "Δ bytes"], rows))
+    rows, more = _clip([[b.node, f"{b.bits}-bit / {b.block_size}", f"{b.weight_sqnr_db:.1f}",
+                         f"column {b.worst_column}, inputs {b.worst_channels[0]}..{b.worst_channels[1] - 1}",
+                         f"{b.worst_block_sqnr_db:.1f}", f"{100 * b.worst_block_share:.1f}%"] for b in d.blocks], top)
+    if rows:
+        console.print(_rich_table("block-quantized weights vs A (worst first)" + (f", {more} more" if more else ""),
+                                  ["node", "bits / block", "weight SQNR dB", "worst block", "its SQNR dB",
+                                   "its share of the error"], rows))
     if d.has_quantization():
         ca, cb = d.coverage_a.counts(), d.coverage_b.counts()
         console.print(_rich_table(

@@ -20,6 +20,7 @@ from typing import Any
 
 import onnx
 
+from qgraph.analysis.diff.blocks import BlockBlame, block_blame
 from qgraph.analysis.diff.protos import (
     ModelIndex,
     NodeRef,
@@ -131,6 +132,8 @@ class StructuralDiff:
     provenance: list[dict[str, Any]] = field(default_factory=list)
     recipe: str | None = None
     metadata_changes: dict[str, list[str | None]] = field(default_factory=dict)
+    #: Block-quantized layers of B against A's float weights, worst first (`qgraph.analysis.diff.blocks`).
+    blocks: list[BlockBlame] = field(default_factory=list)
 
     def op_delta(self) -> dict[str, int]:
         """Per-op change in node count (only ops whose count changed), largest change first."""
@@ -195,6 +198,7 @@ class StructuralDiff:
             "qdq_coverage": {"a": self.coverage_a.to_dict(), "b": self.coverage_b.to_dict()},
             "provenance": {"recipe": self.recipe, "passes": self.provenance},
             "metadata_changes": self.metadata_changes,
+            "blocks": [b.to_dict() for b in self.blocks],
         }
 
 
@@ -319,7 +323,7 @@ def structural_diff(
     meta_b = {p.key: p.value for p in b.metadata_props}
     passes = json_or_none(meta_b.get("qgraph.passes"))
     passes = passes if isinstance(passes, list) else []
-    recipe = json_or_none(meta_b.get("qgraph.pipeline.recipe"))
+    recipe = json_or_none(meta_b.get("qgraph.recipe"))
     why = {**provenance_reasons(passes), **(reasons or {})}
     d = StructuralDiff(
         a=ModelFacts.of(ia, a_path),
@@ -331,6 +335,7 @@ def structural_diff(
         provenance=[p for p in passes if isinstance(p, dict)],
         recipe=recipe.get("name") if isinstance(recipe, dict) else None,
         metadata_changes=metadata_changes(a, b),
+        blocks=block_blame(a, b),
     )
     mapping = match_nodes(ia, ib)
 

@@ -34,7 +34,8 @@ def require_ray() -> ModuleType:
         raise RecipeError(
             f"the Ray executor needs Ray, an optional extra that is not installed: {RAY_EXTRA_HINT}."
         ) from None
-    return ray
+    module: ModuleType = ray  # typed whether or not Ray (and its stubs) is installed where mypy runs
+    return module
 
 
 class Executor(Protocol):

@@ -309,7 +309,7 @@ def model_target(model: onnx.ModelProto | str | Path) -> str | None:
     meta = {p.key: p.value for p in props}
     if TARGET_KEY in meta:
         return meta[TARGET_KEY] if meta[TARGET_KEY] in TARGET_FAMILIES else None
-    recipe = meta.get("qgraph.pipeline.recipe")
+    recipe = meta.get("qgraph.recipe")
     if not recipe:
         return None
     from ruamel.yaml import YAML
