@@ -1,7 +1,7 @@
 """Check a built qgraph wheel the way a user gets it: run with the Python of a fresh environment where only the
 wheel (and its dependencies) is installed, from a folder outside the checkout.
 
-    python tools/check_wheel.py dist/qgraph-*.whl
+    python tools/check_wheel.py dist/qgraph-*.whl [plug-in pass names that must register too ...]
 
 Every module the wheel holds imports; `py.typed` and the package data are in it; every built-in pass its entry
 points declare registers under its name; nothing of the checkout (tests, tools, benchmarks) is packaged; and
@@ -27,8 +27,8 @@ def _modules(names: list[str]) -> list[str]:
     return sorted(out)
 
 
-def check(wheel: Path) -> list[str]:
-    """The problems found in ``wheel`` (empty when it is sound)."""
+def check(wheel: Path, plugins: list[str]) -> list[str]:
+    """The problems found in ``wheel`` (empty when it is sound); ``plugins`` are pass names installed beside it."""
     problems: list[str] = []
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -60,7 +60,7 @@ def check(wheel: Path) -> list[str]:
     from qgraph.pipeline.pass_api import discover
 
     registered = discover()
-    missing = sorted(declared - set(registered))
+    missing = sorted((declared | set(plugins)) - set(registered))
     if missing:
         problems.append(f"passes declared but not registered: {missing}")
     help_run = subprocess.run([sys.executable, "-m", "qgraph", "--help"], capture_output=True, text=True, check=False)
@@ -73,10 +73,10 @@ def check(wheel: Path) -> list[str]:
 
 def main() -> int:
     """Check the wheel named on the command line."""
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2:
         print(__doc__)
         return 2
-    problems = check(Path(sys.argv[1]))
+    problems = check(Path(sys.argv[1]), sys.argv[2:])
     for problem in problems:
         print(f"wheel: {problem}", file=sys.stderr)
     return 1 if problems else 0
