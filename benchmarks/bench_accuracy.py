@@ -231,8 +231,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds")
     parser.add_argument("--eval-samples", type=int, help="held-out samples per model (default: the loader's)")
     parser.add_argument("--cpu", choices=["x86-vnni", "x86-avx2", "arm"],
-                        help="measure every INT8 model as it deploys on this CPU (qgraph.kernels: this host's kernels "
-                        "when it is one, that CPU's arithmetic emulated otherwise; latency stays this host's)")
+                        help="measure every INT8 model as it deploys on this CPU (qgraph.runtime.kernels: this host's "
+                        "kernels when it is one, that CPU's arithmetic emulated otherwise; latency stays this host's)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", type=Path, help="keep models and data in this folder")
     parser.add_argument("--child", nargs="*")
@@ -300,10 +300,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for line in lines:
             print(" | ".join(line))
         return
-    from qgraph.kernels.host import host_kernels
+    from qgraph.runtime.kernels.host import host_kernels
 
     cpu = os.environ.get("QGRAPH_BENCH_CPU")
-    measured = f"as deployed on {cpu} (qgraph.kernels)" if cpu else "this host's deployed kernels"
+    measured = f"as deployed on {cpu} (qgraph.runtime.kernels)" if cpu else "this host's deployed kernels"
     table = Table(*header, show_lines=False,
                   title=f"fidelity: {measured}; host {host_kernels().describe()}; {host_kernels().runtime}")
     for line in lines:

@@ -81,7 +81,7 @@ def time_methods(name: str, n_cal: int, rounds: int = 3) -> None:
     import real_models
 
     from qgraph.calibrate import collect_ranges
-    from qgraph.calibrate.command import float_activations
+    from qgraph.cli.calibrate_command import float_activations
 
     model, calibration, _, _ = real_models.load(name, n_cal=n_cal, n_eval=1)
     names = float_activations(model)

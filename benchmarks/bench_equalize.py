@@ -29,7 +29,7 @@ from qgraph.passes.insert_qdq import InsertQDQ
 from qgraph.passes.smooth_quant import SmoothQuant
 
 from qgraph import Pass, Pipeline
-from qgraph.compare import compare_models
+from qgraph.runtime.compare import compare_models
 from qgraph.testing.depthwise import depthwise_net
 from qgraph.testing.models import transformer_encoder, transformer_encoder_inputs
 

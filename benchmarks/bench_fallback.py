@@ -56,11 +56,11 @@ def _fragile(blocks: int) -> dict[int, float]:
 # ----------------------------------------------------------------------------- children
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     from qgraph import load_model
-    from qgraph.compare import make_session
-    from qgraph.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs, run_batches
-    from qgraph.sensitivity.ranking import candidate_nodes
-    from qgraph.sensitivity.search import auto_fallback
-    from qgraph.sensitivity.targets import parse_target
+    from qgraph.analysis.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs, run_batches
+    from qgraph.analysis.sensitivity.ranking import candidate_nodes
+    from qgraph.analysis.sensitivity.search import auto_fallback
+    from qgraph.analysis.sensitivity.targets import parse_target
+    from qgraph.runtime.compare import make_session
 
     folder = Path(args.folder)
     ref, qdq, data = folder / "float.onnx", folder / "qdq.onnx", str(folder / "eval.npz")
@@ -76,9 +76,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - start, "ranking_s": r.stages.get("ranking", 0.0),
                 "candidates": r.sensitivity.candidates, "int8": r.int8_score}
     if args.child == "auto":
-        from qgraph.fallback import ReferenceWeights
-        from qgraph.latency import load_latency_table
-        from qgraph.sensitivity.cost import CostSpec
+        from qgraph.analysis.sensitivity.cost import CostSpec
+        from qgraph.quant.reference_weights import ReferenceWeights
+        from qgraph.runtime.latency import load_latency_table
 
         # modelled latency from the table insert_qdq ships, whatever the order (cost: error ranks without it)
         costs = CostSpec(load_latency_table(ROOT / "passes" / "insert_qdq" / "latency_table.json"), "ort-x86-vnni")
@@ -109,7 +109,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
 def _agreement_run(ev: Any, target: Any, cands: list[tuple[str, str]]) -> dict[str, Any]:
     """Exact (leave-one-out) and one-run rankings of ``cands`` on one evaluation set."""
-    from qgraph.sensitivity.ranking import rank_nodes, sensitivity_report
+    from qgraph.analysis.sensitivity.ranking import rank_nodes, sensitivity_report
 
     t = time.perf_counter()
     exact = sensitivity_report(ev, target, cands, stats=False)

@@ -83,9 +83,9 @@ def _fingerprint(measurements: list[Any]) -> list[tuple[Any, ...]]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time `measure_all` on every executor; one row per executor."""
-    from qgraph.executor import LocalExecutor, RayExecutor, require_ray
-    from qgraph.sensitivity.evaluate import Evaluator, load_feeds, measure_all, reference_outputs
-    from qgraph.sensitivity.ranking import candidate_nodes
+    from qgraph.analysis.sensitivity.evaluate import Evaluator, load_feeds, measure_all, reference_outputs
+    from qgraph.analysis.sensitivity.ranking import candidate_nodes
+    from qgraph.runtime.executor import LocalExecutor, RayExecutor, require_ray
 
     with tempfile.TemporaryDirectory() as tmp:
         float_path, qdq_path, eval_path = prepare(args.model, args.samples, Path(tmp))

@@ -69,7 +69,7 @@ np.savez(folder / f"{kind}_calib.npz", **feeds)
 # Runs the `qgraph run` command in-process (same code path as the CLI) and records the pipeline's per-pass events.
 _RUN_WITH_EVENTS = r"""
 import json, sys
-from qgraph.pipeline import Pipeline
+from qgraph.pipeline.runner import Pipeline
 events = []
 orig = Pipeline.run
 def run(self, *a, **k):

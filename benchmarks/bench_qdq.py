@@ -167,7 +167,7 @@ def evaluate(name: str, paths: dict[str, str], qpaths: dict[str, str], rounds: i
 
     Latency: float and every int8 model are timed in blocks, in a random order each round, in this one
     process; the ratio per tool is the median over rounds of (int8 block / float block of the same round)."""
-    from qgraph.qdq import ort_fusion_report
+    from qgraph.quant.qdq import ort_fusion_report
 
     ref = _session(paths["float.onnx"])
     sessions = {tool: _session(p) for tool, p in qpaths.items()}

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_models
 
 from qgraph import Pipeline, Recipe
-from qgraph.pass_api import get_pass
+from qgraph.pipeline.pass_api import get_pass
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "ort-x86-vnni.yaml"
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {

@@ -40,7 +40,7 @@ import real_models
 from qgraph.passes.quantize_weights import QuantizeWeights
 
 from qgraph import Pipeline, Recipe
-from qgraph.blockwise import DEFAULT_RATIOS
+from qgraph.quant.blockwise import DEFAULT_RATIOS
 
 ROOT = Path(__file__).resolve().parents[1]
 Feeds = list[dict[str, np.ndarray]]

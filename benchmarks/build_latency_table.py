@@ -8,10 +8,10 @@ Run on demand (about a minute per model)::
 
 Per model and preset: the model's preparation passes (fold_constants, fuse_batchnorm, cleanup), then insert_qdq
 with ``latency: off`` (every unit int8); the float and the int8 model are profiled in onnxruntime alternately
-(`qgraph.latency.profile_kernels`: batch 1, 2 threads, ORT_ENABLE_ALL, median per node), so each unit's cost is
+(`qgraph.runtime.latency.profile_kernels`: batch 1, 2 threads, ORT_ENABLE_ALL, median per node), so each unit's cost is
 what onnxruntime executes *in the graph* (fusions, NHWC layout of u8 kernels, reorders). Each quantizable unit
 (its node plus the Relu/Clip/bias Add it absorbs) and each integer data-movement node is filed under its
-`qgraph.latency.op_signature` (kind, size bucket, work); entries average their samples. QuantizeLinear and
+`qgraph.runtime.latency.op_signature` (kind, size bucket, work); entries average their samples. QuantizeLinear and
 DequantizeLinear costs per element (with the NCHW <-> NHWC layout change at a float/int8 boundary) are timed on
 1M elements. The table is per host: rebuild it on the target.
 """
@@ -60,9 +60,9 @@ def measure(name: str, preset: str, runs: int) -> list[dict[str, Any]]:
     from qgraph.passes.insert_qdq.speed import CostModel, Measured, name_nodes
 
     from qgraph import GraphHandle, Pipeline, Recipe
-    from qgraph.compare import random_feeds
     from qgraph.data import CallableSource
-    from qgraph.latency import profile_kernels
+    from qgraph.runtime.compare import random_feeds
+    from qgraph.runtime.latency import profile_kernels
 
     model, cal = corpus(name)
     recipe = Recipe.from_yaml(ROOT / "recipes" / f"{preset}.yaml")
@@ -108,8 +108,8 @@ def main() -> None:
     args = parser.parse_args()
     import onnxruntime as ort
 
-    from qgraph.latency import TABLE_VERSION, LatencyTable, element_costs
-    from qgraph.target import host_cpu
+    from qgraph.runtime.kernels.cpu import host_cpu
+    from qgraph.runtime.latency import TABLE_VERSION, LatencyTable, element_costs
 
     q_ns, dq_ns = element_costs()
     presets = {}

@@ -2,7 +2,7 @@
 
 A target metric is called as ``function(outputs, references) -> float`` (``outputs[i]``: output ``i`` over every
 evaluation sample, concatenated on axis 0; ``references``: the float model's, same layout), see
-`qgraph.sensitivity.targets`. From the repository root::
+`qgraph.analysis.sensitivity.targets`. From the repository root::
 
     - pass: float_fallback
       auto: {target: "benchmarks/fallback_metrics.py:min_slice_sqnr>=30"}     # PicoDet: every slice >= 30 dB

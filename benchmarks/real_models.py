@@ -202,8 +202,8 @@ def run_model(
     cpu: str | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Run ``model`` (proto, path or bytes) on every feed in onnxruntime; returns the ``spec.fetches()``. With
-    ``cpu`` (``x86-vnni``, ``x86-avx2``, ``arm``) the model runs as it deploys on that CPU (`qgraph.kernels`: this
-    host's kernels when it is one, that CPU's arithmetic emulated otherwise).
+    ``cpu`` (``x86-vnni``, ``x86-avx2``, ``arm``) the model runs as it deploys on that CPU (`qgraph.runtime.kernels`:
+    this host's kernels when it is one, that CPU's arithmetic emulated otherwise).
 
     The probe (logits) is found again in each model as the input of its final Softmax (passes may drop the
     Identity the float model had there) and returned under ``spec.probe``."""
@@ -222,7 +222,7 @@ def run_model(
             proto.graph.output.add().name = own
         model = proto
     if cpu is not None:
-        from qgraph.kernels.measure import choose
+        from qgraph.runtime.kernels.measure import choose
 
         proto = model if isinstance(model, onnx.ModelProto) else (
             onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model))

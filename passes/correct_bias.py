@@ -18,7 +18,7 @@ calibration data, ``b_c += delta_c`` with, by ``mode``:
 ``y`` is the layer's output before any activation (the bias Add's output after a MatMul). An int32 bias moves by
 ``round(delta / bias_scale)`` codes (clamped to int32), a float bias by ``delta``; a Conv/Gemm without bias gets one
 (int32 with scale ``s_x · s_w`` when both are known). Means are reduced inside onnxruntime
-(`qgraph.layer_data.channel_means`): memory stays that of one inference.
+(`qgraph.runtime.layer_data.channel_means`): memory stays that of one inference.
 
 Measured (``benchmarks/bench_weight_correction.py``): per-tensor depthwise test net 31.0 dB -> 37.1 (local),
 40.0 (sequential per layer), 32.6 (one_shot); PP-LCNet orientation (per-channel INT8, logits SQNR / top-1)
@@ -27,10 +27,10 @@ Measured (``benchmarks/bench_weight_correction.py``): per-tensor depthwise test 
 
 A guard (``guard: true``, default) scores the model against the float reference on ``guard_samples`` calibration
 samples before and after (the minimum SQNR over outputs, each part of a Concat-joined output on its own;
-`qgraph.weight_correction.FidelityGuard`) and undoes the correction where it makes the model worse: ``one_shot`` on
-a chain of linear convolutions overshoots (35.7 -> 30.0 dB held out, undone); on YOLOv8n the local correction lifts
-the class-score part 17.0 -> 18.0 dB on calibration data and is kept. It costs one reference run and two runs of the
-quantized model on those samples.
+`qgraph.recovery.weight_correction.FidelityGuard`) and undoes the correction where it makes the model worse:
+``one_shot`` on a chain of linear convolutions overshoots (35.7 -> 30.0 dB held out, undone); on YOLOv8n the local
+correction lifts the class-score part 17.0 -> 18.0 dB on calibration data and is kept. It costs one reference run and
+two runs of the quantized model on those samples.
 
 Recipe (after the quantizing pass; run it after ``optimize_rounding`` when both are used)::
 
@@ -50,9 +50,15 @@ import numpy.typing as npt
 from pydantic import Field
 
 from qgraph import GraphHandle, NodeSelector, PassContext, PassResult, register
-from qgraph.layer_data import Twin, channel_means, with_twins
-from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
-from qgraph.weight_correction import CorrectionPass, FidelityGuard, GuardConfig, calibration_batches, weightless
+from qgraph.quant.layers import QuantLayer, ensure_bias, float_biases
+from qgraph.recovery.weight_correction import (
+    CorrectionPass,
+    FidelityGuard,
+    GuardConfig,
+    calibration_batches,
+    weightless,
+)
+from qgraph.runtime.layer_data import Twin, channel_means, with_twins
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 

@@ -9,11 +9,11 @@ For each quantized Conv/Gemm/MatMul, with its scales and zero points unchanged, 
 ``W`` is the float weight (from `PassContext.float_reference`); ``x`` ranges over a uniform random sample of at
 most ``max_rows`` rows of the layer's input in the *quantized* model (after its Q/DQ, so upstream quantization
 error is part of the problem; im2col rows for a Conv). Per output channel the objective is ``e^T H e`` with
-``H = E[x x^T]``; `qgraph.rounding.optimize_rounding` solves it exactly flip by flip (module docstring there: why
-greedy descent rather than the rectified-sigmoid relaxation). With ``adjust_bias`` (and a bias), the bias absorbs
-the mean error: ``H`` becomes the covariance and the bias is set to ``b_float + e·E[x]`` (zero mean error on the
-layer's inputs). Off by default: measured on real weights it loses to the plain objective (PP-LCNet per-tensor
-logits SQNR 8.3 dB -> 11.1 dB without, 9.7 dB with), while on the synthetic depthwise net it wins (33.8 vs 37.9 dB).
+``H = E[x x^T]``; `qgraph.recovery.rounding.optimize_rounding` solves it exactly flip by flip (module docstring there:
+why greedy descent rather than the rectified-sigmoid relaxation). With ``adjust_bias`` (and a bias), the bias absorbs
+the mean error: ``H`` becomes the covariance and the bias is set to ``b_float + e·E[x]`` (zero mean error on the layer's
+inputs). Off by default: measured on real weights it loses to the plain objective (PP-LCNet per-tensor logits SQNR 8.3
+dB -> 11.1 dB without, 9.7 dB with), while on the synthetic depthwise net it wins (33.8 vs 37.9 dB).
 
 Layers are processed in graph order, in groups whose input samples fit ``cache_mb``; each group's inputs come
 from one run of the model as already optimized (later layers see the earlier layers' new rounding). Memory is the
@@ -21,8 +21,8 @@ group's samples plus one inference. A layer's codes change only when its objecti
 worse on the sample; ``time_budget_s`` stops between (or inside) layers with everything done so far kept, and the
 decision says which layers were optimized. Run ``correct_bias`` afterwards to also remove mean shifts from
 upstream layers. Each layer improves on its own inputs, yet the model can still lose where the layers' changes add
-up: a guard (``guard: true``, default; `qgraph.weight_correction.FidelityGuard`) scores the model's outputs against
-the float reference on ``guard_samples`` calibration samples before and after and undoes the pass when it lost.
+up: a guard (``guard: true``, default; `qgraph.recovery.weight_correction.FidelityGuard`) scores the model's outputs
+against the float reference on ``guard_samples`` calibration samples before and after and undoes the pass when it lost.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ import numpy.typing as npt
 from pydantic import Field
 
 from qgraph import GraphHandle, NodeSelector, PassContext, PassResult, register
-from qgraph.layer_data import RowSpec, sample_inputs
-from qgraph.qlayers import QuantLayer, ensure_bias, float_biases
-from qgraph.rounding import optimize_rounding, rounding_objective, second_moments
-from qgraph.weight_correction import (
+from qgraph.quant.layers import QuantLayer, ensure_bias, float_biases
+from qgraph.recovery.rounding import optimize_rounding, rounding_objective, second_moments
+from qgraph.recovery.weight_correction import (
     CorrectionPass,
     FidelityGuard,
     GuardConfig,
@@ -46,6 +45,7 @@ from qgraph.weight_correction import (
     row_spec,
     weightless,
 )
+from qgraph.runtime.layer_data import RowSpec, sample_inputs
 
 __all__ = ["OptimizeRounding", "OptimizeRoundingConfig"]
 

@@ -14,9 +14,9 @@ Outputs, bias, peepholes, states and attributes are kept. An LSTM whose weights 
 ``layout = 1``, is skipped with the reason.
 
 The op's GEMMs multiply u8 activations by these s8 weights, which on x86 without VNNI add adjacent products into a
-saturating int16 (`qgraph.kernels.pairs`). ``saturation: auto`` (the default) raises the scale of just the gate rows
-where a pair of codes could overflow (`qgraph.kernels.pairs.pair_safe_scales`) unless the target CPU is one whose
-kernels are exact (``x86-vnni``, ``arm``): the model then deploys the same on any x86 CPU.
+saturating int16 (`qgraph.runtime.kernels.pairs`). ``saturation: auto`` (the default) raises the scale of just the gate
+rows where a pair of codes could overflow (`qgraph.runtime.kernels.pairs.pair_safe_scales`) unless the target CPU is one
+whose kernels are exact (``x86-vnni``, ``arm``): the model then deploys the same on any x86 CPU.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
 from qgraph.graph import const_value, is_default_domain
-from qgraph.kernels.measure import target_family
-from qgraph.kernels.pairs import pair_safe_scales
-from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point, quantize
+from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, quantize
+from qgraph.runtime.kernels.measure import target_family
+from qgraph.runtime.kernels.pairs import pair_safe_scales
 
 __all__ = ["QuantizeLSTM", "QuantizeLSTMConfig"]
 

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, get_pass, register
 from qgraph.graph import const_value, tensor_dtype
-from qgraph.names import GraphInputName
+from qgraph.graph.names import GraphInputName
 
 _ROUNDS = 16  # nested If depth handled (each round inlines one level)
 

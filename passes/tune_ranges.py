@@ -13,7 +13,7 @@ zero points are kept) and keeps the best by::
     score = min over graph outputs o of SQNR_o = 10 log10(Σ y_o² / Σ (ŷ_o - y_o)²)      (dB)
 
 (an output that a final Concat joins from different tensors, a detector's boxes and class scores, counts as one
-output per part, `qgraph.output_parts`; ``output_parts: false`` scores it whole) where ``y`` are the float
+output per part, `qgraph.runtime.output_parts`; ``output_parts: false`` scores it whole) where ``y`` are the float
 reference's outputs (`PassContext.float_reference`: the model before ``insert_qdq``)
 and ``ŷ`` the quantized model's, on at most ``samples`` calibration samples. This is coordinate descent: each
 pair is tuned with the earlier pairs' choices in place; a factor is kept only when it gains more than
@@ -25,7 +25,7 @@ stops between pairs (pairs not reached keep their range, reported). The score is
 check it on held-out data. Not a fixed point: a second run re-measures and may narrow again.
 
 Recurrent models (``recurrent: {state_inputs: {state: stateN}}``): the score is measured *streamed*
-(`qgraph.streaming.OutputScore`): calibration samples in order form sequences (restarting where the data's state
+(`qgraph.runtime.streaming.OutputScore`): calibration samples in order form sequences (restarting where the data's state
 is not the float model's previous state, or every ``sequence_length`` samples), and the float reference and each
 candidate are fed their own previous state outputs, so the error a range causes through the state counts. Same
 cost: one run per sample per evaluation.
@@ -44,17 +44,17 @@ import onnx_graphsurgeon as gs
 from pydantic import Field, field_validator
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, register
-from qgraph.compare import make_session
 from qgraph.data import Feed
-from qgraph.fallback import is_dq, is_q, qparams
-from qgraph.names import GraphOutputName
-from qgraph.output_parts import OutputParts, find_output_parts
-from qgraph.qlayers import find_layers
-from qgraph.streaming import OutputScore, Recurrence, check_recurrence
-from qgraph.target import CalibrationSpec
+from qgraph.graph.names import GraphOutputName
+from qgraph.pipeline.target import CalibrationSpec
+from qgraph.quant.layers import find_layers
+from qgraph.quant.qdq_graph import is_dq, is_q, qparams
+from qgraph.runtime.compare import make_session
+from qgraph.runtime.output_parts import OutputParts, find_output_parts
+from qgraph.runtime.streaming import OutputScore, Recurrence, check_recurrence
 
 if TYPE_CHECKING:
-    from qgraph.kernels.measure import Kernels
+    from qgraph.runtime.kernels.measure import Kernels
 
 __all__ = ["TuneRanges", "TuneRangesConfig"]
 
@@ -86,11 +86,11 @@ class TuneRangesConfig(PassConfig):
     recurrent: Recurrence | None = Field(
         default=None, description="A recurrent model's state feedback ({state_inputs: {state: stateN}}): score "
         "streamed, each model fed its own previous state over the calibration samples in order "
-        "(`qgraph.streaming`); unset: every sample as it is in the data.")
+        "(`qgraph.runtime.streaming`); unset: every sample as it is in the data.")
     output_parts: bool = Field(
         default=True, description="Score each part of an output that a final Concat joins (a detector's boxes "
-        "and class scores) on its own, the worst part deciding (`qgraph.output_parts`); false: every output whole, "
-        "where the largest part's error hides the others'.")
+        "and class scores) on its own, the worst part deciding (`qgraph.runtime.output_parts`); false: every output "
+        "whole, where the largest part's error hides the others'.")
 
 
 @dataclass

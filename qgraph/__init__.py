@@ -10,12 +10,13 @@ Public API (what passes, plug-ins and scripts import)::
 from qgraph._version import __version__
 from qgraph.errors import DataError, ModelError, PassError, QGraphError, RecipeError, VerificationError
 from qgraph.graph import GraphHandle, GraphIndex
-from qgraph.model_io import load_model, save_model
-from qgraph.output_parts import OutputPart, OutputParts, find_output_parts
-from qgraph.pass_api import Pass, PassConfig, PassContext, PassResult, Skipped, get_pass, register
-from qgraph.pipeline import Pipeline, PipelineEvent, PipelineResult
-from qgraph.recipe import Recipe
-from qgraph.selectors import NodeSelector, Selection, SubgraphRange, select, selected_ids
+from qgraph.graph.selectors import NodeSelector, Selection, SubgraphRange, select, selected_ids
+from qgraph.io.model_io import load_model, save_model
+from qgraph.options import PassConfig
+from qgraph.pipeline.pass_api import Pass, PassContext, PassResult, Skipped, get_pass, register
+from qgraph.pipeline.recipe import Recipe
+from qgraph.pipeline.runner import Pipeline, PipelineEvent, PipelineResult
+from qgraph.runtime.output_parts import OutputPart, OutputParts, find_output_parts
 
 __all__ = [
     "DataError",

@@ -11,9 +11,10 @@ import onnx
 import pytest
 from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, pass_api
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult
+from qgraph.pipeline import pass_api
 
-#: Modules whose assertions are accuracy thresholds measured with a target CPU's arithmetic (`qgraph.kernels`):
+#: Modules whose assertions are accuracy thresholds measured with a target CPU's arithmetic (`qgraph.runtime.kernels`):
 #: marked ``accuracy``, and run again by CI with QGRAPH_CPU_FLAGS declaring an AVX2 host and a VNNI host, so each
 #: threshold is proven under both arithmetics whatever CPU CI has (issue #28).
 ACCURACY_MODULES = frozenset({

@@ -11,10 +11,10 @@ import pytest
 from onnx import numpy_helper
 
 from qgraph import Recipe
-from qgraph.check import Drop
+from qgraph.analysis.check import Drop
 from qgraph.cli import main
 from qgraph.errors import UsageError
-from qgraph.evaluation import Evaluation, load_labels
+from qgraph.runtime.evaluation import Evaluation, load_labels
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from qgraph.cli import main
-from qgraph.compare import make_session, run
+from qgraph.runtime.compare import make_session, run
 
 DIGITS = Path(__file__).resolve().parents[1] / "examples" / "digits"
 

@@ -12,9 +12,9 @@ import onnx
 import pytest
 
 import qgraph.cli._app as _app
-from qgraph.batch import output_path
 from qgraph.cli import main
-from qgraph.recipe import Recipe
+from qgraph.pipeline.batch import output_path
+from qgraph.pipeline.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"

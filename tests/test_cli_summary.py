@@ -12,7 +12,7 @@ from rich.console import Console
 
 from qgraph import Recipe
 from qgraph.cli import main
-from qgraph.pass_api import discover
+from qgraph.pipeline.pass_api import discover
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
@@ -114,7 +114,7 @@ def test_root_help_flags(capsys: pytest.CaptureFixture[str], monkeypatch: pytest
 def test_attention_decisions_are_never_cut_and_come_first() -> None:
     """A branch the calibration data never ran (left float) must not hide under "... N more (decision)"."""
     from qgraph.cli.run import SHOWN_PER_PASS, print_pass
-    from qgraph.pass_api import PassResult
+    from qgraph.pipeline.pass_api import PassResult
 
     r = PassResult()
     for i in range(SHOWN_PER_PASS + 3):

@@ -1,6 +1,8 @@
-"""The shape of the code: no import cycles among the engine and the built-in passes (imports inside functions
-count; `if TYPE_CHECKING:` blocks do not run and do not count), no module over ~400 lines without a reason in its
-docstring, no function over 80 lines (issue #15)."""
+"""The shape of the code (issues #15, #29): no import cycle among the engine and the built-in passes (imports
+inside functions and in ``if TYPE_CHECKING:`` blocks count: a type-level circle is a circle), the subpackages' layers
+point one way, no engine module imports the ``qgraph`` facade, a ``_``-private module is imported only inside its
+own subpackage, passes and plug-ins import only the public surface, no module over ~400 lines and no function over
+80 without a reason in its docstring."""
 
 from __future__ import annotations
 
@@ -8,10 +10,27 @@ import ast
 from pathlib import Path
 
 import networkx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Package folders and the module name each installs as.
 TREES = {ROOT / "qgraph": "qgraph", ROOT / "passes": "qgraph.passes"}
+#: The engine's subpackages (and base modules) from the bottom layer up: a module may import its own layer and the
+#: layers below it, never one above (docs/architecture.md).
+LAYERS = (
+    ("qgraph._version", "qgraph.errors", "qgraph.options"),
+    ("qgraph.graph",),
+    ("qgraph.io",),
+    ("qgraph.data",),
+    ("qgraph.quant",),
+    ("qgraph.runtime",),
+    ("qgraph.calibrate",),
+    ("qgraph.pipeline",),
+    ("qgraph.recovery", "qgraph.remedy"),
+    ("qgraph.analysis", "qgraph"),  # `qgraph`: the facade alone, what passes and plug-ins import
+    ("qgraph.testing", "qgraph.passes"),
+    ("qgraph.cli", "qgraph.__main__"),
+)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
@@ -34,17 +53,11 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """Internal modules ``name`` imports anywhere (functions included, TYPE_CHECKING blocks excluded)."""
+    """Internal modules ``name`` imports anywhere (functions and TYPE_CHECKING blocks included)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -74,6 +87,63 @@ def test_no_import_cycles() -> None:
     g = import_graph()
     cycles = [c for c in networkx.strongly_connected_components(g) if len(c) > 1]
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def _layer(module: str) -> int:
+    """The index in `LAYERS` of the subpackage (or base module) ``module`` belongs to."""
+    best, found = -1, -1
+    for i, members in enumerate(LAYERS):
+        for m in members:
+            inside = module == m or (m != "qgraph" and module.startswith(m + "."))
+            if inside and len(m) > best:
+                best, found = len(m), i
+    assert found >= 0, f"{module} belongs to no layer of LAYERS: add its subpackage there"
+    return found
+
+
+def test_the_layers_point_one_way() -> None:
+    g = import_graph()
+    up = [(a, b) for a, b in g.edges if _layer(b) > _layer(a)]
+    assert not up, f"imports from a lower layer to a higher one: {up}"
+
+
+def test_no_engine_module_imports_the_facade() -> None:
+    g = import_graph()
+    bad = [a for a, b in g.edges if b == "qgraph" and not a.startswith(("qgraph.passes", "qgraph.testing"))]
+    assert not bad, f"engine modules importing `qgraph` (import from the module that defines the name): {bad}"
+
+
+def _subpackage(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[1:2] == ["passes"] else ".".join(parts[:2])
+
+
+def _private(module: str) -> bool:
+    """Whether ``module`` is private to a subpackage (a ``_`` name inside ``qgraph.<subpackage>``; the base
+    modules at the top, like ``qgraph._version``, belong to every layer above them)."""
+    return any(p.startswith("_") and not p.startswith("__") for p in module.split(".")[2:])
+
+
+def test_private_modules_are_imported_only_inside_their_subpackage() -> None:
+    g = import_graph()
+    bad = [(a, b) for a, b in g.edges if _private(b) and _subpackage(a) != _subpackage(b)]
+    assert not bad, f"`_`-private modules imported from another subpackage: {bad}"
+
+
+@pytest.mark.parametrize("tree", ["passes", "examples/plugin"])
+def test_passes_and_plug_ins_import_only_the_public_surface(tree: str) -> None:
+    """A built-in pass is written as a plug-in would be: it imports public modules of the engine (no `_`-private
+    module, no command-line or test-support code)."""
+    bad = []
+    for path in (ROOT / tree).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for n in names:
+                if n.startswith("qgraph") and not n.startswith("qgraph.passes") and (
+                        _private(n) or n.startswith(("qgraph.cli", "qgraph.testing"))):
+                    bad.append(f"{path.relative_to(ROOT)}: {n}")
+    assert not bad, f"imports outside the public surface: {bad}"
 
 
 def test_the_engine_never_imports_a_pass() -> None:

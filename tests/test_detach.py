@@ -175,7 +175,7 @@ def _big_model() -> onnx.ModelProto:
 def test_streamed_write_and_sizes_equal_protobufs() -> None:
     import io
 
-    from qgraph.model_io import serialized_size, tensor_size, write_streamed
+    from qgraph.io.model_io import serialized_size, tensor_size, write_streamed
 
     model = _big_model()
     buf = io.BytesIO()
@@ -186,7 +186,7 @@ def test_streamed_write_and_sizes_equal_protobufs() -> None:
 
 
 def test_read_header_skips_the_graph(tmp_path: Path) -> None:
-    from qgraph.model_io import read_header
+    from qgraph.io.model_io import read_header
 
     model = _big_model()
     onnx.save(model, str(tmp_path / "m.onnx"))
@@ -209,8 +209,8 @@ def test_streamed_write_refuses_a_raw_data_that_does_not_match_its_dims(tmp_path
 def test_sessions_on_a_weightless_export_fill_the_placeholders_inside_bodies() -> None:
     """onnxruntime's shared initializers reach the top graph only: a placeholder inside an If branch is written
     into a copy (and only that one); a model without one is loaded as is."""
-    from qgraph.compare import make_session
     from qgraph.graph.detach import fill_nested
+    from qgraph.runtime.compare import make_session
 
     rng = np.random.default_rng(0)
     inner, outer = (rng.standard_normal((32, 32)).astype(np.float32) for _ in range(2))

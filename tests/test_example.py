@@ -1,5 +1,5 @@
 """The README's main job on the bundled example: provenance, byte-identical re-runs, INT8 accuracy measured as it
-deploys on this host (the host recipe picks this host's preset; `qgraph.kernels`)."""
+deploys on this host (the host recipe picks this host's preset; `qgraph.runtime.kernels`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import onnx
 
 from qgraph import Recipe
 from qgraph.cli import main
-from qgraph.kernels.measure import choose, model_target
+from qgraph.runtime.kernels.measure import choose, model_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"

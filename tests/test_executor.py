@@ -1,4 +1,4 @@
-"""The executor interface (`qgraph.executor`): local (serial, processes) and Ray give the same ordered results;
+"""The executor interface (`qgraph.runtime.executor`): local (serial, processes) and Ray give the same ordered results;
 the shared object travels once; the time budget stops work; a Ray worker killed mid-task is retried with the same
 result; a sensitivity run on Ray equals the local one; without Ray, asking for it is one sentence, exit 2."""
 
@@ -16,9 +16,9 @@ import onnx
 import pytest
 
 from qgraph import DataError, Recipe
+from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.cli import main
-from qgraph.executor import ExecutorSpec, LocalExecutor, RayExecutor, WorkerError, make_executor
-from qgraph.sensitivity.search import auto_fallback
+from qgraph.runtime.executor import ExecutorSpec, LocalExecutor, RayExecutor, WorkerError, make_executor
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
@@ -118,7 +118,7 @@ def test_a_local_worker_that_dies_is_a_worker_error_and_no_process_is_left(tmp_p
 
 
 def _writes_slowly(folder: str, x: int) -> int:
-    from qgraph.outputs import temporary_file
+    from qgraph.io.outputs import temporary_file
 
     with temporary_file(Path(folder), f"out{x}.onnx"):
         Path(folder, f"started{x}").write_text("")

@@ -1,4 +1,4 @@
-"""The fidelity check at the end of ``qgraph run`` (`qgraph.fidelity`): the printed numbers are compare_models'
+"""The fidelity check at the end of ``qgraph run`` (`qgraph.analysis.fidelity`): the printed numbers are compare_models'
 numbers on the same samples, NaN/Inf never reads as a match, --min-sqnr exits 3 with the model written."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import onnx
 import onnx.parser
 import pytest
 
+from qgraph.analysis.fidelity import CHECK_SAMPLES, check_fidelity, first_samples
 from qgraph.cli import main
-from qgraph.compare import compare_models
 from qgraph.data import open_data_source
-from qgraph.fidelity import CHECK_SAMPLES, check_fidelity, first_samples
-from qgraph.kernels.measure import choose, model_target
+from qgraph.runtime.compare import compare_models
+from qgraph.runtime.kernels.measure import choose, model_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"

@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, Pipeline
 from qgraph.graph.detach import is_placeholder, with_weights
-from qgraph.pass_api import PassConfig
+from qgraph.options import PassConfig
 
 
 class _RecorderConfig(PassConfig):

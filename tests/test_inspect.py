@@ -11,11 +11,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from qgraph.analysis.diff import saturation_risks
+from qgraph.analysis.inspect import analyze_model, inspect_model
 from qgraph.cli import main
-from qgraph.diff import saturation_risks
 from qgraph.errors import RecipeError
-from qgraph.inspect import analyze_model, inspect_model
-from qgraph.model_io import save_model
+from qgraph.io.model_io import save_model
 from qgraph.testing.models import conv_bn_net
 
 BN_CASES = """

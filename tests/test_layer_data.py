@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from qgraph.layer_data import RowSpec, Twin, channel_means, sample_inputs, with_twins
+from qgraph.runtime.layer_data import RowSpec, Twin, channel_means, sample_inputs, with_twins
 from qgraph.testing.runtime import run_ort
 
 

@@ -113,8 +113,8 @@ def test_sessions_over_shared_weights_hold_no_copy_of_them() -> None:
     inputs): onnxruntime copies initializers given through ``add_external_initializers`` (64 MB more here) and
     prepacks MatMul weights (64 MB more again)."""
     from qgraph.calibrate.session import Additions, calibration_session
-    from qgraph.compare import make_session, session_run
     from qgraph.graph.detach import split_weights
+    from qgraph.runtime.compare import make_session, session_run
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4096, 4096), dtype=np.float32)  # 64 MB

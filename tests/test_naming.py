@@ -14,16 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qgraph import GraphHandle, Pipeline, get_pass
+from qgraph.analysis.diff.protos import ModelIndex
+from qgraph.analysis.diff.structural import structural_diff
+from qgraph.analysis.inspect import inspect_model
+from qgraph.analysis.report import build_report
+from qgraph.analysis.sensitivity.ranking import candidate_nodes
 from qgraph.cli import main
-from qgraph.diff.protos import ModelIndex
-from qgraph.diff.structural import structural_diff
-from qgraph.fallback import quantized_nodes
 from qgraph.graph import named_model, proto_node_names, unique_names
-from qgraph.inspect import inspect_model
-from qgraph.model_io import model_fingerprint
-from qgraph.recipe import Recipe
-from qgraph.report import build_report
-from qgraph.sensitivity.ranking import candidate_nodes
+from qgraph.io.model_io import model_fingerprint
+from qgraph.pipeline.recipe import Recipe
+from qgraph.quant.qdq_graph import quantized_nodes
 from qgraph.testing import mode_switched_net, ort_quantize_static
 from qgraph.testing.mobilenet import mobilenet_v2
 

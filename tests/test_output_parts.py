@@ -1,4 +1,4 @@
-"""``qgraph.output_parts``: outputs a final Concat joins are found, cut and measured part by part."""
+"""``qgraph.runtime.output_parts``: outputs a final Concat joins are found, cut and measured part by part."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import numpy_helper, parser
 
-from qgraph.output_parts import OutputPart, OutputParts, PartDiffs, find_output_parts, output_parts_of
-from qgraph.streaming import OutputScore
+from qgraph.runtime.output_parts import OutputPart, OutputParts, PartDiffs, find_output_parts, output_parts_of
+from qgraph.runtime.streaming import OutputScore
 from qgraph.testing.detection import detection_feeds, detection_head
 
 # YOLOv8's head in small: boxes [1, 4, N] and sigmoid scores [1, 18, N] joined on axis 1 (N symbolic, the anchor
@@ -69,7 +69,7 @@ def test_a_quantized_join_is_found_behind_its_pairs_and_named_by_the_float_tenso
     """The QDQ model made by a shared-scale quantizer: DQ(Q(boxes)), DQ(Q(scores)) -> Concat -> Q -> DQ -> out."""
     from qgraph import Pipeline
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
 
     model = detection_head()
     data = CallableSource(lambda: detection_feeds(4), "4 images")
@@ -119,7 +119,7 @@ def test_output_score_is_the_worst_part() -> None:
 
     from qgraph import Pipeline
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
 
     model = detection_head()
     feeds = detection_feeds(8)

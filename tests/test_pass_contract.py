@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, Pipeline, pass_api
-from qgraph.compare import compare_models, random_feeds
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, Pipeline
+from qgraph.pipeline import pass_api
+from qgraph.runtime.compare import compare_models, random_feeds
 
 #: Options a pass needs before it can run on a float CNN (anything else runs with its defaults).
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -261,7 +262,7 @@ def test_qgraph_errors_raised_by_a_pass_pass_through_unchanged() -> None:
 def test_the_cli_reports_a_crashing_plugin_pass_without_a_traceback(tmp_path: Any,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from qgraph.cli import main
-    from qgraph.model_io import save_model
+    from qgraph.io.model_io import save_model
 
     src = save_model(_mul_model(), tmp_path / "m.onnx")
     recipe = tmp_path / "r.yaml"

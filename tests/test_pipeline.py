@@ -11,8 +11,8 @@ import pytest
 
 from qgraph import Pipeline, PipelineEvent, Recipe, VerificationError, load_model, save_model
 from qgraph.cli import main
-from qgraph.compare import make_session, run
-from qgraph.model_io import model_fingerprint
+from qgraph.io.model_io import model_fingerprint
+from qgraph.runtime.compare import make_session, run
 
 
 def test_python_pipeline_and_its_yaml_dump_give_identical_files(toy_passes, small_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -14,9 +14,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from qgraph import Recipe, pass_api
+from qgraph import Recipe
 from qgraph.cli import main
-from qgraph.compare import make_session, run
+from qgraph.pipeline import pass_api
+from qgraph.runtime.compare import make_session, run
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugin"
 

@@ -12,10 +12,10 @@ from pydantic import Field
 from qgraph import Pass, PassConfig, PassResult, Pipeline, PipelineEvent, Recipe, get_pass, save_model
 from qgraph.cli import main
 from qgraph.errors import DataError, PassError, RecipeError
-from qgraph.names import GraphOutputName
-from qgraph.preflight import ModelNames, NameRef, name_refs, preflight
-from qgraph.recipe_yaml import RecipeValidationError
-from qgraph.target import CalibrationSpec
+from qgraph.graph.names import GraphOutputName
+from qgraph.pipeline.preflight import ModelNames, NameRef, name_refs, preflight
+from qgraph.pipeline.recipe_yaml import RecipeValidationError
+from qgraph.pipeline.target import CalibrationSpec
 from qgraph.testing.models import leaky_state_net, mode_switched_net
 
 # fold_constants first: had the check not run before the first pass, it would have started (a pass_start event)

@@ -1,4 +1,4 @@
-"""Tests of qgraph.quant against hand-computed values, brute-force loops and onnxruntime."""
+"""Tests of qgraph.quant.math against hand-computed values, brute-force loops and onnxruntime."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from qgraph.quant import (
+from qgraph.quant.math import (
     MIN_SCALE,
     ActivationRange,
     QuantDtype,
@@ -260,7 +260,7 @@ def test_quantize_slabs_equal_the_float64_formula(
 ) -> None:
     """The in-place float32 slab path gives exactly ``clip(rint(float32(x / s)) + zp)`` computed in float64, for
     slabs smaller than the tensor (several chunks) and values far outside the integer range."""
-    import qgraph.quant as quant
+    import qgraph.quant.math as quant
 
     monkeypatch.setattr(quant, "QUANTIZE_CHUNK", 2 * cols)  # two rows per slab: exercises chunk boundaries
     rng = np.random.default_rng(seed)

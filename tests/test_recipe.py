@@ -9,7 +9,7 @@ import pytest
 
 from qgraph import Pipeline, Recipe, RecipeError
 from qgraph.cli import main
-from qgraph.recipe import RecipeValidationError, recipe_json_schema
+from qgraph.pipeline.recipe import RecipeValidationError, recipe_json_schema
 
 BAD_RECIPE = """\
 name: four-mistakes

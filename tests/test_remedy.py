@@ -1,4 +1,5 @@
-"""qgraph.remedy: a remedy (float or 16-bit activations) for nodes anywhere in a model, If/Loop bodies included."""
+"""qgraph.remedy.apply: a remedy (float or 16-bit activations) for nodes anywhere in a model, If/Loop bodies
+included."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import onnx
 import pytest
 
 from qgraph import GraphHandle, NodeSelector, Pipeline, get_pass
-from qgraph.compare import make_session
 from qgraph.data import CallableSource
-from qgraph.fallback import ReferenceWeights, quantized_nodes
-from qgraph.recipe import Recipe
-from qgraph.remedy import apply_remedy, body_candidates, remedy_model
+from qgraph.pipeline.recipe import Recipe
+from qgraph.quant.qdq_graph import quantized_nodes
+from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.remedy.apply import apply_remedy, body_candidates, remedy_model
+from qgraph.runtime.compare import make_session
 from qgraph.testing import mode_feeds, mode_switched_net
 
 

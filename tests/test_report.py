@@ -15,11 +15,12 @@ import onnx
 import pytest
 from diff.handmade_recipe import FoldBatchNorm, InsertQDQ, NoOptions, RemoveDropout
 
-from qgraph import GraphHandle, Pass, PassContext, PassResult, Pipeline, Recipe, pass_api
-from qgraph.compare import random_feeds
+from qgraph import GraphHandle, Pass, PassContext, PassResult, Pipeline, Recipe
+from qgraph.analysis.report import build_report, report_html, stage_fidelity, write_report
 from qgraph.errors import QGraphError
-from qgraph.model_io import save_model
-from qgraph.report import build_report, report_html, stage_fidelity, write_report
+from qgraph.io.model_io import save_model
+from qgraph.pipeline import pass_api
+from qgraph.runtime.compare import random_feeds
 from qgraph.testing.models import conv_bn_net
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -1,4 +1,5 @@
-"""The adaptive-rounding solver and the int32 bias fold (qgraph.rounding, qgraph.quant.shift_int32_bias)."""
+"""The adaptive-rounding solver and the int32 bias fold (qgraph.recovery.rounding,
+qgraph.quant.math.shift_int32_bias)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qgraph.quant import shift_int32_bias
-from qgraph.rounding import optimize_rounding, rounding_objective, second_moments
+from qgraph.quant.math import shift_int32_bias
+from qgraph.recovery.rounding import optimize_rounding, rounding_objective, second_moments
 
 
 def _problem(seed: int, rows: int, k: int, groups: int, offset: float, qrange: tuple[int, int]) -> tuple:

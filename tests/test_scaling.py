@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from qgraph import GraphHandle, PassContext
-from qgraph.pass_api import get_pass
+from qgraph.pipeline.pass_api import get_pass
 from qgraph.testing.models import conv_bn_relu_chain
 
 MAX_WALKS_PER_PASS = 12

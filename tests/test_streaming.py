@@ -1,4 +1,4 @@
-"""``qgraph.streaming``: recurrent models run with their own state fed back, sequences found from the data."""
+"""``qgraph.runtime.streaming``: recurrent models run with their own state fed back, sequences found from the data."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 
 from qgraph import PassError
-from qgraph.streaming import OutputScore, Recurrence, check_recurrence, run_streamed, sequence_starts
+from qgraph.runtime.streaming import OutputScore, Recurrence, check_recurrence, run_streamed, sequence_starts
 from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
 
 REC = Recurrence(state_inputs=LEAKY_STATE)

@@ -1,4 +1,4 @@
-"""Control-flow bodies as standalone models (qgraph.subgraphs) and static quantization inside them."""
+"""Control-flow bodies as standalone models (qgraph.runtime.bodies) and static quantization inside them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from onnx import helper, numpy_helper
 
 from qgraph import Pipeline
 from qgraph.data import CallableSource
-from qgraph.pass_api import get_pass
-from qgraph.subgraphs import BodyError, bodies, body_feeds, graft_body, outer_names, standalone_body
+from qgraph.pipeline.pass_api import get_pass
+from qgraph.runtime.bodies import BodyError, bodies, body_feeds, graft_body, outer_names, standalone_body
 from qgraph.testing.control_flow import LOOP_TRIPS as TRIPS
 from qgraph.testing.control_flow import loop_net
 
@@ -136,7 +136,7 @@ def test_large_weights_inside_a_branch_calibrate() -> None:
 
 def test_every_body_is_fed_from_one_session_and_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both branches of an If: one probe session, the data read once (not once per body)."""
-    import qgraph.subgraphs as subgraphs
+    import qgraph.runtime.bodies as subgraphs
     from tests.passes.test_specialize_inputs import _feeds as mode_feeds
     from tests.passes.test_specialize_inputs import mode_switched_net
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from qgraph import Recipe
-from qgraph.target import CPU_FLAGS_ENV, TargetSpec
+from qgraph.pipeline.target import TargetSpec
+from qgraph.runtime.kernels.cpu import CPU_FLAGS_ENV
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 VNNI, AVX2 = "fpu sse4_2 avx2 avx512f avx512_vnni", "fpu sse4_2 avx2 fma"

@@ -1,4 +1,4 @@
-"""Every pass's time against the calibration's (qgraph.timing), from fake records and from a real run."""
+"""Every pass's time against the calibration's (qgraph.pipeline.timing), from fake records and from a real run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from qgraph.passes.correct_bias import CorrectBias
 from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import PassResult, Pipeline
-from qgraph.timing import BUDGET, run_timing
+from qgraph.pipeline.timing import BUDGET, run_timing
 
 sys.path.insert(0, str(Path(__file__).parent / "passes"))
 from insert_qdq_helpers import feeds_for, source, tiny_cnn

@@ -1,4 +1,4 @@
-"""``--verify`` against the model's own float32 noise floor (`qgraph.verify`): a correct pass on a model whose
+"""``--verify`` against the model's own float32 noise floor (`qgraph.pipeline.verify`): a correct pass on a model whose
 float32 rounding exceeds 1e-5 is accepted, a genuinely wrong pass still fails, and the raised tolerance is said."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, Pipeline, VerificationError
+from qgraph.analysis.report import build_report
 from qgraph.cli import main
-from qgraph.compare import random_feeds
 from qgraph.graph import const_value, set_const
-from qgraph.model_io import save_model
-from qgraph.pass_api import get_pass
-from qgraph.report import build_report
+from qgraph.io.model_io import save_model
+from qgraph.pipeline.pass_api import get_pass
+from qgraph.pipeline.verify import NOISE_FLOOR_FACTOR, VerifyTolerance, check_pass, measure_tolerance
+from qgraph.runtime.compare import random_feeds
 from qgraph.testing.models import conv_bn_relu_chain, offset_conv_bn_chain
-from qgraph.verify import NOISE_FLOOR_FACTOR, VerifyTolerance, check_pass, measure_tolerance
 
 
 class PerturbConfig(PassConfig):
@@ -146,7 +146,7 @@ def test_report_lists_the_raised_tolerance(noisy: onnx.ModelProto) -> None:
 
 def test_cli_marks_a_pass_that_fails_verify_as_failed(noisy: onnx.ModelProto, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from qgraph import pass_api
+    from qgraph.pipeline import pass_api
 
     pass_api.discover()
     pass_api.register(PerturbWeight)

@@ -1,4 +1,5 @@
-"""The fidelity guard of weight-correcting passes (qgraph.weight_correction.FidelityGuard), as a plug-in uses it."""
+"""The fidelity guard of weight-correcting passes (qgraph.recovery.weight_correction.FidelityGuard), as a plug-in uses
+it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import onnx
 from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import GraphHandle, PassContext, PassResult, Pipeline
-from qgraph.weight_correction import CorrectionPass, FidelityGuard, GuardConfig
+from qgraph.recovery.weight_correction import CorrectionPass, FidelityGuard, GuardConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "passes"))
 from insert_qdq_helpers import feeds_for, source, tiny_cnn

@@ -1,4 +1,5 @@
-"""qgraph.widen: 16-bit activations on chosen nodes of a QDQ model (A16W8): structure, biases, domains, numbers."""
+"""qgraph.remedy.widen: 16-bit activations on chosen nodes of a QDQ model (A16W8): structure, biases, domains,
+numbers."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from hypothesis import strategies as st
 
 from qgraph import GraphHandle, Pipeline, get_pass
 from qgraph.data import CallableSource
-from qgraph.fallback import QParams, dequantize, is_dq, is_q, quantized_nodes
+from qgraph.quant.qdq_graph import QParams, dequantize, is_dq, is_q, quantized_nodes
+from qgraph.remedy.widen import MS_DOMAIN, wide_params, widen_activations
 from qgraph.testing import depthwise_feeds, depthwise_float_and_qdq, depthwise_net, output_sqnr_db
 from qgraph.testing.models import run_ort
-from qgraph.widen import MS_DOMAIN, wide_params, widen_activations
 
 Feed = dict[str, np.ndarray]
 _feeds, _sqnr = depthwise_feeds, output_sqnr_db
@@ -224,7 +225,7 @@ def test_a_pair_shared_with_an_8bit_reader_is_converted_back_for_it() -> None:
 
 def test_diff_coverage_counts_16bit_nodes_as_integer_and_names_them(models: tuple[onnx.ModelProto,
                                                                                 onnx.ModelProto]) -> None:
-    from qgraph.diff import qdq_coverage
+    from qgraph.analysis.diff import qdq_coverage
 
     _, qdq = models
     wide, _ = _widened(qdq, ("b1/dw", "head/fc"))
@@ -252,7 +253,7 @@ def test_tensorrt_form_weights_stay_and_activations_widen() -> None:
 
 
 def test_com_microsoft_pairs_are_counted_by_inspect(models: tuple[onnx.ModelProto, onnx.ModelProto]) -> None:
-    from qgraph.diff import qdq_coverage
+    from qgraph.analysis.diff import qdq_coverage
 
     _, qdq = models
     wide, _ = _widened(qdq, ("b1/dw",))
@@ -260,7 +261,7 @@ def test_com_microsoft_pairs_are_counted_by_inspect(models: tuple[onnx.ModelProt
     contrib = sum(n.domain == MS_DOMAIN for n in wide.graph.node)
     assert contrib == 2 and (after.quantize_nodes, after.dequantize_nodes) == (before.quantize_nodes,
                                                                              before.dequantize_nodes)
-    from qgraph.diff import structural_diff
+    from qgraph.analysis.diff import structural_diff
 
     changed = {c.node: c.changes for c in structural_diff(qdq, wide).changed}
     q = next(n.name for n in wide.graph.node if n.domain == MS_DOMAIN and n.op_type == "QuantizeLinear")

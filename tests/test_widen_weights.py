@@ -1,4 +1,4 @@
-"""16-bit weights on chosen nodes (`qgraph.widen_weights`; float_fallback ``to: a16w16``)."""
+"""16-bit weights on chosen nodes (`qgraph.remedy.widen_weights`; float_fallback ``to: a16w16``)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from ruamel.yaml import YAML
 from qgraph import GraphHandle, Pipeline, Recipe, RecipeError, get_pass
 from qgraph.cli import main
 from qgraph.data import CallableSource
-from qgraph.fallback import ReferenceWeights, quantized_nodes
-from qgraph.remedy import apply_remedy
+from qgraph.quant.qdq_graph import quantized_nodes
+from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.remedy.apply import apply_remedy
+from qgraph.remedy.widen import WidenOutcome
+from qgraph.remedy.widen_weights import MS_DOMAIN, WeightWidenOutcome, widen_weights
 from qgraph.testing import depthwise_feeds, depthwise_float_and_qdq, depthwise_net, output_sqnr_db
 from qgraph.testing.models import run_ort
-from qgraph.widen import WidenOutcome
-from qgraph.widen_weights import MS_DOMAIN, WeightWidenOutcome, widen_weights
 
 Feed = dict[str, np.ndarray]
 _feeds, _sqnr = depthwise_feeds, output_sqnr_db

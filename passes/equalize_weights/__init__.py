@@ -23,8 +23,8 @@ rounds, which the decision says). Run after ``fuse_batchnorm`` so BN scales are 
 Idempotence: the whole rewrite is kept only when some channel moves by more than ``tolerance`` (|ln s| >
 tolerance, cumulated over rounds); on an equalized model a second run leaves the graph untouched.
 The per-channel factors ``1/s`` of every tensor between two equalized layers are recorded in the model's metadata
-(`qgraph.rescaling`), so `qgraph diff` against the model before equalization compares them without the rescaling.
-Dead channels keep ``s_i = 1`` (`qgraph.equalize.dead_channels`): a range below ``dead_range`` (1e-6) times its
+(`qgraph.quant.rescaling`), so `qgraph diff` against the model before equalization compares them without the rescaling.
+Dead channels keep ``s_i = 1`` (`qgraph.recovery.equalize.dead_channels`): a range below ``dead_range`` (1e-6) times its
 layer's largest, where ``sqrt(r1_i / r2_i)`` degenerates (PP-OCRv4's detector had scales 4e-14..7e+3 from channels
 with ``r1`` ~ 1e-34); the notes say how many, per pair in ``details["dead_channels"]``.
 Skipped with a reason: a tensor with other readers or that is a graph output, a non-equivariant op, shared or
@@ -39,9 +39,16 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassResult, register, selected_ids
-from qgraph.equalize import LinearLayer, as_linear, cle_scales, dead_channels, log_change, scale_const_per_channel
 from qgraph.graph import NoMatch, const_value, graph_scopes, renew_const
-from qgraph.rescaling import record_rescaling
+from qgraph.quant.rescaling import record_rescaling
+from qgraph.recovery.equalize import (
+    LinearLayer,
+    as_linear,
+    cle_scales,
+    dead_channels,
+    log_change,
+    scale_const_per_channel,
+)
 
 from .chains import NoSecondLayer, Pair, find_pair
 from .config import EqualizeWeightsConfig

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph.equalize import LinearLayer, as_linear, scale_const_per_channel, sole_use
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain
+from qgraph.recovery.equalize import LinearLayer, as_linear, scale_const_per_channel, sole_use
 
 _SIMPLE = {"Relu", "LeakyRelu", "Identity", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"}
 _NOT_HOMOGENEOUS = {

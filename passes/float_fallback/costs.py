@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qgraph import DataError, PassContext, PassError, PassResult
-from qgraph.latency import load_latency_table
-from qgraph.sensitivity.cost import CostSpec, shipped_latency_table
+from qgraph.analysis.sensitivity.cost import CostSpec, shipped_latency_table
+from qgraph.runtime.latency import load_latency_table
 
 if TYPE_CHECKING:
-    from . import AutoFallbackConfig
+    from .config import AutoFallbackConfig
 
 
 def fallback_costs(auto: AutoFallbackConfig, ctx: PassContext, res: PassResult) -> CostSpec | None:

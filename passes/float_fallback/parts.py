@@ -1,5 +1,5 @@
 """What auto mode's cosine/sqnr target scores: each part of an output that a final Concat joins
-(`qgraph.output_parts`), or, with ``auto.output_parts: false``, every output whole."""
+(`qgraph.runtime.output_parts`), or, with ``auto.output_parts: false``, every output whole."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import onnx
 
 from qgraph import PassResult
-from qgraph.output_parts import OutputParts, find_output_parts
-from qgraph.sensitivity.targets import Target
+from qgraph.analysis.sensitivity.targets import Target
+from qgraph.runtime.output_parts import OutputParts, find_output_parts
 
 if TYPE_CHECKING:
-    from . import AutoFallbackConfig
+    from .config import AutoFallbackConfig
 
 
 def scored_parts(auto: AutoFallbackConfig, reference: onnx.ModelProto, target: Target,

@@ -6,9 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from qgraph import GraphHandle, PassResult
-from qgraph.fallback import FallbackOutcome, ReferenceWeights
-from qgraph.remedy import Outcome, apply_remedy, remedy_model
-from qgraph.widen_weights import WeightWidenOutcome
+from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.remedy.apply import Outcome, apply_remedy, remedy_model
+from qgraph.remedy.fallback import FallbackOutcome
+from qgraph.remedy.widen_weights import WeightWidenOutcome
 
 
 def apply_and_record(graph: GraphHandle, nodes: list[Any], to: str, weights: ReferenceWeights | None, res: PassResult,

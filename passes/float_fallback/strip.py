@@ -6,10 +6,11 @@ from __future__ import annotations
 import onnx
 
 from qgraph import GraphHandle, PassContext, PassResult
-from qgraph.fallback import fall_back, quantized_nodes
 from qgraph.graph.detach import with_weights
-from qgraph.qdq import has_qdq
-from qgraph.subgraphs import BodyError, ModelFacts, bodies, graft_body, standalone_body
+from qgraph.quant.qdq import has_qdq
+from qgraph.quant.qdq_graph import quantized_nodes
+from qgraph.remedy.fallback import fall_back
+from qgraph.runtime.bodies import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
 
 def strip_all(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -21,7 +22,7 @@ def strip_all(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def strip_bodies(model: onnx.ModelProto) -> int:
     """Every quantized node inside ``model``'s If/Loop bodies (nested ones too) back to float, in place; returns
-    how many there were. Each body is rewritten as a model of its own (`qgraph.subgraphs`) and grafted back, so
+    how many there were. Each body is rewritten as a model of its own (`qgraph.runtime.bodies`) and grafted back, so
     the baseline of the search includes the error made inside bodies (else a model quantized only there would
     read as float: "target met" at any target)."""
     if next(bodies(model), None) is None:
@@ -55,7 +56,7 @@ def compare_with(qdq: onnx.ModelProto, given: str | None, floats: onnx.ModelProt
                  ctx: PassContext, res: PassResult) -> tuple[onnx.ModelProto, int]:
     """The float model auto mode compares with (``given``: the file `auto.reference` names, else ``floats``: the
     recipe's float reference, else ``qdq`` stripped of Q/DQ), and how many quantized nodes sit inside bodies."""
-    from qgraph.model_io import load_model
+    from qgraph.io.model_io import load_model
 
     if given is not None or floats is not None:
         if given is not None:

@@ -9,15 +9,16 @@ import numpy as np
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, select
 from qgraph.graph import topological_order
-from qgraph.kernels.measure import target_family
-from qgraph.quant import QuantDtype, QuantSpec
-from qgraph.target import CalibrationSpec, CpuInfo, host_cpu
+from qgraph.pipeline.target import CalibrationSpec
+from qgraph.quant.math import QuantDtype, QuantSpec
+from qgraph.runtime.kernels.cpu import CpuInfo, host_cpu
+from qgraph.runtime.kernels.measure import target_family
 
 from .bodies import BodiesOutcome, quantize_bodies
 from .build import activation_params, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
-from .config import CPU_PRESETS, PRESET_CPUS, PRESETS, InsertQDQConfig
+from .config import PRESETS, InsertQDQConfig
 from .cpu import for_cpu, resolve_reduce_range, resolve_saturation, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
 from .dynamic import DynamicQuantizer
@@ -26,10 +27,12 @@ from .joins import wide_joins
 from .latency import LatencyOptions
 from .latency_check import Builder, run_check, twin_builder
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
-from .placement import Plan, Planner, Unit, label
+from .placement import Planner
+from .presets import CPU_PRESETS, PRESET_CPUS
 from .saturation import pair_safe_decisions, saturation_details
 from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .through import clip_flat_sides
+from .units import Plan, Unit, label
 from .weights import Emitter, WeightQuantizer, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]

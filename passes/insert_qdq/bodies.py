@@ -1,7 +1,7 @@
 """Static quantization inside ``If`` branches and ``Loop`` bodies (``subgraphs: static``).
 
 onnxruntime returns no tensor from inside a body, so each top-level body is quantized as a model of its own
-(`qgraph.subgraphs`): its inputs at every execution on the calibration data are recorded (the outer tensors of the
+(`qgraph.runtime.bodies`): its inputs at every execution on the calibration data are recorded (the outer tensors of the
 samples whose condition selects a branch; the formal inputs of every loop iteration), the same ``insert_qdq``
 configuration runs on it with that data, and the quantized body is grafted back. Nested bodies are reached the same
 way, one level at a time. A body the data never reaches keeps the ``dynamic`` treatment (MatMul/Gemm with constant
@@ -14,19 +14,20 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from qgraph import GraphHandle, PassContext, PassResult
+from qgraph import GraphHandle, Pass, PassContext, PassResult
 from qgraph.data import CallableSource, Feed
 from qgraph.graph import proto_label
-from qgraph.subgraphs import Body, BodyError, ModelFacts, bodies, body_feeds, graft_body, standalone_body
+from qgraph.runtime.bodies import Body, BodyError, ModelFacts, bodies, body_feeds, graft_body, standalone_body
 
 if TYPE_CHECKING:
-    from . import InsertQDQ
+    from .config import InsertQDQConfig
 
 #: Executions of one body recorded at most (a loop runs its body many times per sample).
 MAX_BODY_SAMPLES = 256
 
 
-def quantize_bodies(quantizer: InsertQDQ, graph: GraphHandle, ctx: PassContext, res: PassResult) -> BodiesOutcome:
+def quantize_bodies(quantizer: Pass[InsertQDQConfig], graph: GraphHandle, ctx: PassContext,
+                    res: PassResult) -> BodiesOutcome:
     """Quantize every top-level If/Loop body on the data that reaches it."""
     outcome = BodiesOutcome()
     if ctx.calibration_data is None or next(graph.subgraphs(), None) is None:

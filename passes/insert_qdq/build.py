@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from qgraph import GraphHandle
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
 from .config import InsertQDQConfig
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
-from .placement import Plan, Unit
+from .units import Plan, Unit
 from .weights import Emitter, WeightQuantizer
 
 

@@ -25,7 +25,7 @@ from qgraph.calibrate import (
     read_ranges,
 )
 from qgraph.data import batched
-from qgraph.model_io import model_fingerprint
+from qgraph.io.model_io import model_fingerprint
 
 from .config import InsertQDQConfig
 

@@ -20,7 +20,7 @@ from qgraph import GraphHandle
 from qgraph.calibrate import TensorCalibration, bounded_range
 
 from .calib import RangeInfo
-from .placement import Plan
+from .units import Plan
 
 #: How many tensors the report lists where ``auto``'s choice mattered most.
 TOP = 5

@@ -1,4 +1,4 @@
-"""Configuration of ``insert_qdq``: explicit, validated choices plus target presets stored as data (`presets`).
+"""Configuration of ``insert_qdq``: explicit, validated choices plus target presets stored as data.
 
 A preset is a named partial config merged *under* what the recipe says: every key the recipe sets wins, every
 key it leaves out comes from the preset, and the rest from the defaults. Presets are validated when this module
@@ -7,7 +7,7 @@ written back (``Recipe.to_yaml``, provenance, reports) as ``preset:`` plus exact
 preset name in that text changes everything the preset decides.
 
 Choices that depend on the CPU (``reduce_range: auto``, ``saturation: auto``) are made from the recipe's declared
-``target.cpu``, never from the machine that runs qgraph (`qgraph.target`).
+``target.cpu``, never from the machine that runs qgraph (`qgraph.pipeline.target`).
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, f
 
 from qgraph import NodeSelector, PassConfig
 from qgraph.calibrate import make_observer
-from qgraph.quant import QuantDtype
+from qgraph.quant.math import QuantDtype
 
-from .depthwise import DepthwiseAutoOptions
 from .latency import LatencyOptions
-from .presets import CPU_PRESETS as CPU_PRESETS  # re-exported: `cpu.py` and the pass read them here
-from .presets import ORT_CPU_OPS
-from .presets import PRESET_CPUS as PRESET_CPUS
+from .presets import CPU_PRESETS, ORT_CPU_OPS
 from .presets import PRESET_DATA as _PRESET_DATA
-from .presets import TENSORRT_OPS as TENSORRT_OPS  # re-exported: the tensorrt preset's op types
 
 #: The preset names, in the order the catalogue shows them.
 PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
@@ -117,6 +113,23 @@ class OutlierOptions(PassConfig):
         default=100.0,
         gt=1,
         description="Skip when max|x| exceeds this many times the 99.99th percentile of |x| (extreme outliers).",
+    )
+
+
+class DepthwiseAutoOptions(PassConfig):
+    """When ``depthwise: auto`` keeps a depthwise Conv float (module docs of ``passes/insert_qdq/depthwise.py``)."""
+
+    min_loss_db: float = Field(
+        default=6.0, ge=0.0,
+        description="Smallest predicted output-SQNR loss of the per-tensor input scale against per-channel scales, "
+        "10·log10(Σ_c e_c R² / Σ_c e_c R_c²) with e_c the channel's squared kernel weights, that makes a depthwise "
+        "Conv a candidate to stay float (6 dB = one bit).",
+    )
+    max_latency_growth: float = Field(
+        default=0.02, ge=0.0, le=1.0,
+        description="How much the modelled latency (latency table, Q/DQ boundaries included) may grow over the "
+        "int8 decision's, as a fraction of it, from depthwise convs kept float; a unit the table cannot price "
+        "stays int8.",
     )
 
 

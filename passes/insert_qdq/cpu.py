@@ -1,15 +1,16 @@
 """``insert_qdq``'s choices that depend on the target CPU: a CPU preset resolved, ``reduce_range: auto`` and
 ``saturation: auto``. They follow the recipe's declared ``target.cpu`` (``host``: this machine's, probed), never the
-machine that merely runs qgraph (`qgraph.target`, `qgraph.kernels`).
+machine that merely runs qgraph (`qgraph.pipeline.target`, `qgraph.runtime.kernels`).
 """
 
 from __future__ import annotations
 
 from qgraph import PassError
-from qgraph.quant import QuantDtype
-from qgraph.target import CpuInfo
+from qgraph.quant.math import QuantDtype
+from qgraph.runtime.kernels.cpu import CpuInfo
 
-from .config import CPU_PRESETS, InsertQDQConfig
+from .config import InsertQDQConfig
+from .presets import CPU_PRESETS
 
 
 def for_cpu(config: InsertQDQConfig, family: str) -> tuple[InsertQDQConfig, str]:

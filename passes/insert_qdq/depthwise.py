@@ -42,41 +42,19 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import Field
 
-from qgraph import GraphHandle, PassConfig
+from qgraph import GraphHandle
 
+from .config import DepthwiseAutoOptions
 from .latency import Cost
+from .units import is_depthwise
 
 if TYPE_CHECKING:
     import onnx_graphsurgeon as gs
 
     from .latency import Edge
-    from .placement import Unit
     from .speed import Priced
-
-
-class DepthwiseAutoOptions(PassConfig):
-    """When ``depthwise: auto`` keeps a depthwise Conv float (module docs of ``passes/insert_qdq/depthwise.py``)."""
-
-    min_loss_db: float = Field(
-        default=6.0, ge=0.0,
-        description="Smallest predicted output-SQNR loss of the per-tensor input scale against per-channel scales, "
-        "10·log10(Σ_c e_c R² / Σ_c e_c R_c²) with e_c the channel's squared kernel weights, that makes a depthwise "
-        "Conv a candidate to stay float (6 dB = one bit).",
-    )
-    max_latency_growth: float = Field(
-        default=0.02, ge=0.0, le=1.0,
-        description="How much the modelled latency (latency table, Q/DQ boundaries included) may grow over the "
-        "int8 decision's, as a fraction of it, from depthwise convs kept float; a unit the table cannot price "
-        "stays int8.",
-    )
-
-
-def is_depthwise(node: gs.Node, w: np.ndarray | None) -> bool:
-    """A Conv with groups of one input channel (weight ``[C·m, 1, kh, kw]``)."""
-    return (node.op == "Conv" and int(node.attrs.get("group", 1)) > 1 and w is not None and w.ndim > 2
-            and w.shape[1] == 1)
+    from .units import Unit
 
 
 def spread_loss(lo: np.ndarray, hi: np.ndarray, w: np.ndarray, symmetric: bool) -> tuple[float, float]:
@@ -205,7 +183,7 @@ def decide_depthwise(cands: list[Candidate], opts: DepthwiseAutoOptions, priced:
 
 def other_kernel_cost(priced: Priced, node: gs.Node) -> Cost | None:
     """A depthwise conv whose kernel size the table never measured (e.g. 5x5), priced from the measured depthwise
-    kernel nearest in size, scaled by MACs like any table estimate (`qgraph.latency.LatencyTable.estimate`)."""
+    kernel nearest in size, scaled by MACs like any table estimate (`qgraph.runtime.latency.LatencyTable.estimate`)."""
     m = priced.model
     sig = m.signature(node) if m.table is not None else None
     if sig is None or m.table is None:

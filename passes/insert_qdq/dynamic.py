@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from qgraph.quant import QuantDtype, QuantSpec, quantize
+from qgraph.quant.math import QuantDtype, QuantSpec, quantize
 
-from .placement import Unit
+from .units import Unit
 from .weights import Emitter, PairSafeLayer, finite_constant, pair_safe_layer, quantize_weight_values, release_float
 from .wmath import lopsided
 

@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 import onnx_graphsurgeon as gs
 
-from qgraph.quant import QuantDtype
+from qgraph.quant.math import QuantDtype
 
-from .placement import Plan
+from .units import Plan
 from .weights import Emitter, storage
 
 

@@ -19,7 +19,7 @@ import math
 
 from .calib import RangeInfo
 from .config import InsertQDQConfig
-from .placement import Plan, label
+from .units import Plan, label
 
 
 def wide_joins(plan: Plan, ranges: dict[str, RangeInfo], cfg: InsertQDQConfig) -> dict[int, str]:

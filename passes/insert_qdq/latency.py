@@ -1,6 +1,6 @@
 """Latency-aware placement: keep a unit float where INT8 would make the model slower on the target runtime.
 
-Every quantizable unit ``u`` has an int8 and a float cost (µs, `qgraph.latency`: from the shipped per-preset
+Every quantizable unit ``u`` has an int8 and a float cost (µs, `qgraph.runtime.latency`: from the shipped per-preset
 table, or measured in the graph with ``latency: measure``). Every edge ``p -> c`` (a tensor from unit ``p``,
 possibly through data-movement ops, to unit ``c``; ``p`` or ``c`` is "float" outside the units) costs, by labels:
 

@@ -27,23 +27,25 @@ from typing import Any
 import onnx
 
 from qgraph import GraphHandle, PassContext
-from qgraph.compare import random_feeds
 from qgraph.data import batched
 from qgraph.errors import QGraphError
-from qgraph.latency import time_models
-from qgraph.quant import QuantSpec
-from qgraph.target import host_cpu
+from qgraph.quant.math import QuantSpec
+from qgraph.runtime.compare import random_feeds
+from qgraph.runtime.kernels.cpu import host_cpu
+from qgraph.runtime.latency import time_models
 
 from .build import activation_params, emit_plan
 from .calib import RangeInfo
 from .config import InsertQDQConfig
 from .latency import LatencyOptions
-from .placement import Planner, label
+from .placement import Planner
 from .speed import LatencyOutcome
+from .units import label
 
 #: Builds the model with the given units (node id -> why) kept float, every other unit int8 (serialized).
 Builder = Callable[[dict[int, str]], bytes]
-#: Times serialized models within a budget (s): median ms per label (`qgraph.latency.time_models` on one sample).
+# : Times serialized models within a budget (s): median ms per label (`qgraph.runtime.latency.time_models` on one
+# sample).
 Timer = Callable[[Mapping[str, bytes], float], dict[str, float]]
 
 

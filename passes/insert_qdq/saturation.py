@@ -1,7 +1,7 @@
 """u8 x s8 int16 saturation on x86 without VNNI: the pass's analysis of its own quantized weights.
 
 The arithmetic (``VPMADDUBSW``'s saturating int16 pair sums, measured against onnxruntime's AVX2 kernels) and the
-pair bounds are the engine's (`qgraph.kernels.pairs`). With 7-bit weights (``reduce_range``, w in [-64, 63]) the
+pair bounds are the engine's (`qgraph.runtime.kernels.pairs`). With 7-bit weights (``reduce_range``, w in [-64, 63]) the
 worst pair is 255 x 64 x 2 = 32640, which always fits.
 
 `analyze` bounds every pair of every output channel of every quantized layer over the activation codes the
@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 
 from qgraph import PassResult
-from qgraph.kernels.pairs import INT16_MAX, INT16_MIN, kernel_rows, pair_bounds
-from qgraph.quant import QuantDtype
+from qgraph.quant.math import QuantDtype
+from qgraph.runtime.kernels.pairs import INT16_MAX, INT16_MIN, kernel_rows, pair_bounds
 
 from .emit import ActParams
-from .placement import Plan, label
+from .units import Plan, label
 from .weights import PairSafeLayer, QuantizedWeight
 
 
@@ -62,7 +62,8 @@ class LayerSaturation:
 
 
 def _rows(w: QuantizedWeight) -> npt.NDArray[np.int32] | None:
-    """The weight as (output channels, K) in the kernel's reduction order (`qgraph.kernels.pairs.kernel_rows`)."""
+    """The weight as (output channels, K) in the kernel's reduction order
+    (`qgraph.runtime.kernels.pairs.kernel_rows`)."""
     return kernel_rows(w.values, w.op, w.transposed)
 
 

@@ -2,7 +2,7 @@
 
 Costs per unit: measured (``latency: measure``: the unit's node plus the nodes it absorbed, as onnxruntime
 profiled them in the float graph and in its all-int8 twin) or estimated from the cost table by the unit node's
-`qgraph.latency.op_signature`; a unit the table has no kind for keeps int8 (today's behaviour) and is listed.
+`qgraph.runtime.latency.op_signature`; a unit the table has no kind for keeps int8 (today's behaviour) and is listed.
 Edges follow each unit's activation inputs back through data-movement ops to the unit producing them (one
 bounded walk per input, O(graph)); a unit whose output also feeds a float op gets an edge to "float".
 """
@@ -20,11 +20,11 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle, PassContext, PassError, select
 from qgraph.data import batched
 from qgraph.graph import Inferred, named_model, tensor_shape
-from qgraph.latency import LatencyTable, load_latency_table, op_signature
+from qgraph.runtime.latency import LatencyTable, load_latency_table, op_signature
 
 from .latency import Cost, Decision, Edge, LatencyOptions, decide
 from .ops import MOVEMENT
-from .placement import Plan, Unit, label
+from .units import Plan, Unit, label
 
 #: The cost table shipped with the pass (built by benchmarks/build_latency_table.py).
 SHIPPED_TABLE = Path(__file__).with_name("latency_table.json")
@@ -79,7 +79,7 @@ class CostModel:
         return n
 
     def signature(self, node: gs.Node) -> tuple[str, str, float] | None:
-        """`qgraph.latency.op_signature` of ``node`` from the inferred shapes and its constant weight."""
+        """`qgraph.runtime.latency.op_signature` of ``node`` from the inferred shapes and its constant weight."""
         w = node.inputs[1] if node.op in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(node.inputs) > 1 else None
         wv = self.g.constant_value(w) if w is not None and w.name else None
         return op_signature(node.op, node.attrs, tensor_shape(node.outputs[0], self.shapes),
@@ -324,8 +324,8 @@ def sample_shapes(graph: GraphHandle, ctx: PassContext) -> tuple[Inferred | None
 def measure_twin(graph: GraphHandle, twin: onnx.ModelProto, opts: LatencyOptions) -> Measured:
     """Profile the float ``graph`` (nodes named as `name_nodes` does) and its all-int8 ``twin`` alternately in
     onnxruntime (bounded by ``opts.measure_seconds``) on seeded random inputs, plus this host's Q/DQ costs."""
-    from qgraph.compare import random_feeds
-    from qgraph.latency import element_costs, profile_kernels
+    from qgraph.runtime.compare import random_feeds
+    from qgraph.runtime.latency import element_costs, profile_kernels
 
     model = name_nodes(graph.to_onnx())
     feeds = random_feeds(model, 1)[0]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .placement import Unit
+    from .units import Unit
 
 #: Unit kinds that are elementwise (no weights): quantized only where their output feeds integer compute.
 ELEMENTWISE = ("binary", "variadic", "unary")

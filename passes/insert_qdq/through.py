@@ -23,11 +23,11 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, PassResult
 from qgraph.calibrate.transfer import ThroughChoice, Transfer, clip_flat
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
 from .config import ActivationOptions
-from .placement import Plan
+from .units import Plan
 
 #: How many tensors the decision line names.
 SHOWN = 3

@@ -3,7 +3,7 @@
 Weight ``W`` of a unit becomes the integer initializer ``W/q`` with ``W/scale`` and ``W/zero_point`` behind a
 DequantizeLinear node ``W/dq`` (output ``W/dq``); with ``format: float_qdq`` (TensorRT) ``W`` stays float and a
 QuantizeLinear ``W/q`` feeds the DequantizeLinear. The bias ``B`` becomes ``B/q`` (int32, zero point 0) with
-``B/scale = input_scale x weight_scale`` per output channel (`qgraph.quant.quantize_bias`, which raises a weight
+``B/scale = input_scale x weight_scale`` per output channel (`qgraph.quant.math.quantize_bias`, which raises a weight
 channel's scale when the product would be too small for the bias to fit in int32).
 """
 
@@ -18,10 +18,10 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
 from qgraph import GraphHandle, PassError
-from qgraph.kernels.pairs import kernel_rows, pair_safe_scales, risky_pairs
-from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point, dtype_range, quantize
+from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, dtype_range, quantize
+from qgraph.runtime.kernels.pairs import kernel_rows, pair_safe_scales, risky_pairs
 
-from .placement import Unit, label
+from .units import Unit, label
 from .wmath import WeightMath, layer_math, lopsided, stacked_math
 
 PASS = "insert_qdq"
@@ -185,7 +185,8 @@ def _weight_sqnr(w: npt.NDArray[np.float32], rows_q: npt.NDArray[Any], scale: np
 def pair_safe_layer(node: gs.Node, w: npt.NDArray[np.float32], qw: npt.NDArray[Any], scale: npt.NDArray[np.float32],
                     spec: QuantSpec) -> PairSafeLayer | None:
     """New scales for a symmetric s8 layer whose weight pairs could overflow an AVX2 u8 x s8 kernel's int16
-    (`qgraph.kernels.pairs.pair_safe_scales`), or None when no pair can (or the kernel has no pairs: depthwise)."""
+    (`qgraph.runtime.kernels.pairs.pair_safe_scales`), or None when no pair can (or the kernel has no pairs:
+    depthwise)."""
     transposed = node.op == "Gemm" and bool(int(node.attrs.get("transB", 0)))
     if node.op not in ("Conv", "MatMul", "Gemm") or (node.op == "MatMul" and w.ndim != 2):
         return None

@@ -1,6 +1,6 @@
 """Weight and bias arithmetic, one layer at a time or stacked over layers of the same shape.
 
-Both paths compute exactly the same numbers (`qgraph.quant` elementwise formulas on float32 scales); the
+Both paths compute exactly the same numbers (`qgraph.quant.math` elementwise formulas on float32 scales); the
 stacked path only removes the per-call numpy overhead, which dominates on graphs with thousands of small
 layers (a 100k-node MLP chain has 33k of them).
 """
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from qgraph.quant import QuantSpec, compute_scale_zero_point, quantize, quantize_bias
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point, quantize, quantize_bias
 
 
 @dataclass

@@ -19,7 +19,7 @@ from onnx import helper
 
 from qgraph.errors import PassError
 from qgraph.graph import NoMatch, is_default_domain, placeholders_as_inputs
-from qgraph.opsets import MIN_OPSET, max_opset
+from qgraph.graph.opsets import MIN_OPSET, max_opset
 
 from .adapters import load_adapters
 from .context import LowerContext, iter_graphs

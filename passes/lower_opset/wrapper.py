@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
-from qgraph.opsets import MIN_OPSET, max_opset
+from qgraph.graph.opsets import MIN_OPSET, max_opset
 
 from .engine import lower_model
 

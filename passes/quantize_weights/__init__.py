@@ -7,10 +7,10 @@ into the same kernel). Activations stay float; no calibration is needed for ``rt
 
 Per selected layer (`emission`): ``W [K, N]`` → blocks of ``B`` input channels per output column →
 codes/scales/zero points by the chosen algorithm (`rtn`, `hqq`, `gptq`, `awq`: formulas in each module and in
-``docs/weight_only.md``; the math in `qgraph.blockwise`) → the format's tensors (`packing`) → the node rewritten in
-place. Layers in ``keep_8bit`` get 8-bit codes. ``gptq``/``awq`` measure every layer's input ``E[x xᵀ]`` and
-``E|x|`` in one streamed calibration pass (`stats`). Models larger than memory: `streaming.quantize_file`
-reads, quantizes and writes one initializer at a time (external data in and out).
+``docs/weight_only.md``; the math in `qgraph.quant.blockwise`) → the format's tensors (`packing`) → the node
+rewritten in place. Layers in ``keep_8bit`` get 8-bit codes. ``gptq``/``awq`` measure every layer's input
+``E[x xᵀ]`` and ``E|x|`` in one streamed calibration pass (`stats`). Models larger than memory:
+`streaming.quantize_file` reads, quantizes and writes one initializer at a time (external data in and out).
 
 A second run finds no MatMul/Gemm with a float constant weight left (they read packed codes or a
 DequantizeLinear): it rewrites nothing.
@@ -27,9 +27,9 @@ import numpy.typing as npt
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pass, register, selected_ids
-from qgraph.blockwise import BlockFormat, BlockQuant
 from qgraph.graph import NoMatch, const_value, rebuild
-from qgraph.target import CalibrationSpec
+from qgraph.pipeline.target import CalibrationSpec
+from qgraph.quant.blockwise import BlockFormat, BlockQuant
 
 from ..smooth_quant.groups import apply_fold, find_groups  # smooth_quant's fold, shared
 from .awq import search_scales

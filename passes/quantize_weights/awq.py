@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from qgraph.blockwise import BlockFormat, quantize_weight
+from qgraph.quant.blockwise import BlockFormat, quantize_weight
 
 F64 = npt.NDArray[np.float64]
 

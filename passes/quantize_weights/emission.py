@@ -1,7 +1,7 @@
 """Which layers ``quantize_weights`` takes, and their rewrite in the graph.
 
 A layer is a MatMul or Gemm (``transA = 0``) whose weight is a constant 2-D float tensor read by it alone
-(`qgraph.equalize.as_linear`); the weight is read as ``W [K, N]`` (``transB`` Gemm weights are transposed
+(`qgraph.recovery.equalize.as_linear`); the weight is read as ``W [K, N]`` (``transB`` Gemm weights are transposed
 views) with Gemm's ``alpha`` folded in. Everything else is skipped with the reason.
 
 Rewrites, in place (the node keeps its name and output, so `qgraph diff` pairs it with the float layer):
@@ -22,8 +22,8 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from qgraph import GraphHandle
-from qgraph.equalize import LinearLayer, as_linear
 from qgraph.graph import NoMatch, const_value
+from qgraph.recovery.equalize import LinearLayer, as_linear
 
 from .packing import MS_DOMAIN, Packed
 

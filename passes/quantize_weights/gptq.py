@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from qgraph.blockwise import BlockFormat, BlockQuant, channel_weights, search_clip, to_blocks
+from qgraph.quant.blockwise import BlockFormat, BlockQuant, channel_weights, search_clip, to_blocks
 
 F64 = npt.NDArray[np.float64]
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from qgraph.blockwise import (
+from qgraph.quant.blockwise import (
     MIN_BLOCK_SCALE,
     BlockFormat,
     BlockQuant,

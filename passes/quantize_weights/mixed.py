@@ -23,10 +23,10 @@ import numpy as np
 import numpy.typing as npt
 
 from qgraph import GraphHandle, PassContext
-from qgraph.blockwise import BlockQuant
-from qgraph.compare import make_session, session_run
 from qgraph.data import batched
-from qgraph.weight_correction import weightless
+from qgraph.quant.blockwise import BlockQuant
+from qgraph.recovery.weight_correction import weightless
+from qgraph.runtime.compare import make_session, session_run
 
 F64 = npt.NDArray[np.float64]
 

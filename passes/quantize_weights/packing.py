@@ -1,4 +1,4 @@
-"""The tensors and attributes of each output format for one quantized weight (`qgraph.blockwise` layouts).
+"""The tensors and attributes of each output format for one quantized weight (`qgraph.quant.blockwise` layouts).
 
 - ``matmul_nbits``: ``com.microsoft.MatMulNBits(A, B, scales, zero_points?, g_idx?, bias?)`` with ``K``, ``N``,
   ``bits``, ``block_size``, ``accuracy_level``: ``B [N, nb, B·bits/8]`` uint8, ``scales [N·nb]`` in the weight's
@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qgraph.blockwise import BlockQuant, pack_codes, pack_int4, pack_zero_points, qdq_layout
+from qgraph.quant.blockwise import BlockQuant, pack_codes, pack_int4, pack_zero_points, qdq_layout
 
 MS_DOMAIN = "com.microsoft"
 

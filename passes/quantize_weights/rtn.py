@@ -12,7 +12,7 @@ and the block keeps the ``r`` with the least ``err`` (``h_k = 1`` without data; 
 algorithm calls it: an error on a channel with large inputs costs more output error). Clipping a few outliers of
 a block buys a finer step for the rest; the second term charges clipping for its bias (clipped errors all pull the
 block toward zero and add up over a dot product with inputs that have a mean, where rounding errors cancel). The
-math is `qgraph.blockwise`'s.
+math is `qgraph.quant.blockwise`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from qgraph.blockwise import BlockFormat, BlockQuant, quantize_weight
+from qgraph.quant.blockwise import BlockFormat, BlockQuant, quantize_weight
 
 
 def quantize_rtn(w: npt.NDArray[np.floating], fmt: BlockFormat, ratios: Sequence[float],

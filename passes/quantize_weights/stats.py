@@ -17,7 +17,7 @@ import numpy.typing as npt
 from qgraph import GraphHandle, PassContext, PassError
 from qgraph.calibrate import observe
 from qgraph.data import batched
-from qgraph.weight_correction import weightless
+from qgraph.recovery.weight_correction import weightless
 
 F64 = npt.NDArray[np.float64]
 

@@ -28,9 +28,9 @@ import onnx
 from onnx import helper
 
 from qgraph import GraphHandle, PassError, PassResult, __version__, selected_ids
-from qgraph.blockwise import BlockFormat
 from qgraph.graph import is_default_domain
-from qgraph.outputs import temporary_file
+from qgraph.io.outputs import temporary_file
+from qgraph.quant.blockwise import BlockFormat
 
 from .packing import MS_DOMAIN, Packed
 

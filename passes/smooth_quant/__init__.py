@@ -17,7 +17,7 @@ GELU, other readers of X) the group is skipped with that reason, or, with ``inse
 
 ``alpha: auto`` scores, per group, every α of ``alpha_grid`` and "no smoothing" by the INT8 error of the group's
 product on sampled calibration rows, ``||X·W - Q(X/s)·Q(diag(s)·W)||² / ||X·W||²`` (uint8 per-tensor activations
-over the exact smoothed range, int8 symmetric weights per column; `qgraph.equalize.smoothing_error`), and keeps
+over the exact smoothed range, int8 symmetric weights per column; `qgraph.recovery.equalize.smoothing_error`), and keeps
 the best: a group is smoothed only where that lowers the error.
 
 A second run measures ``a'_j = a_j / s_j`` and ``w'_j = w_j · s_j``, so ``s'_j = s_j / s_j = 1`` for any α
@@ -33,8 +33,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
-from qgraph.equalize import log_change, smoothing_error, smoothing_scales
 from qgraph.graph import rebuild, redirect
+from qgraph.recovery.equalize import log_change, smoothing_error, smoothing_scales
 
 from .config import SmoothQuantConfig
 from .groups import Group, apply_fold, find_groups, scale_group_weights, weight_dtype

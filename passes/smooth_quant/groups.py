@@ -24,8 +24,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
-from qgraph.equalize import LinearLayer, as_linear, scale_const_per_channel, sole_use
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, producer, renew_const
+from qgraph.recovery.equalize import LinearLayer, as_linear, scale_const_per_channel, sole_use
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Typical use::
 
     from qgraph.calibrate import collect_ranges, read_ranges, write_ranges
-    from qgraph.model_io import model_fingerprint
+    from qgraph.io.model_io import model_fingerprint
 
     cal = collect_ranges(model, ["conv1_out", "relu2_out"], feeds, method="entropy")
     write_ranges("ranges.json", cal, model_fingerprint=model_fingerprint(model))

@@ -13,7 +13,7 @@ single streaming pass and bounded state as every histogram method) yields every 
   observed range (``[-t, t]`` when symmetric).
 
 Each candidate is scored with :func:`~qgraph.calibrate.search.expected_error`: ``E[(x - Q(x))**2]`` on the
-histogram, ``Q`` using the exact scale and zero point :func:`qgraph.quant.compute_scale_zero_point` gives
+histogram, ``Q`` using the exact scale and zero point :func:`qgraph.quant.math.compute_scale_zero_point` gives
 that range for the target ``dtype``/``symmetric``/``narrow_range``/``reduce_range``.  The winner is the
 smallest error, except that ``minmax`` (the only range that clips nothing) is kept unless another
 candidate lowers the error by more than ``min_gain`` (a fraction): the histogram estimate is good to
@@ -39,7 +39,7 @@ from qgraph.calibrate.search import (
     mse_symmetric,
     percentile_value,
 )
-from qgraph.quant import QuantDtype, QuantSpec, dtype_range, symmetric_zero_point
+from qgraph.quant.math import QuantDtype, QuantSpec, dtype_range, symmetric_zero_point
 
 F64 = npt.NDArray[np.float64]
 

@@ -49,8 +49,8 @@ from qgraph.calibrate.session import (
 )
 from qgraph.errors import DataError, ModelError
 from qgraph.graph.detach import with_weights
-from qgraph.opsets import model_opset
-from qgraph.quant import ActivationRange
+from qgraph.graph.opsets import model_opset
+from qgraph.quant.math import ActivationRange
 
 ProgressCallback = Callable[[int, int | None], None]
 

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from qgraph.compare import session_run
 from qgraph.errors import DataError
+from qgraph.runtime.compare import session_run
 
 Feed = Mapping[str, npt.NDArray[Any]]
 DataLike = Iterable[Feed] | Callable[[], Iterable[Feed]]

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qgraph.errors import DataError
-from qgraph.quant import ActivationRange
+from qgraph.quant.math import ActivationRange
 
 F64 = npt.NDArray[np.float64]
 

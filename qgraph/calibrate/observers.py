@@ -32,7 +32,7 @@ import numpy.typing as npt
 from qgraph.calibrate.histogram import AlignedHistogram, HistogramRow
 from qgraph.calibrate.observer_base import HistogramSummary, Observer
 from qgraph.calibrate.search import entropy_threshold, mse_asymmetric, mse_symmetric, percentile_value
-from qgraph.quant import QuantDtype, dtype_range, symmetric_zero_point
+from qgraph.quant.math import QuantDtype, dtype_range, symmetric_zero_point
 
 F64 = npt.NDArray[np.float64]
 

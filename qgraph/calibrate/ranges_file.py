@@ -5,7 +5,7 @@ Schema, format version 1 (``//`` comments are explanations, not part of the file
     {
       "format": "qgraph-ranges",          // constant
       "version": 1,                        // format version
-      "model_fingerprint": "<sha256 hex>", // qgraph.model_io.model_fingerprint of the float model
+      "model_fingerprint": "<sha256 hex>", // qgraph.io.model_io.model_fingerprint of the float model
       "data_fingerprint": "<hex>" | null,  // qgraph.data.DataSource.fingerprint (same scheme as the
                                            // collector's data_hasher); informational
       "method": "entropy",                 // minmax | percentile | entropy | mse | auto | mixed
@@ -60,8 +60,8 @@ from qgraph.calibrate.auto import AutoChoice
 from qgraph.calibrate.collector import TensorCalibration
 from qgraph.calibrate.observers import HistogramSummary
 from qgraph.errors import DataError
-from qgraph.outputs import write_atomic
-from qgraph.quant import ActivationRange
+from qgraph.io.outputs import write_atomic
+from qgraph.quant.math import ActivationRange
 
 FORMAT = "qgraph-ranges"
 VERSION = 1

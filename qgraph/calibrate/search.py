@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qgraph.calibrate.histogram import HistogramRow
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 F64 = npt.NDArray[np.float64]
 
@@ -232,7 +232,7 @@ def _count_at_or_below(row: HistogramRow, t: F64) -> F64:
 def expected_error(row: HistogramRow, lo: F64, hi: F64, spec: QuantSpec) -> F64:
     """Expected squared fake-quant error ``E[(x - Q(x))**2]`` of a signed row for candidate ranges ``[lo_k, hi_k]``.
 
-    Each range goes through :func:`qgraph.quant.compute_scale_zero_point` with ``spec`` (the exact grid
+    Each range goes through :func:`qgraph.quant.math.compute_scale_zero_point` with ``spec`` (the exact grid
     insert_qdq will use: scale ``s``, zero point ``z``), so ``Q(x) = s * clip(round(x / s), L, U)`` with
     ``L = qmin - z``, ``U = qmax - z``.  With ``a = L s`` and ``b = U s`` the error is
     ``e(x) = x - a`` below ``a``, ``x - b`` above ``b`` and the rounding sawtooth ``s * (y - round(y))``,

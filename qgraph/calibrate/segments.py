@@ -23,8 +23,8 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from qgraph.compare import session_run
 from qgraph.errors import DataError, ModelError
+from qgraph.runtime.compare import session_run
 
 SEGMENT_THRESHOLD = 8000
 SEGMENT_NODES = 4000

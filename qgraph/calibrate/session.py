@@ -19,9 +19,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto
 
-from qgraph.compare import WeightFedSession
 from qgraph.errors import ModelError
 from qgraph.graph.detach import fill_nested, placeholders_as_inputs, split_weights
+from qgraph.runtime.compare import WeightFedSession
 
 #: Serialized size above which the calibration model goes through external data (2 GB - 64 MB).
 LARGE_MODEL_BYTES = 2**31 - 1 - (64 << 20)

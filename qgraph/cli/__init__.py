@@ -2,7 +2,7 @@
 
 Exit codes: 0 ok; 1 a run failed (a pass refused, verification failed, a write failed part-way); 2 bad input
 (usage, recipe, model, data, output path), printed as one paragraph without a traceback unless ``--debug`` (so is
-an exception inside a pass: `qgraph.contract` names the pass and exits 1);
+an exception inside a pass: `qgraph.pipeline.contract` names the pass and exits 1);
 3 ``run --min-sqnr`` not met (the model is written);
 130 interrupted by Ctrl-C, 143 by SIGTERM (no partial output is left: every output is written atomically).
 """
@@ -17,11 +17,11 @@ from typing import Annotated, Any
 
 import typer
 
-from qgraph import __version__
+from qgraph._version import __version__
 from qgraph.cli import calibration, check, models, recipes, run  # noqa: F401  (registers the commands)
 from qgraph.cli._app import STATE, app, console, out
 from qgraph.errors import QGraphError
-from qgraph.outputs import Terminated
+from qgraph.io.outputs import Terminated
 
 __all__ = ["app", "console", "main", "out"]
 

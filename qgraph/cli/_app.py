@@ -15,7 +15,7 @@ from typer.core import TyperCommand, TyperGroup
 from qgraph.errors import UsageError
 
 if TYPE_CHECKING:
-    from qgraph.executor import ExecutorSpec
+    from qgraph.runtime.executor import ExecutorSpec
 
 
 
@@ -117,7 +117,7 @@ TargetCpuOption = Annotated[str | None, typer.Option(
 
 def check_kernel_options(kernels: str, target_cpu: str | None = None) -> None:
     """`UsageError` for a ``--kernels`` or ``--target-cpu`` value qgraph does not know (before any work)."""
-    from qgraph.kernels.measure import KERNEL_OPTIONS, TARGET_FAMILIES
+    from qgraph.runtime.kernels.measure import KERNEL_OPTIONS, TARGET_FAMILIES
 
     if kernels not in KERNEL_OPTIONS:
         raise UsageError(f"--kernels {kernels!r}: give one of {', '.join(KERNEL_OPTIONS)}.")
@@ -140,7 +140,7 @@ AddressOption = Annotated[
 
 def executor_spec(kind: ExecutorKind, address: str | None, jobs: int | None) -> ExecutorSpec:
     """The executor the options ask for, checked before any work (Ray not installed: one sentence, exit 2)."""
-    from qgraph.executor import ExecutorSpec, require_ray
+    from qgraph.runtime.executor import ExecutorSpec, require_ray
 
     if address is not None and kind != "ray":
         raise UsageError(f"--address {address}: a Ray cluster address needs --executor ray.")

@@ -33,7 +33,7 @@ from qgraph.cli._app import (
 )
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.errors import UsageError
-from qgraph.outputs import check_output, check_outputs
+from qgraph.io.outputs import check_output, check_outputs
 
 #: Calibration methods `qgraph calibrate --method` accepts.
 METHODS = ("minmax", "percentile", "entropy", "mse", "auto")
@@ -55,8 +55,8 @@ def calibrate(
                        ] = None,
 ) -> None:
     """Measure activation ranges of the graph RECIPE quantizes and write them to a reusable ranges file."""
-    from qgraph.calibrate.command import calibrate_recipe
-    from qgraph.recipe import Recipe
+    from qgraph.cli.calibrate_command import calibrate_recipe
+    from qgraph.pipeline.recipe import Recipe
 
     if method is not None and method not in METHODS:
         raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}.")
@@ -173,7 +173,7 @@ def sensitivity(
     """Rank every quantized node from one run by the error it introduces (the first --exact-top measured
     exactly: gain when only that node returns to float); with --target, fall back ranked prefixes until the
     target is met (exit 1 when it cannot be: the best model is still written)."""
-    from qgraph.sensitivity.command import run_command
+    from qgraph.cli.sensitivity_command import run_command
 
     need_positive(max_time, "--max-time")
     check_kernel_options(kernels, target_cpu)

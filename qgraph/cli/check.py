@@ -48,12 +48,12 @@ def check(
     """Check a chain of models on held-out data: every stage against the first, exit 1 when a step loses more
     than --max-drop of the quality (the metric; else top-1 agreement; else output cosine, the lowest over the
     parts of an output a final Concat joins)."""
-    from qgraph.check import Drop, check_chain
-    from qgraph.diff.render import dumps
+    from qgraph.analysis.check import Drop, check_chain
+    from qgraph.analysis.diff.render import dumps
     from qgraph.errors import UsageError, VerificationError
-    from qgraph.evaluation import Evaluation
-    from qgraph.model_io import load_model
-    from qgraph.outputs import check_outputs, write_atomic
+    from qgraph.io.model_io import load_model
+    from qgraph.io.outputs import check_outputs, write_atomic
+    from qgraph.runtime.evaluation import Evaluation
 
     if not data:
         raise UsageError("qgraph check needs --data: the held-out samples every stage runs on.")
@@ -92,9 +92,9 @@ def check(
 
 
 def _print(result: object) -> None:
-    from qgraph.check import CheckResult
-    from qgraph.diff.html import cell
-    from qgraph.diff.tables import rich_table
+    from qgraph.analysis.check import CheckResult
+    from qgraph.analysis.diff.html import cell
+    from qgraph.analysis.diff.tables import rich_table
 
     assert isinstance(result, CheckResult)
     unit = "%" if result.max_drop.relative else ""

@@ -10,10 +10,10 @@ from rich.table import Table
 from rich.text import Text
 
 import qgraph.cli._app as _app
-from qgraph.batch import BatchJob, ModelOutcome, plan_outputs, run_many
 from qgraph.cli._app import data_path, need_positive, say
 from qgraph.data import DataLayout
-from qgraph.executor import ExecutorSpec
+from qgraph.pipeline.batch import BatchJob, ModelOutcome, plan_outputs, run_many
+from qgraph.runtime.executor import ExecutorSpec
 
 _STYLE = {"ok": "green", "goal not met": "yellow", "failed": "bold red"}
 
@@ -35,7 +35,7 @@ def run_many_command(
     """Check every input and output, run the models on the executor ``spec`` describes, print the summary.
 
     Returns 0 when every model was written and met the recipe's goals, else 1 (the others are still written)."""
-    from qgraph.recipe import Recipe
+    from qgraph.pipeline.recipe import Recipe
 
     need_positive(tolerance, "--tolerance")
     data = None if calibration_data is None or "{stem}" in calibration_data else data_path(calibration_data)

@@ -22,8 +22,8 @@ from qgraph.cli._app import (
     say,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
-from qgraph.opsets import model_opset
-from qgraph.outputs import check_output, check_outputs
+from qgraph.graph.opsets import model_opset
+from qgraph.io.outputs import check_output, check_outputs
 
 
 @app.command(cls=QGraphCommand)
@@ -35,10 +35,10 @@ def lower(
     tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
 ) -> None:
     """Rewrite MODEL so it is valid at --opset and computes the same results (lowering or raising)."""
-    from qgraph.model_io import load_model, read_header
-    from qgraph.opsets import check_opset
-    from qgraph.pass_api import get_pass
-    from qgraph.pipeline import Pipeline
+    from qgraph.graph.opsets import check_opset
+    from qgraph.io.model_io import load_model, read_header
+    from qgraph.pipeline.pass_api import get_pass
+    from qgraph.pipeline.runner import Pipeline
 
     check_opset(opset, "--opset")
     need_positive(tolerance, "--tolerance")
@@ -72,13 +72,13 @@ def inspect(
     """Summarize a model (opset, IR, ops, I/O, weights, subgraphs, external data) and analyse it: QDQ coverage,
     foldable BatchNorms, ops unsupported at --opset or on --target, extreme ranges, int16 saturation risk; with
     --host, this machine: CPU, integer-kernel arithmetic and the recipe that fits it."""
-    from qgraph.diff.render import dumps, print_analysis
+    from qgraph.analysis.diff.render import dumps, print_analysis
+    from qgraph.analysis.inspect import inspect_model
     from qgraph.errors import UsageError
-    from qgraph.inspect import inspect_model
-    from qgraph.opsets import check_opset
+    from qgraph.graph.opsets import check_opset
 
     if host:
-        from qgraph.kernels.guide import host_lines, host_report
+        from qgraph.runtime.kernels.guide import host_lines, host_report
 
         if model is not None:
             raise UsageError("qgraph inspect --host describes this machine: give no MODEL with it.")
@@ -150,9 +150,9 @@ def diff(
 ) -> None:
     """Diff two models: nodes, ops, weights, opsets, QDQ coverage; with --eval-data, layer-by-layer error, top-1
     agreement and your metric, and the Q/DQ pairs ranked by the output error they cause (and why)."""
-    from qgraph.diff import diff_files
-    from qgraph.diff.render import diff_html, diff_json, dumps, print_numeric, print_structural
-    from qgraph.outputs import write_atomic
+    from qgraph.analysis.diff import diff_files
+    from qgraph.analysis.diff.render import diff_html, diff_json, dumps, print_numeric, print_structural
+    from qgraph.io.outputs import write_atomic
 
     json_file = None if json_out in (None, "-") else json_out
     check_outputs({"--json": json_file, "--html": html},
@@ -171,8 +171,8 @@ def diff(
         if json_file:
             say(f"wrote {write_atomic(json_file, dumps(diff_json(structural, numeric, top)))}")
     if html is not None:
-        from qgraph.diff.graphview import changed_regions_html
-        from qgraph.model_io import load_model
+        from qgraph.analysis.diff.graphview import changed_regions_html
+        from qgraph.io.model_io import load_model
 
         view = changed_regions_html(load_model(a), load_model(b), numeric)
         say(f"wrote {write_atomic(html, diff_html(structural, numeric, top, view))}")

@@ -18,16 +18,16 @@ from pydantic.fields import FieldInfo
 import qgraph.cli._app as _app
 from qgraph.cli._app import QGraphCommand, app, say
 from qgraph.errors import RecipeError
-from qgraph.names import ModelName
-from qgraph.outputs import check_output, write_atomic
-from qgraph.pass_api import PassClass, discover, get_pass
+from qgraph.graph.names import ModelName
+from qgraph.io.outputs import check_output, write_atomic
+from qgraph.pipeline.pass_api import PassClass, discover, get_pass
 
 
 @app.command(cls=QGraphCommand)
 def validate(recipes: Annotated[list[Path], typer.Argument(help="Recipe files to check.", metavar="RECIPE")]) -> None:
     """Validate recipes; print every problem with file:line:column and a suggestion (every file is checked)."""
-    from qgraph.recipe import Recipe
-    from qgraph.recipe_yaml import RecipeValidationError
+    from qgraph.pipeline.recipe import Recipe
+    from qgraph.pipeline.recipe_yaml import RecipeValidationError
 
     failed = 0
     for path in recipes:
@@ -53,7 +53,7 @@ def schema(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write to a file.")] = None,
 ) -> None:
     """Print the JSON Schema of recipes (for yaml-language-server / editor completion)."""
-    from qgraph.recipe import recipe_json_schema
+    from qgraph.pipeline.recipe import recipe_json_schema
 
     text = json.dumps(recipe_json_schema(), indent=2) + "\n"
     if output is None:
@@ -135,7 +135,7 @@ def describe_pass(cls: PassClass, width: int = 100) -> str:
 def type_name(annotation: Any) -> str:
     """A readable type: ``int``, ``a | b``, ``list of str``, ``float | none``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:  # a name of the model (`qgraph.names`) says which; other metadata says nothing
+    if origin is typing.Annotated:  # a name of the model (`qgraph.graph.names`) says which; other metadata says nothing
         kind = next((m.kind for m in args[1:] if isinstance(m, ModelName)), None)
         return type_name(args[0]) if kind is None else "node name" if kind == "node" else f"graph {kind} name"
     if origin is typing.Literal:

@@ -23,14 +23,14 @@ from qgraph.cli._app import (
 )
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
-from qgraph.outputs import check_outputs
-from qgraph.pass_api import PassResult
-from qgraph.pipeline import PipelineEvent, PipelineResult
-from qgraph.timing import run_timing
+from qgraph.io.outputs import check_outputs
+from qgraph.pipeline.pass_result import PassResult
+from qgraph.pipeline.runner import PipelineEvent, PipelineResult
+from qgraph.pipeline.timing import run_timing
 
 if TYPE_CHECKING:
-    from qgraph.evaluation import Evaluation
-    from qgraph.fidelity import OutputCheck
+    from qgraph.analysis.fidelity import OutputCheck
+    from qgraph.runtime.evaluation import Evaluation
 
 #: Items of each kind (skipped nodes, unmatched criteria, decisions) shown per pass in the terminal.
 SHOWN_PER_PASS = 3
@@ -117,7 +117,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
              labels: str | None, metric: str | None, patch: list[Path] | None, quiet: bool, check: bool = True,
              min_sqnr: float | None = None) -> None:
     """The single-model ``qgraph run``."""
-    from qgraph.recipe import Recipe
+    from qgraph.pipeline.recipe import Recipe
 
     need_positive(tolerance, "--tolerance")
     if report is not None and report.suffix.lower() not in (".html", ".json"):
@@ -163,14 +163,14 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
     say(f"wrote {output}")
     evaluation = None
     if eval_data is not None:
-        from qgraph.evaluation import Evaluation
-        from qgraph.model_io import load_model
+        from qgraph.io.model_io import load_model
+        from qgraph.runtime.evaluation import Evaluation
 
         evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
                                      metric=metric)
     outcome = _check(model, output, result, evaluation) if check else None
     if report is not None:
-        from qgraph.report import write_report
+        from qgraph.analysis.report import write_report
 
         write_report(report, rec, result, evaluation, outcome.to_dict() if outcome is not None else None)
         say(f"wrote report {report}")
@@ -191,7 +191,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
 def _stream(passes: list[Any], model: Path, output: Path, in_memory: bool, quiet: bool) -> bool:
     """A recipe of one pass that streams files (`Pass.streams_file`) over a model with external data: transform the
     file one initializer at a time (its weights never all in memory); False when the pipeline must run instead."""
-    from qgraph.model_io import external_data_files
+    from qgraph.io.model_io import external_data_files
 
     if len(passes) != 1 or in_memory or not passes[0].streams_file() or not external_data_files(model):
         return False
@@ -207,11 +207,11 @@ def _stream(passes: list[Any], model: Path, output: Path, in_memory: bool, quiet
 
 
 def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evaluation | None) -> OutputCheck | None:
-    """Measure the written model against the input model and print one line per output (see `qgraph.fidelity`);
+    """Measure the written model against the input model and print one line per output (see `qgraph.analysis.fidelity`);
     None when no pass changed float results or there is no data."""
     if not any(r.changed and not r.preserves_float for r in result.records):
         return None  # float-preserving passes only: --verify is their check
-    from qgraph.fidelity import check_fidelity
+    from qgraph.analysis.fidelity import check_fidelity
 
     outcome = check_fidelity(model, output, result.calibration_data, evaluation, result.kernel_choice)
     if outcome is None:
@@ -229,7 +229,7 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
     steps: dict[str, Any] = {}
 
     def on_event(ev: PipelineEvent) -> None:
-        if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.preflight`)
+        if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.pipeline.preflight`)
             for warning in ev.warnings:
                 progress.console.print(f"  warning: {warning}", markup=False, highlight=False)
         elif ev.kind == "pass_start":
@@ -255,7 +255,7 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
 
 def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
     """The verification line of a pass: its worst output against that output's tolerance; with ``explain``, also
-    where the tolerance comes from when the model's noise floor raised it (`qgraph.verify`)."""
+    where the tolerance comes from when the model's noise floor raised it (`qgraph.pipeline.verify`)."""
     tol = ev.tolerance
     limits = [tol.for_output(i) if tol is not None else 1.0 for i in range(len(ev.verify or []))]
     i, worst = max(enumerate(ev.verify or []), key=lambda t: t[1].relative / limits[t[0]])

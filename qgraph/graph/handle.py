@@ -23,8 +23,8 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import logger as _gs_logger_module
 
 from qgraph.errors import ModelError
+from qgraph.graph.ir_version import normalize_ir_version
 from qgraph.graph.ops import is_default_domain
-from qgraph.ir_version import normalize_ir_version
 
 from .checks import gs_cycle_message
 from .detach import Held, attach_weights, detach_constants, fill_weights, weightless

@@ -17,7 +17,8 @@ def detection_head(seed: int = 0, size: int = 8, classes: int = 18, channels: in
     A stem ``Conv 3x3 → Relu`` on an image ``[batch, 3, size, size]``, then two 1x1 Conv heads: box regressions
     ``320 · Sigmoid(Conv)`` (0..320 px) and class scores ``Sigmoid(Conv)`` with logits around -8..0 (most scores
     near 0, a few up to ~0.5), each reshaped to ``[batch, C, size²]`` and joined on axis 1. The boxes carry ~10^5
-    times the scores' signal power, so the whole output's SQNR is the boxes' (`qgraph.output_parts`). Opset 17."""
+    times the scores' signal power, so the whole output's SQNR is the boxes' (`qgraph.runtime.output_parts`). Opset
+    17."""
     rng = np.random.default_rng(seed)
     anchors = size * size
     w0 = (rng.standard_normal((channels, 3, 3, 3)) * np.sqrt(2 / 27)).astype(np.float32)

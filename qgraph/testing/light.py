@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from qgraph.opsets import model_opset
+from qgraph.graph.opsets import model_opset
 from qgraph.testing._common import add_initializer, ir_version_for_opset, rng_for
 from qgraph.testing.runtime import make_session
 

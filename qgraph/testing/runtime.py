@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from qgraph import compare
+from qgraph.runtime import compare
 
 Feeds = dict[str, np.ndarray]
 
@@ -37,7 +37,8 @@ def random_feeds(
     dims: Mapping[str, int] | None = None,
     int_high: int = 10,
 ) -> list[Feeds]:
-    """``n`` seeded feed dicts from the model's declared inputs (`qgraph.compare.random_feeds`, ints in [0, 10))."""
+    """``n`` seeded feed dicts from the model's declared inputs (`qgraph.runtime.compare.random_feeds`, ints in [0,
+    10))."""
     return compare.random_feeds(model, n, seed, dynamic_dim, dims=dims, int_high=int_high)
 
 
@@ -46,7 +47,7 @@ def make_session(
     optimization_level: str | ort.GraphOptimizationLevel = "all",
     threads: int = 1,
 ) -> ort.InferenceSession:
-    """A CPU onnxruntime session (`qgraph.compare.make_session`) with onnxruntime's own default optimization.
+    """A CPU onnxruntime session (`qgraph.runtime.compare.make_session`) with onnxruntime's own default optimization.
 
     ``optimization_level`` is ``"disable"``, ``"basic"``, ``"extended"``, ``"all"`` or an
     ``ort.GraphOptimizationLevel``.
@@ -61,10 +62,10 @@ def make_session(
 def target_session(model: onnx.ModelProto | str | Path) -> Any:
     """A session computing ``model`` as it deploys on the CPU it is made for, on any host: its provenance's
     ``qgraph.target_cpu`` (deployed kernels on such a host, that arithmetic emulated elsewhere), exact int32
-    arithmetic for a quantized model made for no CPU in particular (`qgraph.kernels`). For assertions on a
+    arithmetic for a quantized model made for no CPU in particular (`qgraph.runtime.kernels`). For assertions on a
     quantized model's accuracy that must hold on every host (a plain session's deployed kernels on an AVX2 host
     saturate where a VNNI host's do not)."""
-    from qgraph.kernels.measure import EXACT, choose, model_target
+    from qgraph.runtime.kernels.measure import EXACT, choose, model_target
 
     return choose(model_target(model) or EXACT).kernels.session(model)
 

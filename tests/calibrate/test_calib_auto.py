@@ -13,7 +13,7 @@ from qgraph.calibrate import AutoObserver, TensorCalibration, make_observer, rea
 from qgraph.calibrate.auto import fold_abs
 from qgraph.calibrate.histogram import AlignedHistogram
 from qgraph.calibrate.search import expected_error
-from qgraph.quant import QuantSpec, compute_scale_zero_point, fake_quantize
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point, fake_quantize
 
 SPECS = [QuantSpec(dtype="uint8"), QuantSpec(dtype="int8"), QuantSpec(dtype="int8", symmetric=True),
          QuantSpec(dtype="uint8", symmetric=True)]

@@ -18,7 +18,7 @@ from qgraph.calibrate.observers import (
 from qgraph.calibrate.registry import make_observer
 from qgraph.calibrate.search import kl_divergences, mse_asymmetric
 from qgraph.errors import DataError
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 RNG = np.random.default_rng(42)
 ACT = np.concatenate([RNG.standard_normal(4000), RNG.standard_normal(40) * 8]).astype(np.float32)

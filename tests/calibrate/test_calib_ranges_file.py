@@ -10,7 +10,7 @@ import pytest
 
 from qgraph.calibrate import RobustMagnitude, TensorCalibration, make_observer, read_ranges, write_ranges
 from qgraph.errors import DataError
-from qgraph.quant import ActivationRange
+from qgraph.quant.math import ActivationRange
 
 FP = "a" * 64
 

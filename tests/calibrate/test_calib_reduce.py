@@ -12,8 +12,8 @@ from onnx import TensorProto, helper
 
 import qgraph.calibrate.collector as collector
 from qgraph.calibrate import RobustMagnitude, collect_ranges, make_observer, observe
-from qgraph.calibrate.command import float_activations
 from qgraph.calibrate.reduce import plan_derivations, resolve_ranges
+from qgraph.cli.calibrate_command import float_activations
 from qgraph.errors import DataError, ModelError
 from qgraph.testing.models import cached_light_model
 

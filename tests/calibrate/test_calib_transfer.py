@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qgraph.calibrate.transfer import KINDS, SILU_ARGMIN, Transfer, clip_flat, tolerance
-from qgraph.quant import QuantDtype, QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point
 
 U8 = QuantSpec(dtype=QuantDtype.UINT8, symmetric=False)
 

@@ -10,9 +10,9 @@ import pytest
 
 from qgraph import DataError, Recipe
 from qgraph.calibrate import read_ranges
-from qgraph.calibrate.command import float_activations, prepared_model
 from qgraph.cli import main
-from qgraph.model_io import load_model, model_fingerprint
+from qgraph.cli.calibrate_command import float_activations, prepared_model
+from qgraph.io.model_io import load_model, model_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits"

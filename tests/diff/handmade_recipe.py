@@ -20,8 +20,8 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult
-from qgraph.compare import random_feeds
-from qgraph.diff.numeric import stream_tensors
+from qgraph.analysis.diff.numeric import stream_tensors
+from qgraph.runtime.compare import random_feeds
 
 
 class NoOptions(PassConfig):

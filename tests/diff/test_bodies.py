@@ -1,4 +1,4 @@
-"""The numeric diff and the culprit ranking inside If/Loop bodies (`qgraph.diff.bodies`).
+"""The numeric diff and the culprit ranking inside If/Loop bodies (`qgraph.analysis.diff.bodies`).
 
 The If model (`qgraph.testing.mode_switched_net`: Conv + Relu in each branch, chosen by ``mode``) is quantized by
 ``insert_qdq`` on data taking both branches, so both are quantized statically; one pair inside the then-branch
@@ -19,10 +19,10 @@ from onnx import numpy_helper
 from rich.console import Console
 
 from qgraph import Pipeline
+from qgraph.analysis.diff import attribute, diff_files, numeric_diff
+from qgraph.analysis.diff.render import diff_html, diff_json, print_numeric
 from qgraph.data import CallableSource
-from qgraph.diff import attribute, diff_files, numeric_diff
-from qgraph.diff.render import diff_html, diff_json, print_numeric
-from qgraph.pass_api import get_pass
+from qgraph.pipeline.pass_api import get_pass
 from qgraph.testing import mode_feeds, mode_switched_net
 from qgraph.testing.control_flow import LOOP_TRIPS, loop_net, nested_feeds, nested_switched_net
 

@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from onnx import numpy_helper
 
 from qgraph import Pass, PassConfig, PassContext, PassResult, Pipeline, Recipe
+from qgraph.analysis.diff import attribute, feeds_for
+from qgraph.analysis.diff.protos import ModelIndex
+from qgraph.analysis.diff.quant_points import PointStats, QuantPoint
+from qgraph.analysis.report import build_report
 from qgraph.cli import main
-from qgraph.diff import attribute, feeds_for
-from qgraph.diff.protos import ModelIndex
-from qgraph.diff.quant_points import PointStats, QuantPoint
-from qgraph.evaluation import Evaluation
 from qgraph.graph import GraphHandle, const_value, set_const
-from qgraph.quant import QuantDtype
-from qgraph.report import build_report
+from qgraph.quant.math import QuantDtype
+from qgraph.runtime.evaluation import Evaluation
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits"
@@ -202,7 +202,7 @@ def test_per_channel_points_report_the_worst_channel() -> None:
     p = QuantPoint("w", "conv", "weight", "dq", None, scale, np.zeros(6, np.int8), QuantDtype.INT8, 0)
     stats = PointStats(6)
     stats.add(p, w)
-    from qgraph.diff.culprits import explain
+    from qgraph.analysis.diff.culprits import explain
 
     reason, channel = explain(p, stats)
     assert channel == 4 and reason.startswith("channel 4: step") and "30× wider" in reason
@@ -212,7 +212,7 @@ def test_points_are_found_whatever_the_names(quantized: dict[str, Path]) -> None
     b = onnx.load(quantized["clean"])
     for i, node in enumerate(b.graph.node):  # rename every node: detection follows Q -> DQ edges, not names
         node.name = f"n{i}"
-    from qgraph.diff.quant_points import find_points
+    from qgraph.analysis.diff.quant_points import find_points
 
     points, notes = find_points(ModelIndex.build(onnx.load(quantized["float"])), ModelIndex.build(b))
     kinds = sorted(p.kind for p in points)
@@ -235,7 +235,7 @@ def test_codes_only_all_zero_channel_is_exact_not_the_worst() -> None:
                    codes=codes, in_reference=False)
     stats = PointStats(6)
     stats.add_codes(p, codes)
-    from qgraph.diff.culprits import explain
+    from qgraph.analysis.diff.culprits import explain
 
     assert stats.channel_noise_ratio()[2] == 0.0
     assert np.isfinite(stats.noise_ratio())
@@ -246,8 +246,8 @@ def test_codes_only_all_zero_channel_is_exact_not_the_worst() -> None:
 def test_observed_range_covers_every_evaluation_sample(tmp_path: Path) -> None:
     # Sample 0 is silence (all zeros): the observed range and clip fraction of every activation pair must be
     # over all samples, equal to the min/max of the reference's values over the whole evaluation set.
-    from qgraph.diff import diff_files
-    from qgraph.diff.numeric import stream_tensors
+    from qgraph.analysis.diff import diff_files
+    from qgraph.analysis.diff.numeric import stream_tensors
     from qgraph.testing.synthetic import conv_bn_relu_chain
 
     model = conv_bn_relu_chain(2, channels=4, spatial=6, seed=0)
@@ -317,7 +317,7 @@ def _amplified_pair_model() -> tuple[onnx.ModelProto, onnx.ModelProto]:
 def test_group_screening_finds_a_pair_that_local_noise_ranks_last() -> None:
     """Local noise ranks the coarse pair first; the output error comes from the fine pair later layers amplify.
     Measuring only the first by local noise names the wrong pair; group screening finds the right one."""
-    from qgraph.diff.culprits import attribute
+    from qgraph.analysis.diff.culprits import attribute
 
     a, b = _amplified_pair_model()
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """A Q/DQ pair that clips only where the activation reading it is flat is not charged with that clip
-(`qgraph.diff.flat_sides`): its values there get the same output codes with or without the clip."""
+(`qgraph.analysis.diff.flat_sides`): its values there get the same output codes with or without the clip."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qgraph.diff import attribute
-from qgraph.diff.protos import ModelIndex
-from qgraph.diff.quant_points import PointStats, find_points
+from qgraph.analysis.diff import attribute
+from qgraph.analysis.diff.protos import ModelIndex
+from qgraph.analysis.diff.quant_points import PointStats, find_points
 
 C = 4
 
@@ -122,7 +122,7 @@ def test_a_flat_clip_is_not_named_as_the_pairs_defect(monkeypatch: pytest.Monkey
     says); charged with the clip (flat detection off), its Q/DQ SQNR falls by the clipped values' distance and
     its reason blames the range. Measured alone the two agree (the probe does not clip a flat side, and a float
     SiLU moves a value below -8 by under 0.003)."""
-    import qgraph.diff.quant_points as qp
+    import qgraph.analysis.diff.quant_points as qp
 
     a, b, feeds = reference(), quantized(-8.0), _feeds()
     flat = next(c for c in attribute(a, b, feeds, exact_top=10, extend_seconds=0).culprits if c.point.tensor == "c")

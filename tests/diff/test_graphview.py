@@ -11,10 +11,10 @@ from pathlib import Path
 import onnx
 import pytest
 
+from qgraph.analysis.diff.graphview import changed_regions_html, find_regions
+from qgraph.analysis.diff.protos import ModelIndex
+from qgraph.analysis.diff.structural import match_nodes
 from qgraph.cli import main
-from qgraph.diff.graphview import changed_regions_html, find_regions
-from qgraph.diff.protos import ModelIndex
-from qgraph.diff.structural import match_nodes
 from qgraph.testing.models import conv_bn_relu_chain
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,12 +13,12 @@ import pytest
 from handmade_recipe import full_recipe, scale_weight
 from onnx import numpy_helper
 
-import qgraph.diff.numeric as numeric_mod
+import qgraph.analysis.diff.numeric as numeric_mod
 from qgraph import Pipeline
-from qgraph.compare import random_feeds
-from qgraph.diff import numeric_diff
-from qgraph.diff.render import dumps
+from qgraph.analysis.diff import numeric_diff
+from qgraph.analysis.diff.render import dumps
 from qgraph.errors import ModelError
+from qgraph.runtime.compare import random_feeds
 from qgraph.testing.models import conv_bn_relu_chain
 
 

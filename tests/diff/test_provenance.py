@@ -1,4 +1,4 @@
-"""Why a node is not integer (`qgraph.diff.provenance.float_reasons`): the quantizing pass's reason wins over a
+"""Why a node is not integer (`qgraph.analysis.diff.provenance.float_reasons`): the quantizing pass's reason wins over a
 preparation pass's skip and a later pass's consequential skip, in ``qgraph diff`` and in the run report alike."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import onnx
 from onnx import numpy_helper
 
 from qgraph import Pipeline, Recipe
+from qgraph.analysis.diff.provenance import Skip, float_reasons, provenance_reasons
+from qgraph.analysis.diff.structural import structural_diff
+from qgraph.analysis.report import build_report
 from qgraph.data import CallableSource
-from qgraph.diff.provenance import Skip, float_reasons, provenance_reasons
-from qgraph.diff.structural import structural_diff
-from qgraph.pass_api import get_pass
-from qgraph.report import build_report
+from qgraph.pipeline.pass_api import get_pass
 
 DW_HARDSWISH = """<ir_version: 8, opset_import: ["" : 17]>
 dw (float[1,8,16,16] x) => (float[1,4] y) {

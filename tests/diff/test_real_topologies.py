@@ -16,8 +16,8 @@ import pytest
 from handmade_recipe import full_recipe
 
 from qgraph import Pipeline, PipelineResult
-from qgraph.compare import compare_models, random_feeds
-from qgraph.diff import StructuralDiff, structural_diff
+from qgraph.analysis.diff import StructuralDiff, structural_diff
+from qgraph.runtime.compare import compare_models, random_feeds
 
 TOPOLOGIES = ["squeezenet", "shufflenet", "inception_v1"]
 

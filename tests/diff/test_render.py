@@ -13,11 +13,11 @@ import pytest
 from handmade_recipe import scale_weight
 from rich.console import Console
 
+from qgraph.analysis.diff import numeric_diff, structural_diff
+from qgraph.analysis.diff.render import diff_html, diff_json, dumps, print_numeric, print_structural
 from qgraph.cli import main
-from qgraph.compare import random_feeds
-from qgraph.diff import numeric_diff, structural_diff
-from qgraph.diff.render import diff_html, diff_json, dumps, print_numeric, print_structural
-from qgraph.model_io import save_model
+from qgraph.io.model_io import save_model
+from qgraph.runtime.compare import random_feeds
 from qgraph.testing.models import conv_bn_relu_chain
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from qgraph.diff import qdq_coverage, structural_diff
-from qgraph.diff.protos import ModelIndex
-from qgraph.diff.structural import match_nodes
+from qgraph.analysis.diff import qdq_coverage, structural_diff
+from qgraph.analysis.diff.protos import ModelIndex
+from qgraph.analysis.diff.structural import match_nodes
 
 CHAIN = """
 <ir_version: 8, opset_import: ["" : 17]>

@@ -10,11 +10,11 @@ import pytest
 from rich.console import Console
 
 from qgraph import Recipe
-from qgraph.compare import random_feeds
-from qgraph.diff import numeric_diff, structural_diff
-from qgraph.diff.html import short_name, table
-from qgraph.diff.render import print_numeric, print_structural
-from qgraph.diff.tables import rich_table
+from qgraph.analysis.diff import numeric_diff, structural_diff
+from qgraph.analysis.diff.html import short_name, table
+from qgraph.analysis.diff.render import print_numeric, print_structural
+from qgraph.analysis.diff.tables import rich_table
+from qgraph.runtime.compare import random_feeds
 from qgraph.testing.models import conv_bn_relu_chain
 
 ROOT = Path(__file__).resolve().parents[2]

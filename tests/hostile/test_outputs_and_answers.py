@@ -14,7 +14,7 @@ import pytest
 from conftest import Workspace, conv_model  # type: ignore[import-not-found]
 
 from qgraph import save_model
-from qgraph.outputs import Terminated
+from qgraph.io.outputs import Terminated
 
 
 # ------------------------------------------------------------------ 1. outputs that are inputs
@@ -130,7 +130,7 @@ def test_resave_with_existing_external_data_replaces_it(tmp_path: Path, monkeypa
 def test_sigterm_during_a_save_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "m.onnx"
     (tmp_path / "m.onnx.data").write_bytes(b"old data")
-    import qgraph.model_io as mio
+    import qgraph.io.model_io as mio
 
     real = mio._externalize
 
@@ -161,7 +161,7 @@ def test_a_failing_write_exits_1_with_the_os_reason(ws: Workspace, monkeypatch: 
     def fail(*args: object) -> None:
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr("qgraph.outputs.os.replace", fail)
+    monkeypatch.setattr("qgraph.io.outputs.os.replace", fail)
     ws.run("run", ws.path("prep.yaml"), ws.path("model.onnx"), "-o", ws.path("out.onnx"), code=1,
            says=("cannot write", says, "Nothing was written"))
 
@@ -214,7 +214,7 @@ def test_ctrl_c_says_nothing_was_written(ws: Workspace, monkeypatch: pytest.Monk
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("qgraph.pipeline.Pipeline.run", interrupt)
+    monkeypatch.setattr("qgraph.pipeline.runner.Pipeline.run", interrupt)
     ws.run("run", ws.path("prep.yaml"), ws.path("model.onnx"), "-o", ws.path("out.onnx"), code=130,
            says=("interrupted: nothing was written",))
 

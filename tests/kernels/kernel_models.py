@@ -2,8 +2,8 @@
 
 Every model reads ``x`` (float) and quantizes it to u8 (or s8) codes spread over the whole code range, then runs
 one integer layer with random full-range s8 weights (so many pairs can overflow int16). `avx2_reference`
-computes what onnxruntime's AVX2 kernels give (the rules of `qgraph.kernels.pairs`: pairs along K in the kernel's
-(kh, kw, c) order per group, raw codes, s8 activations shifted to u8, padding with the zero point) directly in
+computes what onnxruntime's AVX2 kernels give (the rules of `qgraph.runtime.kernels.pairs`: pairs along K in the
+kernel's (kh, kw, c) order per group, raw codes, s8 activations shifted to u8, padding with the zero point) directly in
 numpy, independently of the ONNX emulation it checks.
 """
 
@@ -17,7 +17,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from qgraph.kernels.pairs import INT16_MAX, INT16_MIN
+from qgraph.runtime.kernels.pairs import INT16_MAX, INT16_MIN
 
 
 @dataclass(frozen=True)

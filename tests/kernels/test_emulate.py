@@ -1,4 +1,5 @@
-"""The emulation model computes a CPU's integer arithmetic in onnxruntime on any host (`qgraph.kernels.emulate`).
+"""The emulation model computes a CPU's integer arithmetic in onnxruntime on any host
+(`qgraph.runtime.kernels.emulate`).
 
 Checked against an independent numpy model of the AVX2 kernels (`kernel_models.avx2_reference`): on every layer
 shape the difference between the emulated AVX2 and the exact (VNNI) output is exactly what int16 pair saturation
@@ -14,8 +15,8 @@ import onnxruntime as ort
 import pytest
 from kernel_models import Case, avx2_correction, cases, conv_case
 
-from qgraph.kernels.emulate import emulate, has_integer_work
-from qgraph.kernels.host import probe_pair_saturation
+from qgraph.runtime.kernels.emulate import emulate, has_integer_work
+from qgraph.runtime.kernels.host import probe_pair_saturation
 
 CASES = {c.name: c for c in cases()}
 

@@ -1,4 +1,5 @@
-"""Which kernels measure a model (`qgraph.kernels.measure`), and the host they describe (`qgraph.kernels.host`)."""
+"""Which kernels measure a model (`qgraph.runtime.kernels.measure`), and the host they describe
+(`qgraph.runtime.kernels.host`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 from kernel_models import conv_case
 
 from qgraph import Recipe
-from qgraph.kernels.host import HostKernels, host_kernels, probe_pair_saturation
-from qgraph.kernels.measure import (
+from qgraph.runtime.kernels.cpu import CPU_FLAGS_ENV, parse_cpuinfo
+from qgraph.runtime.kernels.host import HostKernels, host_kernels, probe_pair_saturation
+from qgraph.runtime.kernels.measure import (
     EXACT,
     EmulatedSession,
     choose,
@@ -21,7 +23,6 @@ from qgraph.kernels.measure import (
     saturation_of,
     target_family,
 )
-from qgraph.target import CPU_FLAGS_ENV, parse_cpuinfo
 
 ROOT = Path(__file__).resolve().parents[2]
 

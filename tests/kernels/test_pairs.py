@@ -1,4 +1,4 @@
-"""The pair arithmetic of AVX2's u8×s8 kernels (`qgraph.kernels.pairs`), property-based."""
+"""The pair arithmetic of AVX2's u8×s8 kernels (`qgraph.runtime.kernels.pairs`), property-based."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from qgraph.kernels.pairs import (
+from qgraph.runtime.kernels.pairs import (
     INT16_MAX,
     INT16_MIN,
     exact_u8s8_matmul,

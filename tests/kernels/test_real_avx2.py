@@ -22,8 +22,8 @@ import onnxruntime as ort
 import pytest
 from kernel_models import cases
 
-from qgraph.kernels.emulate import emulate
-from qgraph.kernels.host import probe_pair_saturation
+from qgraph.runtime.kernels.emulate import emulate
+from qgraph.runtime.kernels.host import probe_pair_saturation
 
 #: An AVX2-only x86 CPU for qemu-user (features TCG cannot emulate are switched off to keep stderr clean).
 QEMU_CPU = "Haswell-noTSX,-pcid,-tsc-deadline,-x2apic,-invpcid"
@@ -31,7 +31,7 @@ DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits"
 
 CHILD = """
 import sys, numpy as np, onnxruntime as ort
-from qgraph.kernels.host import probe_pair_saturation
+from qgraph.runtime.kernels.host import probe_pair_saturation
 assert probe_pair_saturation(), "the child's onnxruntime kernels do not saturate: not an AVX2 CPU"
 data = np.load(sys.argv[1])
 out = {}

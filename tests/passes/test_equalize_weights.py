@@ -22,8 +22,8 @@ from qgraph.passes.fuse_batchnorm import FuseBatchNorm
 from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import GraphHandle, PassContext, Pipeline
-from qgraph.compare import compare_models, random_feeds
-from qgraph.equalize import LinearLayer, cle_scales, dead_channels
+from qgraph.recovery.equalize import LinearLayer, cle_scales, dead_channels
+from qgraph.runtime.compare import compare_models, random_feeds
 from qgraph.testing.depthwise import depthwise_net
 
 TOL = 1e-5
@@ -314,8 +314,8 @@ def test_diff_against_the_model_before_equalization_shows_quantization_not_resca
     """Equalize a conv chain, quantize it, diff against the original float model: the tensors between equalized
     layers (rescaled by 1/s, recorded in the model's metadata through save/load and insert_qdq) show the same
     SQNR as against the equalized float model, i.e. the true quantization error, not the rescaling."""
-    from qgraph.diff import numeric_diff
-    from qgraph.rescaling import RESCALED_KEY, model_rescaling
+    from qgraph.analysis.diff import numeric_diff
+    from qgraph.quant.rescaling import RESCALED_KEY, model_rescaling
 
     original, eq, qdq, feeds = _spread_chain_equalized_and_quantized(tmp_path, blocks=4, seed=3, samples=6)
     onnx.save(qdq, tmp_path / "q.onnx")
@@ -343,7 +343,7 @@ def test_diff_against_the_model_before_equalization_shows_quantization_not_resca
 def test_culprits_against_the_model_before_equalization_match_the_equalized_reference(tmp_path: Any) -> None:
     """The Q/DQ attribution sees the values B quantizes: A's equalized tensors are put in B's scale (and the
     probe that applies one pair alone uses the step s / f), so its numbers match the equalized reference's."""
-    from qgraph.diff import attribute
+    from qgraph.analysis.diff import attribute
 
     original, eq, qdq, feeds = _spread_chain_equalized_and_quantized(tmp_path, blocks=3, seed=4, samples=4)
     by_eq = {c.point.tensor: c for c in attribute(eq, qdq, feeds, exact_top=50).culprits

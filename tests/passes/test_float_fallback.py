@@ -10,8 +10,8 @@ import pytest
 from qgraph.passes.float_fallback import FloatFallback
 
 from qgraph import GraphHandle, NodeSelector, PassError, Pipeline, Recipe, RecipeError
-from qgraph.compare import make_session
-from qgraph.fallback import is_dq, is_q, quantized_nodes
+from qgraph.quant.qdq_graph import is_dq, is_q, quantized_nodes
+from qgraph.runtime.compare import make_session
 from qgraph.testing import target_session, transformer_encoder, transformer_encoder_inputs
 
 # x -> Q/DQ shared by mm_a and mm_b; mm_a's output t -> Q/DQ -> graph output y, also read by mm_c (quantized);
@@ -236,7 +236,7 @@ def test_real_model_one_matmul_of_a_shared_pair(ort_encoder) -> None:  # type: i
 
 
 def test_walks_bounded(ort_encoder) -> None:  # type: ignore[no-untyped-def]
-    from qgraph.fallback import fall_back
+    from qgraph.remedy.fallback import fall_back
 
     _, qdq, _ = ort_encoder
     handle = GraphHandle(qdq)
@@ -269,7 +269,7 @@ def test_auto_mode_inside_the_pass_defaults_to_the_stripped_model(ort_encoder, t
 
 def test_float_and_qdq_models_must_match(ort_encoder, shared: onnx.ModelProto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from qgraph import ModelError
-    from qgraph.sensitivity.search import auto_fallback
+    from qgraph.analysis.sensitivity.search import auto_fallback
 
     float_model, _, feeds = ort_encoder
     np.savez(tmp_path / "eval.npz", **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
@@ -281,7 +281,8 @@ def test_reference_weights_make_everything_back_to_float_the_float_model(tmp_pat
     """onnxruntime QDQ with weights and biases stored as integers and Relus fused into the convs (outputs
     renamed): with the float model's weights (`ReferenceWeights`, found by output or by the integer constant's
     name) every node back in float gives the float model's outputs; with ``DQ(w_q)`` the weight rounding stays."""
-    from qgraph.fallback import ReferenceWeights, fall_back
+    from qgraph.quant.reference_weights import ReferenceWeights
+    from qgraph.remedy.fallback import fall_back
     from qgraph.testing import ort_quantize_static
     from qgraph.testing.synthetic import fragile_resnet
 
@@ -309,7 +310,7 @@ def test_auto_baseline_sees_the_error_made_inside_if_bodies() -> None:
     measured exactly): the target is met with them in float and the If kept; with `bodies: false` it is not met and
     they are named as not being candidates. After `specialize_inputs` the same nodes are top-level candidates."""
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing import mode_feeds, mode_switched_net
 
     model = mode_switched_net()
@@ -341,7 +342,7 @@ def test_auto_baseline_sees_the_error_made_inside_if_bodies() -> None:
 
 def test_manual_selection_reaches_nodes_inside_bodies_by_name() -> None:
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing import mode_feeds, mode_switched_net
 
     model = mode_switched_net()
@@ -365,12 +366,12 @@ def test_manual_selection_reaches_nodes_inside_bodies_by_name() -> None:
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_auto_scores_a_recurrent_model_streamed_when_asked(streamed: bool) -> None:
-    """With `auto.recurrent` every full evaluation feeds each model its own state (`qgraph.streaming`): the INT8
+    """With `auto.recurrent` every full evaluation feeds each model its own state (`qgraph.runtime.streaming`): the INT8
     baseline's score is the streamed one; without it, each sample with its recorded state."""
 
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
-    from qgraph.streaming import OutputScore, Recurrence
+    from qgraph.pipeline.pass_api import get_pass
+    from qgraph.runtime.streaming import OutputScore, Recurrence
     from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
 
     model = leaky_state_net()
@@ -393,13 +394,13 @@ def test_auto_scores_a_recurrent_model_streamed_when_asked(streamed: bool) -> No
 
 def test_auto_recurrent_state_not_in_the_model_is_refused_naming_it() -> None:
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing.recurrent import leaky_feeds, leaky_state_net
 
     model = leaky_state_net()
     data = CallableSource(lambda: leaky_feeds(1, 4, model=model), "4 steps")
     fallback = FloatFallback(auto={"target": "sqnr:10", "recurrent": {"state_inputs": {"h0": "s_next"}}})
-    # before insert_qdq calibrates (`qgraph.preflight`)
+    # before insert_qdq calibrates (`qgraph.pipeline.preflight`)
     with pytest.raises(RecipeError, match=r"\(float_fallback\): `auto\.recurrent\.state_inputs` names graph "
                        "input 'h0'"):
         Pipeline([get_pass("insert_qdq")(preset="ort-x86-vnni"), fallback]).run(model, calibration_data=data)
@@ -409,7 +410,7 @@ def test_auto_outputs_scores_only_the_named_outputs() -> None:
     """`auto.outputs` scores only the named outputs (e.g. a recurrent model's state without its prediction, or the
     other way round): here the INT8 state output already meets 40 dB (43.7) while the prediction does not (22.6)."""
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing.recurrent import leaky_feeds, leaky_state_net
 
     model = leaky_state_net()
@@ -423,7 +424,7 @@ def test_auto_outputs_scores_only_the_named_outputs() -> None:
     assert both.details["auto"]["nodes"] and both.details["auto"]["int8_score"] < 40
     assert state.details["auto"]["nodes"] == [] and state.details["auto"]["int8_score"] > 40
     assert any("sqnr of s_next >= 40" in d for d in state.decisions), state.decisions
-    # refused before insert_qdq calibrates (`qgraph.preflight`)
+    # refused before insert_qdq calibrates (`qgraph.pipeline.preflight`)
     with pytest.raises(RecipeError, match=r"`auto\.outputs` names graph output 'nope'"):
         Pipeline([qdq, FloatFallback(auto={**auto, "outputs": ["nope"]})]).run(model, calibration_data=data)
 
@@ -432,7 +433,7 @@ def test_float_weights_option_restores_the_float_models_weights_on_a_qdq_model(t
     """A patch applied to a QDQ model alone (no quantizing pass before it): ``float_weights`` names the float
     model, and the node back in float reads its float weights, not ``DQ(w_q)``."""
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing.depthwise import depthwise_net
 
     floats = Pipeline([get_pass("fuse_batchnorm")()]).run(depthwise_net(seed=0, spread=100.0)).model
@@ -464,7 +465,7 @@ def test_float_weights_from_the_model_before_batchnorm_fusion_are_not_taken(tmp_
     stored codes and must not be used (the model read the BatchNorm's bias as the Conv's: SQNR 0.6 dB on
     PP-LCNet); the nodes take their dequantized codes, so the result is as close to float as the QDQ model."""
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing import conv_bn_net, random_feeds
 
     model = conv_bn_net(seed=3)
@@ -494,9 +495,9 @@ def test_auto_scores_each_part_of_an_output_a_concat_joins() -> None:
     import onnxruntime as ort
 
     from qgraph.data import CallableSource
-    from qgraph.output_parts import find_output_parts
-    from qgraph.pass_api import get_pass
-    from qgraph.streaming import OutputScore
+    from qgraph.pipeline.pass_api import get_pass
+    from qgraph.runtime.output_parts import find_output_parts
+    from qgraph.runtime.streaming import OutputScore
     from qgraph.testing import detection_feeds, detection_head
 
     model = detection_head()

@@ -10,8 +10,8 @@ import pytest
 
 from qgraph import NodeSelector, Pipeline, Recipe, RecipeError, get_pass
 from qgraph.data import CallableSource
-from qgraph.fallback import quantized_nodes
 from qgraph.graph import GraphHandle
+from qgraph.quant.qdq_graph import quantized_nodes
 from qgraph.testing.depthwise import depthwise_net
 from qgraph.testing.models import run_target
 

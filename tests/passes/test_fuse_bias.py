@@ -151,7 +151,7 @@ def test_int8_error_drops_when_the_bn_can_fold(tmp_path: Any) -> None:
     from qgraph.passes.insert_qdq import InsertQDQ
 
     from qgraph import Pipeline
-    from qgraph.compare import compare_models
+    from qgraph.runtime.compare import compare_models
 
     model, data, evaluation = _paddle_head(tmp_path)
     quant = InsertQDQ(preset="ort-x86-vnni")

@@ -11,8 +11,8 @@ from qgraph.passes.insert_qdq.config import PRESETS
 
 from qgraph import GraphHandle, PassContext, PassError, Pipeline, Recipe
 from qgraph.errors import DataError, RecipeError
-from qgraph.qdq import find_qdq_pairs, ort_fusion_report
-from qgraph.quant import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
+from qgraph.quant.qdq import find_qdq_pairs, ort_fusion_report
 
 FEEDS = feeds_for(tiny_cnn(), 16, seed=1)
 EVAL = feeds_for(tiny_cnn(), 4, seed=2)
@@ -163,7 +163,7 @@ def test_old_opsets_are_raised_when_the_options_need_it() -> None:
 
 
 def test_static_without_data_says_how_to_pass_it() -> None:
-    # bad input, refused before any pass runs (`qgraph.preflight.require_data`): exit 2, not a pass failure
+    # bad input, refused before any pass runs (`qgraph.pipeline.preflight.require_data`): exit 2, not a pass failure
     with pytest.raises(DataError, match="--calibration-data"):
         quantize(tiny_cnn(), None, preset="ort-x86-vnni")
 

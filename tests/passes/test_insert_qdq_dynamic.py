@@ -9,8 +9,8 @@ from insert_qdq_helpers import cosine, feeds_for, initializer, nodes_by_name, qu
 from qgraph.passes.insert_qdq import InsertQDQConfig
 from qgraph.passes.insert_qdq.cpu import resolve_reduce_range
 
-from qgraph.qdq import ort_fusion_report
-from qgraph.target import CpuInfo, parse_cpuinfo
+from qgraph.quant.qdq import ort_fusion_report
+from qgraph.runtime.kernels.cpu import CpuInfo, parse_cpuinfo
 
 MLP = """
 <ir_version: 8, opset_import: ["" : 17]>

@@ -16,7 +16,7 @@ from qgraph.passes.insert_qdq.latency import Cost, Decision, Edge, decide
 from qgraph.passes.insert_qdq.speed import SHIPPED_TABLE
 
 from qgraph.errors import DataError, PassError, RecipeError
-from qgraph.latency import load_latency_table, op_signature
+from qgraph.runtime.latency import load_latency_table, op_signature
 
 
 # ---------------------------------------------------------------------------------------------- decide()
@@ -287,7 +287,7 @@ def test_dynamic_inputs_are_costed_at_the_calibration_shapes(tmp_path: Path) -> 
 
 def test_measure_says_whose_host_it_measured_when_the_recipe_targets_another_arch() -> None:
     from qgraph import Recipe
-    from qgraph.target import host_cpu
+    from qgraph.runtime.kernels.cpu import host_cpu
 
     model = tiny_cnn()
     recipe = Recipe.from_text(

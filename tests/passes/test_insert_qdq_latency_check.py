@@ -19,8 +19,8 @@ from qgraph.passes.insert_qdq.latency import LatencyOptions
 from qgraph.passes.insert_qdq.latency_check import Region, check_decision
 
 from qgraph import Recipe
-from qgraph.latency import time_models
-from qgraph.target import CPU_FLAGS_ENV, host_cpu
+from qgraph.runtime.kernels.cpu import CPU_FLAGS_ENV, host_cpu
+from qgraph.runtime.latency import time_models
 
 
 def _regions(*groups: list[str]) -> list[Region]:

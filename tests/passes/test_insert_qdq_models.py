@@ -14,7 +14,7 @@ from qgraph.passes.fuse_batchnorm import FuseBatchNorm
 from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import Pipeline
-from qgraph.qdq import ort_fusion_report
+from qgraph.quant.qdq import ort_fusion_report
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits"

@@ -10,8 +10,8 @@ import onnx
 from insert_qdq_helpers import cosine, feeds_for, initializer, nodes_by_name, quantize, run, with_weights
 
 from qgraph.calibrate import collect_ranges, write_ranges
-from qgraph.model_io import model_fingerprint
-from qgraph.qdq import ort_fusion_report
+from qgraph.io.model_io import model_fingerprint
+from qgraph.quant.qdq import ort_fusion_report
 
 OPS = """
 <ir_version: 8, opset_import: ["" : 17]>
@@ -113,8 +113,8 @@ def test_ranges_file_is_used_instead_of_data(tmp_path: object) -> None:
     from qgraph.passes.insert_qdq import InsertQDQ
 
     from qgraph import Pipeline
-    from qgraph.pass_api import PassContext
-    from qgraph.target import CalibrationSpec
+    from qgraph.pipeline.pass_api import PassContext
+    from qgraph.pipeline.target import CalibrationSpec
 
     m = tiny_cnn()
     feeds = feeds_for(m, 4)

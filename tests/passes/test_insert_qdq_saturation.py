@@ -6,9 +6,9 @@ import numpy as np
 import onnx
 from insert_qdq_helpers import initializer, quantize, with_weights
 
-from qgraph.kernels.pairs import INT16_MAX, exact_u8s8_matmul, pair_bounds, simulate_u8s8_matmul, vpmaddubsw
-from qgraph.quant import QuantSpec, compute_scale_zero_point
-from qgraph.quant import quantize as q_array
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import quantize as q_array
+from qgraph.runtime.kernels.pairs import INT16_MAX, exact_u8s8_matmul, pair_bounds, simulate_u8s8_matmul, vpmaddubsw
 
 
 def overflow_layer() -> tuple[np.ndarray, np.ndarray]:

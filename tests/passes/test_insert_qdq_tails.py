@@ -87,7 +87,7 @@ def _affine_model():  # type: ignore[no-untyped-def]
 
 
 def test_scale_shift_of_a_float_tensor_stays_float_and_rounds_once() -> None:
-    from qgraph.compare import compare_models
+    from qgraph.runtime.compare import compare_models
 
     model = _affine_model()
     rng = np.random.default_rng(1)
@@ -143,7 +143,7 @@ def _ffn_model():  # type: ignore[no-untyped-def]
 def test_on_grid_leaves_elementwise_ops_reading_float_tensors_float() -> None:
     from qgraph.passes.insert_qdq.tails import GRID_WHY
 
-    from qgraph.compare import compare_models
+    from qgraph.runtime.compare import compare_models
 
     model = _ffn_model()
     rng = np.random.default_rng(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from insert_qdq_helpers import quantize, with_weights
-from qgraph.passes.insert_qdq.config import TENSORRT_OPS
+from qgraph.passes.insert_qdq.presets import TENSORRT_OPS
 
 from qgraph.testing.runtime import make_session
 

@@ -10,8 +10,8 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from qgraph import Pipeline
-from qgraph.pass_api import get_pass
-from qgraph.target import TargetSpec
+from qgraph.pipeline.pass_api import get_pass
+from qgraph.pipeline.target import TargetSpec
 
 H, IN, T = 16, 8, 5
 
@@ -74,7 +74,7 @@ def test_gate_rows_that_could_saturate_avx2_get_a_raised_scale_unless_the_cpu_is
     """The op's GEMMs multiply u8 activations by these weights: on x86 without VNNI a pair of same-sign codes
     summing past 128 overflows int16. Made for no CPU in particular (or for AVX2), only those rows lose resolution;
     made for a VNNI CPU, every row keeps its full range."""
-    from qgraph.kernels.pairs import kernel_rows, risky_pairs
+    from qgraph.runtime.kernels.pairs import kernel_rows, risky_pairs
 
     def weights(res: Any) -> np.ndarray:
         node = res.model.graph.node[0]

@@ -217,7 +217,7 @@ def test_qgraph_run_streams_a_data_free_recipe_over_external_data(tmp_path: Path
 
 @pytest.mark.parametrize("fmt", ["matmul_nbits", "qdq"])
 def test_diff_blames_blocks_and_compares_numbers(fmt: str, tmp_path: Path) -> None:
-    from qgraph.diff import diff_files
+    from qgraph.analysis.diff import diff_files
 
     a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
     onnx.save(mlp(), str(a))

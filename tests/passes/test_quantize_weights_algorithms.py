@@ -12,7 +12,7 @@ from qgraph.passes.quantize_weights.hqq import quantize_hqq
 from qgraph.passes.quantize_weights.mixed import promote
 
 from qgraph import Pipeline
-from qgraph.blockwise import DEFAULT_RATIOS, BlockFormat, block_error, quantize_weight, to_blocks
+from qgraph.quant.blockwise import DEFAULT_RATIOS, BlockFormat, block_error, quantize_weight, to_blocks
 
 FMT = BlockFormat(4, 32, False)
 

@@ -1,5 +1,6 @@
-"""qgraph.blockwise layouts against onnxruntime's kernels: MatMulNBits and blocked DequantizeLinear give exactly the
-product with the weights `qgraph.blockwise` dequantizes, for every bits / symmetry / block size (property-based)."""
+"""qgraph.quant.blockwise layouts against onnxruntime's kernels: MatMulNBits and blocked DequantizeLinear give
+exactly the product with the weights `qgraph.quant.blockwise` dequantizes, for every bits / symmetry / block size
+(property-based)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from qgraph.passes.quantize_weights.packing import dequantize_linear, matmul_nbits
 
-from qgraph.blockwise import (
+from qgraph.quant.blockwise import (
     BlockFormat,
     pack_codes,
     pack_int4,

@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 
 from qgraph import DataError, GraphHandle, PassContext, PassError, Pipeline, RecipeError
 from qgraph.data import CallableSource
-from qgraph.pass_api import get_pass
+from qgraph.pipeline.pass_api import get_pass
 from qgraph.testing import mode_switched_net, target_session
 
 
@@ -68,7 +68,8 @@ def test_data_for_another_value_is_an_error() -> None:
 
 def test_unknown_input_and_wrong_shape_are_refused() -> None:
     model = mode_switched_net()
-    # in a pipeline, before any pass runs (`qgraph.preflight`); the pass's own check for a caller running it alone
+    # in a pipeline, before any pass runs (`qgraph.pipeline.preflight`); the pass's own check for a caller running it
+    # alone
     with pytest.raises(RecipeError, match=r"`inputs` names graph input 'rate'.* Its inputs: x, mode"):
         Pipeline([get_pass("specialize_inputs")(inputs={"rate": 1})]).run(model)
     with pytest.raises(PassError, match="has no input 'rate'"):

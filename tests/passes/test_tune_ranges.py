@@ -12,8 +12,8 @@ from onnx import numpy_helper
 
 from qgraph import PassError, Pipeline, PipelineResult, Recipe, RecipeError
 from qgraph.data import CallableSource
-from qgraph.pass_api import get_pass
-from qgraph.streaming import OutputScore, Recurrence
+from qgraph.pipeline.pass_api import get_pass
+from qgraph.runtime.streaming import OutputScore, Recurrence
 from qgraph.testing import level_feeds, level_switched_net, target_session
 from qgraph.testing.recurrent import LEAKY_STATE, leaky_feeds, leaky_state_net
 
@@ -175,7 +175,7 @@ def test_without_recurrent_the_score_is_the_chunk_wise_one() -> None:
     ({"outputs": ("prob",)}, r"`outputs` names graph output 'prob', which the input model does not produce"),
 ])
 def test_bad_recurrent_config_is_refused_naming_the_tensor(tune: dict[str, Any], message: str) -> None:
-    """Before any pass runs (insert_qdq's calibration included: `qgraph.preflight`)."""
+    """Before any pass runs (insert_qdq's calibration included: `qgraph.pipeline.preflight`)."""
     with pytest.raises(RecipeError, match=r"\(tune_ranges\): " + message):
         _leaky(**tune)
 
@@ -185,7 +185,7 @@ def test_the_score_is_the_worst_part_of_an_output_a_concat_joins() -> None:
     by insert_qdq and the Sigmoid outputs quantized on [0, 1]): scored per part, the score is the scores' SQNR and
     narrowing the class ranges buys > 3 dB there; scored whole (`output_parts: false`), the boxes decide and no
     range is worth narrowing."""
-    from qgraph.output_parts import find_output_parts
+    from qgraph.runtime.output_parts import find_output_parts
     from qgraph.testing import detection_feeds, detection_head
 
     model = detection_head()

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from qgraph import Recipe
 from qgraph.cli import app
-from qgraph.qdq import ort_fusion_report
+from qgraph.quant.qdq import ort_fusion_report
 from qgraph.testing import target_session, transformer_encoder, transformer_encoder_inputs
 
 ROOT = Path(__file__).resolve().parents[2]

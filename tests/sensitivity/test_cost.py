@@ -13,14 +13,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qgraph import Pipeline
-from qgraph.compare import TensorDiff
-from qgraph.fallback import ReferenceWeights
-from qgraph.latency import TABLE_VERSION, CostEntry, LatencyTable, PresetTable
-from qgraph.sensitivity.cost import CostSpec, LatencyModel, cost_aware_order
-from qgraph.sensitivity.noise import NoiseModel
-from qgraph.sensitivity.probe import LocalError
-from qgraph.sensitivity.search import auto_fallback
-from qgraph.sensitivity.targets import parse_target
+from qgraph.analysis.sensitivity.cost import CostSpec, LatencyModel, cost_aware_order
+from qgraph.analysis.sensitivity.noise import NoiseModel
+from qgraph.analysis.sensitivity.probe import LocalError
+from qgraph.analysis.sensitivity.search import auto_fallback
+from qgraph.analysis.sensitivity.targets import parse_target
+from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.runtime.compare import TensorDiff
+from qgraph.runtime.latency import TABLE_VERSION, CostEntry, LatencyTable, PresetTable
 
 C, S = 16, 32  # channels, spatial size
 Q_NS = 1.0  # ns per element of a QuantizeLinear / DequantizeLinear

@@ -12,11 +12,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from qgraph.sensitivity import search as search_mod
-from qgraph.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs
-from qgraph.sensitivity.ranking import candidate_nodes, rank_nodes, sensitivity_report
-from qgraph.sensitivity.search import auto_fallback
-from qgraph.sensitivity.targets import parse_target
+from qgraph.analysis.sensitivity import search as search_mod
+from qgraph.analysis.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs
+from qgraph.analysis.sensitivity.ranking import candidate_nodes, rank_nodes, sensitivity_report
+from qgraph.analysis.sensitivity.search import auto_fallback
+from qgraph.analysis.sensitivity.targets import parse_target
 from qgraph.testing import fragile_resnet
 
 BLOCKS = 12
@@ -158,7 +158,7 @@ def test_sessions_are_built_and_released_one_at_a_time(fragile: Path, monkeypatc
 
 def test_progress_events_per_stage(fragile: Path) -> None:
     from qgraph import Pipeline, Recipe
-    from qgraph.pipeline import PipelineEvent
+    from qgraph.pipeline.runner import PipelineEvent
 
     events: list[tuple[str, int, int | None]] = []
     ref, qdq = onnx.load(fragile / "float.onnx"), onnx.load(fragile / "qdq.onnx")
@@ -254,14 +254,15 @@ def test_one_run_ranking_on_a_transformer_is_as_stable_as_the_exact_measure(enco
 
 
 def test_each_part_of_a_joined_output_gets_its_own_weights() -> None:
-    """Output parts (`qgraph.output_parts`): a node feeding only the boxes of a detector's joined output does not
+    """Output parts (`qgraph.runtime.output_parts`): a node feeding only the boxes of a detector's joined output does
+    not
     reach the scores' part (κ = 0) and the other way round; the join itself, quantized with one scale for boxes and
     scores, is measured on each part, where its noise on the scores is ~10^4 times its noise on the whole output."""
     from qgraph import Pipeline
+    from qgraph.analysis.sensitivity.probe import local_errors
     from qgraph.data import CallableSource
-    from qgraph.output_parts import find_output_parts
-    from qgraph.pass_api import get_pass
-    from qgraph.sensitivity.probe import local_errors
+    from qgraph.pipeline.pass_api import get_pass
+    from qgraph.runtime.output_parts import find_output_parts
     from qgraph.testing import detection_feeds, detection_head
 
     model = detection_head()

@@ -13,12 +13,12 @@ import onnx
 import pytest
 
 from qgraph import Pipeline, RecipeError
+from qgraph.analysis.sensitivity.evaluate import Evaluator
+from qgraph.analysis.sensitivity.search import auto_fallback
+from qgraph.analysis.sensitivity.stats import matmul_flops
+from qgraph.analysis.sensitivity.targets import parse_target
 from qgraph.cli import main
-from qgraph.compare import compare_models
-from qgraph.sensitivity.evaluate import Evaluator
-from qgraph.sensitivity.search import auto_fallback
-from qgraph.sensitivity.stats import matmul_flops
-from qgraph.sensitivity.targets import parse_target
+from qgraph.runtime.compare import compare_models
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits"
@@ -291,7 +291,7 @@ def test_run_exits_1_and_keeps_the_best_model_when_the_target_is_not_met(
 
 def test_sensitivity_to_a16w8_writes_a_16bit_model_and_a_patch_that_rebuilds_it(encoder: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """``--to a16w8``: the chosen nodes keep their int8 weights and read 16-bit activations; the patch says so."""
-    from qgraph.sensitivity.evaluate import build_model
+    from qgraph.analysis.sensitivity.evaluate import build_model
 
     ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
     int8_cos = _cos(ref, qdq, encoder / "eval.npz")
@@ -327,7 +327,7 @@ def test_sensitivity_reaches_nodes_inside_if_bodies(tmp_path: Path, capsys) -> N
     exactly), the target is met with them in float and the If is kept."""
     from qgraph import NodeSelector
     from qgraph.data import CallableSource
-    from qgraph.pass_api import get_pass
+    from qgraph.pipeline.pass_api import get_pass
     from qgraph.testing import mode_feeds, mode_switched_net
 
     model = mode_switched_net()

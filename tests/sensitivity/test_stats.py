@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 
 from qgraph import GraphHandle, Recipe
-from qgraph.compare import make_session, session_run
-from qgraph.fallback import qparams
-from qgraph.quant import fake_quantize_counted
-from qgraph.sensitivity.stats import _add_reductions, range_stats
+from qgraph.analysis.sensitivity.stats import _add_reductions, range_stats
+from qgraph.quant.math import fake_quantize_counted
+from qgraph.quant.qdq_graph import qparams
+from qgraph.runtime.compare import make_session, session_run
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits"
@@ -55,7 +55,7 @@ def test_reductions_sit_right_after_their_pair() -> None:
     qdq = Recipe.from_yaml(ROOT / "recipes" / "ort-x86-vnni.yaml").pipeline().run(
         DIGITS / "model.onnx", calibration_data=DIGITS / "calibration.npz").model
     handle = GraphHandle(qdq)
-    from qgraph.sensitivity.stats import _pairs_feeding
+    from qgraph.analysis.sensitivity.stats import _pairs_feeding
 
     found = _pairs_feeding(handle, {n.name for n in qdq.graph.node if n.op_type == "Conv"})
     assert found is not None

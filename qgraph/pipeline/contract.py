@@ -1,0 +1,148 @@
+"""The pass contract the pipeline enforces around every pass, built-in or plug-in alike.
+
+Before a pass: ``requires`` (the pass's own preconditions). Around ``run``: the cyclic GC is paused (with ~100k
+graphsurgeon objects alive every collection rescans them, which made passes super-linear; graph objects are freed
+by reference counting), unless the pass sets ``pause_gc = False`` (a search building hundreds of temporary models
+would otherwise keep all their cyclic garbage until it ends). After it:
+
+1. ``run`` must return a `PassResult` (anything else is a `PassError` naming the pass);
+2. the handle's caches are invalidated (a pass that forgot ``graph.changed()`` cannot leave a stale index behind);
+3. nodes added and removed are *measured* (by identity, in every scope) and override what the pass counted, and a
+   pass that changed the graph while reporting nothing is recorded as changed all the same;
+4. every node the pass created is tagged with its name (provenance, diff and fallback find them by it);
+5. the graph is checked (`qgraph.graph.check_structure`: no dangling input, one producer per tensor, arity and
+   required attributes, acyclic): a broken graph is "pass #i NAME produced an invalid graph: ..." (exit 1);
+6. ``ensures`` (the pass's own postconditions).
+
+An exception other than a qgraph error (`qgraph.errors.QGraphError`, already a message for the user) raised by the
+pass's own code (``requires``, ``run``, ``ensures``) becomes a `PassError` (exit 1) naming the pass (registered name
+and index in the recipe), the exception's type, message and innermost line, and whose bug it is: a built-in pass's is
+qgraph's, a plug-in's is its module's; the original exception is its ``__cause__`` (``--debug`` prints both).
+
+Each step is O(N): two graph walks per pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import onnx_graphsurgeon as gs
+
+from qgraph.errors import PassError, QGraphError
+from qgraph.graph import GraphHandle, check_structure, graph_scopes
+from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
+
+
+@dataclass
+class Snapshot:
+    """What a graph looked like before a pass: its nodes (kept alive so identities stay unique) and a digest of
+    its wiring (node op, attribute count, the identity of every input and output, constants' shapes and dtypes)."""
+
+    nodes: list[gs.Node]
+    digest: int
+
+    @classmethod
+    def of(cls, graph: gs.Graph) -> Snapshot:
+        """Take a snapshot of ``graph`` (every scope), O(nodes + edges)."""
+        nodes: list[gs.Node] = []
+        parts: list[Any] = []
+        for g in graph_scopes(graph):
+            parts.append((tuple(id(t) for t in g.inputs), tuple(id(t) for t in g.outputs)))
+            for node in g.nodes:
+                nodes.append(node)
+                parts.append((id(node), node.op, len(node.attrs), tuple(map(_tensor_key, node.inputs)),
+                              tuple(id(t) for t in node.outputs)))
+        return cls(nodes, hash(tuple(parts)))
+
+
+def _tensor_key(t: gs.Tensor) -> tuple[int, str, tuple[int, ...]]:
+    # A constant reshaped or retyped in place is a change too (new values of the same shape and dtype are not
+    # seen: reading values may swap graphsurgeon's lazy proto for an array without changing anything).
+    if isinstance(t, gs.Constant):
+        return id(t), str(t.dtype), tuple(t.shape)
+    return id(t), "", ()
+
+
+@dataclass
+class Measured:
+    """What the pipeline measured about one pass."""
+
+    nodes_added: int
+    nodes_removed: int
+    changed: bool
+
+
+def _new_nodes(nodes: list[gs.Node], reference: list[gs.Node]) -> list[gs.Node]:
+    """Nodes of ``nodes`` absent from ``reference``: by identity, except that a named node whose name was there
+    before is the same node re-created (a pass that rebuilds the whole model, e.g. opset conversion)."""
+    ids = {id(n) for n in reference}
+    names = {n.name for n in reference if n.name}
+    return [n for n in nodes if id(n) not in ids and not (n.name and n.name in names)]
+
+
+def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) -> tuple[PassResult, Measured]:
+    """Run ``p`` on ``handle`` under the contract (module docs); raises `PassError` when the pass breaks it."""
+    where = f"pass #{index} {p.name!r}"
+    with pass_code(p, where):
+        p.requires(handle, ctx)
+    before = Snapshot.of(handle.graph)
+    gc_was_enabled = gc.isenabled()
+    if p.pause_gc:
+        gc.disable()
+    try:
+        with pass_code(p, where):
+            result = p.run(handle, ctx)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    handle.changed()
+    if not isinstance(result, PassResult):
+        raise PassError(f"{where} returned {type(result).__name__} instead of a PassResult: its run() must end with "
+                        "`return PassResult(...)` saying what it changed. This is a bug in the pass.")
+    after = Snapshot.of(handle.graph)
+    added = _new_nodes(after.nodes, before.nodes)
+    measured = Measured(len(added), len(_new_nodes(before.nodes, after.nodes)), after.digest != before.digest)
+    for node in added:
+        if node.name and node.name not in handle.tags:
+            handle.tag(node, p.name)
+    if measured.changed and not result.changed and not measured.nodes_added and not measured.nodes_removed:
+        result.notes.append("the graph changed although the pass reported no rewrite")
+    result.nodes_added, result.nodes_removed = measured.nodes_added, measured.nodes_removed
+    problems = check_structure(handle.graph, handle.opset)
+    if problems:
+        raise PassError(f"{where} produced an invalid graph: {'; '.join(problems)}. This is a bug in the pass (or an "
+                        "unsupported pattern): exclude the nodes it touched or report it.")
+    with pass_code(p, where):
+        p.ensures(handle, ctx, result)
+    return result, measured
+
+
+@contextmanager
+def pass_code(p: Pass[Any], where: str) -> Iterator[None]:
+    """Run a pass's own code: an exception that is not a qgraph error becomes a `PassError` naming the pass
+    (``where``: "pass #i 'name'"), the exception and whose bug it is (module docs); MemoryError passes through."""
+    try:
+        yield
+    except (QGraphError, MemoryError):
+        raise
+    except Exception as exc:
+        raise PassError(crash_message(p, where, exc)) from exc
+
+
+def crash_message(p: Pass[Any], where: str, exc: BaseException) -> str:
+    """``where`` failed: the exception's type, message and innermost line, and whom to report it to."""
+    cls = type(p)
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    text = str(exc).strip() or "(no message)"
+    if cls.__module__.split(".")[0] == "qgraph":
+        whose = "This is a bug in qgraph, please report it (with the recipe and, if you can, the model)"
+    else:
+        whose = (f"The error is in plug-in pass {cls.__qualname__} from module {cls.__module__}: report it to its "
+                 "authors, or leave the pass out of the recipe")
+    return f"{where} failed: {type(exc).__name__}: {text}{at}. {whose}; run with --debug for the traceback."

@@ -1,0 +1,215 @@
+"""What the weight-correction passes (``correct_bias``, ``optimize_rounding``) share: their base class
+(`CorrectionPass`: preconditions and first steps), the layers they may correct with the float weights behind them,
+calibration batches, and per-layer row geometry.
+
+Both run after a quantizing pass (``insert_qdq``) and compare with `PassContext.float_reference`, the model as it
+was before the first float-changing pass: layers are matched by their output tensor, whose name quantization
+keeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from pydantic import Field
+
+from qgraph.data import Feed, batched
+from qgraph.errors import PassError
+from qgraph.graph import GraphHandle
+from qgraph.graph.selectors import NodeSelector, select
+from qgraph.options import PassConfig
+from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
+from qgraph.quant.layers import QuantLayer, find_layers
+from qgraph.runtime.compare import make_session
+from qgraph.runtime.layer_data import RowSpec
+from qgraph.runtime.output_parts import find_output_parts
+from qgraph.runtime.streaming import OutputScore
+
+
+@dataclass
+class Candidates:
+    """Layers a correction pass will work on, with their float weights, and the ones it leaves alone."""
+
+    layers: list[QuantLayer] = field(default_factory=list)
+    float_weights: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+
+
+def require(pass_name: str, graph: GraphHandle, ctx: PassContext) -> None:
+    """`PassError` saying how to fix it when the pass is misplaced (no float reference: not after a quantizing
+    pass in a pipeline)."""
+    if ctx.float_reference is None:
+        raise PassError(f"{pass_name}: needs the float model: run it in a pipeline after the quantizing pass "
+                        "(`- pass: insert_qdq` before it in the same recipe).")
+
+
+def unavailable(graph: GraphHandle, ctx: PassContext) -> str | None:
+    """Why a correction pass has nothing to do here (reported as its decision, so a ready recipe still runs on a
+    model quantized from a ranges file, or one whose layers all stayed float), or None."""
+    if ctx.calibration_data is None:
+        return ("not run: no calibration data to measure the layers on (give --calibration-data or the recipe's "
+                "calibration.data)")
+    layers, _ = find_layers(graph)
+    if not layers:
+        return "not run: no Conv/Gemm/MatMul with a weight behind Q/DQ to correct"
+    return None
+
+
+def candidates(pass_name: str, graph: GraphHandle, ctx: PassContext, selector: NodeSelector | None) -> Candidates:
+    """Quantized layers (restricted to ``selector``) that have a float weight of the same shape in the reference."""
+    out = Candidates()
+    layers, out.skipped = find_layers(graph)
+    if selector is not None:
+        sel = select(graph, selector)
+        out.unmatched = list(sel.unmatched)
+        chosen = {id(n) for n in sel.nodes}
+        layers = [la for la in layers if id(la.node) in chosen]
+    assert ctx.float_reference is not None
+    from qgraph.quant.layers import float_weights
+
+    weights = float_weights(ctx.float_reference, layers, ctx.float_reference_weights)
+    for layer in layers:
+        w = weights.get(layer.output)
+        if w is None or w.shape != layer.weight.values.shape:
+            out.skipped.append((layer.name, "the float reference has no float weight of the same shape for it "
+                                "(was the model quantized before this recipe?)"))
+            continue
+        out.layers.append(layer)
+        out.float_weights[layer.output] = w
+    if layers and not out.layers:
+        raise PassError(f"{pass_name}: none of the {len(layers)} quantized layer(s) has a float weight in the float "
+                        "reference: quantize in the same recipe (`- pass: insert_qdq` before this pass).")
+    return out
+
+
+C = TypeVar("C", bound=PassConfig)
+
+
+class CorrectionPass(Pass[C]):
+    """Base of the weight-correction passes: they change float results, read `PassContext.float_reference`, need
+    it (`require`), and start the same way (`start`). Subclasses set ``name``, ``config_class`` and `run`."""
+
+    preserves_float: ClassVar[bool] = False
+    needs_float_reference: ClassVar[bool] = True
+
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        """Calibration data, the float reference and at least one quantized layer."""
+        require(self.name, graph, ctx)
+
+    def start(self, graph: GraphHandle, ctx: PassContext, selector: NodeSelector | None,
+              res: PassResult) -> Candidates | None:
+        """The `candidates` (restricted to ``selector``), their unmatched criteria and skipped layers reported in
+        ``res``; or None, with `unavailable`'s reason as ``res``'s decision, when there is nothing to do here."""
+        why = unavailable(graph, ctx)
+        if why is not None:
+            res.decisions.append(why)
+            return None
+        cands = candidates(self.name, graph, ctx, selector)
+        res.unmatched = cands.unmatched
+        for node, reason in cands.skipped:
+            res.skip(node, reason)
+        return cands
+def weightless(graph: GraphHandle) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
+    """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
+    `qgraph.runtime.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the
+    weights."""
+    model, held = graph.weightless_export()
+    return model, {name: value for name, (value, _) in held.items()}
+
+
+def calibration_batches(ctx: PassContext) -> Iterable[Feed]:
+    """The calibration data in the recipe's batches (a fresh iterator per call)."""
+    assert ctx.calibration_data is not None
+    return batched(ctx.calibration_data, ctx.calibration.batch_size)
+
+
+def row_spec(layer: QuantLayer) -> RowSpec | str:
+    """How `qgraph.runtime.layer_data.sample_inputs` cuts the layer's input into rows, or why it cannot."""
+    node = layer.node
+    w = layer.weight.values
+    if node.op != "Conv":
+        return RowSpec(node.inputs[0].name, int(layer.rows(np.empty(w.shape, np.float32)).shape[1]))
+    if str(node.attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return "auto_pad SAME_* convolutions are not handled (pads depend on the input size)"
+    nd = w.ndim - 2
+    kernel = tuple(int(k) for k in w.shape[2:])
+    return RowSpec(
+        node.inputs[0].name,
+        int(np.prod(w.shape[1:])),
+        groups=layer.groups,
+        kernel=kernel,
+        strides=tuple(int(v) for v in node.attrs.get("strides", [1] * nd)),
+        dilations=tuple(int(v) for v in node.attrs.get("dilations", [1] * nd)),
+        pads=tuple(int(v) for v in node.attrs.get("pads", [0] * 2 * nd)),
+    )
+
+
+class GuardConfig(PassConfig):
+    """The fidelity guard of a weight-correcting pass (`FidelityGuard`): its config class inherits these fields."""
+
+    guard: bool = Field(
+        default=True, description="Keep the change only if the model's output fidelity against the float reference "
+        "(the minimum SQNR over outputs, each part of a Concat-joined output on its own) does not drop by more than "
+        "guard_tolerance_db on guard_samples calibration samples; otherwise undo it (reported).",
+    )
+    guard_samples: int = Field(default=32, ge=1, description="Calibration samples the guard scores on.")
+    guard_tolerance_db: float = Field(default=0.05, ge=0, description="Drop in dB the guard accepts (float noise).")
+
+
+class FidelityGuard:
+    """Keeps a weight-correcting pass's change only where it does not make the model worse: the output fidelity
+    against the float reference on a few calibration samples (the minimum SQNR over outputs, each part of a
+    Concat-joined output on its own: `qgraph.runtime.output_parts`) before (`start`, with a snapshot of the layers'
+    codes)
+    and after (`finish`, which restores the snapshot when the score dropped). Reported in ``res`` either way. Costs
+    one reference run and two runs of the graph on those samples."""
+
+    def __init__(self, ctx: PassContext, samples: int, layers: list[QuantLayer], res: PassResult) -> None:
+        assert ctx.calibration_data is not None and ctx.float_reference is not None
+        feeds = list(itertools.islice(iter(ctx.calibration_data), samples))
+        reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
+        self.scorer = OutputScore(reference, feeds, parts=find_output_parts(ctx.float_reference))
+        self.kernels = ctx.kernels  # the target's arithmetic: a correction that only helps elsewhere is undone
+        self.layers = layers
+        self.stored = [la.snapshot() for la in layers]
+        self.res = res
+        self.before = math.nan
+
+    @classmethod
+    def start(cls, config: GuardConfig, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
+              res: PassResult) -> FidelityGuard | None:
+        """A guard holding the graph's score and the layers' codes now, or None when ``config.guard`` is off."""
+        if not config.guard:
+            return None
+        guard = cls(ctx, config.guard_samples, layers, res)
+        guard.before = guard.score(graph)
+        return guard
+
+    def score(self, graph: GraphHandle) -> float:
+        """The graph's score now (dB; NaN/Inf outputs give -inf)."""
+        model, held = graph.weightless_export()
+        return self.scorer.score_db(self.kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
+
+    def finish(self, graph: GraphHandle, tolerance_db: float) -> bool:
+        """Score the graph again; undo the change (restore every layer) when it lost more than ``tolerance_db``.
+        Whether it was kept; the decision line says which and why."""
+        after = self.score(graph)
+        kept = after >= self.before - tolerance_db
+        if not kept:
+            for layer, stored in zip(self.layers, self.stored, strict=True):
+                layer.restore(stored)
+            graph.changed()
+        what = "kept" if kept else "undone: it made the model worse there (guard: false keeps it)"
+        units = len(self.scorer.units)
+        scored = f"min over {units} output part(s)" if units > 1 else "output SQNR"
+        self.res.decisions.append(f"guard: {scored} on {len(self.scorer.feeds)} calibration sample(s) "
+                                  f"{self.before:.2f} -> {after:.2f} dB: the change is {what}")
+        return kept

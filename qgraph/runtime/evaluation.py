@@ -1,0 +1,226 @@
+"""Held-out evaluation: data distinct from the calibration data, optional labels, and the user's metric.
+
+``--eval-data`` takes any data source (``.npz``, folder, ``module:function``); ``--labels`` an ``.npy``, an
+``.npz`` (its only array, or ``FILE.npz:KEY``); when the eval ``.npz`` itself holds an array named ``labels``
+that is not a model input, those are the labels (and the report says so). ``--metric`` is
+``package.module:function`` or ``path/to/file.py:function``, called as::
+
+    metric(outputs, labels)       # with labels: outputs[i] = model output i over all samples (axis 0)
+    metric(outputs, references)   # without: references = the reference model's outputs, same layout
+
+and returns a float (higher is better unless told otherwise). Every model is scored on the same samples; the
+reference's own score is ``metric(reference_outputs, labels or reference_outputs)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from qgraph.data import DataSource, Feed, import_callable, open_data_source
+from qgraph.errors import DataError
+from qgraph.runtime.compare import TensorDiff, session_run
+from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
+from qgraph.runtime.output_parts import OutputParts, PartDiffs
+
+Metric = Callable[[list[np.ndarray], Any], float]
+LABEL_KEY = "labels"
+
+
+def load_labels(spec: str | Path) -> tuple[np.ndarray, str]:
+    """Labels from ``FILE.npy``, ``FILE.npz`` (one array, or one named ``labels``) or ``FILE.npz:KEY``."""
+    text = str(spec)
+    path_text, _, key = text.rpartition(":") if text.count(":") and not Path(text).exists() else (text, "", "")
+    path = Path(path_text)
+    if not path.is_file():
+        raise DataError(f"--labels {text}: no such file. Give FILE.npy, FILE.npz or FILE.npz:KEY.")
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False), str(path)
+    if path.suffix != ".npz":
+        raise DataError(f"--labels {text}: unsupported file type {path.suffix!r}; give .npy or .npz[:KEY].")
+    with np.load(path, allow_pickle=False) as data:
+        keys = list(data.files)
+        if not key:
+            key = keys[0] if len(keys) == 1 else LABEL_KEY
+        if key not in keys:
+            raise DataError(f"--labels {text}: {path} has no array {key!r} (it has {keys}); give FILE.npz:KEY.")
+        return np.asarray(data[key]), f"{path}:{key}"
+
+
+def load_metric(spec: str) -> Metric:
+    """Import ``module:function`` or ``path/to/file.py:function``."""
+    return import_callable(spec, DataError, "--metric")
+
+
+@dataclass
+class Evaluation:
+    """Samples to evaluate on, with optional labels and metric (see module docs)."""
+
+    feeds: list[Feed]
+    description: str
+    labels: np.ndarray | None = None
+    labels_from: str | None = None
+    metric_spec: str | None = None
+    metric: Metric | None = None
+    higher_is_better: bool = True
+    held_out: bool = True  # False when the samples are the calibration data (the report says so)
+
+    @classmethod
+    def open(
+        cls,
+        model: onnx.ModelProto,
+        data: str | Path,
+        *,
+        labels: str | Path | None = None,
+        metric: str | None = None,
+        samples: int | None = None,
+        higher_is_better: bool = True,
+    ) -> Evaluation:
+        """Bind ``data`` to ``model``'s inputs, load labels (given or found in the ``.npz``) and the metric."""
+        source = open_data_source(str(data), samples=samples).bind(model)
+        feeds = list(source)
+        if not feeds:
+            raise DataError(f"evaluation data {data}: no samples.")
+        label_arr, label_from = (None, None)
+        if labels is not None:
+            label_arr, label_from = load_labels(labels)
+        elif str(data).endswith(".npz") and Path(str(data)).is_file():
+            inputs = {i.name for i in model.graph.input}
+            with np.load(str(data), allow_pickle=False) as npz:
+                if LABEL_KEY in npz.files and LABEL_KEY not in inputs:
+                    label_arr, label_from = np.asarray(npz[LABEL_KEY]), f"{data}:{LABEL_KEY}"
+        ev = cls(feeds, _sample_count(len(feeds), source) + f" sample(s) of {source.description}" +
+                 (" (--samples to use more)" if source.truncated else ""), label_arr, label_from, metric,
+                 load_metric(metric) if metric else None, higher_is_better)
+        return ev
+
+    def describe(self) -> str:
+        """Which data, labels and metric were used (one line for reports and summaries)."""
+        parts = [self.description + ("" if self.held_out else " (the calibration data itself: not held out)")]
+        if self.labels_from:
+            parts.append(f"labels {self.labels_from}")
+        if self.metric_spec:
+            parts.append(f"metric {self.metric_spec} ({'higher' if self.higher_is_better else 'lower'} is better)")
+        return "; ".join(parts)
+
+    def score(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> float | None:
+        """The metric on ``outputs`` (None without a metric); NaN when the metric returns NaN."""
+        if self.metric is None:
+            return None
+        target: Any = references
+        if self.labels is not None:
+            rows = outputs[0].shape[0] if outputs and np.ndim(outputs[0]) else len(self.feeds)
+            if rows > len(self.labels):
+                raise DataError(f"labels {self.labels_from}: {len(self.labels)} label(s) for {rows} output rows; "
+                                "give one label per sample.")
+            target = self.labels[:rows]
+        try:
+            return float(self.metric(outputs, target))
+        except DataError:
+            raise
+        except Exception as exc:
+            raise DataError(f"--metric {self.metric_spec} raised {type(exc).__name__}: {exc}. It is called as "
+                            "function(outputs, labels or reference outputs), outputs[i] = output i over all "
+                            "samples (axis 0).") from exc
+
+    def outputs(self, model: onnx.ModelProto | str | Path,
+                kernels: Kernels | None = None) -> tuple[list[str], list[np.ndarray]]:
+        """``model``'s output names and outputs over every sample, concatenated on axis 0, run with ``kernels``
+        (default: this host's deployed kernels)."""
+        return self.run(model, kernels)[:2]
+
+    def run(self, model: onnx.ModelProto | str | Path, kernels: Kernels | None = None
+            ) -> tuple[list[str], list[np.ndarray], list[SaturationCount]]:
+        """`outputs`, and the layers whose int16 pair sums saturated on the way (emulated AVX2 arithmetic)."""
+        session = (kernels or deployed()).session(model, mem_pattern=False, count=True)
+        names = [o.name for o in session.get_outputs()]
+        per: list[list[np.ndarray]] = [[] for _ in names]
+        for feed in self.feeds:
+            for i, v in enumerate(session_run(session, names, feed)):
+                per[i].append(np.asarray(v))
+        return names, [concat(v) for v in per], saturation_of(session)
+
+
+def _sample_count(used: int, source: DataSource) -> str:
+    """``8``, or ``8 of 12`` when a --samples cap used fewer than the source holds (``first 8`` when its size is
+    unknown)."""
+    if not source.truncated:
+        return str(used)
+    total = source.available
+    return f"{used} of {total}" if total is not None else f"the first {used}"
+
+
+def concat(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Per-sample arrays joined on axis 0 (scalars stacked)."""
+    if not parts:
+        return np.zeros((0,), np.float32)
+    return np.concatenate(parts, axis=0) if np.ndim(parts[0]) else np.stack(parts)
+
+
+def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float | None:
+    """Share of rows whose arg-max class agrees, for class scores ``[N, C]`` (or ``[N, C, 1, ...]``)."""
+    if reference.ndim < 2 or reference.shape[1] < 2 or reference.shape != candidate.shape or \
+            any(d != 1 for d in reference.shape[2:]) or reference.dtype.kind != "f" or not len(reference):
+        return None
+    r, c = reference.reshape(reference.shape[0], -1), candidate.reshape(candidate.shape[0], -1)
+    return float(np.mean(r.argmax(axis=1) == c.argmax(axis=1)))
+
+
+@dataclass
+class StageScore:
+    """One model (or saved outputs) scored against the reference outputs on the same samples."""
+
+    stage: str
+    outputs: list[TensorDiff] = field(default_factory=list)
+    top1: list[float | None] = field(default_factory=list)
+    metric: float | None = None
+    error: str | None = None
+    #: The scored parts of the outputs (`qgraph.runtime.output_parts`: each part of an output a final Concat joins, else
+    #: the whole output); empty: the outputs themselves.
+    parts: list[TensorDiff] = field(default_factory=list)
+
+    @property
+    def scored(self) -> list[TensorDiff]:
+        """What the lowest SQNR and cosine are taken over: the parts, else the outputs."""
+        return self.parts or self.outputs
+
+    @property
+    def sqnr_db(self) -> float:
+        """Lowest output SQNR (dB), over the parts of split outputs."""
+        return min((d.sqnr_db for d in self.scored), default=math.nan)
+
+    @property
+    def cosine(self) -> float:
+        """Lowest output cosine similarity, over the parts of split outputs."""
+        return min((d.cosine for d in self.scored), default=math.nan)
+
+    @property
+    def top1_agreement(self) -> float | None:
+        """Top-1 agreement of the first classification-shaped output, if any."""
+        return next((t for t in self.top1 if t is not None), None)
+
+
+def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str], got: Sequence[np.ndarray],
+                evaluation: Evaluation | None = None, parts: OutputParts | None = None) -> StageScore:
+    """Compare ``got`` with ``reference`` output by output (by position), and part by part where ``parts`` split an
+    output (`qgraph.runtime.output_parts`), and apply the metric."""
+    if len(got) != len(reference):
+        return StageScore(stage, error=f"{len(got)} outputs where the reference has {len(reference)}")
+    out = StageScore(stage)
+    for name, r, g in zip(names, reference, got, strict=True):
+        if np.shape(r) != np.shape(g):
+            return StageScore(stage, error=f"output {name}: shape {list(np.shape(g))} vs reference "
+                                           f"{list(np.shape(r))}")
+        out.top1.append(top1_agreement(np.asarray(r), np.asarray(g)))
+    diffs = PartDiffs(parts if parts is not None else OutputParts.whole(names), names)
+    diffs.add(reference, got)
+    out.outputs, out.parts = diffs.whole(), diffs.scored() if parts is not None and parts.split else []
+    if evaluation is not None:
+        out.metric = evaluation.score(list(got), list(reference))
+    return out

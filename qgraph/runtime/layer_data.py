@@ -1,0 +1,271 @@
+"""What weight-correction passes measure on calibration data: per-channel output means, and sampled layer inputs.
+
+`channel_means` reduces inside onnxruntime: each requested tensor ``y`` gets, right after its producer (so it can
+be freed at once), ``ReduceMean`` over everything but the channel axis and its element count; a run returns
+``C`` numbers per tensor whatever the activation size. Means over batches are weighted by rows.
+
+`sample_inputs` keeps a uniform random sample of at most ``max_rows`` input *rows* per layer over the whole data
+(reservoir by random keys: every row gets a key ``U(0, 1)``, the rows with the smallest keys are kept), so memory
+is ``max_rows x K`` per layer whatever the data. A Conv row is the receptive field of one output position
+(im2col), gathered only at the sampled positions: ``x_pad[n, c, o·stride + k·dilation]`` for every input channel
+``c`` of the group and kernel offset ``k``, flattened as the weight's ``(C_in/group, *kernel)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from onnx import helper, numpy_helper
+
+from qgraph.data import Feed
+from qgraph.errors import DataError
+from qgraph.graph import insert_after_producers
+from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
+from qgraph.runtime.compare import make_session, session_run
+
+_PREFIX = "qgraph_layer"
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def _mean_nodes(name: str, k: int, channels: int, channel_first: bool, opset: int) -> tuple[
+        list[onnx.NodeProto], list[onnx.TensorProto], tuple[str, str]]:
+    p = f"{_PREFIX}/{k}/"
+    shape = [0, channels, -1] if channel_first else [-1, channels]
+    axes = [0, 2] if channel_first else [0]
+    inits = [numpy_helper.from_array(np.array(shape, np.int64), p + "shape")]
+    nodes = [helper.make_node("Reshape", [name, p + "shape"], [p + "flat"])]
+    if opset >= 18:
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), p + "axes"))
+        nodes.append(helper.make_node("ReduceMean", [p + "flat", p + "axes"], [p + "mean"], keepdims=0))
+    else:
+        nodes.append(helper.make_node("ReduceMean", [p + "flat"], [p + "mean"], axes=axes, keepdims=0))
+    nodes.append(helper.make_node("Size", [name], [p + "size"]))
+    return nodes, inits, (p + "mean", p + "size")
+
+
+def _augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
+             inits: list[onnx.TensorProto], outputs: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` with ``after[t]`` inserted right after the producer of ``t`` and ``outputs`` declared."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    insert_after_producers(g, after)
+    g.initializer.extend(inits)
+    declared = {o.name for o in g.output}
+    g.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in outputs if o not in declared)
+    return out
+
+
+def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], batches: Iterable[Feed],
+                  weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
+    """Per-channel mean of each tensor over every batch: ``tensors[name] = (channels, channel_first)`` (axis 1 for
+    Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
+    values of a weightless ``model``'s placeholders, read in place by the session
+    (`qgraph.runtime.compare.make_session`)."""
+    opset = _opset(model)
+    after: dict[str, list[onnx.NodeProto]] = {}
+    inits: list[onnx.TensorProto] = []
+    fetch: dict[str, tuple[str, str]] = {}
+    for k, (name, (c, first)) in enumerate(tensors.items()):
+        nodes, consts, outs = _mean_nodes(name, k, c, first, opset)
+        after.setdefault(name, []).extend(nodes)
+        inits.extend(consts)
+        fetch[name] = outs
+    names = [o for pair in fetch.values() for o in pair]
+    session = make_session(_augment(model, after, inits, names), mem_pattern=False, weights=weights)
+    sums = {name: np.zeros(c, np.float64) for name, (c, _) in tensors.items()}
+    rows = dict.fromkeys(tensors, 0.0)
+    for feed in batches:
+        values = dict(zip(names, session_run(session, names, feed), strict=True))
+        for name, (mean_o, size_o) in fetch.items():
+            n = float(values[size_o]) / tensors[name][0]
+            sums[name] += np.asarray(values[mean_o], np.float64) * n
+            rows[name] += n
+    out: dict[str, npt.NDArray[np.float64]] = {}
+    for name, total in sums.items():
+        mean = total / max(rows[name], 1.0)
+        if not np.all(np.isfinite(mean)):
+            raise DataError(f"tensor {name!r} holds NaN/Inf on the calibration data: its mean cannot be corrected; "
+                            "fix the model or the data.")
+        out[name] = mean
+    return out
+
+
+@dataclass
+class RowSpec:
+    """How to cut a layer's input into rows of ``k`` values (per group): a Conv's geometry (``kernel`` non-empty;
+    ``k = C_in / groups x kernel size``) or a matrix of ``k`` columns."""
+
+    tensor: str
+    k: int
+    groups: int = 1
+    kernel: tuple[int, ...] = ()
+    strides: tuple[int, ...] = ()
+    dilations: tuple[int, ...] = ()
+    pads: tuple[int, ...] = ()  # begins then ends, as ONNX
+
+
+@dataclass
+class _Reservoir:
+    """``max_rows`` slots of rows and their keys (``inf``: empty); new rows overwrite the slots with the largest
+    keys in place (no re-concatenation of the whole sample per batch)."""
+
+    keys: npt.NDArray[np.float64] = field(default_factory=lambda: np.empty(0))
+    rows: npt.NDArray[np.float32] | None = None
+
+    def sample(self) -> npt.NDArray[np.float32] | None:
+        """The rows of the filled slots ``(G, n, K)``."""
+        if self.rows is None:
+            return None
+        filled = np.isfinite(self.keys)
+        return self.rows if filled.all() else self.rows[:, filled]
+
+
+def _positions(x: npt.NDArray[np.float32], spec: RowSpec) -> tuple[int, ...]:
+    """Output positions per axis: ``(N, *out_spatial)`` for a Conv, ``(rows,)`` for a matrix."""
+    if not spec.kernel:
+        return (x.size // spec.k,)
+    sp = x.shape[2:]
+    nd = len(sp)
+    out = [(sp[i] + spec.pads[i] + spec.pads[i + nd] - spec.dilations[i] * (spec.kernel[i] - 1) - 1)
+           // spec.strides[i] + 1 for i in range(nd)]
+    return (x.shape[0], *out)
+
+
+def _gather(x: npt.NDArray[np.float32], spec: RowSpec, picked: npt.NDArray[np.intp],
+            grid: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    """Rows ``(G, m, K)`` at flat positions ``picked`` of ``grid``."""
+    if not spec.kernel:
+        return x.reshape(-1, spec.k)[picked][None]
+    nd = len(spec.kernel)
+    pad = [(0, 0), (0, 0)] + [(spec.pads[i], spec.pads[i + nd]) for i in range(nd)]
+    xp = np.pad(x, pad) if any(spec.pads) else x
+    xt = np.moveaxis(xp, 1, -1)  # (N, *spatial, C): channels last for one fancy-index gather
+    coords = np.unravel_index(picked, grid)
+    offsets = np.indices(spec.kernel).reshape(nd, -1)  # (nd, kernel elements), row-major like the weight
+    index = [coords[0][:, None]] + [coords[i + 1][:, None] * spec.strides[i] + offsets[i][None] * spec.dilations[i]
+                                    for i in range(nd)]
+    patches = xt[tuple(index)]  # (m, kernel elements, C)
+    m, ke, c = patches.shape
+    g = spec.groups
+    grouped = patches.reshape(m, ke, g, c // g).transpose(2, 0, 3, 1)  # (G, m, C/g, kernel elements)
+    return np.ascontiguousarray(grouped.reshape(g, m, (c // g) * ke), dtype=np.float32)
+
+
+def _fold(res: _Reservoir, x: npt.NDArray[np.float32], spec: RowSpec, max_rows: int,
+          rng: np.random.Generator) -> None:
+    grid = _positions(x, spec)
+    total = int(np.prod(grid))
+    if total == 0:
+        return
+    if res.rows is None:
+        res.rows = np.empty((spec.groups, max_rows, spec.k), np.float32)
+        res.keys = np.full(max_rows, np.inf)
+    keys = rng.random(total)
+    take = min(max_rows, total)
+    picked = np.argpartition(keys, take - 1)[:take] if take < total else np.arange(total)
+    picked = picked[keys[picked] < res.keys.max()]  # only rows that beat the worst kept one can enter
+    if not picked.size:
+        return
+    both = np.concatenate([res.keys, keys[picked]])
+    keep = np.argpartition(both, max_rows - 1)[:max_rows]
+    incoming = keep[keep >= max_rows] - max_rows
+    evicted = np.setdiff1d(np.arange(max_rows), keep[keep < max_rows], assume_unique=True)
+    res.rows[:, evicted] = _gather(x, spec, picked[incoming], grid)
+    res.keys[evicted] = keys[picked[incoming]]
+
+
+def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Iterable[Feed], max_rows: int,
+                  seed: int = 0, weights: Mapping[str, npt.NDArray[Any]] | None = None
+                  ) -> list[npt.NDArray[np.float32]]:
+    """A uniform sample of at most ``max_rows`` rows ``(G, n, K)`` of each spec's input over every batch (module
+    docstring); one streamed run of ``model`` fetching the input tensors. `DataError` on NaN/Inf. ``weights`` as
+    in `channel_means`."""
+    names = list(dict.fromkeys(s.tensor for s in specs))
+    inputs = {i.name for i in model.graph.input}
+    fetched = [n for n in names if n not in inputs]
+    session = (make_session(_augment(model, {}, [], fetched), mem_pattern=False, weights=weights) if fetched
+               else None)
+    rng = np.random.default_rng(seed)
+    reservoirs = [_Reservoir() for _ in specs]
+    for feed in batches:
+        got = session_run(session, fetched, feed) if session is not None else []
+        values = dict(zip(fetched, got, strict=True))
+        values.update({n: feed[n] for n in names if n in inputs})
+        for spec, res in zip(specs, reservoirs, strict=True):
+            x = np.asarray(values[spec.tensor], np.float32)
+            if not np.all(np.isfinite(x)):
+                raise DataError(f"tensor {spec.tensor!r} holds NaN/Inf on the calibration data; fix the model or "
+                                "the data.")
+            _fold(res, x, spec, max_rows, rng)
+        del values
+    out: list[npt.NDArray[np.float32]] = []
+    for r, s in zip(reservoirs, specs, strict=True):
+        kept = r.sample()
+        out.append(kept if kept is not None else np.zeros((s.groups, 0, s.k), np.float32))
+    return out
+
+
+@dataclass
+class Twin:
+    """A float copy of a quantized layer reading the same (quantized) input: node with output ``node_output`` in
+    the model, its float ``weight`` and ``bias`` (C,), and the name its twin output gets."""
+
+    node_output: str
+    weight: npt.NDArray[np.float32]
+    bias: npt.NDArray[np.float32]
+    output: str
+
+
+def _twin_tensor(value: npt.NDArray[np.float32], name: str,
+                 weights: dict[str, npt.NDArray[Any]] | None) -> onnx.TensorProto:
+    if weights is None or value.nbytes < DETACH_BYTES:
+        return numpy_helper.from_array(value, name)
+    weights[name] = value  # shared, not copied: the session reads it in place
+    t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype))
+    t.dims.extend(value.shape)
+    t.data_location = onnx.TensorProto.EXTERNAL
+    t.external_data.add(key="location", value=PLACEHOLDER)
+    return t
+
+
+def with_twins(model: onnx.ModelProto, twins: Sequence[Twin],
+               weights: dict[str, npt.NDArray[Any]] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` where each twin's layer gets a float copy right after it: the same op and attributes on
+    the same input 0, with the float weight and bias (Conv/Gemm: input 2, Gemm ``beta = 1``; MatMul: an Add).
+
+    With ``weights`` (a weightless ``model``'s placeholder values), large twin tensors are placeholders too and
+    their arrays are added to ``weights`` (shared): the copy then holds no weights at all."""
+    by_output = {n.output[0]: n for n in model.graph.node if n.output}
+    after: dict[str, list[onnx.NodeProto]] = {}
+    inits: list[onnx.TensorProto] = []
+    for k, twin in enumerate(twins):
+        node = by_output[twin.node_output]
+        p = f"{_PREFIX}_twin/{k}/"
+        inits += [_twin_tensor(twin.weight, p + "w", weights), _twin_tensor(twin.bias, p + "b", weights)]
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = p + "node"
+        del copy.input[1:]
+        copy.input.append(p + "w")
+        del copy.output[:]
+        nodes = [copy]
+        if node.op_type == "MatMul":
+            copy.output.append(p + "matmul")
+            nodes.append(helper.make_node("Add", [p + "matmul", p + "b"], [twin.output], name=p + "add"))
+        else:
+            copy.input.append(p + "b")
+            copy.output.append(twin.output)
+            for a in copy.attribute:
+                if a.name == "beta":
+                    a.f = 1.0
+        after.setdefault(twin.node_output, []).extend(nodes)
+    return _augment(model, after, inits, [])
