@@ -181,7 +181,7 @@ class FuseActivations(Pass[FuseActivationsConfig]):
             return
         before = graph.opset
         try:
-            get_pass("raise_opset")(opset=HARDSWISH_OPSET).run(graph, ctx)
+            ctx.run_pass(get_pass("raise_opset")(opset=HARDSWISH_OPSET), graph)
         except PassError as exc:
             res.decisions.append(f"opset {before} kept (raising to {HARDSWISH_OPSET} failed: "
                                  f"{exc.message.splitlines()[0]})")

@@ -88,7 +88,7 @@ class SpecializeInputs(Pass[SpecializeInputsConfig]):
         fold = get_pass("fold_constants")()
         inlined = 0
         for _ in range(_ROUNDS):
-            fold.run(graph, ctx)
+            ctx.run_pass(fold, graph)
             graph.changed()
             done = _inline_constant_ifs(graph.graph, res)
             if not done:

@@ -159,6 +159,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
 
     def _auto(self, graph: GraphHandle, ctx: PassContext, out: tuple[PassResult, FloatFallbackDetails],
               floats: onnx.ModelProto | None, weights: ReferenceWeights | None) -> None:
+        from qgraph.analysis.sensitivity.options import SearchOptions
         from qgraph.analysis.sensitivity.search import auto_fallback
 
         res, details = out
@@ -188,30 +189,13 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                                  f"16-bit costs); each chosen node gets 16-bit activations, {what}")
         target = _target(auto, reference)
         parts = scored_parts(auto, reference, target, res, details)
-        result = auto_fallback(
-            reference,
-            qdq,
-            data,
-            target,
-            candidates=auto.candidates,
-            max_nodes=auto.max_nodes,
-            max_time=auto.max_time,
-            jobs=auto.jobs,
-            samples=auto.samples,
-            exact_top=auto.exact_top,
-            progress=_stage_progress(ctx),
-            executor=auto.executor,
-            float_weights=weights,
-            costs=costs,
-            latency_rounds=auto.latency_rounds,
-            max_latency=auto.max_latency,
-            rank_by=rank_by,
-            recurrence=auto.recurrent,
-            remedy=self.config.to,
-            in_bodies=bool(in_bodies) and auto.bodies,
-            parts=parts,
-            kernels=ctx.kernels,
-        )
+        result = auto_fallback(reference, qdq, data, target, SearchOptions(
+            candidates=auto.candidates, max_nodes=auto.max_nodes, max_time=auto.max_time, jobs=auto.jobs,
+            samples=auto.samples, exact_top=auto.exact_top, progress=_stage_progress(ctx), executor=auto.executor,
+            float_weights=weights, costs=costs, latency_rounds=auto.latency_rounds, max_latency=auto.max_latency,
+            rank_by=rank_by, recurrence=auto.recurrent, remedy=self.config.to,
+            in_bodies=bool(in_bodies) and auto.bodies, parts=parts, kernels=ctx.kernels,
+        ))
         details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
         res.notes.extend(f"auto: {n}" for n in result.notes)

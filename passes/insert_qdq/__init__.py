@@ -101,7 +101,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if self.config.preset in CPU_PRESETS:  # the preset of the target's CPU, known only now (`cpu: host`)
             family = target_family(ctx.target.cpu) or ctx.kernel_choice.kernels.host.family
             resolved, why = for_cpu(self.config, family)
-            out = InsertQDQ(resolved).run(graph, ctx)
+            out = ctx.run_pass(InsertQDQ(resolved), graph)
             out.decisions.insert(0, why if target_family(ctx.target.cpu) else
                                  f"{why} (this host's: the recipe declares no target.cpu)")
             return out
@@ -295,7 +295,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if before >= need:
             return cfg
         try:
-            get_pass("raise_opset")(opset=need).run(graph, ctx)
+            ctx.run_pass(get_pass("raise_opset")(opset=need), graph)
         except PassError as exc:
             reason = exc.message.splitlines()[0]
             per_tensor = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"per_channel": False})})

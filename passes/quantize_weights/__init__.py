@@ -248,7 +248,7 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         if before >= QDQ_OPSET:
             return
         try:
-            get_pass("raise_opset")(opset=QDQ_OPSET).run(graph, ctx)
+            ctx.run_pass(get_pass("raise_opset")(opset=QDQ_OPSET), graph)
         except PassError as exc:
             raise PassError(f"quantize_weights: `format: qdq` needs opset >= {QDQ_OPSET} (blocked "
                             f"DequantizeLinear) and the model cannot be raised from opset {before}: "

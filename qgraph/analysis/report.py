@@ -222,6 +222,7 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             "nodes_before": rec.nodes_before, "nodes_after": rec.nodes_after, **rec.result.to_dict(),
             "verify_worst_relative": max((d.relative for d in rec.verify), default=None) if rec.verify else None,
             "verify_tolerance": _verify_tolerance(result, rec.verify),
+            **({"nested": [n.to_dict() for n in rec.nested]} if rec.nested else {}),
         }
         if i < len(stages) and previous is not None:
             sd = structural_diff(previous, stages[i])

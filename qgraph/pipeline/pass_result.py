@@ -108,3 +108,18 @@ class PassResult:
             **({"kept_float": [s.to_dict() for s in self.kept_float]} if self.kept_float else {}),
             **({"attention": self.attention} if self.attention else {}),
         }
+
+
+@dataclass
+class NestedRun:
+    """A pass one pass ran inside itself through `PassContext.run_pass` (an opset raised for the ops it emits,
+    constants folded between rounds), held to the same contract as a recipe's pass."""
+
+    name: str
+    options: dict[str, Any]
+    result: PassResult
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``seconds`` left out: reports are deterministic)."""
+        return {"pass": self.name, "options": self.options, "result": self.result.to_dict()}
