@@ -242,8 +242,8 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
         notes=notes,
         skipped=[{"pass": r.name, "node": s.node, "reason": s.reason} for r in result.records
                  for s in r.result.skipped],
-        fallback=[{"pass": r.name, "details": r.result.details, "notes": r.result.notes}
-                  for r in result.records if _is_fallback(r.name, r.result.details)],
+        fallback=[{"pass": r.name, "details": r.result.details_dict(), "notes": r.result.notes}
+                  for r in result.records if _is_fallback(r.name, r.result.details_dict())],
         decisions=[{"pass": r.name, "kind": kind, "text": text} for r in result.records
                    for kind, text in _decisions(r.result)],
     )
