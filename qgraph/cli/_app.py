@@ -125,6 +125,10 @@ def check_kernel_options(kernels: str, target_cpu: str | None = None) -> None:
         raise UsageError(f"--target-cpu {target_cpu!r}: give one of {', '.join((*TARGET_FAMILIES, 'host'))}.")
 
 
+#: How arrays in an .npz map to samples: `qgraph.data.DataLayout`, spelled here so that declaring the commands
+#: does not import the data layer (numpy); tests/cli/test_startup.py checks that the two agree.
+DataLayout = Literal["auto", "samples", "batched"]
+
 ExecutorKind = Literal["local", "ray"]
 ExecutorOption = Annotated[
     ExecutorKind,

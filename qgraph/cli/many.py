@@ -10,8 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import data_path, need_positive, say
-from qgraph.data import DataLayout
+from qgraph.cli._app import DataLayout, data_path, need_positive, say
 from qgraph.pipeline.batch import BatchJob, ModelOutcome, plan_outputs, run_many
 from qgraph.runtime.executor import ExecutorSpec
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 import qgraph.cli._app as _app
 from qgraph.cli._app import (
     AddressOption,
+    DataLayout,
     ExecutorOption,
     QGraphCommand,
     app,
@@ -22,14 +23,11 @@ from qgraph.cli._app import (
     say,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
-from qgraph.data import DataLayout
-from qgraph.io.outputs import check_outputs
-from qgraph.pipeline.pass_result import PassResult
-from qgraph.pipeline.runner import PipelineEvent, PipelineResult
-from qgraph.pipeline.timing import run_timing
 
 if TYPE_CHECKING:
     from qgraph.analysis.fidelity import OutputCheck
+    from qgraph.pipeline.pass_result import PassResult
+    from qgraph.pipeline.runner import PipelineEvent, PipelineResult
     from qgraph.runtime.evaluation import Evaluation
 
 #: Items of each kind (skipped nodes, unmatched criteria, decisions) shown per pass in the terminal.
@@ -131,6 +129,8 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         raise_usage("--labels and --metric need --eval-data (held-out samples to score).")
     if min_sqnr is not None and (not check or math.isnan(min_sqnr) or math.isinf(min_sqnr)):
         raise_usage(f"--min-sqnr {min_sqnr}: give a finite number of dB, without --no-check.")
+    from qgraph.io.outputs import check_outputs
+
     check_outputs({"-o": output, "--report": report},
                   inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
     rec = Recipe.from_yaml(recipe)
@@ -153,6 +153,8 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
                               data_layout=data_layout, keep_input=report is not None)
     for decision in result.load_decisions:
         say(f"  {decision}")
+    from qgraph.pipeline.timing import run_timing
+
     timing = run_timing(result.records)
     if timing is not None and not quiet:
         say(f"  {timing.line()}")
