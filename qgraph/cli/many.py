@@ -46,7 +46,8 @@ def run_many_command(
     job = BatchJob(rec, calibration_data, samples, data_layout, verify, tolerance)
     progress = Progress(
         TextColumn(f"[bold]{rec.name}"), BarColumn(), MofNCompleteColumn(), TextColumn("models"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console, disable=quiet,
+        TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console,
+        disable=not _app.live_progress(_app.console, quiet),
     )
     task = progress.add_task("models", total=len(models))
     with spec.create() as executor, progress:

@@ -18,6 +18,7 @@ from qgraph.cli._app import (
     QGraphCommand,
     app,
     data_path,
+    emit,
     executor_spec,
     need_positive,
     say,
@@ -144,7 +145,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
     progress = Progress(
         SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=_app.console, disable=quiet,
+        console=_app.console, disable=not _app.live_progress(_app.console, quiet),
     )
     on_event = _progress_listener(progress, rec.name, len(pipeline.passes), quiet)
     with progress:
@@ -233,7 +234,7 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
     def on_event(ev: PipelineEvent) -> None:
         if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.pipeline.preflight`)
             for warning in ev.warnings:
-                progress.console.print(f"  warning: {warning}", markup=False, highlight=False)
+                emit(progress.console, f"  warning: {warning}")
         elif ev.kind == "pass_start":
             progress.update(task, description=f"{name}: {ev.pass_name}")
         elif ev.kind == "pass_progress" and ev.task is not None:
@@ -262,10 +263,9 @@ def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
     limits = [tol.for_output(i) if tol is not None else 1.0 for i in range(len(ev.verify or []))]
     i, worst = max(enumerate(ev.verify or []), key=lambda t: t[1].relative / limits[t[0]])
     used = f" (tolerance {limits[i]:.2g})" if tol is not None else ""
-    console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}{used}",
-                  markup=False, highlight=False)
+    emit(console, f"    verified: worst output {worst.name} relative error {worst.relative:.2e}{used}")
     if explain and tol is not None and (tol.raised or tol.note):
-        console.print(f"    {tol.describe()}", markup=False, highlight=False)
+        emit(console, f"    {tol.describe()}")
 
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None,
@@ -274,21 +274,20 @@ def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_
     selector criteria and skipped nodes (first few of each);
     ``failed``: it ran but failed --verify (marked ✗, the error follows)."""
     peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
-    mark = "[red]✗[/]" if failed else "[green]✓[/]"
-    console.print(
-        f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
-        f"+{r.nodes_added}/-{r.nodes_removed} nodes [dim]({seconds:.2f}s{peak})[/]"
-    )
+    mark = "✗" if failed else "✓"
+    head = (f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
+            f"+{r.nodes_added}/-{r.nodes_removed} nodes ({seconds:.2f}s{peak})")
+    emit(console, head, style="red" if failed else None)
     for text in r.attention:  # never cut: part of the model left float, or a data problem (`PassResult.decide`)
-        console.print(f"    attention: {text}", markup=False, highlight=False)
+        emit(console, f"    attention: {text}")
     flagged = set(r.attention)
     routine = [d for d in r.decisions if d not in flagged]
-    for label, items in (("decision", routine), ("matched nothing", r.unmatched)):
+    for label, items in (("decision", routine), ("matched nothing", list(dict.fromkeys(r.unmatched)))):
         for text in items[:SHOWN_PER_PASS]:
-            console.print(f"    {label}: {text}", markup=False, highlight=False)
+            emit(console, f"    {label}: {text}")
         if len(items) > SHOWN_PER_PASS:
-            console.print(f"    ... {len(items) - SHOWN_PER_PASS} more ({label}); see --report", highlight=False)
+            emit(console, f"    ... {len(items) - SHOWN_PER_PASS} more ({label}); see --report")
     if r.skipped:
         reasons = "; ".join(f"{s.node}: {s.reason}" for s in r.skipped[:SHOWN_PER_PASS])
         more = f" (+{len(r.skipped) - SHOWN_PER_PASS} more in --report)" if len(r.skipped) > SHOWN_PER_PASS else ""
-        console.print(f"    skipped {len(r.skipped)}: {reasons}{more}", markup=False, highlight=False)
+        emit(console, f"    skipped {len(r.skipped)}: {reasons}{more}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from qgraph.analysis.diff.attribution import Attribution
 from qgraph.analysis.diff.html import esc, fmt, section, table
@@ -68,8 +69,7 @@ def print_culprits(console: Console, att: Attribution, top: int = 10) -> None:
     headline = att.headline()
     if headline is None:
         return
-    console.print("culprit:", style="bold red", end=" ")
-    console.print(headline, markup=False, highlight=False)
+    console.print(Text.assemble(("culprit:", "bold red"), " ", headline))  # one text: wraps as one paragraph
     on = att.measured_on()
     console.print(f"Q/DQ pairs by their share of the output error (top {min(top, len(att.culprits))} of "
                   f"{len(att.culprits)}; {att.samples} sample(s){f'; measured on {on}' if on else ''})", style="bold")
