@@ -38,3 +38,15 @@ def pack_items(items: list[str], width: int, indent: str, sep: str = " · ") -> 
     if line:
         lines.append(line)
     return lines
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text`` (a docstring's first paragraph), on one line: up to the first ``.``, ``;``
+    or ``:`` followed by a space outside parentheses, reStructuredText double backticks dropped."""
+    paragraph = text.strip().split("\n\n", 1)[0]
+    flat, depth = " ".join(paragraph.replace("``", "").split()) + " ", 0
+    for i, ch in enumerate(flat[:-1]):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ".;:" and flat[i + 1] == " ":
+            return flat[:i] + "."
+    return flat.rstrip().rstrip(".") + "." if flat.strip() else ""

@@ -89,16 +89,6 @@ COMMAND_ORDER = ("run", "check", "diff", "inspect", "sensitivity", "calibrate", 
                  "schema")
 
 
-def _first_sentence(text: str) -> str:
-    """The first sentence of a command's docstring, on one line (its one-line summary in ``qgraph --help``)."""
-    flat, depth = " ".join(text.split()) + " ", 0
-    for i, ch in enumerate(flat[:-1]):
-        depth += (ch == "(") - (ch == ")")
-        if depth == 0 and ch in ".;:" and flat[i + 1] == " ":
-            return flat[:i] + "."
-    return flat.rstrip().rstrip(".") + "."
-
-
 class QGraphGroup(TyperGroup):
     """The ``qgraph`` group (its own ``--debug``, ``--version``, ``--help``): see `_plain_params`; commands in
     `COMMAND_ORDER`, each summarised in one sentence."""
@@ -117,7 +107,9 @@ class QGraphGroup(TyperGroup):
         """The command ``name``, its summary for the command list set to its docstring's first sentence."""
         command = super().get_command(ctx, name)
         if command is not None and getattr(command, "short_help", None) is None and command.help:
-            command.short_help = _first_sentence(command.help)
+            from qgraph.text import first_sentence
+
+            command.short_help = first_sentence(command.help)
         return command
 
     def format_help(self, ctx: Any, formatter: Any) -> None:

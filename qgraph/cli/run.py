@@ -230,6 +230,7 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
     """A pipeline-event listener driving ``progress``: one bar for the recipe, one per long step of a pass."""
     task = progress.add_task(name, total=total)
     steps: dict[str, Any] = {}
+    shown: set[str] = set()  # unmatched criteria already printed (two passes with one selector say it once)
 
     def on_event(ev: PipelineEvent) -> None:
         if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.pipeline.preflight`)
@@ -248,7 +249,7 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
             progress.advance(task)
             if not quiet:
                 print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb,
-                           failed=ev.failed is not None)
+                           failed=ev.failed is not None, shown=shown)
         elif ev.kind == "verify" and ev.verify and not quiet:
             print_verified(progress.console, ev, explain="explained" not in steps)
             steps["explained"] = True
@@ -269,10 +270,11 @@ def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
 
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None,
-               failed: bool = False) -> None:
+               failed: bool = False, shown: set[str] | None = None) -> None:
     """One line per pass plus the decisions needing attention (all of them, first), its other decisions, unmatched
     selector criteria and skipped nodes (first few of each);
-    ``failed``: it ran but failed --verify (marked ✗, the error follows)."""
+    ``failed``: it ran but failed --verify (marked ✗, the error follows); ``shown``: unmatched criteria an earlier
+    pass printed (not repeated; added to)."""
     peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
     mark = "✗" if failed else "✓"
     head = (f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
@@ -282,7 +284,10 @@ def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_
         emit(console, f"    attention: {text}")
     flagged = set(r.attention)
     routine = [d for d in r.decisions if d not in flagged]
-    for label, items in (("decision", routine), ("matched nothing", list(dict.fromkeys(r.unmatched)))):
+    unmatched = [u for u in dict.fromkeys(r.unmatched) if shown is None or u not in shown]
+    if shown is not None:
+        shown.update(unmatched)
+    for label, items in (("decision", routine), ("matched nothing", unmatched)):
         for text in items[:SHOWN_PER_PASS]:
             emit(console, f"    {label}: {text}")
         if len(items) > SHOWN_PER_PASS:
