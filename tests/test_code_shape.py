@@ -18,7 +18,7 @@ TREES = {ROOT / "qgraph": "qgraph", ROOT / "passes": "qgraph.passes"}
 #: The engine's subpackages (and base modules) from the bottom layer up: a module may import its own layer and the
 #: layers below it, never one above (docs/architecture.md).
 LAYERS = (
-    ("qgraph._version", "qgraph.errors", "qgraph.options"),
+    ("qgraph._version", "qgraph.errors", "qgraph.options", "qgraph.text"),
     ("qgraph.graph",),
     ("qgraph.io",),
     ("qgraph.data",),

@@ -326,3 +326,24 @@ def test_the_cli_reports_a_crashing_plugin_pass_without_a_traceback(tmp_path: An
         assert isinstance(raised.value.__cause__, ValueError)
     finally:
         pass_api._REGISTRY.pop(_Raising.name, None)
+
+
+def test_bad_options_in_python_read_like_recipe_errors() -> None:
+    """`Pass(**options)` refuses bad options in one sentence: the field, what is wrong, the value; no pydantic
+    ``Value error,`` prefix, error codes or URLs."""
+    from qgraph.passes.fuse_batchnorm import FuseBatchNorm
+    from qgraph.passes.insert_qdq import InsertQDQ
+    from qgraph.passes.quantize_weights import QuantizeWeights
+
+    from qgraph import RecipeError
+
+    cases = [(lambda: FuseBatchNorm(epsilon=1), "fuse_batchnorm: invalid options: unknown option 'epsilon'."),
+             (lambda: QuantizeWeights(block_size=17), "quantize_weights: invalid options: block_size must be a power "
+              "of two between 16 and 256 (16, 32, 64, 128, 256), got 17."),
+             (lambda: InsertQDQ(activations={"method": "bogus"}), "insert_qdq: invalid options: activations.method: "
+              "Input should be 'minmax', 'percentile', 'entropy', 'mse' or 'auto' (got 'bogus').")]
+    for make, message in cases:
+        with pytest.raises(RecipeError) as err:
+            make()
+        assert str(err.value) == message
+        assert "Value error" not in str(err.value) and "pydantic" not in str(err.value)

@@ -98,6 +98,10 @@ def test_critical_path_analysis(example_plugins: None) -> None:
     assert res.details["length"] == 4 and res.details["nodes"] == 5  # Relu -> Neg|Abs -> Add -> Relu
     assert res.details["ops"] in ({"Relu": 2, "Add": 1, "Neg": 1}, {"Relu": 2, "Add": 1, "Abs": 1})
     assert len(res.details["path"]) == 3 and res.rewritten == 0 and not res.changed
+    # what it found is a decision, so the run summary shows it (details and notes reach the report only)
+    branch = next(op for op in res.details["ops"] if op not in ("Relu", "Add"))  # Neg or Abs: a tie
+    assert res.decisions == [f"critical path: 4 of 5 nodes run one after another (Relu x2, {branch} x1, Add x1; "
+                             f"starts at {res.details['path'][0]})"]
 
 
 def test_a_broken_plugin_is_excluded_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,7 +186,7 @@ def test_cli_refuses_a_bad_name_without_writing(tmp_path: Path, capsys: pytest.C
 
 
 def test_pass_help_says_what_a_name_option_names() -> None:
-    from qgraph.cli.recipes import type_name
+    from qgraph.cli.pass_catalogue import type_name
 
     fields = get_pass("tune_ranges").config_class.model_fields
     assert type_name(fields["outputs"].annotation) == "list of graph output name"

@@ -314,7 +314,8 @@ def sample_shapes(graph: GraphHandle, ctx: PassContext) -> tuple[Inferred | None
         return None, None
     shown = ", ".join(f"{k} {list(v)}" for k, v in dims.items())
     return graph.shapes_for(dims), (
-        f"latency: inputs {', '.join(dims)} have dynamic dimensions; units are costed at the first calibration "
+        f"latency: {'input' if len(dims) == 1 else 'inputs'} {', '.join(dims)} "
+        f"{'has' if len(dims) == 1 else 'have'} dynamic dimensions; units are costed at the first calibration "
         f"sample's shapes ({shown})"
     )
 

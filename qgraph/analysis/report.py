@@ -35,6 +35,7 @@ from qgraph.analysis.diff.render import coverage_html, dumps, numeric_html
 from qgraph.analysis.diff.render_culprits import culprits_html
 from qgraph.analysis.diff.structural import structural_diff
 from qgraph.analysis.diff.tables import sqnr_cell
+from qgraph.analysis.report_summary import first_screen_html
 from qgraph.data import Feed
 from qgraph.errors import QGraphError
 from qgraph.pipeline.pass_result import PassResult
@@ -371,8 +372,12 @@ def report_html(report: RunReport) -> str:
                 + table(["stage", "output", "SQNR dB", "cosine", "max abs", "relative", "top-1 agreement", "metric"],
                         fid_rows, table_id="fidelity", row_classes=fid_cls), "fidelity-section"),
     ]
-    if report.attribution is not None:
-        sections.insert(1, culprits_html(report.attribution))
+    if report.attribution is not None:  # `qgraph diff` measures against its model A on its data: it may differ
+        sections.insert(1, culprits_html(report.attribution, context=(
+            f"Measured against the float model the quantizing pass received, with its weights, on {report.data}. "
+            "`qgraph diff FLOAT INT8 --eval-data DATA` measures against the model you give it, on that data: its "
+            "ranking can differ where the data or the reference weights differ.")))
+    sections.insert(0, first_screen_html(report.check, report.fidelity, report.attribution))
     if report.graph_view:
         sections.append(section("Changed regions of the graph", report.graph_view, "graph-section"))
     if report.layers is not None:
@@ -386,9 +391,9 @@ def report_html(report: RunReport) -> str:
         ["pass", "kind", "what"], [[d["pass"], d["kind"], d["text"]] for d in report.decisions],
         table_id="decisions") if report.decisions else '<p class="muted">no pass made a decision worth noting.</p>',
         "decisions-section"))
-    sections.append(section("Nodes left alone", table(["pass", "node", "reason"],
-                                                      [[k["pass"], k["node"], k["reason"]] for k in report.skipped],
-                                                      table_id="skipped"), "skipped-section"))
+    sections.append(section("Nodes left alone", table(["pass", "node", "reason"], [[k["pass"], k["node"], k["reason"]]
+                                                      for k in report.skipped], table_id="skipped") if report.skipped
+                            else '<p class="muted">none: no pass skipped a node it matched.</p>', "skipped-section"))
     details = "".join(f"<details><summary>#{p['index']} {esc(p['pass'])}</summary>{_details_html(p['details'])}"
                       f"<pre>{esc(json.dumps(p['config'], indent=2))}</pre></details>" for p in report.passes)
     sections.append(section("Pass details", details, "details-section"))

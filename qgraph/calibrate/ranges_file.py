@@ -236,8 +236,9 @@ def read_ranges(path: str | os.PathLike[str], expected_model_fingerprint: str | 
     try:
         doc = _File.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False))
-        raise DataError(f"{p}: invalid ranges file: {problems}") from None
+        from qgraph.options import validation_problems
+
+        raise DataError(f"{p}: invalid ranges file: {validation_problems(exc)}") from None
     if expected_model_fingerprint is not None and doc.model_fingerprint != expected_model_fingerprint:
         raise DataError(
             f"{p} was computed for a different model (fingerprint {doc.model_fingerprint[:16]}..., this "

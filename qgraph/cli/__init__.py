@@ -20,6 +20,7 @@ import typer
 from qgraph._version import __version__
 from qgraph.cli import calibration, check, models, recipes, run  # noqa: F401  (registers the commands)
 from qgraph.cli._app import STATE, app, console, out
+from qgraph.cli._app import wraps as _app_wraps
 from qgraph.errors import QGraphError
 from qgraph.io.outputs import Terminated
 
@@ -90,8 +91,10 @@ def _main(argv: list[str] | None) -> int:
     except QGraphError as exc:
         if STATE["debug"]:
             raise
-        console.print("error:", style="bold red", end=" ")
-        console.print(exc.message, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        from rich.text import Text
+
+        # one text, wrapped as one paragraph on a terminal; one line on a pipe (`_app.wraps`)
+        console.print(Text.assemble(("error:", "bold red"), " ", exc.message), soft_wrap=not _app_wraps(console))
         return exc.exit_code
     except (KeyboardInterrupt, Terminated) as exc:
         console.print("interrupted: nothing was written.", markup=False)

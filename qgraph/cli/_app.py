@@ -27,23 +27,101 @@ def _plain_params(params: list[Any]) -> list[Any]:
             p.metavar = ""
         elif getattr(p, "param_type_name", "") == "argument" and p.metavar is None and p.name:
             p.metavar = p.name.upper()
+        elif getattr(p, "param_type_name", "") == "option" and p.metavar is None:
+            p.metavar = _option_metavar(p)
     return params
 
 
+#: The value placeholder an option shows, by the type typer infers (``<int range>`` reads as jargon).
+_METAVARS = {"path": "PATH", "list[Path]": "PATH", "str": "TEXT", "int": "N", "int range": "N", "float": "NUMBER"}
+
+
+def _option_metavar(param: Any) -> str | None:
+    import click
+
+    try:
+        shown = str(param.display_type(click.get_current_context(silent=True)))
+    except Exception:  # an older typer: keep its own placeholder
+        return None
+    inner = shown.strip("<>")
+    return _METAVARS.get(inner, inner if "|" in inner else None)
+
+
+#: Below this many columns help is laid out by click (each option's text wrapped beside a 30-column name
+#: column) instead of rich's four-column boxes, which leave ~18 columns for the text at 80.
+RICH_HELP_MIN_WIDTH = 100
+
+
+def _narrow_help() -> bool:
+    import shutil
+
+    return shutil.get_terminal_size().columns < RICH_HELP_MIN_WIDTH
+
+
 class QGraphCommand(TyperCommand):
-    """Every ``qgraph`` command (``@app.command(cls=QGraphCommand)``): see `_plain_params`."""
+    """Every ``qgraph`` command (``@app.command(cls=QGraphCommand)``): see `_plain_params`; help readable at any
+    width (`RICH_HELP_MIN_WIDTH`)."""
 
     def get_params(self, ctx: Any) -> list[Any]:
         """The command's parameters, help option included, with the metavars of `_plain_params`."""
         return _plain_params(super().get_params(ctx))
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """Rich's boxed help on a wide terminal, click's plain layout on a narrow one or a pipe."""
+        if not _narrow_help():
+            super().format_help(ctx, formatter)
+            return
+        mode, self.rich_markup_mode = self.rich_markup_mode, None
+        helps: list[tuple[Any, str]] = [(p, str(getattr(p, "help", ""))) for p in self.params
+                                        if getattr(p, "help", None)]
+        for p, text in helps:  # `literal`'s rich escapes read as written in plain help
+            setattr(p, "help", text.replace("\\[", "["))  # noqa: B010  (typer's params have help; click's type not)
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = mode
+            for p, text in helps:
+                setattr(p, "help", text)  # noqa: B010
+
+
+#: The order ``qgraph --help`` lists commands in: the main job first, then checking, then the tools around it.
+COMMAND_ORDER = ("run", "check", "diff", "inspect", "sensitivity", "calibrate", "lower", "validate", "passes",
+                 "schema")
+
 
 class QGraphGroup(TyperGroup):
-    """The ``qgraph`` group (its own ``--debug``, ``--version``, ``--help``): see `_plain_params`."""
+    """The ``qgraph`` group (its own ``--debug``, ``--version``, ``--help``): see `_plain_params`; commands in
+    `COMMAND_ORDER`, each summarised in one sentence."""
 
     def get_params(self, ctx: Any) -> list[Any]:
         """The group's parameters with the metavars of `_plain_params`."""
         return _plain_params(super().get_params(ctx))
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        """The commands in `COMMAND_ORDER` (any other after them, by name)."""
+        names = list(super().list_commands(ctx))
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        """The command ``name``, its summary for the command list set to its docstring's first sentence."""
+        command = super().get_command(ctx, name)
+        if command is not None and getattr(command, "short_help", None) is None and command.help:
+            from qgraph.text import first_sentence
+
+            command.short_help = first_sentence(command.help)
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """Rich's boxed help on a wide terminal, click's plain layout on a narrow one or a pipe."""
+        if not _narrow_help():
+            super().format_help(ctx, formatter)
+            return
+        mode, self.rich_markup_mode = self.rich_markup_mode, None
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = mode
 
 
 app = typer.Typer(
@@ -56,9 +134,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-#: Columns when the stream is not a terminal (a CI log, a pipe, a file) and ``COLUMNS`` is unset: rich's 80 cut
-#: table cells (``examp…utputs.npz``, a ``step drop`` of ``0.22``) and folded summary lines mid-phrase.
-PIPED_WIDTH = 200
+#: Table width when the stream is not a terminal (a CI log, a pipe, a file) and ``COLUMNS`` is unset. Messages
+#: there are not wrapped at all (one record a line, see `emit`); tables fit this width, numbers never cut
+#: (`qgraph.analysis.diff.tables`).
+PIPED_WIDTH = 120
 
 
 def console_width(stream: TextIO, environ: Mapping[str, str] = os.environ) -> int | None:
@@ -68,16 +147,42 @@ def console_width(stream: TextIO, environ: Mapping[str, str] = os.environ) -> in
     return None if environ.get("COLUMNS") or (isatty is not None and isatty()) else PIPED_WIDTH
 
 
+def make_console(stream: TextIO, *, stderr: bool) -> Console:
+    """A console on ``stream`` (see `console_width`) that never interprets emoji codes in user data."""
+    return Console(stderr=stderr, emoji=False, width=console_width(stream))
+
+
 #: Progress, notes and errors. Emoji and markup codes are never interpreted in text that may hold user data.
-console = Console(stderr=True, emoji=False, width=console_width(sys.stderr))
+console = make_console(sys.stderr, stderr=True)
 #: Results (tables, JSON).
-out = Console(emoji=False, width=console_width(sys.stdout))
+out = make_console(sys.stdout, stderr=False)
 STATE: dict[str, bool] = {"debug": False}
 
 
+def wraps(target: Console) -> bool:
+    """Whether messages on ``target`` wrap at its width (at words, with a hanging indent): on a terminal; on a
+    pipe or a file each message stays one line (``COLUMNS`` there sets the width of tables only)."""
+    return target.is_terminal
+
+
+def emit(target: Console, text: str, *, style: str | None = None) -> None:
+    """Print one message on ``target``: wrapped at words with a hanging indent where `wraps`, else one line;
+    never interpreting markup in ``text`` (it may hold user data); ``style`` colours all of it."""
+    from qgraph.text import wrap_lines
+
+    for line in wrap_lines(text, target.width if wraps(target) else None):
+        target.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True, style=style)
+
+
 def say(text: str) -> None:
-    """Print plain text (a path, a name, a message) on the progress console, never interpreting markup."""
-    console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+    """Print plain text (a path, a name, a message) on the progress console (`emit`)."""
+    emit(console, text)
+
+
+def live_progress(target: Console, quiet: bool = False) -> bool:
+    """Whether a progress display runs on ``target``: not with ``quiet``, and never on a pipe or a file (a spinner
+    line there is noise before the messages that matter)."""
+    return not quiet and target.is_terminal
 
 
 def need_positive(value: float | None, option: str) -> None:
@@ -124,6 +229,10 @@ def check_kernel_options(kernels: str, target_cpu: str | None = None) -> None:
     if target_cpu is not None and target_cpu not in (*TARGET_FAMILIES, "host"):
         raise UsageError(f"--target-cpu {target_cpu!r}: give one of {', '.join((*TARGET_FAMILIES, 'host'))}.")
 
+
+#: How arrays in an .npz map to samples: `qgraph.data.DataLayout`, spelled here so that declaring the commands
+#: does not import the data layer (numpy); tests/cli/test_startup.py checks that the two agree.
+DataLayout = Literal["auto", "samples", "batched"]
 
 ExecutorKind = Literal["local", "ray"]
 ExecutorOption = Annotated[

@@ -63,7 +63,8 @@ def calibrate(
     check_output(output, inputs=[recipe, model, data_path(calibration_data)])
     rec = Recipe.from_yaml(recipe)
     with Progress(SpinnerColumn(), TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("batches"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console) as progress:
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console,
+                  disable=not _app.live_progress(_app.console)) as progress:
         task = progress.add_task("calibrate", total=None)
 
         def on_progress(done: int, total: int | None) -> None:

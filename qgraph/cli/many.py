@@ -10,8 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import data_path, need_positive, say
-from qgraph.data import DataLayout
+from qgraph.cli._app import DataLayout, data_path, need_positive, say
 from qgraph.pipeline.batch import BatchJob, ModelOutcome, plan_outputs, run_many
 from qgraph.runtime.executor import ExecutorSpec
 
@@ -47,7 +46,8 @@ def run_many_command(
     job = BatchJob(rec, calibration_data, samples, data_layout, verify, tolerance)
     progress = Progress(
         TextColumn(f"[bold]{rec.name}"), BarColumn(), MofNCompleteColumn(), TextColumn("models"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console, disable=quiet,
+        TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console,
+        disable=not _app.live_progress(_app.console, quiet),
     )
     task = progress.add_task("models", total=len(models))
     with spec.create() as executor, progress:

@@ -22,7 +22,6 @@ from qgraph.cli._app import (
     say,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
-from qgraph.graph.opsets import model_opset
 from qgraph.io.outputs import check_output, check_outputs
 
 
@@ -35,7 +34,7 @@ def lower(
     tolerance: Annotated[float, typer.Option(help="Verify tolerance: max abs err <= tol * max|output|.")] = 1e-5,
 ) -> None:
     """Rewrite MODEL so it is valid at --opset and computes the same results (lowering or raising)."""
-    from qgraph.graph.opsets import check_opset
+    from qgraph.graph.opsets import check_opset, model_opset
     from qgraph.io.model_io import load_model, read_header
     from qgraph.pipeline.pass_api import get_pass
     from qgraph.pipeline.runner import Pipeline

@@ -13,23 +13,22 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 import qgraph.cli._app as _app
 from qgraph.cli._app import (
     AddressOption,
+    DataLayout,
     ExecutorOption,
     QGraphCommand,
     app,
     data_path,
+    emit,
     executor_spec,
     need_positive,
     say,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
-from qgraph.data import DataLayout
-from qgraph.io.outputs import check_outputs
-from qgraph.pipeline.pass_result import PassResult
-from qgraph.pipeline.runner import PipelineEvent, PipelineResult
-from qgraph.pipeline.timing import run_timing
 
 if TYPE_CHECKING:
     from qgraph.analysis.fidelity import OutputCheck
+    from qgraph.pipeline.pass_result import PassResult
+    from qgraph.pipeline.runner import PipelineEvent, PipelineResult
     from qgraph.runtime.evaluation import Evaluation
 
 #: Items of each kind (skipped nodes, unmatched criteria, decisions) shown per pass in the terminal.
@@ -131,6 +130,8 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         raise_usage("--labels and --metric need --eval-data (held-out samples to score).")
     if min_sqnr is not None and (not check or math.isnan(min_sqnr) or math.isinf(min_sqnr)):
         raise_usage(f"--min-sqnr {min_sqnr}: give a finite number of dB, without --no-check.")
+    from qgraph.io.outputs import check_outputs
+
     check_outputs({"-o": output, "--report": report},
                   inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
     rec = Recipe.from_yaml(recipe)
@@ -144,7 +145,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
     progress = Progress(
         SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=_app.console, disable=quiet,
+        console=_app.console, disable=not _app.live_progress(_app.console, quiet),
     )
     on_event = _progress_listener(progress, rec.name, len(pipeline.passes), quiet)
     with progress:
@@ -153,6 +154,8 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
                               data_layout=data_layout, keep_input=report is not None)
     for decision in result.load_decisions:
         say(f"  {decision}")
+    from qgraph.pipeline.timing import run_timing
+
     timing = run_timing(result.records)
     if timing is not None and not quiet:
         say(f"  {timing.line()}")
@@ -227,11 +230,12 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
     """A pipeline-event listener driving ``progress``: one bar for the recipe, one per long step of a pass."""
     task = progress.add_task(name, total=total)
     steps: dict[str, Any] = {}
+    shown: set[str] = set()  # unmatched criteria already printed (two passes with one selector say it once)
 
     def on_event(ev: PipelineEvent) -> None:
         if ev.kind == "pipeline_start" and not quiet:  # found before any pass ran (`qgraph.pipeline.preflight`)
             for warning in ev.warnings:
-                progress.console.print(f"  warning: {warning}", markup=False, highlight=False)
+                emit(progress.console, f"  warning: {warning}")
         elif ev.kind == "pass_start":
             progress.update(task, description=f"{name}: {ev.pass_name}")
         elif ev.kind == "pass_progress" and ev.task is not None:
@@ -245,7 +249,7 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
             progress.advance(task)
             if not quiet:
                 print_pass(progress.console, ev.pass_name or "?", ev.result, ev.seconds or 0.0, ev.peak_rss_mb,
-                           failed=ev.failed is not None)
+                           failed=ev.failed is not None, shown=shown)
         elif ev.kind == "verify" and ev.verify and not quiet:
             print_verified(progress.console, ev, explain="explained" not in steps)
             steps["explained"] = True
@@ -260,33 +264,35 @@ def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
     limits = [tol.for_output(i) if tol is not None else 1.0 for i in range(len(ev.verify or []))]
     i, worst = max(enumerate(ev.verify or []), key=lambda t: t[1].relative / limits[t[0]])
     used = f" (tolerance {limits[i]:.2g})" if tol is not None else ""
-    console.print(f"    verified: worst output {worst.name} relative error {worst.relative:.2e}{used}",
-                  markup=False, highlight=False)
+    emit(console, f"    verified: worst output {worst.name} relative error {worst.relative:.2e}{used}")
     if explain and tol is not None and (tol.raised or tol.note):
-        console.print(f"    {tol.describe()}", markup=False, highlight=False)
+        emit(console, f"    {tol.describe()}")
 
 
 def print_pass(console: Any, name: str, r: PassResult, seconds: float, peak_rss_mb: float | None,
-               failed: bool = False) -> None:
+               failed: bool = False, shown: set[str] | None = None) -> None:
     """One line per pass plus the decisions needing attention (all of them, first), its other decisions, unmatched
     selector criteria and skipped nodes (first few of each);
-    ``failed``: it ran but failed --verify (marked ✗, the error follows)."""
+    ``failed``: it ran but failed --verify (marked ✗, the error follows); ``shown``: unmatched criteria an earlier
+    pass printed (not repeated; added to)."""
     peak = f", peak {peak_rss_mb:.0f} MB" if peak_rss_mb is not None else ""
-    mark = "[red]✗[/]" if failed else "[green]✓[/]"
-    console.print(
-        f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
-        f"+{r.nodes_added}/-{r.nodes_removed} nodes [dim]({seconds:.2f}s{peak})[/]"
-    )
+    mark = "✗" if failed else "✓"
+    head = (f"  {mark} {name}: matched {r.matched}, rewritten {r.rewritten}, skipped {len(r.skipped)}, "
+            f"+{r.nodes_added}/-{r.nodes_removed} nodes ({seconds:.2f}s{peak})")
+    emit(console, head, style="red" if failed else None)
     for text in r.attention:  # never cut: part of the model left float, or a data problem (`PassResult.decide`)
-        console.print(f"    attention: {text}", markup=False, highlight=False)
+        emit(console, f"    attention: {text}")
     flagged = set(r.attention)
     routine = [d for d in r.decisions if d not in flagged]
-    for label, items in (("decision", routine), ("matched nothing", r.unmatched)):
+    unmatched = [u for u in dict.fromkeys(r.unmatched) if shown is None or u not in shown]
+    if shown is not None:
+        shown.update(unmatched)
+    for label, items in (("decision", routine), ("matched nothing", unmatched)):
         for text in items[:SHOWN_PER_PASS]:
-            console.print(f"    {label}: {text}", markup=False, highlight=False)
+            emit(console, f"    {label}: {text}")
         if len(items) > SHOWN_PER_PASS:
-            console.print(f"    ... {len(items) - SHOWN_PER_PASS} more ({label}); see --report", highlight=False)
+            emit(console, f"    ... {len(items) - SHOWN_PER_PASS} more ({label}); see --report")
     if r.skipped:
         reasons = "; ".join(f"{s.node}: {s.reason}" for s in r.skipped[:SHOWN_PER_PASS])
         more = f" (+{len(r.skipped) - SHOWN_PER_PASS} more in --report)" if len(r.skipped) > SHOWN_PER_PASS else ""
-        console.print(f"    skipped {len(r.skipped)}: {reasons}{more}", markup=False, highlight=False)
+        emit(console, f"    skipped {len(r.skipped)}: {reasons}{more}")

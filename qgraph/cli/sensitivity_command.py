@@ -26,6 +26,7 @@ from qgraph.analysis.sensitivity.ranking import SensitivityReport
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.stats import matmul_flops
 from qgraph.analysis.sensitivity.targets import Target, parse_target
+from qgraph.cli._app import emit, live_progress
 from qgraph.errors import ModelError, RecipeError
 from qgraph.io.model_io import load_model, save_model
 from qgraph.io.outputs import write_atomic
@@ -115,7 +116,7 @@ def render_table(report: SensitivityReport, console: Console, rows: int = TABLE_
             highlight=False,
         )
     for note in report.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
+        emit(console, f"note: {note}")
 
 
 def write_plot(path: Path, report: SensitivityReport, top: int = 40, remedy: str = "float") -> None:
@@ -232,7 +233,7 @@ def _stage_progress(console: Console, quiet: bool) -> tuple[Progress, Callable[[
     """A progress display with one task per search stage, and the callback that feeds it."""
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                        console=console, disable=quiet)
+                        console=console, disable=not live_progress(console, quiet))
     tasks: dict[str, Any] = {}
 
     def on_progress(stage: str, done: int, total: int | None) -> None:
@@ -292,11 +293,11 @@ def run_command(
     tgt = _target(target, metric, evaluation)
     parts = output_parts_of(reference, enabled=not whole_outputs) if tgt.kind != "metric" else None
     for line in parts.decisions() if parts is not None else []:
-        console.print(line, markup=False, highlight=False)
+        emit(console, line)
     choice = choose(target_family(target_cpu) if target_cpu else model_target(qdq), kernels)
     for text in (choice.mismatch, f"measured with {choice.kernels.describe()}"):
         if text:
-            console.print(text, markup=False, highlight=False)
+            emit(console, text)
     progress, on_progress = _stage_progress(console, quiet)
     run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
     with run, progress:
@@ -309,13 +310,13 @@ def run_command(
         ))
     if remedy != "a16w8":  # the patch restores (float) or re-quantizes (a16w16) from the same float weights
         result.float_model = str(Path(model_float).resolve())
-    console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
+    emit(console, f"evaluated on {evaluation.describe()}")
     if result.sensitivity is not None:
         render_table(result.sensitivity, out, remedy=remedy)
     attribution = attribute(reference, qdq, evaluation.feeds[:ATTRIBUTION_SAMPLES], whole_outputs=whole_outputs)
     print_culprits(out, attribution, top=5)
     for note in result.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
+        emit(console, f"note: {note}")
     # Everything is measured: write the outputs now (each atomically).
     if json_path is not None:
         payload = (
@@ -333,7 +334,7 @@ def run_command(
     if output is not None:
         save_model(result.model, output)
     wrote_patch = result.write_patch(patch) if patch is not None else False
-    console.print(result.message(), markup=False, highlight=False, soft_wrap=True)
+    emit(console, result.message())
     if total_flops:
         console.print(
             f"MatMul/Gemm FLOPs in INT8: {int8_flops}/{total_flops} ({100.0 * int8_flops / total_flops:.1f}%)",
@@ -341,7 +342,7 @@ def run_command(
             highlight=False,
         )
     if output is not None:
-        console.print(f"wrote {output} (best model found)", markup=False, highlight=False)
+        emit(console, f"wrote {output} (best model found)")
     if patch is not None:
         console.print(
             f"wrote {patch}" if wrote_patch else f"no node chosen ({result.stop_reason}): {patch} not written",

@@ -221,7 +221,9 @@ class Pass(Generic[C]):
             try:
                 config = self.config_class(**options)  # type: ignore[assignment]
             except ValidationError as exc:
-                raise RecipeError(f"{self.name}: invalid options: {exc}") from exc
+                from qgraph.options import validation_problems
+
+                raise RecipeError(f"{self.name}: invalid options: {validation_problems(exc)}") from None
         elif not isinstance(config, self.config_class):
             raise TypeError(f"{self.name} expects a {self.config_class.__name__}, got {type(config).__name__}")
         self.config: C = config  # type: ignore[assignment]
@@ -267,9 +269,10 @@ class Pass(Generic[C]):
 
     @classmethod
     def summary(cls) -> str:
-        """First line of the pass's docstring."""
-        doc = (cls.__doc__ or "").strip()
-        return doc.splitlines()[0] if doc else ""
+        """The first sentence of the pass's docstring, on one line (the pass catalogue's summary)."""
+        from qgraph.text import first_sentence
+
+        return first_sentence(cls.__doc__ or "")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

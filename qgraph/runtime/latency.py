@@ -315,6 +315,6 @@ def load_latency_table(path: str | Path) -> LatencyTable:
     try:
         return LatencyTable.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise DataError(f"latency table {path}: {where}: {first['msg']}; {fix}") from exc
+        from qgraph.options import validation_problems
+
+        raise DataError(f"latency table {path}: {validation_problems(exc).rstrip('.')}; {fix}") from exc

@@ -36,5 +36,8 @@ class CriticalPath(Pass[CriticalPathConfig]):
             "ops": dict(Counter(nodes[i].op for i in path).most_common()),
             "path": names[: self.config.show],
         }
-        res.notes.append(f"critical path: {len(path)} of {len(nodes)} nodes run one after another")
+        ops = ", ".join(f"{op} x{n}" for op, n in Counter(nodes[i].op for i in path).most_common(3))
+        # a decision, so the run summary shows it: notes and details go to the report only
+        res.decide(f"critical path: {len(path)} of {len(nodes)} nodes run one after another ({ops}; starts at "
+                   f"{names[0] if names else '-'})")
         return res

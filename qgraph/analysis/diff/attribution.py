@@ -86,7 +86,7 @@ class Attribution:
         whose = "its" if on and len(self.scored) == 1 else "the output"
         share = "" if c.contribution is None else (
             f"; alone it gives {_fmt_db(c.alone_sqnr_db)} dB output SQNR{f' on {on}' if on else ''}, "
-            f"{c.contribution:.0%} of {whose} error")
+            f"{share_text(c.contribution)} of {whose} error")
         return f"most output error comes from the Q/DQ pair on {where}: {c.reason}{share}."
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,3 +105,11 @@ def _db(ratio: float | None) -> float:
 
 def _fmt_db(x: float | None) -> str:
     return "?" if x is None else "inf" if x == math.inf else f"{x:.1f}"
+
+
+def share_text(share: float) -> str:
+    """A pair's share of the output error; over 100% said in words: alone the pair adds more error than the
+    whole model has, because other pairs' errors partly cancel it."""
+    if share > 1.0:
+        return f"{share:.0%} (alone more than the whole model's error: other pairs partly cancel it)"
+    return f"{share:.0%}"

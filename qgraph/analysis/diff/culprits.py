@@ -156,8 +156,9 @@ def _weight_stats(ia: ModelIndex, ib: ModelIndex, points: Sequence[QuantPoint], 
             s.add(p, w)
             continue
         if w is not None:
-            notes.append(f"{p.tensor}: the reference weight is not the one quantized (e.g. BatchNorm fused "
-                         "after it); analysed from the codes")
+            notes.append(f"{p.tensor}: the reference {p.kind} does not round to the stored codes (a pass changed "
+                         "them after quantizing, e.g. correct_bias or optimize_rounding, or the reference is from "
+                         "before a fusion); analysed from the codes")
             p.in_reference = False
         s.add_codes(p, p.codes)
 

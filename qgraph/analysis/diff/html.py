@@ -20,15 +20,18 @@ body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:2em aut
 padding:0 1em}
 h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.25em;margin-top:1.8em;border-bottom:1px solid #d8dee4}
 table{border-collapse:collapse;margin:.6em 0;font-size:13px}
-th,td{border:1px solid #d8dee4;padding:3px 8px;text-align:left;vertical-align:top}td.name{white-space:nowrap}
-.scroll{overflow-x:auto;max-width:100%}
+th,td{border:1px solid #d8dee4;padding:3px 8px;text-align:left;vertical-align:top}td.name{min-width:7em}
+.scroll{overflow-x:auto;max-width:100%}.scroll table{width:100%}td.num{white-space:nowrap}
+.verdict{font-size:1.15em;padding:.7em 1em;border-radius:6px;margin:1em 0}.verdict b{margin-right:.6em}
+.verdict.good{background:#eaf7ee}.verdict.borderline{background:#fff6dd}.verdict.poor{background:#fdecea}
+.verdict.unmeasured{background:#f3f5f7}
 th{background:#f3f5f7}td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.bad td{background:#fdecea}tr.warn td{background:#fff6dd}tr.good td{background:#eaf7ee}
 pre{background:#f6f8fa;padding:.8em;overflow:auto;font-size:12px}
 .muted{color:#67707a}.chart{margin:.6em 0}svg text{font:11px sans-serif;fill:#333}
 .kpi{display:inline-block;margin:0 1.5em .5em 0}.kpi b{font-size:1.3em;display:block}
 .regions{display:flex;gap:24px;align-items:flex-start;overflow-x:auto}svg.graph{border:1px solid #e4e8ec;flex:none}
-#culprits td:last-child{min-width:22em}
+#culprits td:last-child{min-width:14em}
 """
 
 BLUE, ORANGE, RED, GREY = "#4c78a8", "#f58518", "#d62728", "#9aa5b1"
@@ -75,11 +78,17 @@ def cell(value: Any, *, exact_note: bool = True, digits: int = 4) -> str:
     return fmt(value, digits)
 
 
+def _breakable(name: str) -> str:
+    """``name`` escaped, with a line-break opportunity after each ``/`` and ``.`` (never inside a word), so a
+    table of long node names fits the page instead of scrolling sideways."""
+    return "".join(esc(ch) + ("<wbr>" if ch in "/." else "") for ch in name)
+
+
 def _name_cell(name: str) -> str:
-    """A name that never wraps: shortened from the middle when long, the full name on hover."""
+    """A name: shortened from the middle when long (the full name on hover), wrapping only after ``/`` or ``.``."""
     if len(name) <= NAME_WIDTH:
-        return f'<td class="name">{esc(name)}</td>'
-    return f'<td class="name"><span title="{esc(name)}">{esc(short_name(name))}</span></td>'
+        return f'<td class="name">{_breakable(name)}</td>'
+    return f'<td class="name"><span title="{esc(name)}">{_breakable(short_name(name))}</span></td>'
 
 
 def table(
@@ -131,6 +140,8 @@ def layer_chart(
     colors: Sequence[str] | None = None,
     title: str = "SQNR per layer (dB), topological order",
     chart_id: str = "layer-chart",
+    y_label: str = "SQNR (dB)",
+    x_label: str = "tensors in topological order",
     reference: float | None = None,
     max_bars: int = 1500,
     width: int = 1100,
@@ -147,7 +158,7 @@ def layer_chart(
     finite = [values[i] for i in idx if math.isfinite(values[i])]
     ticks = nice_ticks(min(0.0, min(finite, default=0.0)), max(max(finite, default=10.0), reference or 0.0, 10.0))
     bottom, top = ticks[0], ticks[-1]
-    left, right, upper, lower = 48, 10, 24, 28
+    left, right, upper, lower = 62, 10, 24, 28
     pw, ph = width - left - right, height - upper - lower
     bw = pw / len(idx)
 
@@ -175,7 +186,11 @@ def layer_chart(
                      f'stroke="{RED}" stroke-dasharray="4 3"/><text x="{width - right}" y="{y(reference) - 3:.1f}" '
                      f'text-anchor="end">{esc(fmt(reference))} dB</text>')
     parts.append(f'<text x="{left}" y="{height - 8}">first layer</text>'
-                 f'<text x="{width - right}" y="{height - 8}" text-anchor="end">last layer ({n} tensors)</text>')
+                 f'<text class="axis-x" x="{left + pw / 2:.0f}" y="{height - 8}" text-anchor="middle">'
+                 f'{esc(x_label)}</text>'
+                 f'<text x="{width - right}" y="{height - 8}" text-anchor="end">last layer ({n} tensors)</text>'
+                 f'<text class="axis-y" transform="translate(14,{upper + ph / 2:.0f}) rotate(-90)" '
+                 f'text-anchor="middle">{esc(y_label)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

@@ -35,15 +35,16 @@ class LayerDiff:
 
     @property
     def op_label(self) -> str:
-        """``op`` or ``op → op_b`` when model B computes the tensor with another op."""
-        return self.op if self.op_b is None else f"{self.op} → {self.op_b}"
+        """``op`` or ``op (in B: op_b)`` when model B computes the tensor with another op (a Conv that absorbed
+        this BatchNormalization: not an arrow, which would read as graph order)."""
+        return self.op if self.op_b is None else f"{self.op} (in B: {self.op_b})"
 
     @property
     def label(self) -> str:
-        """``node`` or ``node → node_b [pass]`` when model B produces the tensor with another node."""
+        """``node`` or ``node (in B: node_b, by pass)`` when model B produces the tensor with another node."""
         if self.node_b is None:
             return self.node
-        return f"{self.node} → {self.node_b}" + (f" [{self.pass_name}]" if self.pass_name else "")
+        return f"{self.node} (in B: {self.node_b}" + (f", by {self.pass_name})" if self.pass_name else ")")
 
     @property
     def relative(self) -> float:

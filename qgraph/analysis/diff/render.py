@@ -195,7 +195,7 @@ def print_numeric(console: Console, n: NumericDiff, top: int = 10) -> None:
                               _layer_rows(n.introduced(top))))
     console.print(_rich_table(f"worst layers (top {top}, by SQNR)", _LAYER_HEAD, _layer_rows(n.worst(top))))
     console.print("inf (exact): identical values; inf (adds none): the layer's error is no larger than its "
-                  "input' (e.g. a quantized Gemm averaging its inputs' noise).", style="dim", highlight=False)
+                  "input's (e.g. a quantized Gemm averaging its inputs' noise).", style="dim", highlight=False)
 
 
 def print_analysis(console: Console, a: dict[str, Any], top: int = 10) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
-from qgraph.analysis.diff.attribution import Attribution
+from qgraph.analysis.diff.attribution import Attribution, share_text
 from qgraph.analysis.diff.html import esc, fmt, section, table
 from qgraph.analysis.diff.tables import sqnr_cell
 
@@ -51,7 +52,7 @@ def culprit_rows(att: Attribution, top: int) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for i, c in enumerate(att.culprits[:top], 1):
         d = c.to_dict()
-        share = "-" if d["contribution"] is None else f"{d['contribution']:.0%}"
+        share = "-" if d["contribution"] is None else share_text(d["contribution"])
         alone = "-" if d["alone_sqnr_db"] is None else sqnr_cell(d["alone_sqnr_db"])
         rows.append([f"{i} {d['kind'][0]}", d["tensor"], d["node"], fmt(d["scale"], 4),
                      f"{d['clip_fraction']:.2%}" + (f" (+{d['flat_clip_fraction']:.2%} flat)" if d["flat_clip_fraction"]
@@ -68,15 +69,15 @@ def print_culprits(console: Console, att: Attribution, top: int = 10) -> None:
     headline = att.headline()
     if headline is None:
         return
-    console.print("culprit:", style="bold red", end=" ")
-    console.print(headline, markup=False, highlight=False)
+    console.print(Text.assemble(("culprit:", "bold red"), " ", headline))  # one text: wraps as one paragraph
     on = att.measured_on()
     console.print(f"Q/DQ pairs by their share of the output error (top {min(top, len(att.culprits))} of "
                   f"{len(att.culprits)}; {att.samples} sample(s){f'; measured on {on}' if on else ''})", style="bold")
     for i, c in enumerate(att.culprits[:top], 1):
         d = c.to_dict()
         alone = "not measured alone" if d["alone_sqnr_db"] is None else (
-            f"alone: output SQNR {fmt(d['alone_sqnr_db'], 4)} dB = {d['contribution'] or 0:.0%} of the output error")
+            f"alone: output SQNR {fmt(d['alone_sqnr_db'], 4)} dB = {share_text(d['contribution'] or 0.0)} of the "
+            "output error")
         console.print(f"{i:>2}. {d['kind']} {d['tensor']} → {d['node']}", markup=False, highlight=False)
         console.print(f"    {d['reason']}", markup=False, highlight=False)
         console.print(f"    scale {fmt(d['scale'], 4)}, zero point {d['zero_point']}, clipped "
@@ -92,13 +93,15 @@ def _flat(d: dict[str, Any]) -> str:
     return f" (+{f:.2%} beyond a flat side of its activation: same output codes, not counted)" if f else ""
 
 
-def culprits_html(att: Attribution, top: int = 10) -> str:
-    """The culprits section: headline and the ranked Q/DQ pairs."""
+def culprits_html(att: Attribution, top: int = 10, context: str = "") -> str:
+    """The culprits section: headline and the ranked Q/DQ pairs; ``context`` says against what and on which
+    data they were measured, when a reader may compare them with another tool's ranking."""
     headline = att.headline()
     not_run = "".join(f'<p class="muted not-run">not run: {esc(line)}</p>' for line in att.not_run)
     if headline is None:
         return section("Where accuracy was lost: Q/DQ pairs", not_run, "culprits-section") if not_run else ""
     body = (f'<p id="culprit-headline"><b>{esc(headline)}</b></p>' + not_run
+            + (f'<p class="muted">{esc(context)}</p>' if context else "")
             + table(_CULPRIT_HEAD, culprit_rows(att, max(top, 20)), table_id="culprits")
             + "".join(f'<p class="muted">{esc(n)}</p>' for n in att.notes[:10])
             + f'<p class="muted">{att.samples} sample(s); {sum(c.output_noise is not None for c in att.culprits)} '
