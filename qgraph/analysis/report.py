@@ -41,6 +41,7 @@ from qgraph.pipeline.pass_result import PassResult
 from qgraph.pipeline.recipe import Recipe
 from qgraph.pipeline.runner import PipelineResult
 from qgraph.pipeline.timing import run_timing
+from qgraph.runtime.class_outputs import class_outputs
 from qgraph.runtime.compare import TensorDiff, random_feeds, run
 from qgraph.runtime.evaluation import Evaluation, concat, top1_agreement
 from qgraph.runtime.kernels.measure import Kernels, deployed, saturation_of
@@ -156,6 +157,7 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
     of an emulated AVX2 stage lists the layers that saturated (``saturation``).
     """
     layout = parts if parts is not None else output_parts_of(reference)
+    classes = class_outputs(reference)  # top-1 agreement for class scores only
     ref_sess = (reference_kernels or deployed()).session(reference)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = [run(ref_sess, f) for f in feeds]
@@ -177,7 +179,8 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
                 for i, (name, other) in enumerate(zip(names, cand, strict=True)):
                     if scored:
                         got_all[i].append(got[other])
-                    agree = top1_agreement(np.asarray(ref[name]), np.asarray(got[other]))
+                    need = classes.get(name)
+                    agree = top1_agreement(np.asarray(ref[name]), np.asarray(got[other]), need) if need else None
                     if agree is not None:
                         count = int(np.shape(ref[name])[0])
                         top1[i] = [top1[i][0] + round(agree * count), top1[i][1] + count]
