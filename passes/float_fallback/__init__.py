@@ -39,8 +39,13 @@ For an NPU (no cheap float path), 16-bit activations instead of float::
       auto: {target: "sqnr:30", latency_rounds: 0}
 
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
-nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
-line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` entry.
+nodes are found structurally (`qdq_edit`). Dynamically quantized MatMuls (``DynamicQuantizeLinear`` +
+``MatMulInteger``, ``com.microsoft.DynamicQuantizeMatMul`` / ``MatMulIntegerToFloat``: the ``transformer-ort-*``
+recipes, ``quantize_dynamic``) go back to float the same way (`qgraph.remedy.dynamic`), chosen by the float model's
+MatMul name, the integer node's name, op type or regex, and ranked by auto mode from the same one run (by error
+alone: the cost table has no run-time quantization); the summary says whose weights they got.
+``qgraph sensitivity`` runs the automatic mode from the command line and writes its decision as a patch with a
+manual ``nodes: {names: [...]}`` entry.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
 
 @register
 class FloatFallback(Pass[FloatFallbackConfig]):
-    """Keep selected nodes of a QDQ model in float: remove the Q/DQ feeding and leaving them, and only those.
+    """Keep selected nodes of a QDQ or dynamically quantized model in float: remove the Q/DQ feeding and leaving
+    them (or the run-time quantization of a dynamic MatMul, `qgraph.remedy.dynamic`), and only those.
 
     Rewrite, for a selected node n: ``DQ(Q(x)) → n`` becomes ``x → n`` (weights stored as integers become a
     float constant ``(w_q - zero_point) * scale``); ``n → Q → DQ → graph output`` becomes ``n → graph output``.

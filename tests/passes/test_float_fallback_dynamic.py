@@ -217,3 +217,25 @@ def test_fused_contrib_forms_become_matmul_and_add(op: str) -> None:
     got = make_session(result.model).run(None, {"x": x})[0]
     before = make_session(model).run(None, {"x": x})[0]
     assert np.abs(got - want).max() < 1e-5 < 1e-3 < np.abs(before - want).max()
+
+
+def test_sensitivity_command_on_a_dynamic_model(encoder: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from qgraph.analysis.sensitivity.stats import matmul_flops
+    from qgraph.cli import main
+
+    folder = encoder["folder"]
+    quantized, _ = _run(encoder, PLAIN)
+    onnx.save(quantized, folder / "dyn.onnx")
+    rows = matmul_flops(quantized, {"embeddings": (1, 32, 64), "attention_mask": (1, 32)})
+    assert sum(r["int8"] for r in rows) == UNITS and all(r["flops"] > 0 for r in rows)  # the dynamic MatMuls count
+    capsys.readouterr()
+    assert main(["sensitivity", str(folder / "float.onnx"), str(folder / "dyn.onnx"), "--data", str(encoder["data"]),
+                 "--target", "sqnr:200", "-o", str(folder / "sens.onnx")]) in (0, 1)  # 200 dB: every unit needed
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    written = onnx.load(folder / "sens.onnx")
+    assert not any(n.op_type == "MatMulInteger" for n in written.graph.node)
+    int8, total = (int(v) for v in text.split("MatMul/Gemm FLOPs in INT8: ")[1].split(" ")[0].split("/"))
+    assert int8 == 0 and total == sum(r["flops"] for r in rows)  # every dynamic MatMul went back to float
+    names = text.split("names: - ")[1].split(" float_weights")[0].split(" - ")
+    assert len(names) == UNITS and {n.name for n in written.graph.node if n.op_type == "MatMul"} >= set(names)
