@@ -239,3 +239,12 @@ def test_sensitivity_command_on_a_dynamic_model(encoder: dict[str, Any], capsys:
     assert int8 == 0 and total == sum(r["flops"] for r in rows)  # every dynamic MatMul went back to float
     names = text.split("names: - ")[1].split(" float_weights")[0].split(" - ")
     assert len(names) == UNITS and {n.name for n in written.graph.node if n.op_type == "MatMul"} >= set(names)
+
+
+def test_auto_with_a_sixteen_bit_remedy_leaves_dynamic_matmuls_out(encoder: dict[str, Any]) -> None:
+    quantized, _ = _run(encoder, PLAIN)
+    res = Pipeline([FloatFallback(to="a16w8", auto={"target": "sqnr:200", "latency_rounds": 0})]).run(
+        quantized, calibration_data=str(encoder["data"])).records[0].result
+    assert res.rewritten == 0 and res.details["auto"]["candidates"] == 0
+    assert f"auto: {UNITS} dynamically quantized MatMul(s) are not candidates: they have no 16-bit form " \
+           "(to: float returns them to float)" in res.notes

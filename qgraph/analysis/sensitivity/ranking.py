@@ -113,14 +113,19 @@ class SensitivityReport:
 
 # ----------------------------------------------------------------------------- the report
 def candidate_nodes(
-    qdq: onnx.ModelProto, restrict: NodeSelector | None = None
+    qdq: onnx.ModelProto, restrict: NodeSelector | None = None, dynamic: bool = True
 ) -> tuple[list[tuple[str, str]], list[str]]:
     """``(name, op)`` of every quantized node (optionally within ``restrict``), by the names `GraphHandle` gives,
-    and notes."""
+    and notes; dynamically quantized MatMuls too unless ``dynamic`` is False (a 16-bit remedy has no form for them:
+    a note says how many are left out)."""
     handle = GraphHandle(qdq)
     nodes = quantized_nodes(handle)
     units = dynamic_units(handle)  # dynamically quantized MatMuls, by the MatMul's name (`qgraph.remedy.dynamic`)
     notes: list[str] = []
+    if units and not dynamic:
+        notes.append(f"{len(units)} dynamically quantized MatMul(s) are not candidates: they have no 16-bit form "
+                     "(to: float returns them to float)")
+        units = []
     if restrict is not None:
         sel = select(handle, restrict, unit_aliases(units))
         if sel.unmatched:

@@ -241,7 +241,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     run.evaluations, run.eval_seconds = 1, [base.seconds]
     int8_score = run.int8_score = tgt.score(base.scored, base.outputs, run.refs)
     run.stage_end("baseline")
-    found, notes = candidate_nodes(evaluator.variant(chosen), o.candidates)
+    found, notes = candidate_nodes(evaluator.variant(chosen), o.candidates, dynamic=o.remedy == "float")
     notice = naming.notice()
     if notice:
         notes.insert(0, f"QDQ model: {notice}")
