@@ -158,9 +158,17 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         res.details = CorrectBiasDetails(biases_created=created or None, layers=per_layer, model_runs=runs)
         if clipped:
             res.notes.append(f"{clipped} int32 bias code(s) saturated")
-        res.decisions.append(self._summary(per_layer, res.rewritten, runs))
-        if guard is not None and not guard.finish(graph, self.config.guard_tolerance_db):
+        changed, what = res.rewritten, self._summary(per_layer, runs)
+        # One line says what happened and why: corrected (and the guard's measure), or undone and why.
+        if guard is None:
+            res.decide(f"bias correction: {changed} of {len(per_layer)} layer bias(es) corrected ({what})")
+        elif guard.finish(graph, self.config.guard_tolerance_db, report=False):
+            res.decide(f"bias correction: {changed} of {len(per_layer)} layer bias(es) corrected ({what}); kept: "
+                       f"{guard.measured()}")
+        else:
             res.rewritten = 0
+            res.decide(f"bias correction undone, every bias is as before: correcting {changed} of {len(per_layer)} "
+                       f"layer bias(es) ({what}) lowered the {guard.measured()} (guard: false keeps it)")
         return res
 
     def _apply(self, layer: QuantLayer, delta: npt.NDArray[np.float64]) -> tuple[bool, int]:
@@ -230,10 +238,9 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         bounds = np.linspace(0, len(layers), k + 1).round().astype(int)
         return [layers[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
-    def _summary(self, per_layer: dict[str, dict[str, float]], changed: int, runs: int) -> str:
+    def _summary(self, per_layer: dict[str, dict[str, float]], runs: int) -> str:
         before = float(np.median([v["mean_error_rms_before"] for v in per_layer.values()]))
-        text = (f"bias correction ({self.config.mode}, {runs} model run(s)): {changed} of {len(per_layer)} layer "
-                f"bias(es) changed; median per-layer mean-error RMS {before:.3g}")
+        text = f"{self.config.mode}, {runs} model run(s); median per-layer mean-error RMS {before:.3g}"
         if self.config.measure_after:
             after = float(np.median([v["mean_error_rms_after"] for v in per_layer.values()]))
             text += f" -> {after:.3g}"

@@ -39,8 +39,13 @@ For an NPU (no cheap float path), 16-bit activations instead of float::
       auto: {target: "sqnr:30", latency_rounds: 0}
 
 Works on any QDQ model (onnxruntime's ``quantize_static``, qgraph's ``insert_qdq``, other tools): quantized
-nodes are found structurally (`qdq_edit`). ``qgraph sensitivity`` runs the automatic mode from the command
-line and writes its decision as a patch with a manual ``nodes: {names: [...]}`` entry.
+nodes are found structurally (`qdq_edit`). Dynamically quantized MatMuls (``DynamicQuantizeLinear`` +
+``MatMulInteger``, ``com.microsoft.DynamicQuantizeMatMul`` / ``MatMulIntegerToFloat``: the ``transformer-ort-*``
+recipes, ``quantize_dynamic``) go back to float the same way (`qgraph.remedy.dynamic`), chosen by the float model's
+MatMul name, the integer node's name, op type or regex, and ranked by auto mode from the same one run (by error
+alone: the cost table has no run-time quantization); the summary says whose weights they got.
+``qgraph sensitivity`` runs the automatic mode from the command line and writes its decision as a patch with a
+manual ``nodes: {names: [...]}`` entry.
 """
 
 from __future__ import annotations
@@ -55,6 +60,15 @@ from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, load_m
 from qgraph.analysis.sensitivity.targets import Target, parse_target
 from qgraph.graph.names import unscoped
 from qgraph.pipeline.target import CalibrationSpec
+from qgraph.quant.dynamic_graph import (
+    DYNAMIC_OPS,
+    DynamicUnit,
+    dynamic_units,
+    has_dynamic_units,
+    origin_name,
+    unit_aliases,
+    units_by_name,
+)
 from qgraph.quant.qdq_graph import is_qdq
 from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.remedy.fallback import PASS_NAME
@@ -72,7 +86,8 @@ __all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
 
 @register
 class FloatFallback(Pass[FloatFallbackConfig]):
-    """Keep selected nodes of a QDQ model in float: remove the Q/DQ feeding and leaving them, and only those.
+    """Keep selected nodes of a QDQ or dynamically quantized model in float: remove the Q/DQ feeding and leaving
+    them (or the run-time quantization of a dynamic MatMul, `qgraph.remedy.dynamic`), and only those.
 
     Rewrite, for a selected node n: ``DQ(Q(x)) → n`` becomes ``x → n`` (weights stored as integers become a
     float constant ``(w_q - zero_point) * scale``); ``n → Q → DQ → graph output`` becomes ``n → graph output``.
@@ -99,9 +114,11 @@ class FloatFallback(Pass[FloatFallbackConfig]):
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Fail before any rewrite when the model has no Q/DQ, a selector criterion matches nothing or auto mode
         lacks data."""
-        if not any(is_qdq(n) for g in graph.scopes() for n in g.nodes):
-            raise PassError("float_fallback: the model has no QuantizeLinear/DequantizeLinear, so no node to return "
-                            "to float or widen: run it after insert_qdq in the recipe, or on a QDQ model.")
+        if not any(is_qdq(n) or n.op in DYNAMIC_OPS for g in graph.scopes() for n in g.nodes):
+            raise PassError("float_fallback: the model has no QuantizeLinear/DequantizeLinear and no dynamically "
+                            "quantized MatMul (MatMulInteger, DynamicQuantizeMatMul, MatMulIntegerToFloat), so no "
+                            "node to return to float or widen: run it after insert_qdq in the recipe, or on a "
+                            "quantized model.")
         if self.config.to != "float" and ctx.target.runtime == "tensorrt":
             raise PassError(f"float_fallback: to: {self.config.to} writes 16-bit Q/DQ, which TensorRT does not read "
                             "(its Q/DQ are 8-bit and FP8): use to: float (TensorRT runs those layers in fp16/fp32).")
@@ -118,12 +135,17 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         return ("auto mode needs evaluation data: set `auto.data` or the recipe's `calibration.data`, or give "
                 "--calibration-data DATA.")
 
-    def _selected(self, graph: GraphHandle) -> tuple[list[Any], list[str]]:
-        """The selected top-graph nodes, and the selected names of nodes inside If/Loop bodies."""
+    def _selected(self, graph: GraphHandle) -> tuple[list[Any], list[DynamicUnit], list[str]]:
+        """The selected top-graph nodes, the selected dynamically quantized MatMuls (by the MatMul's name or op type,
+        or their integer node's), and the selected names of nodes inside If/Loop bodies."""
         selector = self.config.nodes
         assert selector is not None
-        sel = select(graph, selector)
-        inner = {n.name for g in graph.subgraphs() for n in g.nodes}
+        units = dynamic_units(graph)
+        sel = select(graph, selector, unit_aliases(units))
+        chosen = {id(n) for n in sel.nodes}
+        units = [u for u in units if id(u.anchor) in chosen]
+        anchors = {id(u.anchor) for u in units}
+        inner = {m for g in graph.subgraphs() for n in g.nodes for m in (n.name, origin_name(n.name))}
         # a name as insert_qdq and inspect print it (``If_0.then_branch/<node>``) or as the node's own name
         in_bodies = [n for n in selector.names if n not in graph.index.by_name and unscoped(n) in inner]
         found_inside = {f"names: {n!r} matched no node" for n in in_bodies}
@@ -133,7 +155,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                 f"float_fallback: the selector ({selector.describe()}) has criteria that match nothing: "
                 f"{'; '.join(unmatched)}. Fix the names/patterns (list nodes with `qgraph inspect --json`)."
             )
-        return sel.nodes, [unscoped(n) for n in in_bodies]
+        return [n for n in sel.nodes if id(n) not in anchors], units, [unscoped(n) for n in in_bodies]
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
@@ -145,11 +167,12 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             weights = ReferenceWeights(load_model(self.config.float_weights), checked=True)
             res.notes.append(f"weights of the chosen nodes from {self.config.float_weights} (float_weights)")
         if self.config.nodes is not None:
-            nodes, inner = self._selected(graph)
-            res.matched = len(nodes) + len(inner)
-            selector, ops = self.config.nodes, {n.name: n.op for n in nodes}
+            nodes, units, inner = self._selected(graph)
+            res.matched = len(nodes) + len(units) + len(inner)
+            selector = self.config.nodes
+            ops = {n.name: n.op for n in nodes} | {u.name: u.op for u in units}
             apply_and_record(graph, nodes, self.config.to, weights, (res, details),
-                             lambda name: f"selected: {selector.criterion(name, ops.get(name, ''))}", inner)
+                             lambda name: f"selected: {selector.criterion(name, ops.get(name, ''))}", inner, units)
         if self.config.auto is not None:
             self._auto(graph, ctx, (res, details), floats, weights)
         res.rewritten = len(details.get("fallen_back", [])) + len(details.get("widened", []))
@@ -180,7 +203,14 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         elif in_bodies:
             res.notes.append(f"auto: {in_bodies} quantized node(s) inside If/Loop bodies are measured but not "
                              "candidates (auto.bodies: false): they stay quantized")
-        costs, rank_by = fallback_costs(auto, ctx, res), auto.cost
+        if has_dynamic_units(graph):
+            # The cost table prices Q/DQ conversions at float/int8 boundaries; a dynamic MatMul quantizes its own
+            # input at run time, so that model does not describe what falling it back costs.
+            costs, rank_by = None, "error"
+            res.decide("auto: dynamically quantized MatMuls are ranked by output error alone (the cost table "
+                       "models static Q/DQ boundaries, not run-time quantization)")
+        else:
+            costs, rank_by = fallback_costs(auto, ctx, res), auto.cost
         if self.config.to != "float":
             # The cost table knows float and int8 kernels only: an NPU's 16-bit layer cost is not in it.
             costs, rank_by = None, "error"
@@ -212,13 +242,16 @@ class FloatFallback(Pass[FloatFallbackConfig]):
                                  "(a lower target, `outputs`-specific metric or tune_ranges first may keep some)")
         if result.nodes:
             top = graph.index.by_name
-            chosen = [top[n] for n in result.nodes if n in top]
+            by_unit = units_by_name(dynamic_units(graph))
+            units = [by_unit[n] for n in result.nodes if n in by_unit]
+            chosen = [top[n] for n in result.nodes if n in top and n not in by_unit]
             order = {name: i for i, name in enumerate(result.nodes)}
             verdict = "met" if result.target_met else "NOT met"
             apply_and_record(graph, chosen, self.config.to, weights, out,
                              lambda name: f"auto: #{order.get(name, 0) + 1} of the {len(result.nodes)} node(s) "
                                           f"chosen, ranked by {rank_by}; target {result.target.describe()} {verdict}, "
-                                          f"score {result.score:.4g}", [n for n in result.nodes if n not in top])
+                                          f"score {result.score:.4g}",
+                             [n for n in result.nodes if n not in top and n not in by_unit], units)
             res.matched += len(result.nodes)
 
 

@@ -20,6 +20,8 @@ class FloatFallbackDetails(TypedDict, total=False):
     relu_restored: list[str]
     float_weights_restored: list[str]
     outputs_still_quantized_for: dict[str, list[str]]
+    #: Dynamically quantized MatMuls returned to float: the float MatMul -> the integer node it replaced.
+    dynamic_fallen_back: dict[str, str]
     #: Nodes given 16-bit activations (``to: a16w8`` / ``a16w16``): the nodes, their tensors, the int32 biases
     #: kept float (they would overflow) and why each node was chosen.
     widened: list[str]

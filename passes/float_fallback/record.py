@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from qgraph import GraphHandle, PassResult
+from qgraph.quant.dynamic_graph import DynamicUnit
 from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.remedy.apply import Outcome, apply_remedy, remedy_model
 from qgraph.remedy.fallback import FallbackOutcome
@@ -16,10 +17,11 @@ from .details import FloatFallbackDetails
 
 def apply_and_record(graph: GraphHandle, nodes: list[Any], to: str, weights: ReferenceWeights | None,
                      res: tuple[PassResult, FloatFallbackDetails], why: Callable[[str], str],
-                     body_names: Sequence[str] = ()) -> None:
-    """Apply the remedy ``to`` to ``nodes`` (top graph) and to the nodes named ``body_names`` inside If/Loop
-    bodies, and record it in the result and its details (``why(name)`` says how each node was chosen)."""
-    record(res, apply_remedy(graph, nodes, to, weights), why)
+                     body_names: Sequence[str] = (), units: Sequence[DynamicUnit] = ()) -> None:
+    """Apply the remedy ``to`` to ``nodes`` and dynamically quantized MatMuls ``units`` (top graph) and to the
+    nodes named ``body_names`` inside If/Loop bodies, and record it in the result and its details (``why(name)``
+    says how each node was chosen)."""
+    record(res, apply_remedy(graph, nodes, to, weights, units), why)
     if body_names:
         scoped = remedy_model(graph.to_onnx(), body_names, to, weights)
         graph.replace_model(scoped.model)
@@ -89,6 +91,8 @@ def record_fallback(res: PassResult, d: FloatFallbackDetails, outcome: FallbackO
         d.setdefault("float_weights_restored", []).extend(outcome.float_weights_restored)
     if outcome.still_quantized_for:
         d.setdefault("outputs_still_quantized_for", {}).update(outcome.still_quantized_for)
+    if outcome.dynamic:
+        record_dynamic(res, d, outcome.dynamic)
     for name in outcome.already_float:
         res.skip(
             name,
@@ -103,3 +107,18 @@ def record_fallback(res: PassResult, d: FloatFallbackDetails, outcome: FallbackO
         )
     res.nodes_added += outcome.nodes_added
     res.nodes_removed += outcome.nodes_removed
+
+
+def record_dynamic(res: PassResult, d: FloatFallbackDetails, dynamic: dict[str, tuple[str, str]]) -> None:
+    """One decision for the dynamically quantized MatMuls returned to float: how many, where their weights came
+    from, and why some were dequantized."""
+    d.setdefault("dynamic_fallen_back", {}).update({name: anchor for name, (anchor, _) in dynamic.items()})
+    restored = [n for n, (_, src) in dynamic.items() if src == "float reference"]
+    codes = [n for n, (_, src) in dynamic.items() if src != "float reference"]
+    shown = ", ".join(list(dynamic)[:3]) + (f" ... {len(dynamic) - 3} more" if len(dynamic) > 3 else "")
+    parts = [f"{len(restored)} with the float model's weight"] if restored else []
+    if codes:
+        parts.append(f"{len(codes)} with the weight dequantized from its int8 codes (no float reference, or it "
+                     "does not match the stored integers: only the activation's run-time quantization is undone)")
+    res.decide(f"{len(dynamic)} dynamically quantized MatMul(s) returned to float (DynamicQuantizeLinear + integer "
+               f"MatMul replaced by a float MatMul): {'; '.join(parts)}: {shown}")

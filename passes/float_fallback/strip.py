@@ -7,16 +7,15 @@ import onnx
 
 from qgraph import GraphHandle, PassContext, PassResult
 from qgraph.graph.detach import with_weights
-from qgraph.quant.qdq import has_qdq
-from qgraph.quant.qdq_graph import quantized_nodes
-from qgraph.remedy.fallback import fall_back
+from qgraph.quant.qdq import has_quantization
+from qgraph.remedy.apply import fall_back_all
 from qgraph.runtime.bodies import BodyError, ModelFacts, bodies, graft_body, standalone_body
 
 
 def strip_all(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with every quantized node of the top graph in float (`strip_bodies` does the bodies)."""
     handle = GraphHandle(model)
-    fall_back(handle, quantized_nodes(handle))
+    fall_back_all(handle)
     return handle.to_onnx()
 
 
@@ -35,9 +34,7 @@ def strip_bodies(model: onnx.ModelProto) -> int:
         except BodyError:
             continue  # not extractable: left as is (its outer types are unknown)
         handle = GraphHandle(body.model)
-        nodes = quantized_nodes(handle)
-        if nodes:
-            fall_back(handle, nodes)
+        nodes = fall_back_all(handle).fallen_back
         inner = handle.to_onnx()
         nested = strip_bodies(inner)
         if nodes or nested:
@@ -73,11 +70,11 @@ def compare_with(qdq: onnx.ModelProto, given: str | None, floats: onnx.ModelProt
 
 
 def recipe_reference(graph: GraphHandle, ctx: PassContext) -> onnx.ModelProto | None:
-    """The recipe's float reference when a quantizing pass ran before this one (it has no Q/DQ) and it takes the
+    """The recipe's float reference when a quantizing pass ran before this one (it is not quantized) and it takes the
     same inputs and gives as many outputs as this graph (a pass such as specialize_inputs may have changed them
     since), else None."""
     ref = ctx.float_reference
-    if ref is None or has_qdq(ref):
+    if ref is None or has_quantization(ref):
         return None
     inits = {t.name for t in ref.graph.initializer}
     ref_inputs = sorted(i.name for i in ref.graph.input if i.name not in inits)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from qgraph.errors import DataError, QGraphError, UsageError
+from qgraph.runtime.class_outputs import class_outputs
 from qgraph.runtime.compare import TensorDiff
 from qgraph.runtime.evaluation import Evaluation, StageScore, score_stage
 from qgraph.runtime.kernels.measure import KernelChoice, Kernels, SaturationCount, choose, model_target, target_family
@@ -236,14 +237,16 @@ def check_chain(
         if choice.other is not None:
             stage.host = _run_stage(f"candidate {i}", path, evaluation, choice.other)
         stages.append(stage)
-    quality_name = evaluation.metric_spec or (TOP1_AND_COSINE if _classifies(base) else "output cosine")
+    classes = class_outputs(reference)  # top-1 agreement for class scores only
+    quality_name = evaluation.metric_spec or (TOP1_AND_COSINE if _classifies(base, names, classes)
+                                              else "output cosine")
     result = CheckResult([], evaluation.describe(), quality_name, max_drop, max_total_drop, parts=parts)
     for st in stages:
-        row = CheckRow(st.label, st.source, st.score(base, names, evaluation, parts), choice=st.choice,
+        row = CheckRow(st.label, st.source, st.score(base, names, evaluation, parts, classes), choice=st.choice,
                        saturation=st.saturation)
         row.quality = _quality(row.score)
         if st.host is not None:
-            row.host_score = st.host.score(base, names, evaluation, parts)
+            row.host_score = st.host.score(base, names, evaluation, parts, classes)
         _judge(result, row, evaluation.higher_is_better)
         result.rows.append(row)
     return result
@@ -262,10 +265,10 @@ class _Stage:
     host: _Stage | None = None
 
     def score(self, base: list[np.ndarray], names: list[str], evaluation: Evaluation,
-              parts: OutputParts | None) -> StageScore:
+              parts: OutputParts | None, classes: dict[str, int]) -> StageScore:
         if self.outputs is None:
             return StageScore(self.label, error=self.error)
-        return score_stage(self.label, base, names, self.outputs, evaluation, parts)
+        return score_stage(self.label, base, names, self.outputs, evaluation, parts, classes)
 
 
 def _run_stage(label: str, path: Path, evaluation: Evaluation, kernels: Kernels) -> _Stage:
@@ -278,10 +281,12 @@ def _run_stage(label: str, path: Path, evaluation: Evaluation, kernels: Kernels)
     return _Stage(label, str(path), got, saturation=saturation)
 
 
-def _classifies(outputs: list[np.ndarray]) -> bool:
+def _classifies(outputs: list[np.ndarray], names: list[str], classes: dict[str, int]) -> bool:
+    """Whether the first output is class scores (`qgraph.runtime.class_outputs`)."""
     from qgraph.runtime.evaluation import top1_agreement
 
-    return bool(outputs) and top1_agreement(outputs[0], outputs[0]) is not None
+    need = classes.get(names[0]) if names else None
+    return bool(outputs) and need is not None and top1_agreement(outputs[0], outputs[0], need) is not None
 
 
 #: The quality of class scores checked without a metric.

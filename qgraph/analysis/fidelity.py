@@ -33,6 +33,9 @@ from qgraph.runtime.output_parts import OutputParts, find_output_parts
 CHECK_SAMPLES = 8
 #: Outputs listed one per line; beyond it the worst ones are listed and the rest summarised.
 SHOWN_OUTPUTS = 8
+#: Below this output SQNR (dB) the check prints a warning line, with or without ``--min-sqnr``: about 10% relative
+#: error, where a model's outputs visibly differ from the float model's (detections move, scores reorder).
+POOR_SQNR_DB = 20.0
 
 
 @dataclass
@@ -68,6 +71,15 @@ class OutputCheck:
             elif r["sqnr_db"] < min_sqnr_db:
                 out.append(f"output {r['output']!r}: SQNR {r['sqnr_db']:.1f} dB")
         return out
+
+    def poor(self) -> str | None:
+        """A plain warning when some output (or part) is below `POOR_SQNR_DB` or not comparable, else None."""
+        bad = self.failures(POOR_SQNR_DB)
+        if not bad:
+            return None
+        return (f"warning: poor result: {'; '.join(bad)} (below {POOR_SQNR_DB:g} dB, about 10% relative error, "
+                f"measured on {'held-out' if self.held_out else 'calibration'} data): the model's outputs differ "
+                "visibly from the float model's")
 
     def lines(self) -> list[str]:
         """What the terminal shows: a header naming the data, then one line per output (worst first beyond

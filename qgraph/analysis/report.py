@@ -35,13 +35,14 @@ from qgraph.analysis.diff.render import coverage_html, dumps, numeric_html
 from qgraph.analysis.diff.render_culprits import culprits_html
 from qgraph.analysis.diff.structural import structural_diff
 from qgraph.analysis.diff.tables import sqnr_cell
-from qgraph.analysis.report_summary import first_screen_html
+from qgraph.analysis.report_summary import culprits_context, first_screen_html
 from qgraph.data import Feed
 from qgraph.errors import QGraphError
 from qgraph.pipeline.pass_result import PassResult
 from qgraph.pipeline.recipe import Recipe
 from qgraph.pipeline.runner import PipelineResult
 from qgraph.pipeline.timing import run_timing
+from qgraph.runtime.class_outputs import class_outputs
 from qgraph.runtime.compare import TensorDiff, random_feeds, run
 from qgraph.runtime.evaluation import Evaluation, concat, top1_agreement
 from qgraph.runtime.kernels.measure import Kernels, deployed, saturation_of
@@ -157,6 +158,7 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
     of an emulated AVX2 stage lists the layers that saturated (``saturation``).
     """
     layout = parts if parts is not None else output_parts_of(reference)
+    classes = class_outputs(reference)  # top-1 agreement for class scores only
     ref_sess = (reference_kernels or deployed()).session(reference)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = [run(ref_sess, f) for f in feeds]
@@ -178,7 +180,8 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
                 for i, (name, other) in enumerate(zip(names, cand, strict=True)):
                     if scored:
                         got_all[i].append(got[other])
-                    agree = top1_agreement(np.asarray(ref[name]), np.asarray(got[other]))
+                    need = classes.get(name)
+                    agree = top1_agreement(np.asarray(ref[name]), np.asarray(got[other]), need) if need else None
                     if agree is not None:
                         count = int(np.shape(ref[name])[0])
                         top1[i] = [top1[i][0] + round(agree * count), top1[i][1] + count]
@@ -372,11 +375,8 @@ def report_html(report: RunReport) -> str:
                 + table(["stage", "output", "SQNR dB", "cosine", "max abs", "relative", "top-1 agreement", "metric"],
                         fid_rows, table_id="fidelity", row_classes=fid_cls), "fidelity-section"),
     ]
-    if report.attribution is not None:  # `qgraph diff` measures against its model A on its data: it may differ
-        sections.insert(1, culprits_html(report.attribution, context=(
-            f"Measured against the float model the quantizing pass received, with its weights, on {report.data}. "
-            "`qgraph diff FLOAT INT8 --eval-data DATA` measures against the model you give it, on that data: its "
-            "ranking can differ where the data or the reference weights differ.")))
+    if report.attribution is not None:
+        sections.insert(1, culprits_html(report.attribution, context=culprits_context(report.data)))
     sections.insert(0, first_screen_html(report.check, report.fidelity, report.attribution))
     if report.graph_view:
         sections.append(section("Changed regions of the graph", report.graph_view, "graph-section"))

@@ -121,3 +121,11 @@ def first_screen_html(check: dict[str, Any] | None, fidelity: list[dict[str, Any
         body.append(f"<p>The largest remaining error: the Q/DQ pair on {esc(c.point.kind)} {esc(c.point.tensor)} "
                     f"(read by {esc(c.point.node)}). Nothing needs to change.</p>")
     return f'<section id="first-screen">{"".join(body)}</section>'
+
+
+def culprits_context(data: str) -> str:
+    """Against what and on which data the report ranks its culprits: `qgraph diff` measures against the model it
+    is given, on its own data, so its ranking can differ and the report says why."""
+    return (f"Measured against the float model the quantizing pass received, with its weights, on {data}. "
+            "`qgraph diff FLOAT INT8 --eval-data DATA` measures against the model you give it, on that data: its "
+            "ranking can differ where the data or the reference weights differ.")

@@ -171,7 +171,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
 
         evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
                                      metric=metric)
-    outcome = _check(model, output, result, evaluation) if check else None
+    outcome = _check(model, output, result, evaluation, min_sqnr) if check else None
     if report is not None:
         from qgraph.analysis.report import write_report
 
@@ -209,9 +209,11 @@ def _stream(passes: list[Any], model: Path, output: Path, in_memory: bool, quiet
     return True
 
 
-def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evaluation | None) -> OutputCheck | None:
-    """Measure the written model against the input model and print one line per output (see `qgraph.analysis.fidelity`);
-    None when no pass changed float results or there is no data."""
+def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evaluation | None,
+           min_sqnr: float | None = None) -> OutputCheck | None:
+    """Measure the written model against the input model and print one line per output (see `qgraph.analysis.fidelity`),
+    and a warning line when the result is poor, gate or not (unless ``--min-sqnr`` fails: its error says it); None
+    when no pass changed float results or there is no data."""
     if not any(r.changed and not r.preserves_float for r in result.records):
         return None  # float-preserving passes only: --verify is their check
     from qgraph.analysis.fidelity import check_fidelity
@@ -223,6 +225,10 @@ def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evalua
         return None
     for line in outcome.lines():
         say(line)
+    warning = outcome.poor()
+    if warning is not None and not (min_sqnr is not None and outcome.failures(min_sqnr)):
+        say(f"{warning}. Where the error comes from: qgraph diff {model} {output} --eval-data DATA; a remedy: keep "
+            "the worst layers in float (float_fallback); a gate: --min-sqnr DB.")
     return outcome
 
 

@@ -30,7 +30,7 @@ from qgraph.cli._app import emit, live_progress
 from qgraph.errors import ModelError, RecipeError
 from qgraph.io.model_io import load_model, save_model
 from qgraph.io.outputs import write_atomic
-from qgraph.quant.qdq import has_qdq
+from qgraph.quant.qdq import has_quantization
 from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.runtime.evaluation import Evaluation
 from qgraph.runtime.executor import ExecutorSpec, make_executor
@@ -221,11 +221,12 @@ def _check_options(target: str | None, output: Path | None, patch: Path | None, 
 
 
 def _qdq_model(path: Path) -> Any:
-    """The QDQ model at ``path``; a model without Q/DQ is refused (the float model given twice or swapped)."""
+    """The quantized model at ``path`` (Q/DQ, or dynamically quantized MatMuls); a float model is refused (the
+    float model given twice or swapped)."""
     qdq = load_model(path)
-    if not has_qdq(qdq):
-        raise ModelError(f"{path}: no QuantizeLinear/DequantizeLinear in it: give the QDQ model second (the "
-                         "float model is the first argument).")
+    if not has_quantization(qdq):
+        raise ModelError(f"{path}: no QuantizeLinear/DequantizeLinear and no integer op in it: give the quantized "
+                         "model second (the float model is the first argument).")
     return qdq
 
 

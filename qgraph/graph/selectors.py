@@ -18,6 +18,7 @@ selects every node. Each criterion that matches nothing is reported (`Selection.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -100,17 +101,24 @@ class Selection:
         return [n.name for n in self.nodes]
 
 
-def select(graph: GraphHandle, selector: NodeSelector) -> Selection:
-    """Resolve ``selector`` on ``graph`` in O(N + criteria) (one index, one networkx view at most)."""
+#: Other names and op types a node answers to: ``(node, name, op)``. A dynamically quantized MatMul's integer node
+#: answers to the MatMul's name and op type it replaced (`qgraph.quant.dynamic_graph`).
+Aliases = Sequence[tuple[gs.Node, str, str]]
+
+
+def select(graph: GraphHandle, selector: NodeSelector, aliases: Aliases = ()) -> Selection:
+    """Resolve ``selector`` on ``graph`` in O(N + criteria) (one index, one networkx view at most); a node is
+    also chosen by any of its ``aliases``."""
     idx = graph.index
     nodes = idx.nodes
     unmatched: list[str] = []
+    alias_node = {name: node for node, name, _ in aliases}
     if selector.is_everything:
         chosen = set(range(len(nodes)))
     else:
         chosen = set()
         for name in selector.names:
-            node = idx.by_name.get(name)
+            node = idx.by_name.get(name, alias_node.get(name))
             if node is None:
                 unmatched.append(f"names: {name!r} matched no node")
             else:
@@ -118,16 +126,18 @@ def select(graph: GraphHandle, selector: NodeSelector) -> Selection:
         for pattern in selector.regex:
             rx = re.compile(pattern)
             hits = {i for i, n in enumerate(nodes) if n.name and rx.search(n.name)}
+            hits |= {idx.pos(n) for name, n in alias_node.items() if rx.search(name)}
             if not hits:
                 unmatched.append(f"regex: {pattern!r} matched no node name")
             chosen |= hits
         if selector.op_types:
             wanted = set(selector.op_types)
             hits_by_op: dict[str, int] = dict.fromkeys(wanted, 0)
-            for i, n in enumerate(nodes):
-                if n.op in wanted:
+            ops = [(i, n.op) for i, n in enumerate(nodes)] + [(idx.pos(n), op) for n, _, op in aliases]
+            for i, op in ops:
+                if op in wanted:
                     chosen.add(i)
-                    hits_by_op[n.op] += 1
+                    hits_by_op[op] += 1
             unmatched += [f"op_types: no {op} node in the graph" for op, c in hits_by_op.items() if c == 0]
         for rng in selector.ranges:
             hits, problem = _range(graph, rng)
@@ -135,10 +145,18 @@ def select(graph: GraphHandle, selector: NodeSelector) -> Selection:
                 unmatched.append(problem)
             chosen |= hits
     if selector.exclude is not None:
-        excluded = select(graph, selector.exclude)
+        excluded = select(graph, selector.exclude, aliases)
         unmatched += [f"exclude {u}" for u in excluded.unmatched]
         chosen -= {idx.pos(n) for n in excluded.nodes}
     return Selection([nodes[i] for i in sorted(chosen)], unmatched)
+
+
+def selects(selector: NodeSelector, name: str, op: str) -> bool:
+    """Whether ``selector`` chooses a node of this name and op type by name, regex or op type (its ranges are
+    resolved on a graph only: `select`)."""
+    hit = selector.is_everything or name in selector.names or op in selector.op_types or any(
+        re.search(p, name) for p in selector.regex)
+    return hit and not (selector.exclude is not None and selects(selector.exclude, name, op))
 
 
 def selected_ids(graph: GraphHandle, selector: NodeSelector) -> tuple[set[int] | None, list[str]]:

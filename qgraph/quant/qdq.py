@@ -66,6 +66,13 @@ def has_qdq(model: onnx.ModelProto) -> bool:
                for g in proto_scopes(model.graph) for n in g.node)
 
 
+def has_quantization(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is quantized at all: Q/DQ (`has_qdq`), integer ops (`INTEGER_OPS`) or run-time
+    ``DynamicQuantizeLinear``, anywhere."""
+    return has_qdq(model) or any(n.op_type in INTEGER_OPS or n.op_type == "DynamicQuantizeLinear"
+                                 for g in proto_scopes(model.graph) for n in g.node)
+
+
 @dataclass(frozen=True)
 class QDQPair:
     """A ``QuantizeLinear -> DequantizeLinear`` pair on float tensor ``tensor`` (``dq_output`` is its DQ twin)."""

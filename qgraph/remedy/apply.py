@@ -14,7 +14,6 @@ every node can be chosen by the name the reports show.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,9 +24,11 @@ import onnx_graphsurgeon as gs
 from qgraph.graph import GraphHandle, named_model
 from qgraph.graph.names import unscoped
 from qgraph.graph.ops import proto_scopes
-from qgraph.graph.selectors import NodeSelector
+from qgraph.graph.selectors import NodeSelector, selects
+from qgraph.quant.dynamic_graph import DynamicUnit, dynamic_units, origin_name
 from qgraph.quant.qdq_graph import quantized_nodes
 from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.remedy.dynamic import fall_back_dynamic
 from qgraph.remedy.fallback import FallbackOutcome, fall_back
 from qgraph.remedy.widen import WidenOutcome, widen_activations
 from qgraph.remedy.widen_weights import widen_weights
@@ -41,13 +42,16 @@ Outcome = FallbackOutcome | WidenOutcome
 
 
 def apply_remedy(graph: GraphHandle, targets: Iterable[gs.Node], to: str = "float",
-                 reference: ReferenceWeights | None = None) -> Outcome:
+                 reference: ReferenceWeights | None = None, units: Sequence[DynamicUnit] = ()) -> Outcome:
     """``targets`` back to float (``to="float"``, weights from ``reference`` when given), to 16-bit activations
     (``to="a16w8"``) or to 16-bit activations and weights (``to="a16w16"``: weights re-quantized from
-    ``reference`` when given), in place."""
+    ``reference`` when given), in place. Dynamically quantized MatMuls (``units``) go back to float
+    (`qgraph.remedy.dynamic`); they have no 16-bit form and are refused with ``a16w8``/``a16w16``."""
     if to in ("a16w8", "a16w16"):
         chosen = list(targets)
         outcome = widen_activations(graph, chosen)
+        outcome.refused += [(u.name, "dynamically quantized (activations quantized at run time): it has no 16-bit "
+                             "form; use to: float") for u in units]
         if to == "a16w16":
             # Nodes whose activations were 16-bit already (a widened neighbour's pair) still get 16-bit weights.
             wide = set(outcome.widened) | {n for n, why in outcome.refused if why.startswith("already 16-bit")}
@@ -56,7 +60,24 @@ def apply_remedy(graph: GraphHandle, targets: Iterable[gs.Node], to: str = "floa
         return outcome
     if to != "float":
         raise ValueError(f"unknown remedy {to!r}: one of {', '.join(REMEDIES)}")
-    return fall_back(graph, targets, reference=reference)
+    out = fall_back(graph, targets, reference=reference)
+    return fall_back_dynamic(graph, units, reference, out) if units else out
+
+
+def fall_back_all(graph: GraphHandle) -> FallbackOutcome:
+    """Every quantized node and every dynamically quantized MatMul of the top graph back to float, in place (the
+    float model whose tensors keep the quantized model's names)."""
+    outcome = apply_remedy(graph, quantized_nodes(graph), "float", None, dynamic_units(graph))
+    assert isinstance(outcome, FallbackOutcome)
+    return outcome
+
+
+def chosen_in(graph: GraphHandle, wanted: set[str]) -> tuple[list[gs.Node], list[DynamicUnit]]:
+    """The nodes of ``graph`` named in ``wanted`` and its dynamic units named there (by their name or their
+    integer node's, `qgraph.quant.dynamic_graph`)."""
+    units = [u for u in dynamic_units(graph) if u.name in wanted or u.anchor_name in wanted]
+    anchors = {id(u.anchor) for u in units}
+    return [n for n in graph.graph.nodes if n.name in wanted and id(n) not in anchors], units
 
 
 @dataclass
@@ -75,13 +96,13 @@ def remedy_model(model: onnx.ModelProto, names: Sequence[str], to: str = "float"
     given = model
     model, _ = named_model(model)  # the names GraphHandle gives (a body is found by the name reports show)
     handle = GraphHandle(model)
-    top = [n for n in handle.graph.nodes if n.name in wanted]
+    top, units = chosen_in(handle, wanted)
     outcomes: list[tuple[str, Outcome]] = []
-    if top:
-        outcomes.append(("", apply_remedy(handle, top, to, reference)))
-    out = handle.to_onnx() if top else (_copy(model) if model is given else model)  # never edit the caller's
+    if top or units:
+        outcomes.append(("", apply_remedy(handle, top, to, reference, units)))
+    out = handle.to_onnx() if top or units else (_copy(model) if model is given else model)  # never edit the caller's
     handle.release()
-    placed = {n.name for n in top}
+    placed = {n.name for n in top} | {u.name for u in units} | {u.anchor_name for u in units}
     rest = wanted - placed
     if rest:
         placed |= _in_bodies(out, rest, to, reference, outcomes, "")
@@ -94,7 +115,7 @@ def _in_bodies(model: onnx.ModelProto, wanted: set[str], to: str, reference: Ref
     placed: set[str] = set()
     facts: ModelFacts | None = None
     for node, attr in list(bodies(model)):
-        inner = {n.name for g in _body_graphs(node, attr) for n in g.node}
+        inner = {m for g in _body_graphs(node, attr) for n in g.node for m in (n.name, origin_name(n.name))}
         if not inner & wanted:
             continue
         facts = facts if facts is not None else ModelFacts.of(model)
@@ -104,10 +125,10 @@ def _in_bodies(model: onnx.ModelProto, wanted: set[str], to: str, reference: Ref
             continue  # its outer types are unknown: the names stay unplaced
         scope = f"{prefix}{node.name}.{attr}"
         handle = GraphHandle(body.model)
-        here = [n for n in handle.graph.nodes if n.name in wanted]
-        if here:
-            outcomes.append((scope, apply_remedy(handle, here, to, reference)))
-            placed |= {n.name for n in here}
+        here, units = chosen_in(handle, wanted)
+        if here or units:
+            outcomes.append((scope, apply_remedy(handle, here, to, reference, units)))
+            placed |= {n.name for n in here} | {u.name for u in units} | {u.anchor_name for u in units}
         rewritten = handle.to_onnx()
         handle.release()
         placed |= _in_bodies(rewritten, wanted - placed, to, reference, outcomes, scope + "/")
@@ -135,7 +156,7 @@ def body_candidates(model: onnx.ModelProto, restrict: NodeSelector | None = None
     found: list[tuple[str, str]] = []
     _collect(model, found)
     if restrict is not None:
-        found = [(n, op) for n, op in found if _matches(restrict, n, op)]
+        found = [(n, op) for n, op in found if selects(restrict, n, op)]
     return found, []
 
 
@@ -149,15 +170,9 @@ def _collect(model: onnx.ModelProto, found: list[tuple[str, str]]) -> None:
             continue
         handle = GraphHandle(body.model)
         found.extend((n.name, n.op) for n in quantized_nodes(handle))
+        found.extend((u.name, u.op) for u in dynamic_units(handle))
         handle.release()
         _collect(body.model, found)
-
-
-def _matches(selector: NodeSelector, name: str, op: str) -> bool:
-    """Whether a body node is in ``selector`` by its name, regex or op type (ranges are top-graph only)."""
-    hit = selector.is_everything or name in selector.names or op in selector.op_types or any(
-        re.search(p, name) for p in selector.regex)
-    return hit and not (selector.exclude is not None and _matches(selector.exclude, name, op))
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -62,6 +62,9 @@ class FallbackOutcome:
     relu_restored: list[str] = field(default_factory=list)  # tensors given back the Relu a quantizer folded
     float_weights_restored: list[str] = field(default_factory=list)  # constants taken from the float reference
     still_quantized_for: dict[str, list[str]] = field(default_factory=dict)  # node -> consumers keeping Q/DQ
+    #: dynamically quantized MatMuls returned to float (`qgraph.remedy.dynamic`): float node -> (integer node it
+    #: replaced, where its weight came from: "float reference" or "dequantized codes")
+    dynamic: dict[str, tuple[str, str]] = field(default_factory=dict)
     nodes_added: int = 0
     nodes_removed: int = 0
 

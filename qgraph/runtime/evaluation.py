@@ -15,7 +15,7 @@ reference's own score is ``metric(reference_outputs, labels or reference_outputs
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,9 +163,11 @@ def concat(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts, axis=0) if np.ndim(parts[0]) else np.stack(parts)
 
 
-def top1_agreement(reference: np.ndarray, candidate: np.ndarray) -> float | None:
-    """Share of rows whose arg-max class agrees, for class scores ``[N, C]`` (or ``[N, C, 1, ...]``)."""
-    if reference.ndim < 2 or reference.shape[1] < 2 or reference.shape != candidate.shape or \
+def top1_agreement(reference: np.ndarray, candidate: np.ndarray, min_classes: int = 2) -> float | None:
+    """Share of rows whose arg-max class agrees, for class scores ``[N, C]`` (or ``[N, C, 1, ...]``) with at least
+    ``min_classes`` columns. Whether an output is class scores at all is the graph's business
+    (`qgraph.runtime.class_outputs`): callers ask only for the outputs it names."""
+    if reference.ndim < 2 or reference.shape[1] < max(2, min_classes) or reference.shape != candidate.shape or \
             any(d != 1 for d in reference.shape[2:]) or reference.dtype.kind != "f" or not len(reference):
         return None
     r, c = reference.reshape(reference.shape[0], -1), candidate.reshape(candidate.shape[0], -1)
@@ -207,9 +209,11 @@ class StageScore:
 
 
 def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str], got: Sequence[np.ndarray],
-                evaluation: Evaluation | None = None, parts: OutputParts | None = None) -> StageScore:
+                evaluation: Evaluation | None = None, parts: OutputParts | None = None,
+                classes: Mapping[str, int] | None = None) -> StageScore:
     """Compare ``got`` with ``reference`` output by output (by position), and part by part where ``parts`` split an
-    output (`qgraph.runtime.output_parts`), and apply the metric."""
+    output (`qgraph.runtime.output_parts`), and apply the metric. Top-1 agreement only for the outputs ``classes``
+    names (`qgraph.runtime.class_outputs`; None: every output shaped like class scores)."""
     if len(got) != len(reference):
         return StageScore(stage, error=f"{len(got)} outputs where the reference has {len(reference)}")
     out = StageScore(stage)
@@ -217,7 +221,8 @@ def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str
         if np.shape(r) != np.shape(g):
             return StageScore(stage, error=f"output {name}: shape {list(np.shape(g))} vs reference "
                                            f"{list(np.shape(r))}")
-        out.top1.append(top1_agreement(np.asarray(r), np.asarray(g)))
+        need = classes.get(name) if classes is not None else 2
+        out.top1.append(top1_agreement(np.asarray(r), np.asarray(g), need) if need is not None else None)
     diffs = PartDiffs(parts if parts is not None else OutputParts.whole(names), names)
     diffs.add(reference, got)
     out.outputs, out.parts = diffs.whole(), diffs.scored() if parts is not None and parts.split else []

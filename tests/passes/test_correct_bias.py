@@ -25,7 +25,8 @@ def test_only_int32_bias_codes_change() -> None:
     rec = out.records[1].result
     assert rec.matched == 3 and rec.rewritten == 3
     assert set(rec.details["layers"]) == {"Conv(c1)", "Conv(c2)", "Gemm(y)"}  # nameless nodes: by the one rule
-    assert rec.decisions and rec.decisions[0].startswith("bias correction (local, 2 model run(s))")
+    (line,) = rec.decisions
+    assert line.startswith("bias correction: 3 of 3 layer bias(es) corrected (local, 2 model run(s); ")
 
 
 def test_error_reduction_on_a_per_tensor_depthwise_net() -> None:
@@ -106,7 +107,8 @@ passes:
     res = recipe.pipeline().run(m, calibration_data=source(depthwise_feeds(16)))
     assert [r.name for r in res.records] == ["insert_qdq", "optimize_rounding", "correct_bias"]
     provenance = {p.key: p.value for p in res.model.metadata_props}["qgraph.passes"]
-    assert "adaptive rounding: 4 layer(s) optimized" in provenance and "bias correction (local" in provenance
+    assert "adaptive rounding: 4 layer(s) optimized" in provenance
+    assert "4 of 4 layer bias(es)" in provenance and "(local, 2 model run(s); " in provenance
 
 
 CHAIN = """
@@ -145,9 +147,15 @@ def test_the_guard_undoes_a_correction_that_makes_the_model_worse(seed: int) -> 
     assert worse < before - 1.5, (before, worse)  # measured: 34.4 -> 32.6 and 35.7 -> 30.0 dB held out
     assert changed(base.model, guarded.model) == set()  # every bias back as it was
     result = guarded.records[1].result
-    line = next(d for d in result.decisions if d.startswith("guard: output SQNR on 32 calibration sample(s)"))
-    assert "undone" in line and result.rewritten == 0
+    # one line says what happened and why (no "changed" line followed by an "undone" one)
+    (line,) = result.decisions
+    assert line.startswith("bias correction undone, every bias is as before: correcting 3 of 3 layer bias(es) "
+                           "(one_shot, ") and result.rewritten == 0
+    scores = line.split("lowered the output SQNR on 32 calibration sample(s) ")[1].split(" dB")[0].split(" -> ")
+    assert float(scores[1]) < float(scores[0])
     # local mode on the same chain helps, and the guard keeps it
     local = run(m, cal, CorrectBias(), weights={"per_channel": False})
     assert sqnr_db(m, local.model, ev) > before + 3.0
-    assert any(d.startswith("guard:") and d.endswith("kept") for d in local.records[1].result.decisions)
+    (kept,) = local.records[1].result.decisions
+    assert kept.startswith("bias correction: 3 of 3 layer bias(es) corrected (local, ")
+    assert "; kept: output SQNR on 32 calibration sample(s) " in kept and local.records[1].result.rewritten == 3

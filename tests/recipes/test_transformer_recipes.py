@@ -208,3 +208,64 @@ def test_transformer_recipe_reaches_the_cosine_target_on_minilm(name: str, minil
         assert bad == 0
     elif name == "transformer-ort-x86-vnni":  # the check has teeth: full 8-bit codes can (cosine 0.02 on AVX2)
         assert bad > 0
+
+
+# ---------------------------------------------------------------------------------------------- float_fallback
+def _with_fallback(model: onnx.ModelProto, calibration: Path, fallback: dict[str, Any]) -> Any:
+    recipe = Recipe.from_yaml(RECIPES / "transformer-ort-x86-vnni.yaml")
+    extra = Recipe.from_dict({"name": "fallback", "passes": [{"pass": "float_fallback", **fallback}]})
+    return Pipeline([*recipe.passes, *extra.passes]).run(model, calibration_data=str(calibration))
+
+
+def _tensors(model: onnx.ModelProto, feeds: list[dict[str, Any]], names: list[str]) -> list[np.ndarray]:
+    """``names`` over ``feeds`` (exact integer arithmetic), concatenated and flattened, float64."""
+    m = exact_integer_model(model)
+    m.graph.output.extend(helper.make_value_info(n, onnx.TypeProto()) for n in names)
+    sess = _session(m, False)
+    got = [sess.run(names, f) for f in feeds]
+    return [np.concatenate([g[i].ravel() for g in got]).astype(np.float64) for i in range(len(names))]
+
+
+def test_minilm_named_matmuls_go_back_to_float(minilm: dict[str, Any]) -> None:
+    """Layer 0's query (float input: its output is the float model's again) and layer 2's FFN down (its input went
+    through quantized layers: it computes x @ W with SmoothQuant's float weight, not the int8 codes)."""
+    query, down = "encoder.layer.0.attention.self.query/MatMul", "encoder.layer.2.output.dense/MatMul"
+    feeds = minilm["eval"][:8]
+    plain = _quantize("transformer-ort-x86-vnni", minilm["model"], minilm["calibration"])
+    result = _with_fallback(minilm["model"], minilm["calibration"], {"nodes": {"names": [query, down]}})
+    out = result.model
+    assert sum(n.op_type == "MatMulInteger" for n in out.graph.node) == 34
+    nodes = {n.name: n for n in out.graph.node}
+    (want,) = _tensors(minilm["model"], feeds, [query])
+    (after,), (before,) = (_tensors(m, feeds, [query]) for m in (out, plain))
+    rel = [float(np.linalg.norm(g - want) / np.linalg.norm(want)) for g in (after, before)]
+    assert rel[0] < 1e-5 < 1e-3 < rel[1], rel
+    node = nodes[down]
+    x, y = _tensors(out, feeds, [node.input[0], node.output[0]])
+    w = numpy_helper.to_array(next(i for i in out.graph.initializer if i.name == node.input[1])).astype(np.float64)
+    expect = x.reshape(-1, w.shape[0]) @ w
+    assert np.linalg.norm(y - expect.ravel()) / np.linalg.norm(expect) < 1e-5
+    w_float = numpy_helper.to_array(next(i for i in minilm["model"].graph.initializer
+                                         if i.name == "encoder.layer.2.output.dense.weight")).astype(np.float64)
+    ratio = w / w_float  # SmoothQuant scaled each input row by one factor: the float weight, not the codes
+    assert np.all(np.std(ratio, axis=1) <= 1e-5 * np.abs(np.mean(ratio, axis=1)))
+    record = next(r.result for r in result.records if r.name == "float_fallback")
+    assert any(d.startswith("2 dynamically quantized MatMul(s) returned to float") and "2 with the float model's "
+               "weight" in d for d in record.decisions)
+    assert exact_cosines(minilm["model"], out, minilm["eval"]).mean() > exact_cosines(
+        minilm["model"], plain, minilm["eval"]).mean()
+
+
+def test_minilm_auto_fallback_meets_a_cosine_target_with_a_ranked_subset(minilm: dict[str, Any],
+                                                                          tmp_path: Path) -> None:
+    rm = _real_models()
+    np.savez(tmp_path / "eval.npz", **rm.stack(minilm["eval"]))
+    goal = 0.9995  # the recipe alone: about 0.9989 as one vector over these passages
+    result = _with_fallback(minilm["model"], minilm["calibration"], {"auto": {
+        "target": f"cosine:{goal}", "data": str(tmp_path / "eval.npz"), "latency_rounds": 0}})
+    record = next(r.result for r in result.records if r.name == "float_fallback")
+    auto = record.details["auto"]
+    assert auto["target_met"] and auto["int8_score"] < goal and 1 <= len(auto["nodes"]) < 36
+    assert sum(n.op_type == "MatMulInteger" for n in result.model.graph.node) == 36 - len(auto["nodes"])
+    (want,), (got,) = (_tensors(m, minilm["eval"], [m.graph.output[0].name]) for m in (minilm["model"], result.model))
+    assert float(want @ got / (np.linalg.norm(want) * np.linalg.norm(got))) >= goal - 2e-5  # measured here again

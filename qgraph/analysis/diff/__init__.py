@@ -25,6 +25,7 @@ from qgraph.analysis.diff.numeric import numeric_diff
 from qgraph.analysis.diff.qdq import NodeQuant, QdqCoverage, SaturationRisk, qdq_coverage, saturation_risks
 from qgraph.analysis.diff.structural import StructuralDiff, structural_diff
 from qgraph.data import Feed, open_data_source
+from qgraph.runtime.class_outputs import class_outputs
 from qgraph.runtime.evaluation import Evaluation, load_metric, score_stage
 from qgraph.runtime.kernels.host import saturates
 from qgraph.runtime.kernels.measure import KernelChoice, Kernels, choose, model_target, target_family
@@ -112,14 +113,15 @@ def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluati
     choice = choice or choose(None)
     names, ref, _ = evaluation.run(a, choose(model_target(a)).kernels)
     _, got, saturation = evaluation.run(b, choice.kernels)
-    score = score_stage("B", ref, names, got, evaluation)
+    classes = class_outputs(a)  # top-1 agreement for class scores only
+    score = score_stage("B", ref, names, got, evaluation, classes=classes)
     out = {"data": evaluation.describe(), "top1_agreement": score.top1_agreement,
            "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
            "sqnr_db": score.sqnr_db, "cosine": score.cosine, "error": score.error,
            "kernels": choice.to_dict(), "measured_with": choice.kernels.label(),
            "saturation": [c.to_dict() for c in saturation]}
     if choice.other is not None:
-        host = score_stage("B", ref, names, evaluation.run(b, choice.other)[1], evaluation)
+        host = score_stage("B", ref, names, evaluation.run(b, choice.other)[1], evaluation, classes=classes)
         out["host"] = {"measured_with": choice.other.label(), "top1_agreement": host.top1_agreement,
                        "metric_b": host.metric, "sqnr_db": host.sqnr_db, "cosine": host.cosine, "error": host.error}
     return out

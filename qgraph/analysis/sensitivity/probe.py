@@ -34,12 +34,12 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from qgraph.analysis.sensitivity import probe_parts
+from qgraph.analysis.sensitivity.probe_dynamic import copy_nodes, unit_copy, unit_nodes
 from qgraph.data import Feed
 from qgraph.graph import GraphHandle
 from qgraph.io.model_io import save_model
 from qgraph.quant.qdq import is_dequantize, is_quantize
-from qgraph.quant.qdq_graph import quantized_nodes
-from qgraph.remedy.fallback import fall_back
+from qgraph.remedy.apply import fall_back_all
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputParts
 
@@ -93,9 +93,10 @@ class Probe:
 
 
 def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
-    """``qdq`` with every quantized node fallen back: the float model whose tensors keep the QDQ model's names."""
+    """``qdq`` with every quantized node (dynamic ones too) fallen back: the float model whose tensors keep the QDQ
+    model's names."""
     handle = GraphHandle(qdq)
-    fall_back(handle, quantized_nodes(handle))
+    fall_back_all(handle)
     try:
         return handle.to_onnx()
     finally:
@@ -123,15 +124,20 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
     skipped: dict[str, str] = {}
     position = {n.name: i for i, n in enumerate(f.graph.node)}
     by_output, per_part = probe_parts.cuts(parts), {}
+    units = unit_nodes(qdq)  # dynamically quantized MatMuls (`probe_dynamic`)
     # In the float model's order, so a Q/DQ copy shared by several nodes sits before every one of them.
     for k, name in enumerate(sorted(names, key=lambda n: position.get(n, -1))):
         node = by_name.get(name)
-        if node is None or name not in position:
+        if (node is None and name not in units) or name not in position:
             skipped[name] = "not in the QDQ model"
             continue
         chains = dict(ctx.chains)
         try:
-            nodes, pairs = ctx.node_copy(node, consumers, graph_outputs)
+            if name in units:
+                nodes, pairs = unit_copy(units[name], f"{PREFIX}{k}/", ctx.need)
+            else:
+                assert node is not None
+                nodes, pairs = ctx.node_copy(node, consumers, graph_outputs)
         except _NoProbe as why:
             ctx.chains = chains  # copies made for this node are dropped with it
             skipped[name] = str(why)
@@ -174,7 +180,7 @@ class _Builder:
         self.constants: list[onnx.NodeProto] = []  # Constant nodes the float model dropped
         self.initializers: list[TensorProto] = []  # initializers the float model dropped (scales, codes)
 
-    def _need(self, tensor: str) -> None:
+    def need(self, tensor: str) -> None:
         """Make ``tensor`` (a constant of the QDQ model) available in the probe."""
         if not tensor or tensor in self.available:
             return
@@ -204,20 +210,7 @@ class _Builder:
                 raise _NoProbe(f"{p.name!r} dequantizes the output of {q.op_type} {q.name!r}")
             links.append(q)
             current = q.input[0]
-        renamed: dict[str, str] = {}
-        copies = []
-        for link in reversed(links):
-            copy = onnx.NodeProto()
-            copy.CopyFrom(link)
-            copy.name = PREFIX + link.name
-            for i, t in enumerate(copy.input):
-                if t in renamed:
-                    copy.input[i] = renamed[t]
-                else:
-                    self._need(t)
-            for i, t in enumerate(copy.output):
-                renamed[t] = copy.output[i] = PREFIX + t
-            copies.append(copy)
+        copies, renamed = copy_nodes(list(reversed(links)), PREFIX, self.need)
         emitted.extend(copies)
         self.chains[tensor] = renamed.get(tensor, tensor)
         return self.chains[tensor]
@@ -261,7 +254,7 @@ class _Builder:
                     qc.input[0], qc.output[0] = y_copy, OUT_PREFIX + q.output[0]
                     dqc.input[0], dqc.output[0] = qc.output[0], OUT_PREFIX + dq.output[0]
                     for t in [*qc.input[1:], *dqc.input[1:]]:
-                        self._need(t)
+                        self.need(t)
                     tail.extend([qc, dqc])
                     return dqc.output[0], dq.output[0]
         return y_copy, y

@@ -34,6 +34,7 @@ from qgraph.analysis.sensitivity.targets import Target
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle
 from qgraph.graph.selectors import NodeSelector, select
+from qgraph.quant.dynamic_graph import dynamic_units, unit_aliases
 from qgraph.quant.qdq_graph import quantized_nodes
 from qgraph.runtime.compare import TensorDiff
 from qgraph.runtime.executor import Executor, ExecutorSpec
@@ -112,15 +113,21 @@ class SensitivityReport:
 
 # ----------------------------------------------------------------------------- the report
 def candidate_nodes(
-    qdq: onnx.ModelProto, restrict: NodeSelector | None = None
+    qdq: onnx.ModelProto, restrict: NodeSelector | None = None, dynamic: bool = True
 ) -> tuple[list[tuple[str, str]], list[str]]:
     """``(name, op)`` of every quantized node (optionally within ``restrict``), by the names `GraphHandle` gives,
-    and notes."""
+    and notes; dynamically quantized MatMuls too unless ``dynamic`` is False (a 16-bit remedy has no form for them:
+    a note says how many are left out)."""
     handle = GraphHandle(qdq)
     nodes = quantized_nodes(handle)
+    units = dynamic_units(handle)  # dynamically quantized MatMuls, by the MatMul's name (`qgraph.remedy.dynamic`)
     notes: list[str] = []
+    if units and not dynamic:
+        notes.append(f"{len(units)} dynamically quantized MatMul(s) are not candidates: they have no 16-bit form "
+                     "(to: float returns them to float)")
+        units = []
     if restrict is not None:
-        sel = select(handle, restrict)
+        sel = select(handle, restrict, unit_aliases(units))
         if sel.unmatched:
             raise PassError(
                 f"float_fallback: candidate selector ({restrict.describe()}): "
@@ -129,9 +136,10 @@ def candidate_nodes(
             )
         inside = {id(n) for n in sel.nodes}
         nodes = [n for n in nodes if id(n) in inside]
+        units = [u for u in units if id(u.anchor) in inside]
     # Every node has a unique name once loaded (`qgraph.graph.naming`: unnamed ones ``<OpType>(<first output>)``,
     # repeats ``name#2``): the name shown here is the one `float_fallback`'s ``nodes.names`` selects.
-    return [(n.name, n.op) for n in nodes], notes
+    return [(n.name, n.op) for n in nodes] + [(u.name, u.op) for u in units], notes
 
 
 def sensitivity_report(

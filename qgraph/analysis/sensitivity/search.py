@@ -59,6 +59,7 @@ from qgraph.errors import ModelError
 from qgraph.graph import named_model
 from qgraph.io.outputs import write_atomic
 from qgraph.pipeline.recipe_text import recipe_yaml
+from qgraph.quant.dynamic_graph import DYNAMIC_OPS
 from qgraph.remedy.apply import body_candidates
 from qgraph.runtime.executor import Executor, make_executor
 
@@ -240,7 +241,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     run.evaluations, run.eval_seconds = 1, [base.seconds]
     int8_score = run.int8_score = tgt.score(base.scored, base.outputs, run.refs)
     run.stage_end("baseline")
-    found, notes = candidate_nodes(evaluator.variant(chosen), o.candidates)
+    found, notes = candidate_nodes(evaluator.variant(chosen), o.candidates, dynamic=o.remedy == "float")
     notice = naming.notice()
     if notice:
         notes.insert(0, f"QDQ model: {notice}")
@@ -262,7 +263,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     if o.report_only:
         return _finish(run, out, "report only")
     latency = LatencyModel(qdq, o.costs.table, o.costs.preset, shapes) if o.costs is not None else None
-    order = _order(report, latency if o.rank_by == "latency" else None, chosen)
+    order = _order(report, latency if _rank_by(o.rank_by, qdq, notes) == "latency" else None, chosen)
     cap = len(order) if o.max_nodes is None else max(0, min(len(order), o.max_nodes - len(chosen)))
     slow = _latency_cap(latency, order[:cap], o.max_latency)
     cap = min(cap, slow) if slow is not None else cap
@@ -293,6 +294,16 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     out.target_met = tgt.met(out.score, threshold)
     _latency(out, latency, chosen, o.latency_rounds, reference, evaluator)
     return _finish(run, out, "target met" if out.target_met else reason)
+
+
+def _rank_by(asked: str, qdq: onnx.ModelProto, notes: list[str]) -> str:
+    """``asked``, except that a model with dynamically quantized MatMuls is ranked by error (the cost table
+    prices static Q/DQ boundaries; a dynamic MatMul quantizes its input at run time), with a note saying so."""
+    if asked == "latency" and any(n.op_type in DYNAMIC_OPS for n in qdq.graph.node):
+        notes.append("dynamically quantized MatMuls: ranked by output error alone (the cost table models static "
+                     "Q/DQ boundaries, not run-time quantization)")
+        return "error"
+    return asked
 
 
 def _check_pair(reference: onnx.ModelProto, qdq: onnx.ModelProto) -> None:

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.graph import GraphHandle, insert_after_producers
+from qgraph.quant.dynamic_graph import dynamic_units
 from qgraph.quant.qdq_graph import float_source, is_dq, qparams
 from qgraph.runtime.compare import make_session, session_run
 
@@ -160,7 +161,8 @@ def matmul_flops(
     """FLOPs (2·M·K·N) of every MatMul/Gemm and whether it runs in INT8.
 
     Dynamic input dimensions take their size in ``input_shapes`` when given (e.g. one evaluation sample),
-    else 1. A MatMul/Gemm counts as INT8 when both of its matrix inputs are read through DequantizeLinear.
+    else 1. A MatMul/Gemm counts as INT8 when both of its matrix inputs are read through DequantizeLinear, and so
+    does a dynamically quantized MatMul (`qgraph.quant.dynamic_graph`).
     """
     shaped = onnx.ModelProto()
     shaped.CopyFrom(model)
@@ -194,4 +196,9 @@ def matmul_flops(
             flops = 2 * int(np.prod(batch)) * a2[-2] * a2[-1] * b2[-1]
         int8 = all((p := handle.producer(t)) is not None and is_dq(p) for t in node.inputs[:2])
         rows.append({"name": node.name, "op": node.op, "flops": int(flops), "int8": int8})
+    for unit in dynamic_units(handle):  # dynamically quantized MatMuls: INT8, their X quantized at run time
+        x = shapes.get(unit.x.name)
+        if x:
+            k, n = unit.codes.shape
+            rows.append({"name": unit.name, "op": unit.op, "flops": 2 * int(np.prod(x[:-1])) * k * n, "int8": True})
     return rows
