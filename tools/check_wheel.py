@@ -11,6 +11,7 @@ points declare registers under its name; nothing of the checkout (tests, tools, 
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import zipfile
@@ -63,9 +64,15 @@ def check(wheel: Path, plugins: list[str]) -> list[str]:
     missing = sorted((declared | set(plugins)) - set(registered))
     if missing:
         problems.append(f"passes declared but not registered: {missing}")
-    help_run = subprocess.run([sys.executable, "-m", "qgraph", "--help"], capture_output=True, text=True, check=False)
-    if help_run.returncode != 0 or "Usage" not in help_run.stdout:
-        problems.append(f"`python -m qgraph --help` exited {help_run.returncode}: {help_run.stderr.strip()[:300]}")
+    # what a newcomer types first, in an environment with only the wheel's dependencies (no click: typer vendors it)
+    for args, code, says in ((["--help"], 0, "Usage"), (["run", "--help"], 0, "--calibration-data"),
+                             (["run"], 2, "Missing argument"), (["nosuch"], 2, "No such command"),
+                             (["passes"], 0, "insert_qdq")):
+        done = subprocess.run([sys.executable, "-m", "qgraph", *args], capture_output=True, text=True, check=False,
+                              env={**os.environ, "COLUMNS": "80"})
+        if done.returncode != code or says not in done.stdout + done.stderr:
+            problems.append(f"`python -m qgraph {' '.join(args)}` exited {done.returncode} (want {code}, saying "
+                            f"{says!r}): {(done.stdout + done.stderr).strip()[-300:]}")
     print(f"{wheel.name}: {len(modules)} modules import, {len(declared)} built-in passes register "
           f"({len(registered)} with plug-ins), from {where.parent}")
     return problems

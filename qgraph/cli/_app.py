@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 
-def _plain_params(params: list[Any]) -> list[Any]:
+def _plain_params(params: list[Any], ctx: Any) -> list[Any]:
     """Help that reads as the command line does: a flag shows no value (typer >= 0.29 would print ``<bool>``),
     an argument its upper-case name (``RECIPE``, as in the usage line and the README)."""
     for p in params:
@@ -28,7 +28,7 @@ def _plain_params(params: list[Any]) -> list[Any]:
         elif getattr(p, "param_type_name", "") == "argument" and p.metavar is None and p.name:
             p.metavar = p.name.upper()
         elif getattr(p, "param_type_name", "") == "option" and p.metavar is None:
-            p.metavar = _option_metavar(p)
+            p.metavar = _option_metavar(p, ctx)
     return params
 
 
@@ -36,11 +36,10 @@ def _plain_params(params: list[Any]) -> list[Any]:
 _METAVARS = {"path": "PATH", "list[Path]": "PATH", "str": "TEXT", "int": "N", "int range": "N", "float": "NUMBER"}
 
 
-def _option_metavar(param: Any) -> str | None:
-    import click
-
+def _option_metavar(param: Any, ctx: Any) -> str | None:
+    # never `import click`: typer >= 0.29 vendors it (typer._click) and a fresh install has no click at all
     try:
-        shown = str(param.display_type(click.get_current_context(silent=True)))
+        shown = str(param.display_type(ctx))
     except Exception:  # an older typer: keep its own placeholder
         return None
     inner = shown.strip("<>")
@@ -64,7 +63,7 @@ class QGraphCommand(TyperCommand):
 
     def get_params(self, ctx: Any) -> list[Any]:
         """The command's parameters, help option included, with the metavars of `_plain_params`."""
-        return _plain_params(super().get_params(ctx))
+        return _plain_params(super().get_params(ctx), ctx)
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         """Rich's boxed help on a wide terminal, click's plain layout on a narrow one or a pipe."""
@@ -95,7 +94,7 @@ class QGraphGroup(TyperGroup):
 
     def get_params(self, ctx: Any) -> list[Any]:
         """The group's parameters with the metavars of `_plain_params`."""
-        return _plain_params(super().get_params(ctx))
+        return _plain_params(super().get_params(ctx), ctx)
 
     def list_commands(self, ctx: Any) -> list[str]:
         """The commands in `COMMAND_ORDER` (any other after them, by name)."""
