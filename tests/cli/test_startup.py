@@ -70,3 +70,10 @@ def test_the_cli_data_layout_is_the_data_layer_s() -> None:
     from qgraph.data import DataLayout
 
     assert typing.get_args(_app.DataLayout) == typing.get_args(DataLayout)
+
+
+def test_python_dash_m_qgraph_exits_with_the_command_s_code() -> None:
+    done = subprocess.run([sys.executable, "-m", "qgraph", "nosuch"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "No such command" in done.stderr + done.stdout
+    done = subprocess.run([sys.executable, "-m", "qgraph", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("qgraph ")
