@@ -153,7 +153,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
                               data_layout=data_layout, keep_input=report is not None)
     for decision in result.load_decisions:
         say(f"  {decision}")
-    timing = run_timing(result.records)
+    timing = run_timing(result.records, result.float_inference)
     if timing is not None and not quiet:
         say(f"  {timing.line()}")
     if not quiet and result.calibration_data is not None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
-from qgraph.data import DataLayout, DataSource, Feed, open_data_source
+from qgraph.data import DataLayout, DataSource, Feed, batched, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model
 from qgraph.graph.detach import fill_weights
@@ -33,6 +33,7 @@ from qgraph.pipeline.preflight import preflight, require_data
 from qgraph.pipeline.provenance import write_provenance
 from qgraph.pipeline.recipe_text import RecipeSpec
 from qgraph.pipeline.target import CalibrationSpec, TargetSpec
+from qgraph.pipeline.timing import FloatInference, measure_float_inference
 from qgraph.pipeline.verify import VerifyTolerance, check_pass, measure_tolerance
 from qgraph.runtime.compare import TensorDiff, random_feeds
 from qgraph.runtime.kernels.measure import KERNEL_OPTIONS, KernelChoice, choose, target_family
@@ -106,6 +107,9 @@ class PipelineResult:
     load_decisions: list[str] = field(default_factory=list)
     #: How the run measured accuracy, and how later checks of its output should (`qgraph.runtime.kernels.measure`).
     kernel_choice: KernelChoice | None = None
+    #: One float inference pass over the calibration data, timed apart from every pass (`qgraph.pipeline.timing`):
+    #: the yardstick of the run summary's time line; None when no pass read calibration data.
+    float_inference: FloatInference | None = None
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
@@ -117,6 +121,16 @@ def _check_options(kernels: str, verify_tolerance: float) -> None:
         raise UsageError(f"kernels {kernels!r}: give one of {', '.join(KERNEL_OPTIONS)}.")
     if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
         raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
+
+
+def _float_yardstick(records: Sequence[PassRecord], ctx: PassContext, data: DataSource | None
+                     ) -> FloatInference | None:
+    """One float inference pass over the calibration data, timed apart (`qgraph.pipeline.timing`), when a pass
+    calibrated from data and the run kept the float model (`PassContext.float_reference`)."""
+    if data is None or ctx.float_reference is None or not any(r.result.calibration_seconds for r in records):
+        return None
+    return measure_float_inference(ctx.float_reference, ctx.float_reference_weights,
+                                   batched(data, ctx.calibration.batch_size))
 
 
 def _peak_rss_mb() -> float:
@@ -246,6 +260,7 @@ class Pipeline(RecipeSpec):
             if record.verify is not None:
                 emit(PipelineEvent("verify", total, i, p.name, verify=record.verify, tolerance=tolerance))
             previous = current if previous is not None else None
+        yardstick = _float_yardstick(records, ctx, data)
         out, held = handle.weightless_export()
         handle.release()  # the graph lets go of its weights: `held` is their last owner...
         gc.collect()  # ...once the tensors' own reference cycles (tensor <-> its consumer lists) are collected
@@ -256,7 +271,7 @@ class Pipeline(RecipeSpec):
         write_provenance(out, self.to_dict(), input_hash, records, self.made_for())
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
         checked = choose(self.made_for(), kernels)  # the output, as it deploys on the CPU it is made for
-        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions, checked)
+        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions, checked, yardstick)
 
     def made_for(self) -> str | None:
         """The CPU family the output is made for: the recipe's ``target.cpu`` (``host`` resolved), else the first
