@@ -15,6 +15,8 @@ Adding any number of exact zeros to the data never changes an entropy or MSE thr
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import numpy.typing as npt
 
@@ -83,17 +85,22 @@ def kl_divergences(
     xlogx = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
     ce = np.concatenate([[0.0], np.cumsum(xlogx)])
 
-    g = np.arange(L + 1, dtype=np.int64)
-    bounds = (g[None, :] * cand[:, None] + L - 1) // L  # ceil(g * i / L), shape (T, L + 1)
-    s_g = cs[bounds[:, 1:]] - cs[bounds[:, :-1]]
-    n_g = nzc[bounds[:, 1:]] - nzc[bounds[:, :-1]]
-    safe_n = np.where(n_g > 0, n_g, 1.0)
-    safe_s = np.where(s_g > 0, s_g, 1.0)
-    plogq = np.sum(np.where(s_g > 0, s_g * np.log(safe_s / safe_n), 0.0), axis=1)
+    bounds = _level_bounds(L, 1 << int(cand[-1] - 1).bit_length())[cand - L]  # ceil(g * i / L), shape (T, L + 1)
+    # one gather per prefix sum, then differences: the same values as gathering both ends separately
+    s_g = np.diff(cs[bounds], axis=1)
+    n_g = np.diff(nzc[bounds], axis=1)
+    del bounds
+    occupied = s_g > 0  # S_g > 0 implies n_g > 0
+    ratio = np.divide(s_g, n_g, out=np.ones_like(s_g), where=occupied)
+    np.log(ratio, out=ratio)
+    ratio *= s_g  # 0 where S_g = 0 (log 1 = 0)
+    plogq = np.sum(ratio, axis=1)
+    del ratio
+    n_last = n_g[:, -1]
 
     outliers = total - cs[cand]
     h_last = h[cand - 1]
-    q_last = s_g[:, -1] / safe_n[:, -1]
+    q_last = s_g[:, -1] / np.where(n_last > 0, n_last, 1.0)
     with np.errstate(divide="ignore"):
         plogq += np.where(outliers > 0, outliers * np.log(np.where(q_last > 0, q_last, 1.0)), 0.0)
     p_last = h_last + outliers
@@ -104,6 +111,17 @@ def kl_divergences(
     invalid = (h_last == 0) & (outliers > 0)
     kl = np.where(invalid, np.inf, kl)
     return cand, kl
+
+
+@functools.lru_cache(maxsize=8)
+def _level_bounds(num_levels: int, max_bins: int) -> npt.NDArray[np.int64]:
+    """``ceil(g * i / L)`` for ``i = L .. max_bins`` (rows) and ``g = 0 .. L`` (columns), computed once per shape:
+    the integer divisions cost as much as the rest of a KL search. Read-only (shared by every call)."""
+    i = np.arange(num_levels, max(max_bins, num_levels) + 1, dtype=np.int64)
+    g = np.arange(num_levels + 1, dtype=np.int64)
+    out = (g[None, :] * i[:, None] + num_levels - 1) // num_levels
+    out.flags.writeable = False
+    return out
 
 
 def entropy_threshold(row: HistogramRow, num_levels: int = 128) -> float:
