@@ -222,8 +222,7 @@ class Pipeline(RecipeSpec):
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
         tolerance = measure_tolerance(source, verify_feeds, verify_tolerance) if verify else None
-        kept = source if keep_input or keep_stages or verify else None
-        if kept is None:
+        if (kept := source if keep_input or keep_stages or verify else None) is None:
             ctx.input_model = None
         del source  # the handle owns the weights now: without `kept`, the loaded protobuf is freed here
         stages: list[onnx.ModelProto] = []
@@ -270,8 +269,8 @@ class Pipeline(RecipeSpec):
         del held
         write_provenance(out, self.to_dict(), input_hash, records, self.made_for())
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        checked = choose(self.made_for(), kernels)  # the output, as it deploys on the CPU it is made for
-        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions, checked, yardstick)
+        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions,
+                              choose(self.made_for(), kernels), yardstick)  # checked as it deploys on its CPU
 
     def made_for(self) -> str | None:
         """The CPU family the output is made for: the recipe's ``target.cpu`` (``host`` resolved), else the first
@@ -285,7 +284,11 @@ class Pipeline(RecipeSpec):
         start = time.perf_counter()
         ctx.nested = []
         result, measured = run_pass(p, index, handle, ctx)
-        gc.collect()  # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now
+        if measured.changed or result.changed:
+            # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now. A pass that changed
+            # nothing dropped no part of the graph, and a full collection walks every node and tensor of it (1-2 s
+            # per pass at 100k nodes): the ordinary GC takes its temporaries
+            gc.collect()
         if target_step:
             result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} after the "
                                     "last pass, as the recipe's target asks")

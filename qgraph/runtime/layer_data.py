@@ -13,24 +13,27 @@ is ``max_rows x K`` per layer whatever the data. A Conv row is the receptive fie
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import onnx
+import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.graph import insert_after_producers
-from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
+from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER, with_weights
 from qgraph.runtime.compare import make_session, session_run
+from qgraph.runtime.segments import observe_segmented, segmentable
 
 _PREFIX = "qgraph_layer"
 _ONE = f"{_PREFIX}/one"
 _MEANS, _SIZES = f"{_PREFIX}/means", f"{_PREFIX}/sizes"
+_NO_OPTIMIZATION = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # what `make_session` runs with
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -93,17 +96,19 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
     augmented = _augment(model, after, inits, [_MEANS, _SIZES])
     augmented.graph.node.extend([helper.make_node("Concat", means, [_MEANS], axis=0),
                                  helper.make_node("Concat", sizes, [_SIZES], axis=0)])
-    session = make_session(augmented, mem_pattern=False, weights=weights)
     channels = [c for c, _ in tensors.values()]
     ends = np.cumsum(channels)
     sums = np.zeros(int(ends[-1]) if channels else 0, np.float64)
     rows = np.zeros(len(channels), np.float64)
     per_channel = np.repeat(np.arange(len(channels)), channels)
-    for feed in batches:
-        mean, size = session_run(session, [_MEANS, _SIZES], feed)
+    def fold(values: list[Any]) -> None:
+        nonlocal sums, rows
+        mean, size = values
         n = np.asarray(size, np.float64) / np.asarray(channels, np.float64)
         sums += np.asarray(mean, np.float64) * n[per_channel]
         rows += n
+
+    _each_run(augmented, [_MEANS, _SIZES], batches, weights, fold)
     totals = dict(zip(tensors, np.split(sums, ends[:-1]), strict=True))
     rows_of = dict(zip(tensors, rows, strict=True))
     out: dict[str, npt.NDArray[np.float64]] = {}
@@ -114,6 +119,31 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
                             "fix the model or the data.")
         out[name] = mean
     return out
+
+
+def _each_run(model: onnx.ModelProto, outputs: list[str], batches: Iterable[Feed],
+              weights: Mapping[str, npt.NDArray[Any]] | None, use: Callable[[list[Any]], None]) -> None:
+    """``use(values of outputs)`` for every batch, in order. A graph too long for one session (onnxruntime's session
+    initialization is super-linear in the node count: 10 s for the quantized twin graph of a 3,000-layer chain, 100 s
+    at 10,000 layers) runs slice by slice (`qgraph.runtime.segments`) at the same optimization level (none): the
+    same values, sessions whose total cost is linear."""
+    if not segmentable(model):
+        session = make_session(model, mem_pattern=False, weights=weights)
+        for feed in batches:
+            use(session_run(session, outputs, feed))
+        return
+    got: dict[str, Any] = {}
+
+    class _Keep:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def update(self, x: Any, sample_index: int | None = None) -> None:
+            got[self.name] = x
+
+    full = with_weights(model, weights) if weights else model  # slices are built from protobufs
+    observe_segmented(full, {o: _Keep(o) for o in outputs}, batches, optimization=_NO_OPTIMIZATION,
+                      after_feed=lambda _: use([got.pop(o) for o in outputs]))
 
 
 @dataclass

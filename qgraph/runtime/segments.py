@@ -1,0 +1,158 @@
+"""Segmented runs of very large graphs: onnxruntime sessions over consecutive slices of the graph.
+
+onnxruntime's session initialization is super-linear in the number of nodes of long graphs (a 60k-node chain
+takes ~4x as long as a 30k-node one), so a single calibration session over a 100k-node model dominates the
+whole pass. Above `SEGMENT_THRESHOLD` nodes the topologically sorted node list is cut into slices of
+`SEGMENT_NODES`; each slice becomes a small model whose inputs are the tensors it reads from earlier slices and
+whose outputs are the tensors later slices read plus the tensors being calibrated. Each sample flows through
+the slices in order; a value is dropped as soon as no later slice reads it, so memory stays bounded by the
+widest cut. Sessions are built on the first sample (input element types are taken from the actual values).
+Graphs with If/Loop/Scan nodes are not segmented (their bodies read outer-scope tensors implicitly).
+:func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify, and so does
+`qgraph.runtime.layer_data.channel_means` (weight correction): with the same optimization level, a slice computes
+every node exactly as the whole graph's session would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from qgraph.errors import DataError, ModelError
+from qgraph.runtime.compare import session_run
+
+SEGMENT_THRESHOLD = 8000
+SEGMENT_NODES = 4000
+
+
+@dataclass
+class _Segment:
+    nodes: list[onnx.NodeProto]
+    inputs: list[str]
+    outputs: list[str]
+    initializers: list[str]
+    end: int = 0  # index one past the slice's last node
+    session: Any = None
+
+
+def segmentable(model: onnx.ModelProto) -> bool:
+    """Large enough to be worth it and free of subgraphs."""
+    if len(model.graph.node) <= SEGMENT_THRESHOLD:
+        return False
+    return not any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in model.graph.node for a in n.attribute
+    )
+
+
+def plan_segments(
+    model: onnx.ModelProto, targets: Iterable[str], size: int | None = None
+) -> tuple[list[_Segment], dict[str, int]]:
+    """Cut the (topologically sorted) node list into slices with their boundary tensors (O(N)); also returns
+    the index of the last node reading each tensor."""
+    size = size or SEGMENT_NODES
+    nodes = list(model.graph.node)
+    inits = {t.name for t in model.graph.initializer}
+    wanted = set(targets)
+    produced: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for t in node.input:
+            if t:
+                last_use[t] = i
+        for t in node.output:
+            if t:
+                produced[t] = i
+    segments: list[_Segment] = []
+    for a in range(0, len(nodes), size):
+        b = min(a + size, len(nodes))
+        chunk = nodes[a:b]
+        inputs: dict[str, None] = {}
+        used_inits: dict[str, None] = {}
+        for node in chunk:
+            for t in node.input:
+                if not t:
+                    continue
+                if t in inits:
+                    used_inits[t] = None
+                elif produced.get(t, -1) < a:
+                    inputs[t] = None
+        outputs = [t for node in chunk for t in node.output if t and (t in wanted or last_use.get(t, -1) >= b)]
+        if outputs:  # a slice nothing later reads and nothing to calibrate in: skip it
+            segments.append(_Segment(chunk, list(inputs), outputs, list(used_inits), b))
+    return segments, last_use
+
+
+def _segment_model(
+    base: onnx.ModelProto, seg: _Segment, inits: Mapping[str, onnx.TensorProto], values: Mapping[str, Any]
+) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.ir_version = base.ir_version
+    m.opset_import.extend(base.opset_import)
+    m.functions.extend(base.functions)
+    g = m.graph
+    g.name = "segment"
+    g.node.extend(seg.nodes)
+    g.initializer.extend(inits[t] for t in seg.initializers)
+    for t in seg.inputs:
+        arr = np.asarray(values[t])
+        g.input.append(helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(arr.dtype), None))
+    for t in seg.outputs:
+        g.output.add().name = t
+    return m
+
+
+def observe_segmented(
+    model: onnx.ModelProto,
+    observers: Mapping[str, Any],
+    data: Iterable[Mapping[str, npt.NDArray[Any]]],
+    size: int | None = None,
+    *,
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    providers: Sequence[str] | None = None,
+    after_feed: Callable[[int], None] | None = None,
+) -> int:
+    """Feed ``observers`` (tensor name -> object with ``update(x, sample_index)``) for every sample of ``data``,
+    running the graph slice by slice; returns the number of samples.  ``after_feed(index)`` is called once
+    each sample has gone through every slice (progress)."""
+    segments, last_use = plan_segments(model, observers, size)
+    inits = {t.name: t for t in model.graph.initializer}
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = optimization
+    opts.log_severity_level = 3
+    provs = list(providers) if providers else ["CPUExecutionProvider"]
+    count = 0
+    for index, feed in enumerate(data):
+        values: dict[str, Any] = {k: np.asarray(v) for k, v in feed.items()}
+        for name, arr in values.items():
+            if name in observers:
+                observers[name].update(arr, index)
+        for seg in segments:
+            if seg.session is None:
+                proto = _segment_model(model, seg, inits, values)
+                try:
+                    seg.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=provs)
+                except Exception as exc:  # onnxruntime raises its own exception classes
+                    raise ModelError(f"onnxruntime cannot load a segment of the model: {exc}") from exc
+            try:
+                outs = session_run(seg.session, seg.outputs, {t: values[t] for t in seg.inputs})
+            except Exception as exc:
+                raise DataError(f"sample {index}: onnxruntime failed to run the model: {exc}") from exc
+            for name, arr in zip(seg.outputs, outs, strict=True):
+                values[name] = arr
+                if name in observers:
+                    observers[name].update(arr, index)
+            for name in [t for t in values if last_use.get(t, -1) < seg.end]:
+                del values[name]
+        count = index + 1
+        if after_feed is not None:
+            after_feed(index)
+    if count == 0:
+        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
+    return count
