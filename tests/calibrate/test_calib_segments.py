@@ -6,7 +6,7 @@ import pytest
 
 import qgraph.calibrate.collector as collector
 from qgraph.calibrate import collect_ranges, make_observer, observe
-from qgraph.calibrate.segments import observe_segmented, plan_segments
+from qgraph.runtime.segments import observe_segmented, plan_segments
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 
