@@ -74,5 +74,7 @@ def test_a_real_run_measures_the_float_pass_apart_from_every_pass() -> None:
     assert qdq.calibration == res.records[0].result.calibration_seconds
     assert t.to_dict()["passes"][0]["x_float_inference"] == max(p.ratio for p in t.passes)
     assert np.isfinite(fi.seconds)
+    alone = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(m, calibration_data=source(feeds_for(m, 4)))
+    assert alone.float_inference is not None and alone.float_inference.samples_total == 4  # no float reference kept
     dynamic = Pipeline([InsertQDQ(mode="dynamic")]).run(m, calibration_data=source(feeds_for(m, 4)))
     assert dynamic.float_inference is None  # no pass calibrated from the data: no yardstick, no time line

@@ -108,7 +108,7 @@ class PipelineResult:
     #: How the run measured accuracy, and how later checks of its output should (`qgraph.runtime.kernels.measure`).
     kernel_choice: KernelChoice | None = None
     #: One float inference pass over the calibration data, timed apart from every pass (`qgraph.pipeline.timing`):
-    #: the yardstick of the run summary's time line; None when no pass read calibration data.
+    #: the yardstick of the run summary's time line; None without data or without a pass that needs it.
     float_inference: FloatInference | None = None
 
     def save(self, path: str | Path) -> Path:
@@ -123,13 +123,15 @@ def _check_options(kernels: str, verify_tolerance: float) -> None:
         raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
 
 
-def _float_yardstick(records: Sequence[PassRecord], ctx: PassContext, data: DataSource | None
-                     ) -> FloatInference | None:
-    """One float inference pass over the calibration data, timed apart (`qgraph.pipeline.timing`), when a pass
-    calibrated from data and the run kept the float model (`PassContext.float_reference`)."""
-    if data is None or ctx.float_reference is None or not any(r.result.calibration_seconds for r in records):
+def _float_yardstick(passes: Sequence[Pass[Any]], handle: GraphHandle, ctx: PassContext,
+                     data: DataSource | None) -> FloatInference | None:
+    """One float inference pass of the input model over the calibration data, timed apart from every pass
+    (`qgraph.pipeline.timing`), when data was given and a pass needs it; on the handle's weightless export (its
+    arrays read in place: no copy of the weights)."""
+    if data is None or all(p.missing_data(ctx.calibration) is None for p in passes):
         return None
-    return measure_float_inference(ctx.float_reference, ctx.float_reference_weights,
+    model, held = handle.weightless_export()
+    return measure_float_inference(model, {name: value for name, (value, _) in held.items()},
                                    batched(data, ctx.calibration.batch_size))
 
 
@@ -215,6 +217,7 @@ class Pipeline(RecipeSpec):
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout, kernels)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
         handle = GraphHandle(source)
+        yardstick = _float_yardstick(self.passes, handle, ctx, data)
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
         load_decisions = [f"input model: {notice}"] if notice else []
         emit(PipelineEvent("pipeline_start", total, warnings=tuple(str(w) for w in early)))
@@ -259,7 +262,6 @@ class Pipeline(RecipeSpec):
             if record.verify is not None:
                 emit(PipelineEvent("verify", total, i, p.name, verify=record.verify, tolerance=tolerance))
             previous = current if previous is not None else None
-        yardstick = _float_yardstick(records, ctx, data)
         out, held = handle.weightless_export()
         handle.release()  # the graph lets go of its weights: `held` is their last owner...
         gc.collect()  # ...once the tensors' own reference cycles (tensor <-> its consumer lists) are collected
