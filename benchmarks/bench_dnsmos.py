@@ -98,7 +98,7 @@ def child(tool: str, cal_path: str, eval_path: str) -> dict[str, Any]:
         # with axis needs opset 13): it is given the model converted to opset 13, as its docs advise
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "opset13.onnx"
-            onnx.save(onnx.version_converter.convert_model(model, 13), str(src))
+            onnx.save(onnx.version_converter.convert_version(model, 13), str(src))
             start = time.perf_counter()
             quantized = ort_quantize_static(src, Path(tmp) / "q.onnx", _feeds(cal), per_channel=True)
             out["seconds"] = time.perf_counter() - start
@@ -116,7 +116,9 @@ def child(tool: str, cal_path: str, eval_path: str) -> dict[str, Any]:
         timing = run_timing(res.records, res.float_inference)
         out["timing"] = timing.line() if timing else ""
         quantized = res.model
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["peak_rss_mb"] = usage.ru_maxrss / 1024.0
+    out["cpu_seconds"] = usage.ru_utime + usage.ru_stime  # the whole child: on a shared machine, less noisy than wall
     reference = _scores(model, ev)
     out["mae"] = np.abs(_scores(quantized, ev) - reference).mean(axis=0).tolist()
     return out
@@ -154,7 +156,8 @@ def main() -> None:
             unit = cell["seconds"] if tool == "float" else unit
             times = f" {cell['seconds'] / unit:6.1f}x float" if unit else ""
             mae = "/".join(f"{v:.3f}" for v in cell["mae"])
-            print(f"  {tool:14s} {cell['seconds']:8.2f} s{times} {cell['peak_rss_mb']:6.0f} MB  "
+            print(f"  {tool:14s} {cell['seconds']:8.2f} s{times} (child CPU {cell['cpu_seconds']:.0f} s) "
+                  f"{cell['peak_rss_mb']:6.0f} MB  "
                   f"score MAE (sig/bak/ovr) {mae}", flush=True)
             if cell.get("passes"):
                 split = ", ".join(f"{n} {s:.1f}" + (f" [cal {c:.1f}]" if c else "") for n, s, c in cell["passes"])

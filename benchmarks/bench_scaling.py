@@ -14,7 +14,8 @@ RSS (``ru_maxrss``, which includes building the model) belongs to that run alone
 - ``ort``: onnxruntime's ``quantize_static`` (QDQ, per channel), only up to ``--ort-max-nodes`` (it is about
   O(N^2.2): 218 s at 3,000 nodes on this machine), and killed after ``--timeout`` seconds.
 
-Printed: wall seconds, peak RSS, the multiple of the float pass, and each qgraph run's per-pass split (the
+Printed: wall seconds, the child's CPU seconds (less sensitive than wall time to other load on a shared machine),
+peak RSS, the multiple of the float pass, and each qgraph run's per-pass split (the
 quantizing pass's calibration in brackets) with the run summary's timing line. ``--quick`` is a CI-sized smoke run
 (300 nodes, 8 samples, no onnxruntime quantizer). ``--profile TOOL:NODES`` runs one cell under cProfile and prints
 the 40 most expensive functions (cumulative).
@@ -101,8 +102,10 @@ def child(tool: str, nodes: int, n_samples: int) -> dict[str, Any]:
         out = _ort(model, samples)
     else:
         out = _qgraph(tool, model, samples)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    out["nodes"] = len(model.graph.node)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["peak_rss_mb"] = usage.ru_maxrss / 1024.0
+    out["cpu_seconds"] = usage.ru_utime + usage.ru_stime  # the whole child (model building included): on a shared
+    out["nodes"] = len(model.graph.node)  # machine CPU time is less noisy than wall time
     return out
 
 
@@ -122,7 +125,8 @@ def _print_cell(tool: str, cell: dict[str, Any], unit: float | None) -> None:
         print(f"  {tool:14s} {cell['error']}", flush=True)
         return
     times = f" {cell['seconds'] / unit:7.1f}x float" if unit else ""
-    print(f"  {tool:14s} {cell['seconds']:8.2f} s {cell['peak_rss_mb']:7.0f} MB{times}", flush=True)
+    print(f"  {tool:14s} {cell['seconds']:8.2f} s (child CPU {cell['cpu_seconds']:7.1f} s) "
+          f"{cell['peak_rss_mb']:7.0f} MB{times}", flush=True)
     if cell.get("passes"):
         split = ", ".join(f"{n} {s:.2f}" + (f" [cal {c:.2f}]" if c else "") for n, s, c in cell["passes"])
         print(f"      passes: {split}", flush=True)

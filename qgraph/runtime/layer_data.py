@@ -91,24 +91,20 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
         inits.extend(consts)
         means.append(mean_o)
         sizes.append(size_o)
-    # Two outputs per run, whatever the number of tensors: each fetched output costs onnxruntime and Python
-    # ~10 us, which on a 3,000-layer chain was most of the run (2 x 3,000 outputs x 32 samples).
-    augmented = _augment(model, after, inits, [_MEANS, _SIZES])
-    augmented.graph.node.extend([helper.make_node("Concat", means, [_MEANS], axis=0),
-                                 helper.make_node("Concat", sizes, [_SIZES], axis=0)])
+    augmented = _augment(model, after, inits, [])
     channels = [c for c, _ in tensors.values()]
     ends = np.cumsum(channels)
     sums = np.zeros(int(ends[-1]) if channels else 0, np.float64)
     rows = np.zeros(len(channels), np.float64)
     per_channel = np.repeat(np.arange(len(channels)), channels)
-    def fold(values: list[Any]) -> None:
+
+    def fold(mean: npt.NDArray[Any], size: npt.NDArray[Any]) -> None:
         nonlocal sums, rows
-        mean, size = values
         n = np.asarray(size, np.float64) / np.asarray(channels, np.float64)
         sums += np.asarray(mean, np.float64) * n[per_channel]
         rows += n
 
-    _each_run(augmented, [_MEANS, _SIZES], batches, weights, fold)
+    _each_run(augmented, means, sizes, batches, weights, fold)
     totals = dict(zip(tensors, np.split(sums, ends[:-1]), strict=True))
     rows_of = dict(zip(tensors, rows, strict=True))
     out: dict[str, npt.NDArray[np.float64]] = {}
@@ -121,16 +117,24 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
     return out
 
 
-def _each_run(model: onnx.ModelProto, outputs: list[str], batches: Iterable[Feed],
-              weights: Mapping[str, npt.NDArray[Any]] | None, use: Callable[[list[Any]], None]) -> None:
-    """``use(values of outputs)`` for every batch, in order. A graph too long for one session (onnxruntime's session
-    initialization is super-linear in the node count: 10 s for the quantized twin graph of a 3,000-layer chain, 100 s
-    at 10,000 layers) runs slice by slice (`qgraph.runtime.segments`) at the same optimization level (none): the
-    same values, sessions whose total cost is linear."""
+def _each_run(model: onnx.ModelProto, means: list[str], sizes: list[str], batches: Iterable[Feed],
+              weights: Mapping[str, npt.NDArray[Any]] | None,
+              use: Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]) -> None:
+    """``use(every mean joined, every size joined)`` for every batch, in order.
+
+    One session: two Concat nodes join them, so a run fetches two outputs whatever the number of tensors (each
+    fetched output costs onnxruntime and Python ~10 us: 2 x 2,000 outputs x 32 samples on a 1,000-layer chain).
+    A graph too long for one session (onnxruntime's session initialization is super-linear in the node count: 10 s
+    for the quantized twin graph of a 3,000-layer chain, 100 s at 10,000 layers) runs slice by slice
+    (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
+    Concat would carry every mean through every later slice); they are joined here: the same values."""
     if not segmentable(model):
+        model.graph.node.extend([helper.make_node("Concat", means, [_MEANS], axis=0),  # `model` is our own copy
+                                 helper.make_node("Concat", sizes, [_SIZES], axis=0)])
+        model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in (_MEANS, _SIZES))
         session = make_session(model, mem_pattern=False, weights=weights)
         for feed in batches:
-            use(session_run(session, outputs, feed))
+            use(*session_run(session, [_MEANS, _SIZES], feed))
         return
     got: dict[str, Any] = {}
 
@@ -141,9 +145,12 @@ def _each_run(model: onnx.ModelProto, outputs: list[str], batches: Iterable[Feed
         def update(self, x: Any, sample_index: int | None = None) -> None:
             got[self.name] = x
 
+    def done(_: int) -> None:
+        use(np.concatenate([got.pop(o) for o in means]), np.concatenate([got.pop(o) for o in sizes]))
+
     full = with_weights(model, weights) if weights else model  # slices are built from protobufs
-    observe_segmented(full, {o: _Keep(o) for o in outputs}, batches, optimization=_NO_OPTIMIZATION,
-                      after_feed=lambda _: use([got.pop(o) for o in outputs]))
+    observe_segmented(full, {o: _Keep(o) for o in [*means, *sizes]}, batches, optimization=_NO_OPTIMIZATION,
+                      after_feed=done)
 
 
 @dataclass
