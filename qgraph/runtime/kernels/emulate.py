@@ -110,11 +110,13 @@ _KEY_VALUE_ELEMENTS = 64
 
 def fusion_key(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> str:
     """What onnxruntime's Q/DQ fusion of ``model`` can depend on: every node (name, op, domain, wiring,
-    non-graph attributes), every initializer's name, type and shape, and the values of the small ones (scales,
-    zero points, shapes, clip bounds), except a DequantizeLinear's data input (bias and weight codes: fusion
-    only asks that they are constant). Two models with the same key fuse the same layers."""
+    non-graph attributes), every initializer's name, type and shape, the values of every scale and zero point (per
+    channel too) and of the other small ones (shapes, clip bounds), except a DequantizeLinear's data input (bias
+    and weight codes: fusion only asks that they are constant). Two models with the same key fuse the same
+    layers."""
     h = hashlib.sha256()
     codes: set[str] = set()
+    grids: set[str] = set()
     for g in proto_scopes(model.graph):
         for n in g.node:
             h.update(repr((n.name, n.domain, n.op_type, tuple(n.input), tuple(n.output))).encode())
@@ -123,12 +125,14 @@ def fusion_key(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None 
                     h.update(a.SerializeToString())
             if is_dequantize(n.op_type, n.domain) and n.input:
                 codes.add(n.input[0])
+            if is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain):
+                grids.update(n.input[1:])  # scales and zero points, per channel too: always by value
     for g in proto_scopes(model.graph):
         for vi in (*g.input, *g.output):
             h.update(vi.SerializeToString())
         for t in g.initializer:
             h.update(repr((t.name, t.data_type, tuple(t.dims))).encode())
-            if t.name in codes or int(np.prod(t.dims)) > _KEY_VALUE_ELEMENTS:
+            if t.name not in grids and (t.name in codes or int(np.prod(t.dims)) > _KEY_VALUE_ELEMENTS):
                 continue
             if weights and t.name in weights:
                 h.update(np.ascontiguousarray(weights[t.name]).tobytes())
