@@ -72,7 +72,7 @@ def test_a_twin_computes_the_layer_with_other_weights() -> None:
 def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
     import onnxruntime as ort
 
-    from qgraph.runtime import segments
+    from qgraph.runtime import layer_data, segments
     from qgraph.testing import matmul_add_relu_chain
 
     model = matmul_add_relu_chain(12, batch="N")
@@ -87,7 +87,8 @@ def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkey
         init(self, *a, **k)  # type: ignore[arg-type]
 
     monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
-    monkeypatch.setattr(segments, "SEGMENT_NODES", 8)
+    monkeypatch.setattr(layer_data, "SLICE_ABOVE", 10)
+    monkeypatch.setattr(layer_data, "SLICE_NODES", 8)
     monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
     sliced = channel_means(model, tensors, feeds)
     # every slice gets one session for all four batches: more than one session, fewer than one per batch and slice

@@ -34,6 +34,11 @@ _PREFIX = "qgraph_layer"
 _ONE = f"{_PREFIX}/one"
 _MEANS, _SIZES = f"{_PREFIX}/means", f"{_PREFIX}/sizes"
 _NO_OPTIMIZATION = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # what `make_session` runs with
+#: `channel_means` runs graphs over this many nodes slice by slice, in slices of `SLICE_NODES`. Higher than
+#: calibration's threshold: the twin graph of a 1,000-layer chain (~20k nodes) initializes no faster in 4,000-node
+#: slices (measured: 14 sessions 56 s vs 6 sessions 47 s on a loaded machine) and pays a run per slice per batch.
+SLICE_ABOVE = 32_000
+SLICE_NODES = 16_000
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -124,11 +129,11 @@ def _each_run(model: onnx.ModelProto, means: list[str], sizes: list[str], batche
 
     One session: two Concat nodes join them, so a run fetches two outputs whatever the number of tensors (each
     fetched output costs onnxruntime and Python ~10 us: 2 x 2,000 outputs x 32 samples on a 1,000-layer chain).
-    A graph too long for one session (onnxruntime's session initialization is super-linear in the node count: 10 s
-    for the quantized twin graph of a 3,000-layer chain, 100 s at 10,000 layers) runs slice by slice
+    A graph over `SLICE_ABOVE` nodes (onnxruntime's session initialization is super-linear in the node count: 10 s
+    for the quantized twin graph of a 3,000-layer chain, ~100 s at 10,000 layers) runs slice by slice
     (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
     Concat would carry every mean through every later slice); they are joined here: the same values."""
-    if not segmentable(model):
+    if len(model.graph.node) <= SLICE_ABOVE or not segmentable(model):
         model.graph.node.extend([helper.make_node("Concat", means, [_MEANS], axis=0),  # `model` is our own copy
                                  helper.make_node("Concat", sizes, [_SIZES], axis=0)])
         model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in (_MEANS, _SIZES))
@@ -149,8 +154,8 @@ def _each_run(model: onnx.ModelProto, means: list[str], sizes: list[str], batche
         use(np.concatenate([got.pop(o) for o in means]), np.concatenate([got.pop(o) for o in sizes]))
 
     full = with_weights(model, weights) if weights else model  # slices are built from protobufs
-    observe_segmented(full, {o: _Keep(o) for o in [*means, *sizes]}, batches, optimization=_NO_OPTIMIZATION,
-                      after_feed=done)
+    observe_segmented(full, {o: _Keep(o) for o in [*means, *sizes]}, batches, SLICE_NODES,
+                      optimization=_NO_OPTIMIZATION, after_feed=done)
 
 
 @dataclass
