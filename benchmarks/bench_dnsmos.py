@@ -17,7 +17,7 @@ against float on held-out clips (onnxruntime, deployed kernels of this host).
 Measured (issue #34; AMD Zen 4 AVX512-VNNI, 2 cores under heavy load from other jobs: compare CPU seconds), 16 clips:
 float pass 5 s CPU; ort-x86-vnni 46 s CPU (correct_bias and calibration each ~2x the float pass in wall time), score
 MAE 1.040/0.476/0.699; onnxruntime quantize_static 6 s CPU, MAE 1.315/1.162/0.905 (the ready recipe is more
-accurate, and still ~8x slower). Before #34 the ready recipe gave the same scores (byte-identical model).
+accurate, and still ~8x slower). Before #34 the ready recipe gave the same scores.
 """
 
 from __future__ import annotations
