@@ -67,3 +67,31 @@ def test_a_twin_computes_the_layer_with_other_weights() -> None:
     means = channel_means(twinned, {"y": (6, True), "y_twin": (6, True)}, [feed])
     b = numpy_helper.to_array(model.graph.initializer[1])
     np.testing.assert_allclose(means["y_twin"], 2 * (means["y"] - b), rtol=1e-5)
+
+
+def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnxruntime as ort
+
+    from qgraph.runtime import layer_data, segments
+    from qgraph.testing import matmul_add_relu_chain
+
+    model = matmul_add_relu_chain(12, batch="N")
+    feeds = [{"input": np.random.default_rng(i).normal(0, 1, (3, 16)).astype(np.float32)} for i in range(4)]
+    tensors = {f"layer{i}/add_out": (16, False) for i in range(0, 12, 3)}
+    whole = channel_means(model, tensors, feeds)
+    created: list[int] = []
+    init = ort.InferenceSession.__init__
+
+    def counting(self: ort.InferenceSession, *a: object, **k: object) -> None:
+        created.append(1)
+        init(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
+    monkeypatch.setattr(layer_data, "SLICE_ABOVE", 10)
+    monkeypatch.setattr(layer_data, "SLICE_NODES", 8)
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    sliced = channel_means(model, tensors, feeds)
+    # every slice gets one session for all four batches: more than one session, fewer than one per batch and slice
+    assert 1 < len(created) <= (36 + 4 * 8) // 8 + 1
+    for name in tensors:
+        assert np.array_equal(sliced[name], whole[name]), name  # the same kernels, the same bits

@@ -1,4 +1,5 @@
-"""Every pass's time against the calibration's (qgraph.pipeline.timing), from fake records and from a real run."""
+"""Every pass's time against one float inference pass over the calibration data (qgraph.pipeline.timing), from fake
+records and from a real run."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 from qgraph.passes.correct_bias import CorrectBias
 from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import PassResult, Pipeline
-from qgraph.pipeline.timing import BUDGET, run_timing
+from qgraph.pipeline.timing import BUDGET, FloatInference, measure_float_inference, run_timing
 
 sys.path.insert(0, str(Path(__file__).parent / "passes"))
 from insert_qdq_helpers import feeds_for, source, tiny_cnn
@@ -24,29 +26,55 @@ class Record:
     result: PassResult = field(default_factory=PassResult)
 
 
-def test_passes_against_the_calibration_slowest_first() -> None:
+def test_passes_against_the_float_pass_slowest_first_and_a_slow_calibration_fires() -> None:
+    # the old yardstick was the calibration itself: a calibration 40x a float pass made every pass look cheap
     qdq = Record("insert_qdq", 5.0, PassResult(calibration_seconds=4.0))
-    records = [Record("fold_constants", 0.1), qdq, Record("correct_bias", 6.0), Record("tune_ranges", 48.0)]
-    t = run_timing(records)
-    assert t is not None and t.calibration_seconds == 4.0 and t.calibrated_by == "insert_qdq"
+    records = [Record("fold_constants", 0.001), qdq, Record("correct_bias", 0.6), Record("tune_ranges", 0.2)]
+    t = run_timing(records, FloatInference(0.1, 8, 8))
+    assert t is not None
     assert [(p.name, p.seconds, p.ratio) for p in t.passes] == [
-        ("tune_ranges", 48.0, 12.0), ("correct_bias", 6.0, 1.5), ("insert_qdq (besides calibrating)", 1.0, 0.25),
-        ("fold_constants", 0.1, pytest.approx(0.025))]
-    assert [p.name for p in t.over_budget] == ["tune_ranges"] and BUDGET == 10.0
+        ("insert_qdq", 5.0, pytest.approx(50.0)), ("correct_bias", 0.6, pytest.approx(6.0)),
+        ("tune_ranges", 0.2, pytest.approx(2.0)), ("fold_constants", 0.001, pytest.approx(0.01))]
+    assert [p.name for p in t.over_budget] == ["insert_qdq"] and BUDGET == 10.0
     line = t.line()
-    assert line.startswith("time against calibration (4.0 s: the float model over the calibration data, in insert_qdq)")
-    assert "tune_ranges 48.0 s (12.0x)" in line and line.endswith("over 10x: tune_ranges")
-    assert "(+1 more, each 0.03x or less)" in line  # fold_constants: negligible, counted
-    assert run_timing([Record("fold_constants", 0.1)]) is None  # nothing calibrated from data
+    assert line.startswith("time against one float inference pass (0.10 s: the float model over 8 calibration")
+    assert "insert_qdq 5.0 s (50.0x; calibration 4.0 s, 40.0x)" in line
+    assert "over 10x: insert_qdq" in line
+    assert line.endswith("insert_qdq dominated (86% of 5.8 s)")
+    assert "(+1 more, each 0.01x or less)" in line  # fold_constants: negligible, counted
+    assert t.to_dict()["dominant"] == "insert_qdq"
+    fast = run_timing([Record("insert_qdq", 0.5, PassResult(calibration_seconds=0.2))], FloatInference(0.1, 8, 8))
+    assert fast is not None and not fast.over_budget and "every pass within 10x" in fast.line()
+    assert run_timing(records, None) is None  # no float pass measured: nothing read data
 
 
-def test_a_real_run_reports_its_calibration_and_the_correction_against_it() -> None:
+def test_the_float_pass_is_timed_on_a_capped_part_of_long_data_and_scaled() -> None:
+    m = tiny_cnn()
+    feeds = feeds_for(m, 10)
+    whole = measure_float_inference(m, None, feeds, max_samples=64)
+    part = measure_float_inference(m, None, feeds, max_samples=4)
+    assert whole is not None and (whole.samples_timed, whole.samples_total) == (10, 10)
+    assert part is not None and (part.samples_timed, part.samples_total) == (4, 10)
+    assert "timed on 4 of 10 samples" in part.describe() and "timed on" not in whole.describe()
+    assert measure_float_inference(m, None, [], max_samples=4) is None
+    unsized = measure_float_inference(m, None, iter(feeds), max_samples=3)
+    assert unsized is not None and unsized.samples_total == 3
+
+
+def test_a_real_run_measures_the_float_pass_apart_from_every_pass() -> None:
     m = tiny_cnn()
     res = Pipeline([InsertQDQ(preset="ort-x86-vnni"), CorrectBias()]).run(m, calibration_data=source(feeds_for(m, 16)))
-    cal = res.records[0].result.calibration_seconds
-    assert cal is not None and 0 < cal < res.records[0].seconds
-    t = run_timing(res.records)
-    assert t is not None and {p.name for p in t.passes} == {"insert_qdq (besides calibrating)", "correct_bias"}
+    fi = res.float_inference
+    assert fi is not None and fi.samples_total == 16 and fi.seconds > 0
+    t = run_timing(res.records, fi)
+    assert t is not None and {p.name for p in t.passes} == {"insert_qdq", "correct_bias"}
     bias = next(p for p in t.passes if p.name == "correct_bias")
-    assert bias.ratio == pytest.approx(res.records[1].seconds / cal)
-    assert t.to_dict()["passes"][0]["x_calibration"] == max(p.ratio for p in t.passes)
+    assert bias.ratio == pytest.approx(res.records[1].seconds / fi.seconds)
+    qdq = next(p for p in t.passes if p.name == "insert_qdq")
+    assert qdq.calibration == res.records[0].result.calibration_seconds
+    assert t.to_dict()["passes"][0]["x_float_inference"] == max(p.ratio for p in t.passes)
+    assert np.isfinite(fi.seconds)
+    alone = Pipeline([InsertQDQ(preset="ort-x86-vnni")]).run(m, calibration_data=source(feeds_for(m, 4)))
+    assert alone.float_inference is not None and alone.float_inference.samples_total == 4  # no float reference kept
+    dynamic = Pipeline([InsertQDQ(mode="dynamic")]).run(m, calibration_data=source(feeds_for(m, 4)))
+    assert dynamic.float_inference is None  # no pass calibrated from the data: no yardstick, no time line

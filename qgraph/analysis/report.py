@@ -255,7 +255,7 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
     if tol is not None and (tol.raised or tol.note):  # host-dependent: shown here, never in the model
         report.decisions.insert(0, {"pass": "--verify", "kind": "host-dependent", "text": tol.describe()})
     report.decisions[:0] = [{"pass": "load", "kind": "decision", "text": t} for t in result.load_decisions]
-    timing = run_timing(result.records)
+    timing = run_timing(result.records, result.float_inference)
     if timing is not None:
         report.timing = timing.to_dict()
         report.decisions.append({"pass": "run", "kind": "timing", "text": timing.line()})

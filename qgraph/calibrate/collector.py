@@ -13,7 +13,7 @@ Two paths, one result (:func:`collect_ranges` picks):
 Either way memory is one batch's activations plus the observers' bounded state, independent of the
 number of samples, and every method needs a **single pass** over the data (histograms are
 batching-invariant and re-gridded exactly as ranges grow, :mod:`qgraph.calibrate.histogram`).
-Graphs too long for one onnxruntime session run in segments (:mod:`qgraph.calibrate.segments`).
+Graphs too long for one onnxruntime session run in segments (:mod:`qgraph.runtime.segments`).
 
 Sessions use onnxruntime's full graph optimizations (``optimize=True``): the graph being measured is
 the one a float deployment runs, and calibration costs about what inference costs.  Requested tensors
@@ -39,7 +39,6 @@ from qgraph.calibrate.observers import HistogramSummary, MinMaxObserver, Observe
 from qgraph.calibrate.reduce import MIN_OPSET, InGraphMinMax, MinMaxState, plan_derivations, resolve_ranges
 from qgraph.calibrate.registry import make_observer
 from qgraph.calibrate.robust import PER_UPDATE, RobustMagnitude
-from qgraph.calibrate.segments import observe_segmented, segmentable
 from qgraph.calibrate.session import (
     LARGE_MODEL_BYTES,
     Additions,
@@ -51,6 +50,7 @@ from qgraph.errors import DataError, ModelError
 from qgraph.graph.detach import with_weights
 from qgraph.graph.opsets import model_opset
 from qgraph.quant.math import ActivationRange
+from qgraph.runtime.segments import observe_segmented, segmentable
 
 ProgressCallback = Callable[[int, int | None], None]
 
@@ -312,7 +312,7 @@ def observe(
     ``update(x, sample_index)``) for all of ``data``; returns the number of feeds processed.
 
     Lower-level form of :func:`collect_ranges` (always the fetch path).  Graphs longer than
-    :data:`qgraph.calibrate.segments.SEGMENT_THRESHOLD` nodes run in segments.
+    :data:`qgraph.runtime.segments.SEGMENT_THRESHOLD` nodes run in segments.
     """
     _check_tensors(model, list(observers))
     inits = {t.name for t in model.graph.initializer}

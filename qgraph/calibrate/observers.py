@@ -146,8 +146,18 @@ class MinMaxObserver(Observer):
         return float(sum(r.mass_below(float(lo[c])) + r.mass_above(float(hi[c])) for c, r in enumerate(rows)))
 
 
+#: Per-tensor updates below this many values are buffered and folded together (`HistogramObserver`).
+BUFFER_VALUES = 1 << 16
+
+
 class HistogramObserver(Observer):
-    """Base of the histogram observers: a ``|x|`` histogram (``absolute``) or a signed one."""
+    """Base of the histogram observers: a ``|x|`` histogram (``absolute``) or a signed one.
+
+    Per-tensor updates smaller than `BUFFER_VALUES` values are buffered and folded into the histogram together
+    (when the buffer fills, or when anything reads ``hist``): a histogram update costs ~25 us of numpy calls
+    whatever its size, and histograms are batching-invariant (module docstring), so the counts are exactly those
+    of one update per batch while a 3,000-node chain's 32 samples x 1,000 small tensors cost one update per tensor.
+    """
 
     absolute: bool = False
 
@@ -156,17 +166,37 @@ class HistogramObserver(Observer):
         if num_bins < 16:
             raise ValueError("num_bins must be >= 16")
         self.num_bins = num_bins
-        self.hist: AlignedHistogram | None = None
+        self._hist: AlignedHistogram | None = None
+        self._pending: list[npt.NDArray[Any]] = []
+        self._pending_values = 0
+
+    @property
+    def hist(self) -> AlignedHistogram | None:
+        """The histogram, every buffered update folded in."""
+        if self._pending:
+            self._flush()
+        return self._hist
 
     def _init_state(self, channels: int) -> None:
-        self.hist = AlignedHistogram(channels, self.num_bins, include_zero=self.absolute)
+        self._hist = AlignedHistogram(channels, self.num_bins, include_zero=self.absolute)
+
+    def _flush(self) -> None:
+        assert self._hist is not None
+        rows = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending, axis=1)
+        self._pending, self._pending_values = [], 0
+        self._hist.update(rows, absolute=self.absolute)
 
     def _fold(self, arr: npt.NDArray[Any], rows: npt.NDArray[Any], bmin: F64, bmax: F64) -> None:
-        assert self.hist is not None
-        if self.absolute:
-            self.hist.update(rows, bmin, bmax, absolute=True)
-        else:
-            self.hist.update(rows, bmin, bmax)
+        assert self._hist is not None
+        if rows.shape[0] == 1 and rows.shape[1] < BUFFER_VALUES:
+            self._pending.append(rows.copy())  # the caller may reuse its array
+            self._pending_values += rows.shape[1]
+            if self._pending_values >= BUFFER_VALUES:
+                self._flush()
+            return
+        if self._pending:
+            self._flush()
+        self._hist.update(rows, bmin, bmax, absolute=self.absolute)
 
     def _merge(self, other: Any) -> None:
         assert self.hist is not None and other.hist is not None

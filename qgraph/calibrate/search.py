@@ -15,6 +15,8 @@ Adding any number of exact zeros to the data never changes an entropy or MSE thr
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import numpy.typing as npt
 
@@ -83,17 +85,11 @@ def kl_divergences(
     xlogx = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
     ce = np.concatenate([[0.0], np.cumsum(xlogx)])
 
-    g = np.arange(L + 1, dtype=np.int64)
-    bounds = (g[None, :] * cand[:, None] + L - 1) // L  # ceil(g * i / L), shape (T, L + 1)
-    s_g = cs[bounds[:, 1:]] - cs[bounds[:, :-1]]
-    n_g = nzc[bounds[:, 1:]] - nzc[bounds[:, :-1]]
-    safe_n = np.where(n_g > 0, n_g, 1.0)
-    safe_s = np.where(s_g > 0, s_g, 1.0)
-    plogq = np.sum(np.where(s_g > 0, s_g * np.log(safe_s / safe_n), 0.0), axis=1)
+    plogq, s_last, n_last = _level_sums(cs, nzc, L, int(cand[0]), cand.size)
 
     outliers = total - cs[cand]
     h_last = h[cand - 1]
-    q_last = s_g[:, -1] / safe_n[:, -1]
+    q_last = s_last / np.where(n_last > 0, n_last, 1.0)
     with np.errstate(divide="ignore"):
         plogq += np.where(outliers > 0, outliers * np.log(np.where(q_last > 0, q_last, 1.0)), 0.0)
     p_last = h_last + outliers
@@ -104,6 +100,43 @@ def kl_divergences(
     invalid = (h_last == 0) & (outliers > 0)
     kl = np.where(invalid, np.inf, kl)
     return cand, kl
+
+
+#: Candidates per block of `_level_sums`: a block's (rows x levels) arrays stay in the CPU cache.
+_BLOCK = 128
+
+
+def _level_sums(cs: F64, nzc: F64, num_levels: int, first: int, count: int) -> tuple[F64, F64, F64]:
+    """For candidates ``i = first .. first + count - 1``: ``sum_g S_g log(S_g / n_g)`` and the last level's ``S``
+    and ``n`` (:func:`kl_divergences`), from the prefix sums of the counts ``cs`` and of the non-empty bins ``nzc``.
+    Computed in blocks of `_BLOCK` candidates, each row exactly as a single (candidates x levels) array would."""
+    table = _level_bounds(num_levels, 1 << (first + count - 2).bit_length())
+    plogq, s_last, n_last = np.empty(count), np.empty(count), np.empty(count)
+    for a in range(0, count, _BLOCK):
+        b = min(a + _BLOCK, count)
+        bounds = table[first - num_levels + a:first - num_levels + b]  # ceil(g * i / L), rows of candidates
+        gathered = cs[bounds]
+        s_g = gathered[:, 1:] - gathered[:, :-1]
+        gathered = nzc[bounds]
+        n_g = gathered[:, 1:] - gathered[:, :-1]
+        occupied = s_g > 0  # S_g > 0 implies n_g > 0
+        ratio = np.divide(s_g, n_g, out=np.ones_like(s_g), where=occupied)
+        np.log(ratio, out=ratio)
+        ratio *= s_g  # 0 where S_g = 0 (log 1 = 0)
+        plogq[a:b] = np.sum(ratio, axis=1)
+        s_last[a:b], n_last[a:b] = s_g[:, -1], n_g[:, -1]
+    return plogq, s_last, n_last
+
+
+@functools.lru_cache(maxsize=8)
+def _level_bounds(num_levels: int, max_bins: int) -> npt.NDArray[np.int64]:
+    """``ceil(g * i / L)`` for ``i = L .. max_bins`` (rows) and ``g = 0 .. L`` (columns), computed once per shape:
+    the integer divisions cost as much as the rest of a KL search. Read-only (shared by every call)."""
+    i = np.arange(num_levels, max(max_bins, num_levels) + 1, dtype=np.int64)
+    g = np.arange(num_levels + 1, dtype=np.int64)
+    out = (g[None, :] * i[:, None] + num_levels - 1) // num_levels
+    out.flags.writeable = False
+    return out
 
 
 def entropy_threshold(row: HistogramRow, num_levels: int = 128) -> float:

@@ -156,7 +156,7 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         say(f"  {decision}")
     from qgraph.pipeline.timing import run_timing
 
-    timing = run_timing(result.records)
+    timing = run_timing(result.records, result.float_inference)
     if timing is not None and not quiet:
         say(f"  {timing.line()}")
     if not quiet and result.calibration_data is not None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
-from qgraph.data import DataLayout, DataSource, Feed, open_data_source
+from qgraph.data import DataLayout, DataSource, Feed, batched, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_model
 from qgraph.graph.detach import fill_weights
@@ -33,6 +33,7 @@ from qgraph.pipeline.preflight import preflight, require_data
 from qgraph.pipeline.provenance import write_provenance
 from qgraph.pipeline.recipe_text import RecipeSpec
 from qgraph.pipeline.target import CalibrationSpec, TargetSpec
+from qgraph.pipeline.timing import FloatInference, measure_float_inference
 from qgraph.pipeline.verify import VerifyTolerance, check_pass, measure_tolerance
 from qgraph.runtime.compare import TensorDiff, random_feeds
 from qgraph.runtime.kernels.measure import KERNEL_OPTIONS, KernelChoice, choose, target_family
@@ -106,6 +107,9 @@ class PipelineResult:
     load_decisions: list[str] = field(default_factory=list)
     #: How the run measured accuracy, and how later checks of its output should (`qgraph.runtime.kernels.measure`).
     kernel_choice: KernelChoice | None = None
+    #: One float inference pass over the calibration data, timed apart from every pass (`qgraph.pipeline.timing`):
+    #: the yardstick of the run summary's time line; None without data or without a pass that needs it.
+    float_inference: FloatInference | None = None
 
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
@@ -117,6 +121,18 @@ def _check_options(kernels: str, verify_tolerance: float) -> None:
         raise UsageError(f"kernels {kernels!r}: give one of {', '.join(KERNEL_OPTIONS)}.")
     if not (math.isfinite(verify_tolerance) and verify_tolerance > 0):
         raise UsageError(f"verify tolerance {verify_tolerance}: give a finite number greater than 0.")
+
+
+def _float_yardstick(passes: Sequence[Pass[Any]], handle: GraphHandle, ctx: PassContext,
+                     data: DataSource | None) -> FloatInference | None:
+    """One float inference pass of the input model over the calibration data, timed apart from every pass
+    (`qgraph.pipeline.timing`), when data was given and a pass needs it; on the handle's weightless export (its
+    arrays read in place: no copy of the weights)."""
+    if data is None or all(p.missing_data(ctx.calibration) is None for p in passes):
+        return None
+    model, held = handle.weightless_export()
+    return measure_float_inference(model, {name: value for name, (value, _) in held.items()},
+                                   batched(data, ctx.calibration.batch_size))
 
 
 def _peak_rss_mb() -> float:
@@ -201,6 +217,7 @@ class Pipeline(RecipeSpec):
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout, kernels)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
         handle = GraphHandle(source)
+        yardstick = _float_yardstick(self.passes, handle, ctx, data)
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
         load_decisions = [f"input model: {notice}"] if notice else []
         emit(PipelineEvent("pipeline_start", total, warnings=tuple(str(w) for w in early)))
@@ -208,8 +225,7 @@ class Pipeline(RecipeSpec):
         previous = source if verify else None
         verify_feeds = self._verify_feeds(source, ctx, verify_samples) if verify else []
         tolerance = measure_tolerance(source, verify_feeds, verify_tolerance) if verify else None
-        kept = source if keep_input or keep_stages or verify else None
-        if kept is None:
+        if (kept := source if keep_input or keep_stages or verify else None) is None:
             ctx.input_model = None
         del source  # the handle owns the weights now: without `kept`, the loaded protobuf is freed here
         stages: list[onnx.ModelProto] = []
@@ -255,8 +271,8 @@ class Pipeline(RecipeSpec):
         del held
         write_provenance(out, self.to_dict(), input_hash, records, self.made_for())
         emit(PipelineEvent("pipeline_end", total, seconds=sum(r.seconds for r in records)))
-        checked = choose(self.made_for(), kernels)  # the output, as it deploys on the CPU it is made for
-        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions, checked)
+        return PipelineResult(out, records, kept, stages, data, weights, tolerance, load_decisions,
+                              choose(self.made_for(), kernels), yardstick)  # checked as it deploys on its CPU
 
     def made_for(self) -> str | None:
         """The CPU family the output is made for: the recipe's ``target.cpu`` (``host`` resolved), else the first
@@ -270,7 +286,11 @@ class Pipeline(RecipeSpec):
         start = time.perf_counter()
         ctx.nested = []
         result, measured = run_pass(p, index, handle, ctx)
-        gc.collect()  # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now
+        if measured.changed or result.changed:
+            # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now. A pass that changed
+            # nothing dropped no part of the graph, and a full collection walks every node and tensor of it (1-2 s
+            # per pass at 100k nodes): the ordinary GC takes its temporaries
+            gc.collect()
         if target_step:
             result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} after the "
                                     "last pass, as the recipe's target asks")

@@ -1,27 +1,37 @@
-"""What each pass of a run costs, against the float model's calibration time.
+"""What each pass of a run costs, against one float inference pass over the calibration data.
 
 Accuracy techniques (equalization, SmoothQuant, bias correction, rounding optimization, range tuning, fallback
-search) cost time on top of the one pass over the calibration data that static quantization needs anyway; the
-budget a demanding user can accept is a small multiple of it (issue #13: at most 10x). The quantizing pass reports
-how long its data pass took (`PassResult.calibration_seconds`); `run_timing` puts every pass's time (the
-quantizing pass's without its data pass) against that, and `Timing.line` is what the run summary and the report
-print.
+search) and calibration itself cost time; the budget a demanding user can accept is a small multiple of what the
+float model costs to run over the calibration data once (issue #13: at most 10x; issue #34: the yardstick must be
+something no pass can slow down). `measure_float_inference` times that float pass apart from every pass (its own
+onnxruntime session, created outside the timed span, on at most `MAX_TIMED_SAMPLES` samples, scaled to the whole
+data when its length is known); `run_timing` puts every pass's whole time (the quantizing pass's calibration
+included, and also shown on its own) against it, and `Timing.line` is what the run summary and the report print:
+the multiples, the passes over `BUDGET`, and which pass dominated the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from qgraph.pipeline.pass_result import PassResult
+import numpy as np
+import numpy.typing as npt
+import onnx
 
-#: The multiple of the calibration time a pass may take before the summary flags it.
+from qgraph.pipeline.pass_result import PassResult
+from qgraph.runtime.compare import make_session, session_run
+
+#: The multiple of one float inference pass a pass may take before the summary flags it.
 BUDGET = 10.0
 #: Passes under this multiple are counted, not named, in the summary line.
 NEGLIGIBLE = 0.05
 #: Passes named in the summary line at most.
 SHOWN = 5
+#: Samples the float pass is timed on at most (the rest is extrapolated): the yardstick stays cheap on long data.
+MAX_TIMED_SAMPLES = 64
 
 
 class _Record(Protocol):
@@ -31,55 +41,106 @@ class _Record(Protocol):
 
 
 @dataclass(frozen=True)
+class FloatInference:
+    """One float inference pass over the calibration data: ``seconds`` (scaled to ``samples_total`` when only
+    ``samples_timed`` were run), measured in its own session apart from every pass."""
+
+    seconds: float
+    samples_timed: int
+    samples_total: int
+
+    def describe(self) -> str:
+        """How it was measured, for the summary line."""
+        part = ("" if self.samples_timed >= self.samples_total
+                else f", timed on {self.samples_timed} of {self.samples_total} samples")
+        return f"{self.seconds:.2f} s: the float model over {self.samples_total} calibration sample(s){part}"
+
+
+def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.NDArray[Any]] | None,
+                            batches: Iterable[Mapping[str, npt.NDArray[Any]]],
+                            max_samples: int = MAX_TIMED_SAMPLES) -> FloatInference | None:
+    """Time ``model`` (a weightless export and its ``weights``, read in place) over ``batches`` in onnxruntime:
+    the session is created outside the timed span; at most ``max_samples`` batches are run and the time is scaled
+    to all of them when ``batches`` has a length. None when there is no data."""
+    session = make_session(model, weights=weights)
+    names = [o.name for o in session.get_outputs()]
+    timed, seconds = 0, 0.0
+    for feed in batches:
+        start = time.perf_counter()
+        session_run(session, names, dict(feed))
+        seconds += time.perf_counter() - start
+        timed += 1
+        if timed >= max_samples:
+            break
+    if timed == 0:
+        return None
+    total = max(len(batches), timed) if isinstance(batches, Sized) else timed
+    return FloatInference(seconds * total / timed, timed, total)
+
+
+@dataclass(frozen=True)
 class PassTime:
-    """One pass's seconds (the quantizing pass's without its data pass) and their multiple of the calibration."""
+    """One pass's seconds and their multiple of the float inference pass; ``calibration``: the seconds of its data
+    pass, when it calibrated (included in ``seconds``)."""
 
     name: str
     seconds: float
     ratio: float
+    calibration: float | None = None
 
 
 @dataclass(frozen=True)
 class Timing:
-    """The calibration's seconds, which pass made it, and every pass against it (slowest first)."""
+    """The float inference pass and every pass against it (slowest first)."""
 
-    calibration_seconds: float
-    calibrated_by: str
+    float_inference: FloatInference
     passes: tuple[PassTime, ...]
 
     @property
     def over_budget(self) -> list[PassTime]:
-        """Passes that took more than `BUDGET` times the calibration."""
+        """Passes that took more than `BUDGET` float inference passes."""
         return [p for p in self.passes if p.ratio > BUDGET]
+
+    @property
+    def dominant(self) -> PassTime | None:
+        """The pass that took the longest."""
+        return self.passes[0] if self.passes else None
+
+    def _one(self, p: PassTime) -> str:
+        cal = (f"; calibration {p.calibration:.1f} s, {p.calibration / self.float_inference.seconds:.1f}x"
+               if p.calibration else "")
+        return f"{p.name} {p.seconds:.1f} s ({p.ratio:.1f}x{cal})"
 
     def line(self) -> str:
         """One sentence for the run summary and the report."""
         shown = [p for p in self.passes if p.ratio >= NEGLIGIBLE][:SHOWN]
         rest = len(self.passes) - len(shown)
-        names = ", ".join(f"{p.name} {p.seconds:.1f} s ({p.ratio:.1f}x)" for p in shown) or "none"
+        names = ", ".join(self._one(p) for p in shown) or "none"
         more = f" (+{rest} more, each {self.passes[len(shown)].ratio:.2f}x or less)" if rest else ""
         over = self.over_budget
         verdict = (f"over {BUDGET:g}x: {', '.join(p.name for p in over)}" if over
                    else f"every pass within {BUDGET:g}x")
-        return (f"time against calibration ({self.calibration_seconds:.1f} s: the float model over the calibration "
-                f"data, in {self.calibrated_by}): {names}{more}; {verdict}")
+        total = sum(p.seconds for p in self.passes)
+        top = self.dominant
+        dominated = (f"; {top.name} dominated ({100 * top.seconds / total:.0f}% of {total:.1f} s)"
+                     if top is not None and total > 0 else "")
+        return (f"time against one float inference pass ({self.float_inference.describe()}): "
+                f"{names}{more}; {verdict}{dominated}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"calibration_seconds": self.calibration_seconds, "calibrated_by": self.calibrated_by,
-                "budget_x": BUDGET,
-                "passes": [{"pass": p.name, "seconds": p.seconds, "x_calibration": p.ratio} for p in self.passes]}
+        fi = self.float_inference
+        return {"float_inference_seconds": fi.seconds, "float_samples_timed": fi.samples_timed,
+                "float_samples": fi.samples_total, "budget_x": BUDGET,
+                "dominant": self.dominant.name if self.dominant else None,
+                "passes": [{"pass": p.name, "seconds": p.seconds, "x_float_inference": p.ratio,
+                            "calibration_seconds": p.calibration} for p in self.passes]}
 
 
-def run_timing(records: Sequence[_Record]) -> Timing | None:
-    """Every pass's time against the first calibration of the run (None when no pass calibrated from data)."""
-    cal = next((r for r in records if r.result.calibration_seconds), None)
-    if cal is None or not cal.result.calibration_seconds:
+def run_timing(records: Sequence[_Record], float_inference: FloatInference | None) -> Timing | None:
+    """Every pass's whole time against ``float_inference`` (None when the run measured none: no pass read data)."""
+    if float_inference is None or not float_inference.seconds > 0 or not np.isfinite(float_inference.seconds):
         return None
-    base = float(cal.result.calibration_seconds)
-    times = []
-    for r in records:
-        own = max(r.seconds - base, 0.0) if r is cal else r.seconds
-        label = f"{r.name} (besides calibrating)" if r is cal else r.name
-        times.append(PassTime(label, own, own / base))
-    return Timing(base, cal.name, tuple(sorted(times, key=lambda p: -p.seconds)))
+    base = float_inference.seconds
+    times = [PassTime(r.name, r.seconds, r.seconds / base, r.result.calibration_seconds) for r in records]
+    return Timing(float_inference, tuple(sorted(times, key=lambda p: -p.seconds)))

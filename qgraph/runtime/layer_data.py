@@ -13,22 +13,32 @@ is ``max_rows x K`` per layer whatever the data. A Conv row is the receptive fie
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import onnx
+import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.graph import insert_after_producers
-from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
+from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER, with_weights
 from qgraph.runtime.compare import make_session, session_run
+from qgraph.runtime.segments import observe_segmented, segmentable
 
 _PREFIX = "qgraph_layer"
+_ONE = f"{_PREFIX}/one"
+_MEANS, _SIZES = f"{_PREFIX}/means", f"{_PREFIX}/sizes"
+_NO_OPTIMIZATION = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # what `make_session` runs with
+#: `channel_means` runs graphs over this many nodes slice by slice, in slices of `SLICE_NODES`. Higher than
+#: calibration's threshold: the twin graph of a 1,000-layer chain (~20k nodes) initializes no faster in 4,000-node
+#: slices (measured: 14 sessions 56 s vs 6 sessions 47 s on a loaded machine) and pays a run per slice per batch.
+SLICE_ABOVE = 32_000
+SLICE_NODES = 16_000
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -37,6 +47,7 @@ def _opset(model: onnx.ModelProto) -> int:
 
 def _mean_nodes(name: str, k: int, channels: int, channel_first: bool, opset: int) -> tuple[
         list[onnx.NodeProto], list[onnx.TensorProto], tuple[str, str]]:
+    """Per-channel mean (cast to double: exact) and element count (as a 1-vector) of tensor ``name``."""
     p = f"{_PREFIX}/{k}/"
     shape = [0, channels, -1] if channel_first else [-1, channels]
     axes = [0, 2] if channel_first else [0]
@@ -47,8 +58,10 @@ def _mean_nodes(name: str, k: int, channels: int, channel_first: bool, opset: in
         nodes.append(helper.make_node("ReduceMean", [p + "flat", p + "axes"], [p + "mean"], keepdims=0))
     else:
         nodes.append(helper.make_node("ReduceMean", [p + "flat"], [p + "mean"], axes=axes, keepdims=0))
+    nodes.append(helper.make_node("Cast", [p + "mean"], [p + "mean64"], to=onnx.TensorProto.DOUBLE))
     nodes.append(helper.make_node("Size", [name], [p + "size"]))
-    return nodes, inits, (p + "mean", p + "size")
+    nodes.append(helper.make_node("Reshape", [p + "size", _ONE], [p + "size1"]))
+    return nodes, inits, (p + "mean64", p + "size1")
 
 
 def _augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
@@ -70,33 +83,79 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
     Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
     values of a weightless ``model``'s placeholders, read in place by the session
     (`qgraph.runtime.compare.make_session`)."""
+    if not tensors:
+        return {}
     opset = _opset(model)
     after: dict[str, list[onnx.NodeProto]] = {}
-    inits: list[onnx.TensorProto] = []
-    fetch: dict[str, tuple[str, str]] = {}
+    inits: list[onnx.TensorProto] = [numpy_helper.from_array(np.array([1], np.int64), _ONE)]
+    means: list[str] = []
+    sizes: list[str] = []
     for k, (name, (c, first)) in enumerate(tensors.items()):
-        nodes, consts, outs = _mean_nodes(name, k, c, first, opset)
+        nodes, consts, (mean_o, size_o) = _mean_nodes(name, k, c, first, opset)
         after.setdefault(name, []).extend(nodes)
         inits.extend(consts)
-        fetch[name] = outs
-    names = [o for pair in fetch.values() for o in pair]
-    session = make_session(_augment(model, after, inits, names), mem_pattern=False, weights=weights)
-    sums = {name: np.zeros(c, np.float64) for name, (c, _) in tensors.items()}
-    rows = dict.fromkeys(tensors, 0.0)
-    for feed in batches:
-        values = dict(zip(names, session_run(session, names, feed), strict=True))
-        for name, (mean_o, size_o) in fetch.items():
-            n = float(values[size_o]) / tensors[name][0]
-            sums[name] += np.asarray(values[mean_o], np.float64) * n
-            rows[name] += n
+        means.append(mean_o)
+        sizes.append(size_o)
+    augmented = _augment(model, after, inits, [])
+    channels = [c for c, _ in tensors.values()]
+    ends = np.cumsum(channels)
+    sums = np.zeros(int(ends[-1]) if channels else 0, np.float64)
+    rows = np.zeros(len(channels), np.float64)
+    per_channel = np.repeat(np.arange(len(channels)), channels)
+
+    def fold(mean: npt.NDArray[Any], size: npt.NDArray[Any]) -> None:
+        nonlocal sums, rows
+        n = np.asarray(size, np.float64) / np.asarray(channels, np.float64)
+        sums += np.asarray(mean, np.float64) * n[per_channel]
+        rows += n
+
+    _each_run(augmented, means, sizes, batches, weights, fold)
+    totals = dict(zip(tensors, np.split(sums, ends[:-1]), strict=True))
+    rows_of = dict(zip(tensors, rows, strict=True))
     out: dict[str, npt.NDArray[np.float64]] = {}
-    for name, total in sums.items():
-        mean = total / max(rows[name], 1.0)
+    for name, total in totals.items():
+        mean = total / max(float(rows_of[name]), 1.0)
         if not np.all(np.isfinite(mean)):
             raise DataError(f"tensor {name!r} holds NaN/Inf on the calibration data: its mean cannot be corrected; "
                             "fix the model or the data.")
         out[name] = mean
     return out
+
+
+def _each_run(model: onnx.ModelProto, means: list[str], sizes: list[str], batches: Iterable[Feed],
+              weights: Mapping[str, npt.NDArray[Any]] | None,
+              use: Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]) -> None:
+    """``use(every mean joined, every size joined)`` for every batch, in order.
+
+    One session: two Concat nodes join them, so a run fetches two outputs whatever the number of tensors (each
+    fetched output costs onnxruntime and Python ~10 us: 2 x 2,000 outputs x 32 samples on a 1,000-layer chain).
+    A graph over `SLICE_ABOVE` nodes (onnxruntime's session initialization is super-linear in the node count: 10 s
+    for the quantized twin graph of a 3,000-layer chain, ~100 s at 10,000 layers) runs slice by slice
+    (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
+    Concat would carry every mean through every later slice); they are joined here: the same values."""
+    if len(model.graph.node) <= SLICE_ABOVE or not segmentable(model):
+        model.graph.node.extend([helper.make_node("Concat", means, [_MEANS], axis=0),  # `model` is our own copy
+                                 helper.make_node("Concat", sizes, [_SIZES], axis=0)])
+        model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in (_MEANS, _SIZES))
+        session = make_session(model, mem_pattern=False, weights=weights)
+        for feed in batches:
+            use(*session_run(session, [_MEANS, _SIZES], feed))
+        return
+    got: dict[str, Any] = {}
+
+    class _Keep:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def update(self, x: Any, sample_index: int | None = None) -> None:
+            got[self.name] = x
+
+    def done(_: int) -> None:
+        use(np.concatenate([got.pop(o) for o in means]), np.concatenate([got.pop(o) for o in sizes]))
+
+    full = with_weights(model, weights) if weights else model  # slices are built from protobufs
+    observe_segmented(full, {o: _Keep(o) for o in [*means, *sizes]}, batches, SLICE_NODES,
+                      optimization=_NO_OPTIMIZATION, after_feed=done)
 
 
 @dataclass

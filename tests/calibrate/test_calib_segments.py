@@ -6,7 +6,7 @@ import pytest
 
 import qgraph.calibrate.collector as collector
 from qgraph.calibrate import collect_ranges, make_observer, observe
-from qgraph.calibrate.segments import observe_segmented, plan_segments
+from qgraph.runtime.segments import observe_segmented, plan_segments
 from qgraph.testing import transformer_encoder, transformer_encoder_inputs
 
 
@@ -43,8 +43,8 @@ def test_long_graphs_are_segmented_automatically(monkeypatch: pytest.MonkeyPatch
         seen.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("qgraph.calibrate.segments.SEGMENT_THRESHOLD", 10)
-    monkeypatch.setattr("qgraph.calibrate.segments.SEGMENT_NODES", 7)
+    monkeypatch.setattr("qgraph.runtime.segments.SEGMENT_THRESHOLD", 10)
+    monkeypatch.setattr("qgraph.runtime.segments.SEGMENT_NODES", 7)
     monkeypatch.setattr(collector, "observe_segmented", spy)
     progress: list[tuple[int, int | None]] = []
     segmented = collect_ranges(m, names, feeds, method, optimize=False, robust_percentile=99.0,

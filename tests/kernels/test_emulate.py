@@ -104,3 +104,39 @@ def test_a_layer_onnxruntime_does_not_fuse_is_left_float() -> None:
         onnx.numpy_helper.from_array(np.array(np.float32(0.01)), "ws"),
         onnx.numpy_helper.from_array(np.zeros(10, np.float32), "b")])
     assert emulate(model, "x86-avx2", host_saturates=False).sites == []
+
+
+def test_fused_layers_are_remembered_by_structure_scales_and_zero_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    from onnx import numpy_helper
+
+    from qgraph.quant.qdq import is_dequantize
+    from qgraph.runtime.kernels import emulate as em
+    from qgraph.testing.depthwise import depthwise_float_and_qdq
+
+    _, qdq = depthwise_float_and_qdq(seed=3)
+    inits = {t.name: t for t in qdq.graph.initializer}
+    dq = [n for n in qdq.graph.node if is_dequantize(n.op_type, n.domain)]
+    bias = next(inits[n.input[0]] for n in dq if inits.get(n.input[0]) is not None
+                and inits[n.input[0]].data_type == onnx.TensorProto.INT32)
+    zero = next(inits[n.input[2]] for n in dq if len(n.input) > 2 and n.input[2] in inits
+                and inits[n.input[2]].data_type == onnx.TensorProto.UINT8)
+
+    def edited(tensor: onnx.TensorProto, change: int) -> onnx.ModelProto:
+        m = onnx.ModelProto()
+        m.CopyFrom(qdq)
+        t = next(x for x in m.graph.initializer if x.name == tensor.name)
+        value = numpy_helper.to_array(t)
+        t.CopyFrom(numpy_helper.from_array((value.astype(np.int64) + change).astype(value.dtype), t.name))
+        return m
+
+    # bias codes (what a weight correction changes) do not move the key; a zero point does
+    assert em.fusion_key(edited(bias, 3)) == em.fusion_key(qdq)
+    assert em.fusion_key(edited(zero, 1)) != em.fusion_key(qdq)
+    sessions: list[int] = []
+    real = em._fused_layers
+    monkeypatch.setattr(em, "_FUSED", {})
+    monkeypatch.setattr(em, "_fused_layers", lambda m: sessions.append(1) or real(m))
+    first = em.fused_layers(qdq)
+    assert em.fused_layers(edited(bias, 3)) == first and len(sessions) == 1  # one optimizing session, not two
+    assert em.fused_layers(edited(zero, 1)) is not None and len(sessions) == 2
+    assert first == real(qdq) and first  # the remembered answer is onnxruntime's

@@ -22,6 +22,7 @@ strides, s8 activations, weight zero points), MatMuls, Gemms and dynamic quantiz
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -98,9 +99,63 @@ def has_integer_work(model: onnx.ModelProto) -> bool:
                or n.op_type == "DynamicQuantizeLinear" for g in proto_scopes(model.graph) for n in g.node)
 
 
-def fused_layers(model: onnx.ModelProto) -> set[str]:
+#: `fused_layers` answers by the model's fusion key (`fusion_key`), a few models at most: a weight-correcting pass
+#: emulates the same structure before and after changing only bias or weight codes (its fidelity guard), and each
+#: answer costs an optimizing onnxruntime session (1-2 s on a 3,000-layer chain).
+_FUSED: dict[str, frozenset[str]] = {}
+_FUSED_KEPT = 4
+#: Initializers up to this many elements enter the fusion key by value (scales, zero points, shapes, clip bounds).
+_KEY_VALUE_ELEMENTS = 64
+
+
+def fusion_key(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> str:
+    """What onnxruntime's Q/DQ fusion of ``model`` can depend on: every node (name, op, domain, wiring,
+    non-graph attributes), every initializer's name, type and shape, the values of every scale and zero point (per
+    channel too) and of the other small ones (shapes, clip bounds), except a DequantizeLinear's data input (bias
+    and weight codes: fusion only asks that they are constant). Two models with the same key fuse the same
+    layers."""
+    h = hashlib.sha256()
+    codes: set[str] = set()
+    grids: set[str] = set()
+    for g in proto_scopes(model.graph):
+        for n in g.node:
+            h.update(repr((n.name, n.domain, n.op_type, tuple(n.input), tuple(n.output))).encode())
+            for a in n.attribute:
+                if a.type not in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+                    h.update(a.SerializeToString())
+            if is_dequantize(n.op_type, n.domain) and n.input:
+                codes.add(n.input[0])
+            if is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain):
+                grids.update(n.input[1:])  # scales and zero points, per channel too: always by value
+    for g in proto_scopes(model.graph):
+        for vi in (*g.input, *g.output):
+            h.update(vi.SerializeToString())
+        for t in g.initializer:
+            h.update(repr((t.name, t.data_type, tuple(t.dims))).encode())
+            if t.name not in grids and (t.name in codes or int(np.prod(t.dims)) > _KEY_VALUE_ELEMENTS):
+                continue
+            if weights and t.name in weights:
+                h.update(np.ascontiguousarray(weights[t.name]).tobytes())
+            elif t.data_location == TensorProto.EXTERNAL:
+                h.update(repr([(e.key, e.value) for e in t.external_data]).encode())
+            else:
+                h.update(np.ascontiguousarray(numpy_helper.to_array(t)).tobytes())
+    return h.hexdigest()
+
+
+def fused_layers(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> set[str]:
     """Names of the layers onnxruntime's CPU optimizer turns into u8/s8 GEMM-based integer kernels (every node
-    must have a unique name)."""
+    must have a unique name); ``weights``: the values of a weightless model's placeholders. Remembered by
+    `fusion_key` for the last few models."""
+    key = fusion_key(model, weights)
+    if key not in _FUSED:
+        while len(_FUSED) >= _FUSED_KEPT:
+            del _FUSED[next(iter(_FUSED))]
+        _FUSED[key] = frozenset(_fused_layers(with_weights(model, weights) if weights else model))
+    return set(_FUSED[key])
+
+
+def _fused_layers(model: onnx.ModelProto) -> set[str]:
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory(prefix="qgraph-fused-") as tmp:
@@ -174,7 +229,7 @@ def emulate(model: onnx.ModelProto, family: str, *, host_saturates: bool,
     consts = _Constants(work, weights)
     fused = set(expanded)
     if saturates(family):
-        fused |= fused_layers(with_weights(work, weights) if weights else work)
+        fused |= fused_layers(work, weights)
     for graph in proto_scopes(work.graph):
         _rewrite_scope(graph, out, consts, taken, opset, fused, host_saturates, top=count and graph is work.graph)
     for name in out.counters:

@@ -1,4 +1,4 @@
-"""Segmented calibration for very large graphs: onnxruntime sessions over consecutive slices of the graph.
+"""Segmented runs of very large graphs: onnxruntime sessions over consecutive slices of the graph.
 
 onnxruntime's session initialization is super-linear in the number of nodes of long graphs (a 60k-node chain
 takes ~4x as long as a 30k-node one), so a single calibration session over a 100k-node model dominates the
@@ -8,7 +8,9 @@ whose outputs are the tensors later slices read plus the tensors being calibrate
 the slices in order; a value is dropped as soon as no later slice reads it, so memory stays bounded by the
 widest cut. Sessions are built on the first sample (input element types are taken from the actual values).
 Graphs with If/Loop/Scan nodes are not segmented (their bodies read outer-scope tensors implicitly).
-:func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify.
+:func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify, and so does
+`qgraph.runtime.layer_data.channel_means` (weight correction): with the same optimization level, a slice computes
+every node exactly as the whole graph's session would.
 """
 
 from __future__ import annotations
@@ -137,11 +139,11 @@ def observe_segmented(
                 try:
                     seg.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=provs)
                 except Exception as exc:  # onnxruntime raises its own exception classes
-                    raise ModelError(f"onnxruntime cannot load a calibration segment: {exc}") from exc
+                    raise ModelError(f"onnxruntime cannot load a segment of the model: {exc}") from exc
             try:
                 outs = session_run(seg.session, seg.outputs, {t: values[t] for t in seg.inputs})
             except Exception as exc:
-                raise DataError(f"calibration sample {index}: onnxruntime failed to run the model: {exc}") from exc
+                raise DataError(f"sample {index}: onnxruntime failed to run the model: {exc}") from exc
             for name, arr in zip(seg.outputs, outs, strict=True):
                 values[name] = arr
                 if name in observers:
