@@ -24,20 +24,21 @@ from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.errors import DataError
-from qgraph.graph import insert_after_producers
+from qgraph.graph import ProtoNames, insert_after_producers
 from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
 from qgraph.runtime.compare import make_session, session_run
 
-_PREFIX = "qgraph_layer"
+#: Stems of the namespaces the helper nodes live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_1/`` when
+#: the model already uses ``qgraph_layer/``).
+_STEM, _TWIN_STEM = "qgraph_layer", "qgraph_layer_twin"
 
 
 def _opset(model: onnx.ModelProto) -> int:
     return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _mean_nodes(name: str, k: int, channels: int, channel_first: bool, opset: int) -> tuple[
+def _mean_nodes(name: str, p: str, channels: int, channel_first: bool, opset: int) -> tuple[
         list[onnx.NodeProto], list[onnx.TensorProto], tuple[str, str]]:
-    p = f"{_PREFIX}/{k}/"
     shape = [0, channels, -1] if channel_first else [-1, channels]
     axes = [0, 2] if channel_first else [0]
     inits = [numpy_helper.from_array(np.array(shape, np.int64), p + "shape")]
@@ -74,8 +75,9 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
     after: dict[str, list[onnx.NodeProto]] = {}
     inits: list[onnx.TensorProto] = []
     fetch: dict[str, tuple[str, str]] = {}
+    space = ProtoNames(model).prefix(_STEM)
     for k, (name, (c, first)) in enumerate(tensors.items()):
-        nodes, consts, outs = _mean_nodes(name, k, c, first, opset)
+        nodes, consts, outs = _mean_nodes(name, f"{space}{k}/", c, first, opset)
         after.setdefault(name, []).extend(nodes)
         inits.extend(consts)
         fetch[name] = outs
@@ -247,9 +249,10 @@ def with_twins(model: onnx.ModelProto, twins: Sequence[Twin],
     by_output = {n.output[0]: n for n in model.graph.node if n.output}
     after: dict[str, list[onnx.NodeProto]] = {}
     inits: list[onnx.TensorProto] = []
+    space = ProtoNames(model).prefix(_TWIN_STEM)
     for k, twin in enumerate(twins):
         node = by_output[twin.node_output]
-        p = f"{_PREFIX}_twin/{k}/"
+        p = f"{space}{k}/"
         inits += [_twin_tensor(twin.weight, p + "w", weights), _twin_tensor(twin.bias, p + "b", weights)]
         copy = onnx.NodeProto()
         copy.CopyFrom(node)

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import onnx
@@ -35,7 +36,7 @@ from onnx import TensorProto, helper
 
 from qgraph.analysis.sensitivity import probe_parts
 from qgraph.data import Feed
-from qgraph.graph import GraphHandle
+from qgraph.graph import GraphHandle, ProtoNames, model_names
 from qgraph.io.model_io import save_model
 from qgraph.quant.qdq import is_dequantize, is_quantize
 from qgraph.quant.qdq_graph import quantized_nodes
@@ -43,8 +44,11 @@ from qgraph.remedy.fallback import fall_back
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputParts
 
-PREFIX = "qgraph_local/"
-OUT_PREFIX = "qgraph_local_out/"  # copies of a node's own output pairs (the same Q may also start a chain)
+#: Stems of the probe's namespaces (`qgraph.graph.ProtoNames.prefix`: ``qgraph_local_1/`` when the model already
+#: uses ``qgraph_local/``): copies of nodes and their Q/DQ chains; copies of a node's own output pairs (the same Q
+#: may also start a chain); the reductions. Three namespaces, so a copy of a tensor named like a reduction
+#: (``0/0/err``) cannot meet it.
+COPY_STEM, OUT_STEM, SUM_STEM = "qgraph_local", "qgraph_local_out", "qgraph_local_sum"
 #: Ops where branches merge: a branch's relative error is diluted by the other inputs' signal (`output_weights`).
 MERGE_OPS = frozenset({"Add", "Sub", "Sum", "Concat"})
 StepProgress = Callable[[int, int | None], None]
@@ -90,6 +94,8 @@ class Probe:
     powers: dict[str, str]  # tensor -> output holding Σ t² (inputs and outputs of merging ops)
     #: node -> (scored unit, Σ err output, Σ sig output) per part of a split graph output it writes
     parts: dict[str, list[probe_parts.PartReduction]] = field(default_factory=dict)
+    #: The namespace of the quantized copies (nodes named in it are not the float model's).
+    copies: str = COPY_STEM + "/"
 
 
 def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
@@ -117,7 +123,9 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
     by_name = {n.name: n for n in g.node}
     available = {t.name for t in f.graph.initializer} | {i.name for i in f.graph.input}
     available |= {o for n in f.graph.node for o in n.output}
-    ctx = _Builder(producer, inits, available)
+    names_in_use = ProtoNames(chain(model_names(qdq), model_names(f)))
+    ctx = _Builder(producer, inits, available, names_in_use.prefix(COPY_STEM), names_in_use.prefix(OUT_STEM))
+    sums = names_in_use.prefix(SUM_STEM)
     groups: dict[str, list[onnx.NodeProto]] = {}
     outputs: dict[str, list[tuple[str, str]]] = {}
     skipped: dict[str, str] = {}
@@ -136,8 +144,8 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
             ctx.chains = chains  # copies made for this node are dropped with it
             skipped[name] = str(why)
             continue
-        reductions, names_out = _reductions(f"{PREFIX}{k}/", pairs)
-        sliced, consts, per_part[name] = probe_parts.part_reductions(f"{PREFIX}{k}/", pairs, by_output)
+        reductions, names_out = _reductions(f"{sums}{k}/", pairs)
+        sliced, consts, per_part[name] = probe_parts.part_reductions(f"{sums}{k}/", pairs, by_output)
         ctx.initializers += consts
         groups[name] = nodes + reductions + sliced
         outputs[name] = names_out
@@ -149,7 +157,7 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
         if node.op_type in MERGE_OPS and node.domain in ("", "ai.onnx"):
             for t in [*node.input, *node.output]:
                 if t and t not in powers:
-                    powers[t] = f"{PREFIX}power/{len(powers)}"
+                    powers[t] = f"{sums}power/{len(powers)}"
                     ordered += [helper.make_node("Cast", [t], [powers[t] + "/f"], to=TensorProto.FLOAT),
                                 helper.make_node("ReduceSumSquare", [powers[t] + "/f"], [powers[t]], keepdims=0)]
     del f.graph.node[:]
@@ -158,7 +166,7 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
     fetch = [t for pairs in outputs.values() for pair in pairs for t in pair] + list(powers.values())
     fetch += [t for cuts in per_part.values() for _, *sums in cuts for t in sums]
     f.graph.output.extend(helper.make_value_info(t, onnx.TypeProto()) for t in fetch)
-    return Probe(f, outputs, skipped, powers, {n: c for n, c in per_part.items() if c})
+    return Probe(f, outputs, skipped, powers, {n: c for n, c in per_part.items() if c}, ctx.prefix)
 
 
 class _NoProbe(Exception):
@@ -168,8 +176,10 @@ class _NoProbe(Exception):
 class _Builder:
     """Copies Q/DQ chains (once per DQ output, shared by the nodes reading it) and nodes into the probe."""
 
-    def __init__(self, producer: dict[str, onnx.NodeProto], inits: dict[str, TensorProto], available: set[str]):
+    def __init__(self, producer: dict[str, onnx.NodeProto], inits: dict[str, TensorProto], available: set[str],
+                 prefix: str, out_prefix: str):
         self.producer, self.inits, self.available = producer, inits, available
+        self.prefix, self.out_prefix = prefix, out_prefix  # free namespaces (`ProtoNames.prefix`)
         self.chains: dict[str, str] = {}  # DQ output -> the copy's output name
         self.constants: list[onnx.NodeProto] = []  # Constant nodes the float model dropped
         self.initializers: list[TensorProto] = []  # initializers the float model dropped (scales, codes)
@@ -209,14 +219,14 @@ class _Builder:
         for link in reversed(links):
             copy = onnx.NodeProto()
             copy.CopyFrom(link)
-            copy.name = PREFIX + link.name
+            copy.name = self.prefix + link.name
             for i, t in enumerate(copy.input):
                 if t in renamed:
                     copy.input[i] = renamed[t]
                 else:
                     self._need(t)
             for i, t in enumerate(copy.output):
-                renamed[t] = copy.output[i] = PREFIX + t
+                renamed[t] = copy.output[i] = self.prefix + t
             copies.append(copy)
         emitted.extend(copies)
         self.chains[tensor] = renamed.get(tensor, tensor)
@@ -230,7 +240,7 @@ class _Builder:
         emitted: list[onnx.NodeProto] = []
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
-        copy.name = PREFIX + node.name
+        copy.name = self.prefix + node.name
         for i, t in enumerate(node.input):
             p = self.producer.get(t)
             if p is not None and is_dequantize(p.op_type, p.domain):
@@ -242,7 +252,7 @@ class _Builder:
         for i, y in enumerate(node.output):
             if not y:
                 continue
-            copy.output[i] = PREFIX + y
+            copy.output[i] = self.prefix + y
             pairs.append(self._output_pair(y, copy.output[i], consumers, graph_outputs, tail))
         return [*emitted, copy, *tail], pairs
 
@@ -257,9 +267,10 @@ class _Builder:
                     qc, dqc = onnx.NodeProto(), onnx.NodeProto()
                     qc.CopyFrom(q)
                     dqc.CopyFrom(dq)
-                    qc.name, dqc.name = OUT_PREFIX + q.name, OUT_PREFIX + dq.name
-                    qc.input[0], qc.output[0] = y_copy, OUT_PREFIX + q.output[0]
-                    dqc.input[0], dqc.output[0] = qc.output[0], OUT_PREFIX + dq.output[0]
+                    out = self.out_prefix
+                    qc.name, dqc.name = out + q.name, out + dq.name
+                    qc.input[0], qc.output[0] = y_copy, out + q.output[0]
+                    dqc.input[0], dqc.output[0] = qc.output[0], out + dq.output[0]
                     for t in [*qc.input[1:], *dqc.input[1:]]:
                         self._need(t)
                     tail.extend([qc, dqc])
@@ -361,7 +372,7 @@ def local_errors(
     if not probe.outputs:
         return errors, probe.skipped, 0
     structure = onnx.ModelProto()  # the float model's wiring, for `output_weights` (no weights kept)
-    structure.graph.node.extend(n for n in probe.model.graph.node if not n.name.startswith(PREFIX))
+    structure.graph.node.extend(n for n in probe.model.graph.node if not n.name.startswith(probe.copies))
     structure.graph.output.extend(qdq.graph.output)
     power = dict.fromkeys(probe.powers, 0.0)
     session = _session(probe, optimization)
