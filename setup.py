@@ -9,5 +9,5 @@ package_dir = {"qgraph": "qgraph", "qgraph.passes": "passes"}
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"qgraph": ["py.typed"], "qgraph.passes.insert_qdq": ["latency_table.json"]},
+    package_data={"qgraph": ["py.typed"], "qgraph.runtime": ["latency_table.json"]},
 )

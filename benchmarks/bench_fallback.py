@@ -16,7 +16,7 @@ Models (built here, no downloads):
 
 Every measurement runs in a fresh subprocess; its peak RSS is read from ``os.wait4``'s rusage. ``session`` is
 the reference for memory: one onnxruntime session of the QDQ model running the evaluation data (what any
-evaluation costs). ``ranking`` is `auto_fallback(report_only=True)` (baseline evaluation, the one-run ranking,
+evaluation costs). ``ranking`` is `auto_fallback` with ``report_only`` (baseline evaluation, the one-run ranking,
 range statistics); ``auto`` the whole automatic fallback to a reachable SQNR target: ``--reach`` (75%) of the way
 from the INT8 model's SQNR to that of every candidate in float (weights stored as integers keep their error in
 float, so that is the most any fallback reaches). The peer is
@@ -57,6 +57,7 @@ def _fragile(blocks: int) -> dict[int, float]:
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     from qgraph import load_model
     from qgraph.analysis.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs, run_batches
+    from qgraph.analysis.sensitivity.options import SearchOptions
     from qgraph.analysis.sensitivity.ranking import candidate_nodes
     from qgraph.analysis.sensitivity.search import auto_fallback
     from qgraph.analysis.sensitivity.targets import parse_target
@@ -71,20 +72,21 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         run_batches(make_session(model, mem_pattern=False), batches)
         return {"seconds": time.perf_counter() - start}
     if args.child == "ranking":
-        r = auto_fallback(load_model(ref), load_model(qdq), data, "sqnr:999", report_only=True)
+        r = auto_fallback(load_model(ref), load_model(qdq), data, "sqnr:999", SearchOptions(report_only=True))
         assert r.sensitivity is not None
         return {"seconds": time.perf_counter() - start, "ranking_s": r.stages.get("ranking", 0.0),
                 "candidates": r.sensitivity.candidates, "int8": r.int8_score}
     if args.child == "auto":
         from qgraph.analysis.sensitivity.cost import CostSpec
         from qgraph.quant.reference_weights import ReferenceWeights
-        from qgraph.runtime.latency import load_latency_table
+        from qgraph.runtime.latency import shipped_latency_table
 
         # modelled latency from the table insert_qdq ships, whatever the order (cost: error ranks without it)
-        costs = CostSpec(load_latency_table(ROOT / "passes" / "insert_qdq" / "latency_table.json"), "ort-x86-vnni")
+        costs = CostSpec(shipped_latency_table(), "ort-x86-vnni")
         fm = load_model(ref)
-        r = auto_fallback(fm, load_model(qdq), data, args.target, max_time=args.max_time, costs=costs,
-                          rank_by=args.cost, float_weights=ReferenceWeights(fm), latency_rounds=args.latency_rounds)
+        r = auto_fallback(fm, load_model(qdq), data, args.target, SearchOptions(
+            max_time=args.max_time, costs=costs, rank_by=args.cost, float_weights=ReferenceWeights(fm),
+            latency_rounds=args.latency_rounds))
         return {"seconds": time.perf_counter() - start, "met": r.target_met, "nodes": len(r.nodes),
                 "score": r.score, "evaluations": r.evaluations, "stages": r.stages, "message": r.message(),
                 "latency": r.latency}

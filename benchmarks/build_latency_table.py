@@ -4,7 +4,7 @@ Run on demand (about a minute per model)::
 
     python benchmarks/build_latency_table.py [--models shufflenet mobilenet_v2 squeezenet digits]
                                              [--presets ort-x86-vnni] [--runs 10]
-                                             [--out passes/insert_qdq/latency_table.json]
+                                             [--out qgraph/runtime/latency_table.json]
 
 Per model and preset: the model's preparation passes (fold_constants, fuse_batchnorm, cleanup), then insert_qdq
 with ``latency: off`` (every unit int8); the float and the int8 model are profiled in onnxruntime alternately
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=corpus_names)
     parser.add_argument("--presets", nargs="*", default=["ort-x86-vnni"])
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=ROOT / "passes" / "insert_qdq" / "latency_table.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "qgraph" / "runtime" / "latency_table.json")
     args = parser.parse_args()
     import onnxruntime as ort
 

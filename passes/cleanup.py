@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
-from qgraph import GraphHandle, ModelError, Pass, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, ModelError, Pass, PassConfig, PassContext, PassDetails, PassResult, register
 from qgraph.graph import (
     const_value,
     graph_scopes,
@@ -50,6 +51,21 @@ _COUNTS = (
     "renamed_nodes",
     "reordered_graphs",
 )
+
+
+@dataclass(frozen=True)
+class CleanupDetails(PassDetails):
+    """What `Cleanup` removed, renamed and reordered (one count per ``_COUNTS`` key), over how many scopes."""
+
+    identity: int
+    dropout: int
+    dead_nodes: int
+    unused_initializers: int
+    unused_graph_inputs: int
+    duplicate_initializers: int
+    renamed_nodes: int
+    reordered_graphs: int
+    scopes: int
 
 
 class CleanupConfig(PassConfig):
@@ -107,8 +123,7 @@ class Cleanup(Pass[CleanupConfig]):
         res.matched = stats["identity"] + stats["dropout"]
         res.rewritten = sum(stats[k] for k in _COUNTS)
         res.nodes_removed = nodes_before - nodes_after
-        res.details = {k: int(stats[k]) for k in _COUNTS}
-        res.details["scopes"] = len(scopes)
+        res.details = CleanupDetails(**{k: int(stats[k]) for k in _COUNTS}, scopes=len(scopes))
         return res
 
 

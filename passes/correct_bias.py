@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from qgraph import GraphHandle, NodeSelector, PassContext, PassResult, register
+from qgraph import GraphHandle, NodeSelector, PassContext, PassDetails, PassResult, register
 from qgraph.quant.layers import QuantLayer, ensure_bias, float_biases
 from qgraph.recovery.weight_correction import (
     CorrectionPass,
@@ -63,6 +64,16 @@ from qgraph.runtime.layer_data import Twin, channel_means, with_twins
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
 NAME = "correct_bias"
+
+
+@dataclass(frozen=True)
+class CorrectBiasDetails(PassDetails):
+    """The biases `CorrectBias` created (None: none), each corrected layer's numbers (by layer) and how many times
+    the model ran; the last two are None when no layer was left to correct."""
+
+    biases_created: list[str] | None = None
+    layers: dict[str, dict[str, float]] | None = None
+    model_runs: int | None = None
 
 
 class CorrectBiasConfig(GuardConfig):
@@ -118,6 +129,7 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         if cands is None:
             return res
         layers = []
+        created: list[str] = []
         for layer in cands.layers:
             res.matched += 1
             had = layer.bias is not None
@@ -127,9 +139,10 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
                 continue
             if not had:
                 res.nodes_added += int(layer.bias is not None and layer.bias.kind == "int32")
-                res.details.setdefault("biases_created", []).append(layer.name)
+                created.append(layer.name)
             layers.append(layer)
-        if "biases_created" in res.details:
+        res.details = CorrectBiasDetails(biases_created=created or None)
+        if created:
             graph.toposort()  # the new bias DequantizeLinear nodes were appended: once, not per layer
         graph.changed()
         if not layers:
@@ -142,8 +155,7 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         else:
             per_layer, runs, clipped = self._global(graph, ctx, layers)
         res.rewritten = sum(int(v.pop("changed")) for v in per_layer.values())
-        res.details["layers"] = per_layer
-        res.details["model_runs"] = runs
+        res.details = CorrectBiasDetails(biases_created=created or None, layers=per_layer, model_runs=runs)
         if clipped:
             res.notes.append(f"{clipped} int32 bias code(s) saturated")
         res.decisions.append(self._summary(per_layer, res.rewritten, runs))

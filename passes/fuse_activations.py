@@ -15,18 +15,26 @@ one. The rewrite is exact up to float rounding: ``HardSwish(x) = x * max(0, min(
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, get_pass, register
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassError, PassResult, get_pass, register
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, producer, rebuild
 
 __all__ = ["FuseActivations", "FuseActivationsConfig"]
 
 HARDSWISH_OPSET = 14
+
+
+@dataclass(frozen=True)
+class FuseActivationsDetails(PassDetails):
+    """How many spelled-out activations `FuseActivations` fused, per kind (``HardSwish``, ``HardSigmoid``)."""
+
+    fused: dict[str, int]
 
 
 class FuseActivationsConfig(PassConfig):
@@ -150,7 +158,7 @@ class FuseActivations(Pass[FuseActivationsConfig]):
         if replacements:
             rebuild(graph.graph, removed, replacements)
             graph.changed()
-        res.details = {"fused": counts}
+        res.details = FuseActivationsDetails(fused=counts)
         if graph.opset < HARDSWISH_OPSET and counts["HardSwish"]:
             res.decisions.append(f"opset {graph.opset} < {HARDSWISH_OPSET}: {counts['HardSwish']} HardSwish written "
                                  "as Mul(x, HardSigmoid(x)) (raise the opset first for the single op)")
@@ -173,7 +181,7 @@ class FuseActivations(Pass[FuseActivationsConfig]):
             return
         before = graph.opset
         try:
-            get_pass("raise_opset")(opset=HARDSWISH_OPSET).run(graph, ctx)
+            ctx.run_pass(get_pass("raise_opset")(opset=HARDSWISH_OPSET), graph)
         except PassError as exc:
             res.decisions.append(f"opset {before} kept (raising to {HARDSWISH_OPSET} failed: "
                                  f"{exc.message.splitlines()[0]})")

@@ -18,16 +18,25 @@ One walk over the Adds of every scope: O(nodes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassResult, register
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, producer, rebuild
 
 __all__ = ["FuseBias", "FuseBiasConfig"]
 
 HOSTS = ("Conv", "ConvTranspose")
+
+
+@dataclass(frozen=True)
+class FuseBiasDetails(PassDetails):
+    """How many bias Adds `FuseBias` folded into their Conv/ConvTranspose."""
+
+    folded: int
 
 
 class FuseBiasConfig(PassConfig):
@@ -125,5 +134,5 @@ class FuseBias(Pass[FuseBiasConfig]):
         if res.rewritten:
             graph.changed()
         res.nodes_removed = res.rewritten
-        res.details = {"folded": res.rewritten}
+        res.details = FuseBiasDetails(folded=res.rewritten)
         return res

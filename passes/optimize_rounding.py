@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
-from qgraph import GraphHandle, NodeSelector, PassContext, PassResult, register
+from qgraph import GraphHandle, NodeSelector, PassContext, PassDetails, PassResult, register
 from qgraph.quant.layers import QuantLayer, ensure_bias, float_biases
 from qgraph.recovery.rounding import optimize_rounding, rounding_objective, second_moments
 from qgraph.recovery.weight_correction import (
@@ -50,6 +51,16 @@ from qgraph.runtime.layer_data import RowSpec, sample_inputs
 __all__ = ["OptimizeRounding", "OptimizeRoundingConfig"]
 
 NAME = "optimize_rounding"
+
+
+@dataclass(frozen=True)
+class OptimizeRoundingDetails(PassDetails):
+    """The biases `OptimizeRounding` created for ``adjust_bias`` (None: none), each optimized layer's numbers (by
+    layer) and the layers the time budget left as they were (None: none)."""
+
+    biases_created: list[str] | None
+    layers: dict[str, dict[str, float | int]]
+    not_optimized: list[str] | None = None
 
 
 class OptimizeRoundingConfig(GuardConfig):
@@ -100,10 +111,10 @@ class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
                 continue
             work.append((layer, spec))
         res.matched = len(work)
+        created: list[str] = []
         if cfg.adjust_bias:
             created = [la.name for la, _ in work if la.bias is None and ensure_bias(graph, la, NAME)]
             if created:
-                res.details["biases_created"] = created
                 graph.toposort()  # the new bias DequantizeLinear nodes were appended: once, not per layer
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, [la for la, _ in work], ctx.float_reference_weights)
@@ -125,11 +136,10 @@ class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
                 res.rewritten += int(stats["flips"] > 0)
             del samples
             graph.changed()
-        res.details["layers"] = per_layer
         pending = [la.name for la, _ in work if la.name not in per_layer]
+        res.details = OptimizeRoundingDetails(biases_created=created or None, layers=per_layer,
+                                              not_optimized=pending or None)
         res.decisions.append(self._summary(per_layer, pending))
-        if pending:
-            res.details["not_optimized"] = pending
         if guard is not None and not guard.finish(graph, cfg.guard_tolerance_db):
             res.rewritten = 0
         return res

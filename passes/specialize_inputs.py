@@ -16,17 +16,27 @@ those input values (verified with ``--verify`` on that value), and no longer tak
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, get_pass, register
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassError, PassResult, get_pass, register
 from qgraph.graph import const_value, tensor_dtype
 from qgraph.graph.names import GraphInputName
 
 _ROUNDS = 16  # nested If depth handled (each round inlines one level)
+
+
+@dataclass(frozen=True)
+class SpecializeInputsDetails(PassDetails):
+    """The inputs `SpecializeInputs` fixed (sorted), the If nodes it inlined and those still left."""
+
+    inputs: list[str]
+    ifs_inlined: int
+    ifs_left: int
 
 
 class SpecializeInputsConfig(PassConfig):
@@ -78,7 +88,7 @@ class SpecializeInputs(Pass[SpecializeInputsConfig]):
         fold = get_pass("fold_constants")()
         inlined = 0
         for _ in range(_ROUNDS):
-            fold.run(graph, ctx)
+            ctx.run_pass(fold, graph)
             graph.changed()
             done = _inline_constant_ifs(graph.graph, res)
             if not done:
@@ -90,7 +100,8 @@ class SpecializeInputs(Pass[SpecializeInputsConfig]):
         if left:
             res.notes.append(f"{len(left)} If node(s) still depend on other inputs: {', '.join(left[:5])}")
         res.rewritten = inlined
-        res.details = {"inputs": sorted(self.config.inputs), "ifs_inlined": inlined, "ifs_left": len(left)}
+        res.details = SpecializeInputsDetails(inputs=sorted(self.config.inputs), ifs_inlined=inlined,
+                                              ifs_left=len(left))
         return res
 
 

@@ -43,7 +43,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import Field, field_validator
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassError, PassResult, register
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassError, PassResult, register
 from qgraph.data import Feed
 from qgraph.graph.names import GraphOutputName
 from qgraph.pipeline.target import CalibrationSpec
@@ -59,6 +59,23 @@ if TYPE_CHECKING:
 __all__ = ["TuneRanges", "TuneRangesConfig"]
 
 NAME = "tune_ranges"
+
+
+@dataclass(frozen=True)
+class TuneRangesDetails(PassDetails):
+    """The output score (min SQNR, dB) before and after `TuneRanges`, the factor each narrowed range got (by its
+    tensor), the search's size and data, and the score of every scored output part before and after."""
+
+    score_before_db: float
+    score_after_db: float
+    factors: dict[str, float]
+    pairs: int
+    evaluations: int
+    samples: int
+    streamed: bool
+    sequences: int
+    scored_db_before: dict[str, float]
+    scored_db_after: dict[str, float]
 
 
 class TuneRangesConfig(PassConfig):
@@ -250,11 +267,11 @@ class TuneRanges(Pass[TuneRangesConfig]):
         if chosen:
             graph.cleanup()  # the constants no pair reads any more
         res.rewritten = len(chosen)
-        res.details = {"score_before_db": first, "score_after_db": best, "factors": chosen, "pairs": len(pairs),
-                       "evaluations": evaluations, "samples": len(feeds), "streamed": scorer.streamed,
-                       "sequences": len(scorer.starts),
-                       "scored_db_before": dict(zip(scorer.labels, before, strict=True)),
-                       "scored_db_after": dict(zip(scorer.labels, after, strict=True))}
+        res.details = TuneRangesDetails(
+            score_before_db=first, score_after_db=best, factors=chosen, pairs=len(pairs), evaluations=evaluations,
+            samples=len(feeds), streamed=scorer.streamed, sequences=len(scorer.starts),
+            scored_db_before=dict(zip(scorer.labels, before, strict=True)),
+            scored_db_after=dict(zip(scorer.labels, after, strict=True)))
         res.decisions.append(
             f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over "
             f"{'the parts of ' if len(scorer.units) > len(scorer.names) else ''}"

@@ -3,6 +3,7 @@
 Public API (what passes, plug-ins and scripts import)::
 
     from qgraph import Pipeline, Recipe, Pass, PassConfig, PassResult, PassContext, GraphHandle, register
+    from qgraph import PassDetails                         # a pass's typed details (a frozen dataclass)
     from qgraph import NodeSelector, select, load_model, save_model
     from qgraph import OutputParts, find_output_parts      # outputs a final Concat joins, scored part by part
 """
@@ -14,6 +15,7 @@ from qgraph.graph.selectors import NodeSelector, Selection, SubgraphRange, selec
 from qgraph.io.model_io import load_model, save_model
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult, Skipped, get_pass, register
+from qgraph.pipeline.pass_details import PassDetails
 from qgraph.pipeline.recipe import Recipe
 from qgraph.pipeline.runner import Pipeline, PipelineEvent, PipelineResult
 from qgraph.runtime.output_parts import OutputPart, OutputParts, find_output_parts
@@ -29,6 +31,7 @@ __all__ = [
     "Pass",
     "PassConfig",
     "PassContext",
+    "PassDetails",
     "PassError",
     "PassResult",
     "Pipeline",

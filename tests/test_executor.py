@@ -16,6 +16,7 @@ import onnx
 import pytest
 
 from qgraph import DataError, Recipe
+from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.cli import main
 from qgraph.runtime.executor import ExecutorSpec, LocalExecutor, RayExecutor, WorkerError, make_executor
@@ -221,8 +222,9 @@ def digits_qdq(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sensitivity_and_search_on_ray_equal_local(local_ray: Any, digits_qdq: Path) -> None:
     ref, qdq = onnx.load(DIGITS / "model.onnx"), onnx.load(digits_qdq)
     kwargs: dict[str, Any] = {"samples": 64}
-    local = auto_fallback(ref, qdq, str(DIGITS / "eval.npz"), "sqnr:60", **kwargs)
-    ray = auto_fallback(ref, qdq, str(DIGITS / "eval.npz"), "sqnr:60", executor=ExecutorSpec(kind="ray"), **kwargs)
+    local = auto_fallback(ref, qdq, str(DIGITS / "eval.npz"), "sqnr:60", SearchOptions(**kwargs))
+    ray = auto_fallback(ref, qdq, str(DIGITS / "eval.npz"), "sqnr:60", SearchOptions(
+        executor=ExecutorSpec(kind="ray"), **kwargs))
     assert local.sensitivity is not None and ray.sensitivity is not None
     assert len(local.sensitivity.rows) >= 4
 

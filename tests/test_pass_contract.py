@@ -188,6 +188,52 @@ def test_new_nodes_are_tagged_with_the_pass_that_made_them() -> None:
     assert result.records[0].result.nodes_added == 1
 
 
+class _RunsNested(Pass[_Cfg]):
+    """Runs `_Broken` inside itself through `PassContext.run_pass`, with ``mode`` passed on."""
+
+    name = "test_runs_nested"
+    config_class = _Cfg
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:  # type: ignore[override]
+        inner = ctx.run_pass(_Broken(mode=self.config.mode), graph)
+        return PassResult(rewritten=inner.rewritten, decisions=[f"ran test_broken: rewrote {inner.rewritten}"])
+
+
+def test_a_pass_run_inside_another_is_held_to_the_contract() -> None:
+    with pytest.raises(PassError, match=r"pass #0 'test_runs_nested', in the 'test_broken' it runs inside itself") \
+            as err:
+        Pipeline([_RunsNested(mode="dangling")]).run(_mul_model())
+    assert "input 'nobody_makes_me' is produced by no node" in err.value.message
+    with pytest.raises(PassError, match="returned NoneType instead of a PassResult"):
+        Pipeline([_RunsNested(mode="none_result")]).run(_mul_model())
+
+
+def test_a_pass_run_inside_another_is_recorded_on_its_record() -> None:
+    record = Pipeline([_RunsNested(mode="silent")]).run(_mul_model()).records[0]
+    assert [(n.name, n.options) for n in record.nested] == [("test_broken", {"mode": "silent"})]
+    assert record.nested[0].to_dict()["result"]["rewritten"] == record.result.rewritten
+    assert record.changed  # the nested pass's change is the calling pass's, as measured by the pipeline
+
+
+def test_the_built_in_passes_run_nested_passes_through_the_context() -> None:
+    """fuse_activations raises the opset for HardSwish through `run_pass`: recorded, and the result checked."""
+    from qgraph import get_pass
+
+    consts = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+              (("three", 3.0), ("zero", 0.0), ("six", 6.0))]
+    nodes = [helper.make_node("Add", ["x", "three"], ["a"], name="add"),
+             helper.make_node("Clip", ["a", "zero", "six"], ["c"], name="clip"),
+             helper.make_node("Mul", ["x", "c"], ["m"], name="mul"),
+             helper.make_node("Div", ["m", "six"], ["y"], name="div")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    record = Pipeline([get_pass("fuse_activations")()]).run(model).records[0]
+    assert [n.name for n in record.nested] == ["raise_opset"]
+    assert record.nested[0].options == {"opset": 14}
+    assert [n.op_type for n in Pipeline([get_pass("fuse_activations")()]).run(model).model.graph.node] == ["HardSwish"]
+
+
 def _mul_model() -> onnx.ModelProto:
     nodes = [helper.make_node("Relu", ["x"], ["a"], name="r"), helper.make_node("Mul", ["a", "x"], ["y"], name="m")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],

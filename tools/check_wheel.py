@@ -33,7 +33,7 @@ def check(wheel: Path, plugins: list[str]) -> list[str]:
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         entry_text = next((zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")), "")
-    for required in ("qgraph/py.typed", "qgraph/passes/insert_qdq/latency_table.json", "qgraph/__main__.py"):
+    for required in ("qgraph/py.typed", "qgraph/runtime/latency_table.json", "qgraph/__main__.py"):
         if required not in names:
             problems.append(f"{required} is not in the wheel")
     stray = sorted({n.split("/")[0] for n in names if ".dist-info/" not in n} - {"qgraph"})

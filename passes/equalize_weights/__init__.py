@@ -52,6 +52,7 @@ from qgraph.recovery.equalize import (
 
 from .chains import NoSecondLayer, Pair, find_pair
 from .config import EqualizeWeightsConfig
+from .details import EqualizedPair, EqualizeWeightsDetails
 
 _LINEAR = ("Conv", "Gemm", "MatMul")
 
@@ -74,18 +75,14 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
         pairs = _find_pairs(graph_scopes(graph.graph, cfg.recurse_subgraphs), selected, res)
         res.matched = len(pairs)
         if not pairs:
-            res.details = {"pairs": 0}
+            res.details = EqualizeWeightsDetails(pairs=0)
             return res
         state = _Equalizer(pairs, cfg)
         rounds, converged = state.iterate()
         moved = [i for i, s in enumerate(state.cumulative) if log_change(s) > cfg.tolerance]
-        res.details = {
-            "pairs": len(pairs),
-            "rounds": rounds,
-            "converged": converged,
-            "equalized": [state.describe(i) for i in moved],
-        }
-        _report_dead(state, cfg.dead_range, res)
+        res.details = EqualizeWeightsDetails(pairs=len(pairs), rounds=rounds, converged=converged,
+                                             equalized=[state.describe(i) for i in moved],
+                                             dead_channels=_report_dead(state, cfg.dead_range, res))
         if not moved:
             res.notes.append(f"{len(pairs)} pair(s) already equalized within tolerance {cfg.tolerance:g}")
             return res
@@ -103,17 +100,18 @@ class EqualizeWeights(Pass[EqualizeWeightsConfig]):
         return res
 
 
-def _report_dead(state: _Equalizer, dead_range: float, res: PassResult) -> None:
-    """Say how many channels kept s = 1 because a side's range is (near) zero, and in which pairs."""
+def _report_dead(state: _Equalizer, dead_range: float, res: PassResult) -> dict[str, int] | None:
+    """Say how many channels kept s = 1 because a side's range is (near) zero, and in which pairs (returned for
+    the details; None: no such channel)."""
     pairs = {state.pairs[i].label: n for i, n in enumerate(state.dead) if n}
     if not pairs:
-        return
-    res.details["dead_channels"] = pairs
+        return None
     res.notes.append(
         f"{sum(pairs.values())} channel(s) in {len(pairs)} pair(s) left at scale 1: their weight range in one "
         f"layer is 0 or below {dead_range:g} x that layer's largest (dead or unused channel; sqrt(r1/r2) would be "
         "extreme and balance nothing; option `dead_range`)"
     )
+    return pairs
 
 
 def _find_pairs(scopes: list[gs.Graph], selected: set[int] | None, res: PassResult) -> list[Pair]:
@@ -255,16 +253,13 @@ class _Equalizer:
             self.factors[id(second.weight)][1][:] *= s  # W2[:, i] *= s_i
             self._rescaled(id(second.weight), 1, s)
 
-    def describe(self, i: int) -> dict[str, Any]:
+    def describe(self, i: int) -> EqualizedPair:
         """Report of pair ``i``: scale range and the channel-range spread of both layers before/after."""
         p, s = self.pairs[i], self.cumulative[i]
         before, after = self.initial[i], self._spread(p)
-        return {
-            "pair": p.label,
-            "scale": [round(float(s.min()), 6), round(float(s.max()), 6)],
-            "spread_before": [round(before[0], 3), round(before[1], 3)],
-            "spread_after": [round(after[0], 3), round(after[1], 3)],
-        }
+        return EqualizedPair(pair=p.label, scale=(round(float(s.min()), 6), round(float(s.max()), 6)),
+                             spread_before=(round(before[0], 3), round(before[1], 3)),
+                             spread_after=(round(after[0], 3), round(after[1], 3)))
 
     def write_back(self) -> None:
         """Cast every touched constant back to its dtype and store it (names kept). Weights are computed block by

@@ -62,6 +62,7 @@ from qgraph.runtime.streaming import check_recurrence
 
 from .config import AutoFallbackConfig, FloatFallbackConfig
 from .costs import fallback_costs
+from .details import FloatFallbackDetails
 from .parts import scored_parts
 from .record import apply_and_record
 from .strip import compare_with, recipe_reference
@@ -136,7 +137,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
         """Fall back the selected nodes, then (auto mode) the nodes the search picks."""
-        res = PassResult()
+        details: FloatFallbackDetails = {}
+        res = PassResult(details=details)  # filled in as the nodes are handled (details.py says why a TypedDict)
         floats = recipe_reference(graph, ctx)
         weights = ReferenceWeights(floats, ctx.float_reference_weights) if floats is not None else None
         if weights is None and self.config.float_weights is not None:
@@ -146,18 +148,21 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             nodes, inner = self._selected(graph)
             res.matched = len(nodes) + len(inner)
             selector, ops = self.config.nodes, {n.name: n.op for n in nodes}
-            apply_and_record(graph, nodes, self.config.to, weights, res,
+            apply_and_record(graph, nodes, self.config.to, weights, (res, details),
                              lambda name: f"selected: {selector.criterion(name, ops.get(name, ''))}", inner)
         if self.config.auto is not None:
-            self._auto(graph, ctx, res, floats, weights)
-        res.rewritten = len(res.details.get("fallen_back", [])) + len(res.details.get("widened", []))
+            self._auto(graph, ctx, (res, details), floats, weights)
+        res.rewritten = len(details.get("fallen_back", [])) + len(details.get("widened", []))
         if not res.rewritten:
             res.notes.append("no node went back to float" if self.config.to == "float" else "no node was widened")
         return res
 
-    def _auto(self, graph: GraphHandle, ctx: PassContext, res: PassResult, floats: onnx.ModelProto | None,
-              weights: ReferenceWeights | None) -> None:
+    def _auto(self, graph: GraphHandle, ctx: PassContext, out: tuple[PassResult, FloatFallbackDetails],
+              floats: onnx.ModelProto | None, weights: ReferenceWeights | None) -> None:
+        from qgraph.analysis.sensitivity.options import SearchOptions
         from qgraph.analysis.sensitivity.search import auto_fallback
+
+        res, details = out
 
         auto = self.config.auto
         assert auto is not None
@@ -183,32 +188,15 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             res.decisions.append(f"auto: to {self.config.to}: nodes ranked by output error (the cost table has no "
                                  f"16-bit costs); each chosen node gets 16-bit activations, {what}")
         target = _target(auto, reference)
-        parts = scored_parts(auto, reference, target, res)
-        result = auto_fallback(
-            reference,
-            qdq,
-            data,
-            target,
-            candidates=auto.candidates,
-            max_nodes=auto.max_nodes,
-            max_time=auto.max_time,
-            jobs=auto.jobs,
-            samples=auto.samples,
-            exact_top=auto.exact_top,
-            progress=_stage_progress(ctx),
-            executor=auto.executor,
-            float_weights=weights,
-            costs=costs,
-            latency_rounds=auto.latency_rounds,
-            max_latency=auto.max_latency,
-            rank_by=rank_by,
-            recurrence=auto.recurrent,
-            remedy=self.config.to,
-            in_bodies=bool(in_bodies) and auto.bodies,
-            parts=parts,
-            kernels=ctx.kernels,
-        )
-        res.details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
+        parts = scored_parts(auto, reference, target, res, details)
+        result = auto_fallback(reference, qdq, data, target, SearchOptions(
+            candidates=auto.candidates, max_nodes=auto.max_nodes, max_time=auto.max_time, jobs=auto.jobs,
+            samples=auto.samples, exact_top=auto.exact_top, progress=_stage_progress(ctx), executor=auto.executor,
+            float_weights=weights, costs=costs, latency_rounds=auto.latency_rounds, max_latency=auto.max_latency,
+            rank_by=rank_by, recurrence=auto.recurrent, remedy=self.config.to,
+            in_bodies=bool(in_bodies) and auto.bodies, parts=parts, kernels=ctx.kernels,
+        ))
+        details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
         res.notes.extend(f"auto: {n}" for n in result.notes)
         if not result.target_met:
@@ -227,7 +215,7 @@ class FloatFallback(Pass[FloatFallbackConfig]):
             chosen = [top[n] for n in result.nodes if n in top]
             order = {name: i for i, name in enumerate(result.nodes)}
             verdict = "met" if result.target_met else "NOT met"
-            apply_and_record(graph, chosen, self.config.to, weights, res,
+            apply_and_record(graph, chosen, self.config.to, weights, out,
                              lambda name: f"auto: #{order.get(name, 0) + 1} of the {len(result.nodes)} node(s) "
                                           f"chosen, ranked by {rank_by}; target {result.target.describe()} {verdict}, "
                                           f"score {result.score:.4g}", [n for n in result.nodes if n not in top])

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qgraph import DataError, PassContext, PassError, PassResult
-from qgraph.analysis.sensitivity.cost import CostSpec, shipped_latency_table
-from qgraph.runtime.latency import load_latency_table
+from qgraph.analysis.sensitivity.cost import CostSpec
+from qgraph.runtime.latency import load_latency_table, shipped_latency_table
 
 if TYPE_CHECKING:
     from .config import AutoFallbackConfig

@@ -11,14 +11,16 @@ from qgraph import PassResult
 from qgraph.analysis.sensitivity.targets import Target
 from qgraph.runtime.output_parts import OutputParts, find_output_parts
 
+from .details import FloatFallbackDetails
+
 if TYPE_CHECKING:
     from .config import AutoFallbackConfig
 
 
-def scored_parts(auto: AutoFallbackConfig, reference: onnx.ModelProto, target: Target,
-                 res: PassResult) -> OutputParts | None:
+def scored_parts(auto: AutoFallbackConfig, reference: onnx.ModelProto, target: Target, res: PassResult,
+                 details: FloatFallbackDetails) -> OutputParts | None:
     """The parts the target scores (None for a user metric, which gets the outputs), with one decision per split
-    output (or per Concat output kept whole, and why) in ``res``."""
+    output (or per Concat output kept whole, and why) in ``res`` and the split outputs in ``details``."""
     if target.kind == "metric":
         return None
     found = find_output_parts(reference)
@@ -32,5 +34,5 @@ def scored_parts(auto: AutoFallbackConfig, reference: onnx.ModelProto, target: T
     for line in found.decisions(target.outputs):
         res.decide(f"auto: {line}")
     if any(s.split or s.reason for s in selected):
-        res.details["output_parts"] = found.to_dict()
+        details["output_parts"] = found.to_dict()
     return found

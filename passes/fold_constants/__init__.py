@@ -22,13 +22,14 @@ from the inputs on import and writes IR >= 4, so they are plain constants for th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
-from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
+from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassResult, register
 from qgraph.graph import (
     Inferred,
     const_value,
@@ -75,6 +76,20 @@ _NEVER = (
 _GENERATORS = frozenset(
     {"ConstantOfShape", "Expand", "Tile", "Range", "EyeLike", "OneHot", "Resize", "Upsample", "Pad"}
 )
+
+
+@dataclass(frozen=True)
+class FoldConstantsDetails(PassDetails):
+    """What `FoldConstants` folded: nodes by kind, the initializers (and bytes) it created, the onnxruntime
+    sessions it ran and the scopes it walked."""
+
+    constant_nodes: int
+    shape_nodes: int
+    evaluated_nodes: int
+    initializers: int
+    bytes: int
+    sessions: int
+    scopes: int
 
 
 class FoldConstantsConfig(PassConfig):
@@ -131,7 +146,7 @@ class _Folder:
         res = self.result
         res.rewritten = self.stats["constant_nodes"] + self.stats["shape_nodes"] + self.stats["evaluated_nodes"]
         res.nodes_removed = res.rewritten - res.nodes_added
-        res.details = {**self.stats, "sessions": self.sessions, "scopes": len(self.scopes)}
+        res.details = FoldConstantsDetails(**self.stats, sessions=self.sessions, scopes=len(self.scopes))
         return res
 
     # ------------------------------------------------------------------ Constant nodes

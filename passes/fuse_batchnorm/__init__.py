@@ -42,6 +42,7 @@ from qgraph.graph import (
 
 from . import bn_math as bnm
 from .config import FuseBatchNormConfig
+from .details import FuseBatchNormDetails
 from .match import BNMatcher
 
 
@@ -72,14 +73,14 @@ class _Fuser(BNMatcher):
             self.run_graph(g)
         res = self.result
         res.nodes_removed = res.rewritten
-        res.details = {
-            "batchnorm_seen": res.matched,
-            "folded_into_preceding": {k[5:]: v for k, v in sorted(self.counts.items()) if k.startswith("prev:")},
-            "folded_into_following": {k[5:]: v for k, v in sorted(self.counts.items()) if k.startswith("next:")},
-            "rewritten_to_mul_add": self.counts["mul_add"],
-            "kept": self.counts["kept"],
-            "scopes": len(self.scopes),
-        }
+        res.details = FuseBatchNormDetails(
+            batchnorm_seen=res.matched,
+            folded_into_preceding={k[5:]: v for k, v in sorted(self.counts.items()) if k.startswith("prev:")},
+            folded_into_following={k[5:]: v for k, v in sorted(self.counts.items()) if k.startswith("next:")},
+            rewritten_to_mul_add=self.counts["mul_add"],
+            kept=self.counts["kept"],
+            scopes=len(self.scopes),
+        )
         return res
 
     def run_graph(self, g: gs.Graph) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -11,7 +10,7 @@ from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pa
 from qgraph.graph import topological_order
 from qgraph.pipeline.target import CalibrationSpec
 from qgraph.quant.math import QuantDtype, QuantSpec
-from qgraph.runtime.kernels.cpu import CpuInfo, host_cpu
+from qgraph.runtime.kernels.cpu import host_cpu
 from qgraph.runtime.kernels.measure import target_family
 
 from .bodies import BodiesOutcome, quantize_bodies
@@ -21,6 +20,7 @@ from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, u
 from .config import PRESETS, InsertQDQConfig
 from .cpu import for_cpu, resolve_reduce_range, resolve_saturation, saturation_wanted
 from .depthwise import candidates, decide_depthwise, depthwise_units
+from .details import EarlyStages, InsertQDQDetails, quantized_ops, quantized_units
 from .dynamic import DynamicQuantizer
 from .emit import ActParams
 from .joins import wide_joins
@@ -33,7 +33,7 @@ from .saturation import pair_safe_decisions, saturation_details
 from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .through import clip_flat_sides
 from .units import Plan, Unit, label
-from .weights import Emitter, WeightQuantizer, check_finite_weights
+from .weights import Emitter, check_finite_weights
 
 __all__ = ["InsertQDQ", "InsertQDQConfig"]
 
@@ -101,11 +101,12 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if self.config.preset in CPU_PRESETS:  # the preset of the target's CPU, known only now (`cpu: host`)
             family = target_family(ctx.target.cpu) or ctx.kernel_choice.kernels.host.family
             resolved, why = for_cpu(self.config, family)
-            out = InsertQDQ(resolved).run(graph, ctx)
+            out = ctx.run_pass(InsertQDQ(resolved), graph)
             out.decisions.insert(0, why if target_family(ctx.target.cpu) else
                                  f"{why} (this host's: the recipe declares no target.cpu)")
             return out
         res = PassResult()
+        self._early = EarlyStages()  # what depthwise: auto and latency report while re-planning
         cfg = self._reach_opset(graph, ctx, res)
         in_bodies = BodiesOutcome()
         if cfg.mode == "static" and cfg.subgraphs == "static":
@@ -156,15 +157,21 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.rewritten = len(plan.units) + len(plan.movement) + sub_units + in_bodies.quantized
         res.nodes_added = len(em.new_nodes)
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
-        res.details |= self._details(plan, params, forbidden, rr_why, wq, sub_units, cpu)
-        res.details["subgraph_nodes_quantized_static"] = in_bodies.quantized
-        if calib_details:
-            res.details["calibration"] = {"method": cfg.activations.method, **calib_details}
         if wq.adjusted:
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
-        if wspec.dtype == QuantDtype.INT8 and saturation_wanted(cfg, cpu):
-            res.details["saturation"] = saturation_details(plan, params, wq.weights)
-        pair_safe_decisions([*wq.rescaled, *dyn.rescaled], res, cfg.saturation == "avoid", sat_at)
+        sat = saturation_details(plan, params, wq.weights) if (wspec.dtype == QuantDtype.INT8
+                                                                and saturation_wanted(cfg, cpu)) else None
+        res.details = InsertQDQDetails(
+            depthwise_auto=self._early.depthwise_auto, latency=self._early.latency, preset=self.config.preset,
+            why=PRESETS[self.config.preset].why if self.config.preset else "", mode=self.config.mode,
+            reduce_range=rr_why, cpu="not declared (target.cpu: any)" if cpu is None else cpu.describe(),
+            quantized=quantized_units(plan), quantized_ops=quantized_ops(plan),
+            integer_data_movement=[label(n) for n in plan.movement], quantized_tensors=len(plan.tensors),
+            calibrated_tensors=len(params), excluded_tensors=forbidden, asymmetric_weights=wq.asymmetric,
+            subgraph_nodes_quantized=sub_units, subgraph_nodes_quantized_static=in_bodies.quantized,
+            calibration={"method": cfg.activations.method, **calib_details} if calib_details else None,
+            saturation=sat,
+            pair_safe=pair_safe_decisions([*wq.rescaled, *dyn.rescaled], res, cfg.saturation == "avoid", sat_at))
         return res
 
     def _calibrate(
@@ -234,8 +241,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         checked = run_check(out, build, ctx, self.config.latency)
         for text in checked.decisions:  # the check overruling the cost model is shown first in the summary
             res.decide(text, attention=checked.float_nodes != out.float_nodes)
-        if checked.details and "latency" in res.details:
-            res.details["latency"]["check"] = checked.details
+        if checked.details and self._early.latency is not None:
+            self._early.latency["check"] = checked.details
         return checked.float_nodes
 
     def _latency(self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult) -> LatencyOutcome:
@@ -262,7 +269,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.decisions += out.decisions
         res.notes += out.notes
         if out.details:
-            res.details["latency"] = out.details
+            self._early.latency = out.details
         return out
 
     def _depthwise(self, graph: GraphHandle, ctx: PassContext, plan: Plan,
@@ -276,7 +283,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         priced, labels = baseline(graph, plan, cfg.latency, cfg.preset, sample_shapes(graph, ctx)[0])
         out = decide_depthwise(cands, cfg.depthwise_auto, priced, labels)
         res.decisions += out.decisions
-        res.details["depthwise_auto"] = out.details
+        self._early.depthwise_auto = out.details
         return out.float_nodes
 
     def _reach_opset(self, graph: GraphHandle, ctx: PassContext, res: PassResult) -> InsertQDQConfig:
@@ -288,7 +295,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if before >= need:
             return cfg
         try:
-            get_pass("raise_opset")(opset=need).run(graph, ctx)
+            ctx.run_pass(get_pass("raise_opset")(opset=need), graph)
         except PassError as exc:
             reason = exc.message.splitlines()[0]
             per_tensor = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"per_channel": False})})
@@ -344,43 +351,6 @@ class InsertQDQ(Pass[InsertQDQConfig]):
                 f"insert_qdq: {len(bad)} selected node(s) cannot be quantized ({listed}). Exclude them with "
                 "`nodes: {exclude: {names: [...]}}` or set `unsupported: float`."
             )
-
-    def _details(
-        self,
-        plan: Plan,
-        params: dict[str, ActParams],
-        forbidden: dict[str, str],
-        rr_why: str,
-        wq: WeightQuantizer,
-        sub_units: int,
-        ctx_cpu: CpuInfo | None,
-    ) -> dict[str, Any]:
-        cfg = self.config
-        quantized = [
-            {
-                "node": label(u.node),
-                "op": u.node.op,
-                "kind": u.kind,
-                "absorbed": [n.name for n in u.absorbed],
-                "per_channel": u.weight_axis is not None if u.weight_index is not None else None,
-            }
-            for u in plan.units
-        ]
-        return {
-            "preset": cfg.preset,
-            "why": PRESETS[cfg.preset].why if cfg.preset else "",
-            "mode": cfg.mode,
-            "reduce_range": rr_why,
-            "cpu": "not declared (target.cpu: any)" if ctx_cpu is None else ctx_cpu.describe(),
-            "quantized": quantized,
-            "quantized_ops": dict(Counter(u.node.op for u in plan.units)),
-            "integer_data_movement": [label(n) for n in plan.movement],
-            "quantized_tensors": len(plan.tensors),
-            "calibrated_tensors": len(params),
-            "excluded_tensors": forbidden,
-            "asymmetric_weights": wq.asymmetric,
-            "subgraph_nodes_quantized": sub_units,
-        }
 
 
 def weight_spec(cfg: InsertQDQConfig, reduce_range: bool) -> QuantSpec:

@@ -54,7 +54,7 @@ def quantize_bodies(quantizer: Pass[InsertQDQConfig], graph: GraphHandle, ctx: P
             calibration_data=CallableSource(partial(_copy, feeds), f"{where} inputs on the calibration data"),
             target=ctx.target, calibration=ctx.calibration.model_copy(update={"ranges": None}))
         handle = GraphHandle(body.model)
-        result = inner.run(handle, sub_ctx)
+        result = sub_ctx.run_pass(inner, handle)
         try:
             graft_body(model, body, handle.to_onnx())
         except BodyError as exc:

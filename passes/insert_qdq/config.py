@@ -13,6 +13,7 @@ Choices that depend on the CPU (``reduce_range: auto``, ``saturation: auto``) ar
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,12 +23,9 @@ from qgraph import NodeSelector, PassConfig
 from qgraph.calibrate import make_observer
 from qgraph.quant.math import QuantDtype
 
+from .kinds import Bias, Mode, Placement, Saturation, WeightFormat
 from .latency import LatencyOptions
-from .presets import CPU_PRESETS, ORT_CPU_OPS
-from .presets import PRESET_DATA as _PRESET_DATA
-
-#: The preset names, in the order the catalogue shows them.
-PRESET_NAMES: tuple[str, ...] = (*_PRESET_DATA, *CPU_PRESETS)
+from .presets import CPU_PRESETS, ORT_CPU_OPS, PRESET_DATA, PRESET_NAMES, PresetName, PresetOptions
 
 
 class WeightOptions(PassConfig):
@@ -56,7 +54,7 @@ class WeightOptions(PassConfig):
         description="Use one bit less (int8 [-64, 63]) against u8s8 int16 saturation; auto: when the recipe's "
         "target.cpu is x86 without VNNI (x86-avx2, or host on such a CPU) and activations are u8, weights s8.",
     )
-    format: Literal["int", "float_qdq"] = Field(
+    format: WeightFormat = Field(
         default="int",
         description="int: store integer weights + DequantizeLinear; float_qdq: keep float weights behind "
         "QuantizeLinear -> DequantizeLinear (TensorRT).",
@@ -153,11 +151,10 @@ class JoinOptions(PassConfig):
 class InsertQDQConfig(PassConfig):
     """Options of ``insert_qdq`` (a ``preset`` fills in whatever the recipe leaves out)."""
 
-    preset: str | None = Field(
+    preset: PresetName | None = Field(  # a Literal of the names in `presets`: the schema's enum follows the data
         default=None,
-        description="Target preset filling in every option the recipe leaves out: "
-        + " | ".join(PRESET_NAMES) + " (`qgraph passes insert_qdq` explains each).",
-        json_schema_extra={"enum": list(PRESET_NAMES)},
+        description="Target preset filling in every option the recipe leaves out (`qgraph passes insert_qdq` "
+        "explains each).",
     )
     opset: Literal["raise", "keep"] = Field(
         default="raise",
@@ -165,13 +162,13 @@ class InsertQDQConfig(PassConfig):
         "types: 21): raise the model's opset first (reported as a decision), falling back to per-tensor weights "
         "where raising is impossible; keep: refuse instead.",
     )
-    mode: Literal["static", "dynamic"] = Field(
+    mode: Mode = Field(
         default="static",
         description="static: calibrated Q/DQ; dynamic: MatMul/Gemm activations quantized at run time.",
     )
     weights: WeightOptions = Field(default_factory=WeightOptions, description="Weight quantization.")
     activations: ActivationOptions = Field(default_factory=ActivationOptions, description="Activations.")
-    bias: Literal["int32", "float"] = Field(
+    bias: Bias = Field(
         default="int32", description="int32: scale = input_scale x weight_scale (zero point 0); float: untouched."
     )
     op_types: tuple[str, ...] = Field(default=ORT_CPU_OPS, description="Op types that may be quantized.")
@@ -187,7 +184,7 @@ class InsertQDQConfig(PassConfig):
         "on_grid: and only where every input already is integer, so none adds a rounding (GELU/Softmax after a "
         "MatMul stay float); always: every one.",
     )
-    placement: Literal["onnxruntime", "tensorrt"] = Field(
+    placement: Placement = Field(
         default="onnxruntime",
         description="onnxruntime: Q/DQ also on the outputs of ops whose integer kernel needs one (QLinearConv, "
         "QLinearAdd...); tensorrt: only on the inputs of quantized ops (TensorRT fuses the next layer's Q into the "
@@ -208,7 +205,7 @@ class InsertQDQConfig(PassConfig):
         "every execution) and quantized like the top graph; dynamic: only their MatMul/Gemm with constant weights, "
         "quantized at run time; skip. Bodies the data never reaches get the dynamic treatment.",
     )
-    saturation: Literal["auto", "avoid", "report", "off"] = Field(
+    saturation: Saturation = Field(
         default="auto",
         description="u8 x s8 int16 pair saturation (x86 AVX2 without VNNI): avoid: raise the weight scales of just "
         "the output channels where a pair of codes could overflow (full 8-bit elsewhere; reported per layer); "
@@ -225,10 +222,10 @@ class InsertQDQConfig(PassConfig):
 
     _explicit: dict[str, Any] | None = PrivateAttr(default=None)
 
-    @field_validator("preset")
+    @field_validator("preset", mode="before")  # before the Literal check: this message names the closest preset
     @classmethod
-    def _known_preset(cls, value: str | None) -> str | None:
-        if value is not None and value not in PRESET_NAMES:
+    def _known_preset(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in PRESET_NAMES:  # a non-string: the Literal check says so
             close = difflib.get_close_matches(value, PRESET_NAMES, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown preset {value!r}.{hint} Presets: {', '.join(PRESET_NAMES)}")
@@ -240,7 +237,7 @@ class InsertQDQConfig(PassConfig):
         if not isinstance(data, dict) or data.get("preset") not in PRESET_NAMES:
             return handler(data)
         # a CPU preset is expanded when the pass runs (`for_cpu`); until then the options are the user's own
-        preset = {} if data["preset"] in CPU_PRESETS else _preset_options(data["preset"])
+        preset: Mapping[str, Any] = {} if data["preset"] in CPU_PRESETS else _preset_options(data["preset"])
         config = handler(merge_preset(preset, data))
         # What the user wrote, so the recipe is written back as `preset:` + these (see module docs).
         config._explicit = {k: (v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v)
@@ -273,10 +270,10 @@ class Preset:
 
     name: str
     why: str
-    options: dict[str, Any]
+    options: PresetOptions
 
 
-def merge_preset(preset: dict[str, Any], explicit: dict[str, Any]) -> dict[str, Any]:
+def merge_preset(preset: Mapping[str, Any], explicit: Mapping[str, Any]) -> dict[str, Any]:
     """``explicit`` over ``preset``, nested mappings merged key by key."""
     out = dict(preset)
     for key, value in explicit.items():
@@ -290,18 +287,18 @@ def merge_preset(preset: dict[str, Any], explicit: dict[str, Any]) -> dict[str, 
     return out
 
 
-def _preset_options(name: str) -> dict[str, Any]:
-    return {k: v for k, v in _PRESET_DATA[name].items() if k != "why"}
+def _preset_options(name: str) -> PresetOptions:
+    return PRESET_DATA[name].options
 
 
 def _validated_presets() -> dict[str, Preset]:
     presets = {}
-    for name, data in _PRESET_DATA.items():
+    for name, data in PRESET_DATA.items():
         InsertQDQConfig(preset=name)  # a preset that does not expand into a valid config fails at import
-        presets[name] = Preset(name, data["why"], _preset_options(name))
-    for name, (table, why) in CPU_PRESETS.items():
-        assert set(table.values()) <= set(_PRESET_DATA), name  # a CPU preset names real presets
-        presets[name] = Preset(name, why, {})
+        presets[name] = Preset(name, data.why, data.options)
+    for name, cpu in CPU_PRESETS.items():
+        assert set(cpu.by_family.values()) <= set(PRESET_DATA), name  # a CPU preset names real presets
+        presets[name] = Preset(name, cpu.why, {})
     return presets
 
 

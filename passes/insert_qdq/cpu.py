@@ -18,7 +18,7 @@ def for_cpu(config: InsertQDQConfig, family: str) -> tuple[InsertQDQConfig, str]
     ``config`` itself and an empty line for any other preset."""
     if config.preset not in CPU_PRESETS:
         return config, ""
-    table, _ = CPU_PRESETS[config.preset]
+    table = CPU_PRESETS[config.preset].by_family
     concrete = table.get(family)
     if concrete is None:
         raise PassError(f"insert_qdq: preset {config.preset!r} has no preset for CPU family {family!r} (it knows "

@@ -133,16 +133,17 @@ def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[Q
     }
 
 
-def pair_safe_decisions(layers: list[PairSafeLayer], res: PassResult, active: bool, at: int) -> None:
-    """One decision (inserted at ``at``) for the layers `saturation: avoid` rescaled (worst first), the rest in
-    ``res.details``."""
+def pair_safe_decisions(layers: list[PairSafeLayer], res: PassResult, active: bool,
+                        at: int) -> list[dict[str, Any]] | None:
+    """One decision (inserted at ``at``) for the layers `saturation: avoid` rescaled (worst first); returns every
+    layer for the details (None when `saturation: avoid` is not active)."""
     if not active:
-        return
-    res.details["pair_safe"] = [layer.to_dict() for layer in layers]
+        return None
+    pair_safe = [layer.to_dict() for layer in layers]
     if not layers:
         res.decisions.insert(at, "saturation: avoid: no u8×s8 layer has a pair of weight codes that could exceed "
                                  "int16: every layer keeps full 8-bit weights")
-        return
+        return pair_safe
     worst = sorted(layers, key=lambda la: la.sqnr_after - la.sqnr_before)
     channels = sum(la.channels for la in layers)
     loss = [la.sqnr_before - la.sqnr_after for la in layers]
@@ -154,3 +155,4 @@ def pair_safe_decisions(layers: list[PairSafeLayer], res: PassResult, active: bo
         f"their {channels} channel(s) at risk raised (weight SQNR -{max(loss):.2f} dB at worst, "
         f"-{float(np.median(loss)):.2f} dB median; every other channel and layer keeps full 8-bit weights): "
         f"{shown}{more}")
+    return pair_safe

@@ -10,7 +10,6 @@ bounded walk per input, O(graph)); a unit whose output also feeds a float op get
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,14 +19,13 @@ import onnx_graphsurgeon as gs
 from qgraph import GraphHandle, PassContext, PassError, select
 from qgraph.data import batched
 from qgraph.graph import Inferred, named_model, tensor_shape
-from qgraph.runtime.latency import LatencyTable, load_latency_table, op_signature
+from qgraph.runtime.latency import SHIPPED_TABLE, LatencyTable, load_latency_table, op_signature
 
 from .latency import Cost, Decision, Edge, LatencyOptions, decide
 from .ops import MOVEMENT
 from .units import Plan, Unit, label
 
 #: The cost table shipped with the pass (built by benchmarks/build_latency_table.py).
-SHIPPED_TABLE = Path(__file__).with_name("latency_table.json")
 _MAX_WALK = 32  # movement ops between two units (a channel shuffle is 3)
 
 

@@ -138,6 +138,8 @@ def _pass_classes() -> tuple[type, type]:
 
     from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
 
+    from .details import RaiseOpsetDetails
+
     class RaiseOpsetConfig(PassConfig):
         """Options of `RaiseOpset`."""
 
@@ -160,12 +162,12 @@ def _pass_classes() -> tuple[type, type]:
             res = raise_model(model, self.config.opset)
             del model
             out = PassResult(
-                details={
-                    "source_opset": res.source_opset,
-                    "target_opset": res.target_opset,
-                    "adapters": res.adapters,
-                    "dropped_attributes": res.dropped_attributes,
-                }
+                details=RaiseOpsetDetails(
+                    source_opset=res.source_opset,
+                    target_opset=res.target_opset,
+                    adapters=res.adapters,
+                    dropped_attributes=res.dropped_attributes,
+                )
             )
             if res.source_opset != res.target_opset:
                 graph.replace_model(res.model, held)

@@ -7,6 +7,7 @@ from pydantic import Field
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassResult, register
 from qgraph.graph.opsets import MIN_OPSET, max_opset
 
+from .details import LowerOpsetDetails
 from .engine import lower_model
 
 
@@ -32,12 +33,12 @@ class LowerOpset(Pass[LowerOpsetConfig]):
         res = lower_model(model, self.config.opset)
         del model
         out = PassResult(
-            details={
-                "source_opset": res.source_opset,
-                "target_opset": res.target_opset,
-                "adapters": dict(sorted(res.adapters.items())),
-                "ops": dict(sorted(res.ops.items())),
-            }
+            details=LowerOpsetDetails(
+                source_opset=res.source_opset,
+                target_opset=res.target_opset,
+                adapters=dict(sorted(res.adapters.items())),
+                ops=dict(sorted(res.ops.items())),
+            )
         )
         if res.source_opset == res.target_opset:
             out.notes.append(f"model is already at opset {res.target_opset}")

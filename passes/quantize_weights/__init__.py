@@ -34,6 +34,7 @@ from qgraph.quant.blockwise import BlockFormat, BlockQuant
 from ..smooth_quant.groups import apply_fold, find_groups  # smooth_quant's fold, shared
 from .awq import search_scales
 from .config import QuantizeWeightsConfig
+from .details import QuantizeWeightsDetails
 from .emission import Layer, as_layer, emit
 from .gptq import HessianFactor, inverse_hessian_factor, quantize_gptq
 from .hqq import quantize_hqq
@@ -138,8 +139,8 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             if mine:
                 rebuild(scope, replacements=mine)
         res.nodes_added = sum(len(v) - 1 for v in inserts.values())
-        res.details = {"weight_bytes": [before, after], "algorithm": self.config.algorithm,
-                       "format": self.config.format}
+        res.details = QuantizeWeightsDetails(weight_bytes=(before, after), algorithm=self.config.algorithm,
+                                             format=self.config.format)
 
     def streams_file(self) -> bool:
         """rtn/hqq into MatMulNBits stream a file one initializer at a time (`streaming`)."""
@@ -247,7 +248,7 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         if before >= QDQ_OPSET:
             return
         try:
-            get_pass("raise_opset")(opset=QDQ_OPSET).run(graph, ctx)
+            ctx.run_pass(get_pass("raise_opset")(opset=QDQ_OPSET), graph)
         except PassError as exc:
             raise PassError(f"quantize_weights: `format: qdq` needs opset >= {QDQ_OPSET} (blocked "
                             f"DequantizeLinear) and the model cannot be raised from opset {before}: "
@@ -258,7 +259,8 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
 
     def _summarise(self, res: PassResult, n: int, wide: list[str]) -> None:
         cfg = self.config
-        before, after = res.details["weight_bytes"]
+        assert isinstance(res.details, QuantizeWeightsDetails)  # `_emit_all` wrote them
+        before, after = res.details.weight_bytes
         what = "com.microsoft.MatMulNBits" if cfg.format == "matmul_nbits" else "blocked DequantizeLinear"
         res.decide(f"{n} weight(s) quantized by {cfg.algorithm}, {cfg.bits}-bit "
                    f"{'symmetric' if cfg.symmetric else 'with zero points'}, block {cfg.block_size}, as {what}: "

@@ -27,8 +27,6 @@ Needs calibration data (`requires` refuses without it).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -37,6 +35,7 @@ from qgraph.graph import rebuild, redirect
 from qgraph.recovery.equalize import log_change, smoothing_error, smoothing_scales
 
 from .config import SmoothQuantConfig
+from .details import SmoothedGroup, SmoothQuantDetails
 from .groups import Group, apply_fold, find_groups, scale_group_weights, weight_dtype
 from .measure import ChannelStats, measure
 
@@ -73,7 +72,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         for node, reason in skips:
             res.skip(node, reason)
         res.matched = len(groups)
-        res.details = {"groups": len(groups), "smoothed": []}
+        smoothed: list[SmoothedGroup] = []
+        res.details = SmoothQuantDetails(groups=len(groups), smoothed=smoothed)  # filled in below, in group order
         if not groups:
             return res
         auto = cfg.alpha == "auto"
@@ -97,14 +97,14 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
                 continue
             inserted += self._apply(graph, group, s)
             res.rewritten += 1
-            res.details["smoothed"].append({**_describe(group, a, w, s), "alpha": alpha})
+            smoothed.append(_describe(group, a, w, s, alpha))
         if self._inserts:  # every inserted Mul goes in front of its group's first layer, in one pass
             rebuild(graph.graph, replacements=self._inserts)
         res.nodes_added = inserted
         if res.rewritten:
-            lo = min(d["scale"][0] for d in res.details["smoothed"])
-            hi = max(d["scale"][1] for d in res.details["smoothed"])
-            alphas = sorted({d["alpha"] for d in res.details["smoothed"]})
+            lo = min(d.scale[0] for d in smoothed)
+            hi = max(d.scale[1] for d in smoothed)
+            alphas = sorted({d.alpha for d in smoothed})
             shown = "/".join(f"{x:g}" for x in alphas) + (" (auto)" if cfg.alpha == "auto" else "")
             res.decisions.append(
                 f"smoothed {res.rewritten} input(s) of {len(groups)} (alpha {shown}, scales {lo:.3g}..{hi:.3g}"
@@ -157,18 +157,19 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         return 1
 
 
-def _describe(group: Group, a: np.ndarray, w: np.ndarray, s: np.ndarray) -> dict[str, Any]:
-    """Per group: the layers, where 1/s went, the scale range and the activation outlier ratio before/after."""
+def _describe(group: Group, a: np.ndarray, w: np.ndarray, s: np.ndarray, alpha: float) -> SmoothedGroup:
+    """Per group: the layers, where 1/s went, the scale range, the activation outlier ratio before/after, α."""
 
     def ratio(v: np.ndarray) -> float:
         med = float(np.median(v))
         return round(float(v.max()) / med, 3) if med > 0 else float("inf")
 
-    return {
-        "input": group.x.name,
-        "layers": [layer.node.name for layer in group.layers],
-        "absorbed_by": group.fold.label() if group.fold is not None else "inserted Mul",
-        "scale": [round(float(s.min()), 6), round(float(s.max()), 6)],
-        "activation_max_over_median": [ratio(a), ratio(a / s)],
-        "weight_max_over_median": [ratio(w), ratio(w * s)],
-    }
+    return SmoothedGroup(
+        input=group.x.name,
+        layers=[layer.node.name for layer in group.layers],
+        absorbed_by=group.fold.label() if group.fold is not None else "inserted Mul",
+        scale=(round(float(s.min()), 6), round(float(s.max()), 6)),
+        activation_max_over_median=(ratio(a), ratio(a / s)),
+        weight_max_over_median=(ratio(w), ratio(w * s)),
+        alpha=alpha,
+    )

@@ -222,6 +222,7 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
             "nodes_before": rec.nodes_before, "nodes_after": rec.nodes_after, **rec.result.to_dict(),
             "verify_worst_relative": max((d.relative for d in rec.verify), default=None) if rec.verify else None,
             "verify_tolerance": _verify_tolerance(result, rec.verify),
+            **({"nested": [n.to_dict() for n in rec.nested]} if rec.nested else {}),
         }
         if i < len(stages) and previous is not None:
             sd = structural_diff(previous, stages[i])
@@ -241,8 +242,8 @@ def build_report(recipe: Recipe, result: PipelineResult, evaluation: Evaluation 
         notes=notes,
         skipped=[{"pass": r.name, "node": s.node, "reason": s.reason} for r in result.records
                  for s in r.result.skipped],
-        fallback=[{"pass": r.name, "details": r.result.details, "notes": r.result.notes}
-                  for r in result.records if _is_fallback(r.name, r.result.details)],
+        fallback=[{"pass": r.name, "details": r.result.details_dict(), "notes": r.result.notes}
+                  for r in result.records if _is_fallback(r.name, r.result.details_dict())],
         decisions=[{"pass": r.name, "kind": kind, "text": text} for r in result.records
                    for kind, text in _decisions(r.result)],
     )

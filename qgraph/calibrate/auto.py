@@ -72,10 +72,13 @@ def fold_abs(row: HistogramRow) -> HistogramRow:
     """The ``|x|`` histogram of a signed row on the same grid (bin 0 is ``[0, w)``), zeros kept."""
     idx = row.first + np.arange(row.counts.size, dtype=np.int64)
     folded = np.where(idx >= 0, idx, -idx - 1)
-    counts = np.bincount(folded, weights=row.counts, minlength=int(folded.max()) + 1)
+    # Counted from the lowest occupied |x| bin, not from 0: a row far from 0 on a fine grid (a constant 0.74 has
+    # a bin index near 1e9) would otherwise allocate every empty bin in between.
+    base = int(folded.min())
+    counts = np.bincount(folded - base, weights=row.counts)
     hi = max(abs(row.lo), abs(row.hi))
     lo = 0.0 if row.lo <= 0.0 <= row.hi else min(abs(row.lo), abs(row.hi))
-    return HistogramRow(np.rint(counts).astype(np.int64), 0, row.width, min(lo, 0.0), hi, row.zeros)
+    return HistogramRow(np.rint(counts).astype(np.int64), base, row.width, min(lo, 0.0), hi, row.zeros)
 
 
 class AutoObserver(HistogramObserver):

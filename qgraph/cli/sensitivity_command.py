@@ -20,7 +20,8 @@ from rich.table import Table
 
 from qgraph.analysis.diff.culprits import attribute
 from qgraph.analysis.diff.render_culprits import print_culprits
-from qgraph.analysis.sensitivity.cost import CostSpec, shipped_latency_table
+from qgraph.analysis.sensitivity.cost import CostSpec
+from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.ranking import SensitivityReport
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.stats import matmul_flops
@@ -33,6 +34,7 @@ from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.runtime.evaluation import Evaluation
 from qgraph.runtime.executor import ExecutorSpec, make_executor
 from qgraph.runtime.kernels.measure import choose, model_target, target_family
+from qgraph.runtime.latency import shipped_latency_table
 from qgraph.runtime.output_parts import output_parts_of
 
 #: Ranked nodes measured exactly by default (one full evaluation each).
@@ -298,23 +300,13 @@ def run_command(
     progress, on_progress = _stage_progress(console, quiet)
     run = make_executor(executor, jobs)  # one executor (one Ray connection) for every measurement of the run
     with run, progress:
-        result = auto_fallback(
-            reference,
-            qdq,
-            data,
-            tgt,
-            max_nodes=max_nodes,
-            max_time=max_time,
-            jobs=jobs,
-            samples=samples,
-            report_only=target is None,
-            progress=on_progress,
-            exact_top=exact_top,
-            executor=run,
+        result = auto_fallback(reference, qdq, data, tgt, SearchOptions(
+            max_nodes=max_nodes, max_time=max_time, jobs=jobs, samples=samples, report_only=target is None,
+            progress=on_progress, exact_top=exact_top, executor=run,
             costs=cost_spec(latency_preset) if cost == "latency" else None, rank_by=cost, remedy=remedy,
             float_weights=ReferenceWeights(reference, checked=True) if remedy != "a16w8" else None, in_bodies=True,
             parts=parts, kernels=choice.kernels,
-        )
+        ))
     if remedy != "a16w8":  # the patch restores (float) or re-quantizes (a16w16) from the same float weights
         result.float_model = str(Path(model_float).resolve())
     console.print(f"evaluated on {evaluation.describe()}", markup=False, highlight=False)
@@ -362,8 +354,8 @@ def run_command(
 
 
 def cost_spec(preset: str | None = None) -> CostSpec:
-    """The latency cost table ``insert_qdq`` ships (a data file next to its module, found through the pass
-    registry) with ``preset``, or the table's only preset when ``preset`` is None."""
+    """The latency cost table qgraph ships (`qgraph.runtime.latency.SHIPPED_TABLE`) with ``preset``, or the table's
+    only preset when ``preset`` is None."""
     table = shipped_latency_table()
     if preset is None and len(table.presets) == 1:
         preset = next(iter(table.presets))

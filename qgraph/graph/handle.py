@@ -31,7 +31,7 @@ from .detach import Held, attach_weights, detach_constants, fill_weights, weight
 from .fresh import free_name
 from .gs_compat import TypeKeeper
 from .naming import Naming, name_graph
-from .ops import Inferred, const_value, graph_scopes, topological_order
+from .ops import Inferred, const_value, consumers, graph_scopes, producer, topological_order
 from .shapes import shapes_with_inputs, static_shapes
 
 
@@ -236,14 +236,20 @@ class GraphHandle:
 
     # ------------------------------------------------------------------ helpers for passes
     def consumers(self, tensor: gs.Tensor | str) -> list[gs.Node]:
-        """Nodes consuming ``tensor`` (by index, O(1))."""
-        name = tensor if isinstance(tensor, str) else tensor.name
-        return self.index.consumers.get(name, [])
+        """Distinct nodes reading ``tensor`` in every scope (a body node reading an outer tensor included), in
+        first-use order: the tensor's own links, O(fan-out), never stale. A name is looked up among the top graph's
+        tensors. The same answer as `qgraph.graph.consumers`."""
+        found = self._tensor(tensor)
+        return consumers(found) if found is not None else []
 
     def producer(self, tensor: gs.Tensor | str) -> gs.Node | None:
-        """Node producing ``tensor`` or None for graph inputs and constants."""
-        name = tensor if isinstance(tensor, str) else tensor.name
-        return self.index.producer.get(name)
+        """The node producing ``tensor`` in any scope, or None for graph inputs, initializers and omitted
+        optionals (the tensor's own link, O(1)). The same answer as `qgraph.graph.producer`."""
+        found = self._tensor(tensor)
+        return producer(found) if found is not None else None
+
+    def _tensor(self, tensor: gs.Tensor | str) -> gs.Tensor | None:
+        return self.index.tensors.get(tensor) if isinstance(tensor, str) else tensor
 
     def is_graph_output(self, tensor: gs.Tensor | str) -> bool:
         """Whether ``tensor`` is one of the graph's outputs."""

@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.errors import PassError, QGraphError
 from qgraph.graph import GraphHandle, check_structure, graph_scopes
-from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
+from qgraph.pipeline.pass_api import Pass, PassContext, PassResult, install_nested_runner
 
 
 @dataclass
@@ -88,6 +88,7 @@ def _new_nodes(nodes: list[gs.Node], reference: list[gs.Node]) -> list[gs.Node]:
 def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) -> tuple[PassResult, Measured]:
     """Run ``p`` on ``handle`` under the contract (module docs); raises `PassError` when the pass breaks it."""
     where = f"pass #{index} {p.name!r}"
+    ctx.running = where
     with pass_code(p, where):
         p.requires(handle, ctx)
     before = Snapshot.of(handle.graph)
@@ -101,9 +102,7 @@ def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) ->
         if gc_was_enabled:
             gc.enable()
     handle.changed()
-    if not isinstance(result, PassResult):
-        raise PassError(f"{where} returned {type(result).__name__} instead of a PassResult: its run() must end with "
-                        "`return PassResult(...)` saying what it changed. This is a bug in the pass.")
+    _check_result(result, where)
     after = Snapshot.of(handle.graph)
     added = _new_nodes(after.nodes, before.nodes)
     measured = Measured(len(added), len(_new_nodes(before.nodes, after.nodes)), after.digest != before.digest)
@@ -113,13 +112,41 @@ def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) ->
     if measured.changed and not result.changed and not measured.nodes_added and not measured.nodes_removed:
         result.notes.append("the graph changed although the pass reported no rewrite")
     result.nodes_added, result.nodes_removed = measured.nodes_added, measured.nodes_removed
+    _check_graph_and_ensures(p, where, handle, ctx, result)
+    return result, measured
+
+
+def run_nested(p: Pass[Any], handle: GraphHandle, ctx: PassContext) -> PassResult:
+    """`PassContext.run_pass`: ``p`` run from inside another pass, under the contract (``requires``, a `PassResult`,
+    caches invalidated, the graph checked, ``ensures``); node tags and measured counts stay the calling pass's."""
+    where = f"{ctx.running or 'a pass'}, in the {p.name!r} it runs inside itself,"
+    with pass_code(p, where):
+        p.requires(handle, ctx)
+        result = p.run(handle, ctx)
+    handle.changed()
+    _check_result(result, where)
+    _check_graph_and_ensures(p, where, handle, ctx, result)
+    return result
+
+
+install_nested_runner(run_nested)
+
+
+def _check_result(result: object, where: str) -> None:
+    if not isinstance(result, PassResult):
+        raise PassError(f"{where} returned {type(result).__name__} instead of a PassResult: its run() must end with "
+                        "`return PassResult(...)` saying what it changed. This is a bug in the pass.")
+
+
+def _check_graph_and_ensures(p: Pass[Any], where: str, handle: GraphHandle, ctx: PassContext,
+                             result: PassResult) -> None:
+    """The structural check of the graph ``p`` left, then ``p.ensures``."""
     problems = check_structure(handle.graph, handle.opset)
     if problems:
         raise PassError(f"{where} produced an invalid graph: {'; '.join(problems)}. This is a bug in the pass (or an "
                         "unsupported pattern): exclude the nodes it touched or report it.")
     with pass_code(p, where):
         p.ensures(handle, ctx, result)
-    return result, measured
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import time
 import warnings
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -34,6 +35,7 @@ import onnx
 from qgraph.errors import RecipeError
 from qgraph.graph import GraphHandle
 from qgraph.options import PassConfig
+from qgraph.pipeline.pass_result import NestedRun
 from qgraph.pipeline.pass_result import PassResult as PassResult  # re-exported: the pass API's return type
 from qgraph.pipeline.pass_result import Skipped as Skipped
 from qgraph.pipeline.target import CalibrationSpec, TargetSpec
@@ -77,6 +79,22 @@ class PassContext:
         self.cache: dict[str, Any] = {}
         self._float_reference: onnx.ModelProto | None = None
         self._float_weights: dict[str, np.ndarray] = {}
+        #: The passes run inside the current pass through `run_pass`, in order (the pipeline moves them into the
+        #: pass's record after it ends).
+        self.nested: list[NestedRun] = []
+        #: The recipe pass being run ("pass #3 'insert_qdq'"), for messages about the passes it runs inside itself.
+        self.running: str | None = None
+
+    def run_pass(self, p: Pass[Any], graph: GraphHandle) -> PassResult:
+        """Run pass ``p`` on ``graph`` from inside another pass, held to the contract the pipeline holds every pass
+        to (`qgraph.pipeline.contract`: ``requires``, a `PassResult`, a checked graph, ``ensures``; a crash names
+        both passes) and recorded in `nested`. Nodes it creates belong to the calling pass (its provenance tag)."""
+        if _NESTED_RUNNER is None:  # pragma: no cover - the contract module installs it when qgraph loads
+            raise RuntimeError("qgraph.pipeline.contract is not loaded")
+        start = time.perf_counter()
+        result = _NESTED_RUNNER(p, graph, self)
+        self.nested.append(NestedRun(p.name, p.config.recipe_options(), result, time.perf_counter() - start))
+        return result
 
     @property
     def kernel_choice(self) -> KernelChoice:
@@ -156,6 +174,16 @@ class PassContext:
 
 
 C = TypeVar("C", bound=PassConfig)
+
+#: How `PassContext.run_pass` runs a pass: installed by `qgraph.pipeline.contract` when it loads (the contract sits
+#: above this module, which it imports), so a nested pass meets the same checks as a recipe's.
+_NESTED_RUNNER: Callable[[Pass[Any], GraphHandle, PassContext], PassResult] | None = None
+
+
+def install_nested_runner(runner: Callable[[Pass[Any], GraphHandle, PassContext], PassResult]) -> None:
+    """Set what `PassContext.run_pass` calls (done once, by `qgraph.pipeline.contract`)."""
+    global _NESTED_RUNNER
+    _NESTED_RUNNER = runner
 
 
 class Pass(Generic[C]):

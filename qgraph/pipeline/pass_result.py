@@ -1,13 +1,19 @@
-"""What a pass returns: `PassResult` (counts, skips, decisions) and `Skipped` (a node left alone, with why)."""
+"""What a pass returns: `PassResult` (counts, skips, decisions, details) and `Skipped` (a node left alone, with why).
+
+The details are a pass's own typed record (`qgraph.pipeline.pass_details.PassDetails`) or, for plug-ins written
+before those existed, a plain JSON-ready dict; both serialise the same way (`PassResult.details_dict`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
 
 from qgraph.graph import gs_label, proto_label
+from qgraph.pipeline.pass_details import PassDetails, details_dict
 
 
 @dataclass
@@ -31,7 +37,10 @@ class PassResult:
     skipped: list[Skipped] = field(default_factory=list)
     nodes_added: int = 0
     nodes_removed: int = 0
-    details: dict[str, Any] = field(default_factory=dict)
+    #: What the pass measured and chose, for the report and the ``--report`` JSON only: the pass's typed record
+    #: (a frozen `PassDetails` dataclass, or a `TypedDict` where the key order follows events; both checked by
+    #: mypy) or a plain JSON-ready dict (plug-ins).
+    details: PassDetails | Mapping[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     #: Choices the pass made that change the output (raised opsets, per-tensor fallbacks, host-dependent
     #: settings): shown in the run summary and the report, and recorded in the output model's provenance.
@@ -79,6 +88,10 @@ class PassResult:
         """Whether the pass modified the graph."""
         return bool(self.rewritten or self.nodes_added or self.nodes_removed)
 
+    def details_dict(self) -> dict[str, Any]:
+        """The details in their JSON-ready form (a typed record's `PassDetails.to_dict`, a dict as it is)."""
+        return details_dict(self.details)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, deterministic form (no timings)."""
         return {
@@ -87,7 +100,7 @@ class PassResult:
             "skipped": [s.to_dict() for s in self.skipped],
             "nodes_added": self.nodes_added,
             "nodes_removed": self.nodes_removed,
-            "details": self.details,
+            "details": self.details_dict(),
             "notes": self.notes,
             "decisions": self.decisions,
             "unmatched": self.unmatched,
@@ -95,3 +108,18 @@ class PassResult:
             **({"kept_float": [s.to_dict() for s in self.kept_float]} if self.kept_float else {}),
             **({"attention": self.attention} if self.attention else {}),
         }
+
+
+@dataclass
+class NestedRun:
+    """A pass one pass ran inside itself through `PassContext.run_pass` (an opset raised for the ops it emits,
+    constants folded between rounds), held to the same contract as a recipe's pass."""
+
+    name: str
+    options: dict[str, Any]
+    result: PassResult
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``seconds`` left out: reports are deterministic)."""
+        return {"pass": self.name, "options": self.options, "result": self.result.to_dict()}

@@ -31,7 +31,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from qgraph.graph.names import suggest
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassClass, discover
-from qgraph.pipeline.recipe_text import canonical_text, recipe_dict, recipe_yaml, text_sha256
+from qgraph.pipeline.recipe_text import RecipeSpec
 from qgraph.pipeline.recipe_yaml import RecipeIssue, RecipeValidationError, load_yaml, read_yaml_text
 from qgraph.pipeline.target import CalibrationSpec, TargetSpec
 
@@ -83,8 +83,9 @@ def recipe_json_schema() -> dict[str, Any]:
     return schema
 
 
-class Recipe:
-    """A validated recipe: name, description, target, calibration source and pass instances."""
+class Recipe(RecipeSpec):
+    """A validated recipe: a `RecipeSpec` (name, passes, description, target, calibration) that knows the file it
+    was read from, to locate each option's line for error messages."""
 
     def __init__(
         self,
@@ -97,11 +98,7 @@ class Recipe:
         source: str | None = None,
         origins: list[tuple[str, Any]] | None = None,
     ) -> None:
-        self.name = name
-        self.passes = passes
-        self.description = description
-        self.target = target or TargetSpec()
-        self.calibration = calibration or CalibrationSpec()
+        super().__init__(name, passes, description=description, target=target, calibration=calibration)
         self.source = source
         #: Per pass: the file it was written in and its (ruamel-annotated) mapping, to locate its fields.
         self._origins = list(origins or [])
@@ -179,23 +176,6 @@ class Recipe:
         return filename, line, col
 
     # ---------------------------------------------------------------- output
-    def to_dict(self) -> dict[str, Any]:
-        """Canonical mapping: defaults omitted, keys in schema order."""
-        return recipe_dict(self.name, self.passes, description=self.description, target=self.target,
-                           calibration=self.calibration)
-
-    def to_yaml(self) -> str:
-        """The recipe as YAML; loading it gives an equivalent recipe."""
-        return recipe_yaml(self.to_dict())
-
-    def canonical_text(self) -> str:
-        """Deterministic JSON used for provenance and hashing."""
-        return canonical_text(self.to_dict())
-
-    def sha256(self) -> str:
-        """Hash of `canonical_text`."""
-        return text_sha256(self.to_dict())
-
     def pipeline(self) -> Pipeline:
         """A `Pipeline` running this recipe's passes in order."""
         from qgraph.pipeline.runner import Pipeline

@@ -1,7 +1,9 @@
-"""A recipe as text: the canonical mapping (defaults omitted), its YAML, and the hash provenance records.
+"""What a recipe and a pipeline both are (`RecipeSpec`: a name, ordered passes, a description, the target and the
+calibration settings) and that as text: the canonical mapping (defaults omitted), its YAML, and the hash provenance
+records.
 
-Shared by `qgraph.pipeline.recipe.Recipe` and `qgraph.pipeline.runner.Pipeline`, so a pipeline built in Python and the
-recipe it came from (or becomes) serialize identically without either module importing the other.
+`qgraph.pipeline.recipe.Recipe` and `qgraph.pipeline.runner.Pipeline` are both a `RecipeSpec`, so a pipeline built in
+Python and the recipe it came from (or becomes) serialize identically without either module importing the other.
 """
 
 from __future__ import annotations
@@ -50,3 +52,33 @@ def canonical_text(mapping: dict[str, Any]) -> str:
 def text_sha256(mapping: dict[str, Any]) -> str:
     """Hash of `canonical_text`."""
     return hashlib.sha256(canonical_text(mapping).encode()).hexdigest()
+
+
+class RecipeSpec:
+    """A name, ordered pass instances, a description, the target and the calibration settings, serialised one way:
+    the data a `qgraph.Recipe` is loaded into and a `qgraph.Pipeline` runs."""
+
+    def __init__(self, name: str, passes: Sequence[Pass[Any]], *, description: str = "",
+                 target: TargetSpec | None = None, calibration: CalibrationSpec | None = None) -> None:
+        self.name = name
+        self.passes: list[Pass[Any]] = list(passes)
+        self.description = description
+        self.target = target or TargetSpec()
+        self.calibration = calibration or CalibrationSpec()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical mapping: defaults omitted, keys in schema order, each pass as its recipe writes it."""
+        return recipe_dict(self.name, self.passes, description=self.description, target=self.target,
+                           calibration=self.calibration)
+
+    def to_yaml(self) -> str:
+        """As YAML; ``Recipe.from_text`` loads it back into an equivalent recipe."""
+        return recipe_yaml(self.to_dict())
+
+    def canonical_text(self) -> str:
+        """Deterministic JSON used for provenance and hashing."""
+        return canonical_text(self.to_dict())
+
+    def sha256(self) -> str:
+        """Hash of `canonical_text`."""
+        return text_sha256(self.to_dict())

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -28,23 +28,14 @@ from qgraph.graph.detach import fill_weights
 from qgraph.io.model_io import load_model, model_fingerprint, save_model
 from qgraph.pipeline.contract import run_pass
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
+from qgraph.pipeline.pass_result import NestedRun
 from qgraph.pipeline.preflight import preflight, require_data
 from qgraph.pipeline.provenance import write_provenance
-from qgraph.pipeline.recipe_text import recipe_dict, recipe_yaml
+from qgraph.pipeline.recipe_text import RecipeSpec
 from qgraph.pipeline.target import CalibrationSpec, TargetSpec
 from qgraph.pipeline.verify import VerifyTolerance, check_pass, measure_tolerance
 from qgraph.runtime.compare import TensorDiff, random_feeds
 from qgraph.runtime.kernels.measure import KERNEL_OPTIONS, KernelChoice, choose, target_family
-
-
-class RecipeLike(Protocol):
-    """What a pipeline takes from a recipe (`qgraph.Recipe` has it)."""
-
-    name: str
-    description: str
-    target: TargetSpec
-    calibration: CalibrationSpec
-
 
 EventKind = Literal["pipeline_start", "pass_start", "pass_progress", "pass_end", "verify", "pipeline_end"]
 
@@ -92,6 +83,8 @@ class PassRecord:
     verify: list[TensorDiff] | None = None
     #: The pass decides which nodes run in integer (`Pass.quantizes`): its skips explain float nodes first.
     quantizes: bool = False
+    #: Passes it ran inside itself (`PassContext.run_pass`), each held to the contract too.
+    nested: list[NestedRun] = field(default_factory=list)
 
 
 @dataclass
@@ -130,8 +123,8 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-class Pipeline:
-    """An ordered list of passes; build it in Python or from a `Recipe`."""
+class Pipeline(RecipeSpec):
+    """An ordered list of passes that runs (a `RecipeSpec`); build it in Python or from a `Recipe`."""
 
     def __init__(
         self,
@@ -141,28 +134,18 @@ class Pipeline:
         description: str = "",
         target: TargetSpec | None = None,
         calibration: CalibrationSpec | None = None,
-        recipe: RecipeLike | None = None,
+        recipe: RecipeSpec | None = None,
     ) -> None:
-        self.passes = list(passes)
-        self.name = recipe.name if recipe is not None and name == "pipeline" else name
-        self.description = recipe.description if recipe is not None else description
-        self.target = recipe.target if recipe is not None else (target or TargetSpec())
-        self.calibration = recipe.calibration if recipe is not None else (calibration or CalibrationSpec())
+        if recipe is not None:  # the recipe's settings; the passes given (a recipe's own, or a subset of them)
+            name = recipe.name if name == "pipeline" else name
+            description, target, calibration = recipe.description, recipe.target, recipe.calibration
+        super().__init__(name, passes, description=description, target=target, calibration=calibration)
         self._subscribers: list[Callable[[PipelineEvent], None]] = []
         self._locate = getattr(recipe, "field_location", None)  # a Recipe locates its options in its file
 
     def subscribe(self, callback: Callable[[PipelineEvent], None]) -> None:
         """Call ``callback`` with every `PipelineEvent` of later runs."""
         self._subscribers.append(callback)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The equivalent recipe as a canonical mapping (`qgraph.pipeline.recipe_text`)."""
-        return recipe_dict(self.name, self.passes, description=self.description, target=self.target,
-                           calibration=self.calibration)
-
-    def to_yaml(self) -> str:
-        """The equivalent recipe as YAML (``Recipe.from_text`` loads it back)."""
-        return recipe_yaml(self.to_dict())
 
     def run(
         self,
@@ -285,6 +268,7 @@ class Pipeline:
     def _run_one(index: int, p: Pass[Any], handle: GraphHandle, ctx: PassContext, target_step: bool) -> PassRecord:
         nodes_before, opset_before = len(handle.graph.nodes), handle.opset
         start = time.perf_counter()
+        ctx.nested = []
         result, measured = run_pass(p, index, handle, ctx)
         gc.collect()  # the pass ran with the cyclic GC paused: free the graphs and weights it dropped now
         if target_step:
@@ -302,6 +286,7 @@ class Pipeline:
             preserves_float=p.preserves_float,
             changed=measured.changed,
             quantizes=p.quantizes,
+            nested=ctx.nested,
         )
 
     def _with_target_opset(self) -> list[Pass[Any]]:

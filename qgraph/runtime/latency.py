@@ -295,6 +295,16 @@ def _distance(entry: CostEntry, bucket: str, work: float) -> float:
     return sum(abs(math.log2(max(a, 1.0)) - math.log2(max(b, 1.0))) for a, b in zip(mine, theirs, strict=True))
 
 
+#: The cost table qgraph ships (measured with `benchmarks/build_latency_table.py`; per preset, per op kind):
+#: ``insert_qdq``'s ``latency: table`` and the fallback search's cost model read it.
+SHIPPED_TABLE = Path(__file__).with_name("latency_table.json")
+
+
+def shipped_latency_table() -> LatencyTable:
+    """`SHIPPED_TABLE`, loaded and validated."""
+    return load_latency_table(SHIPPED_TABLE)
+
+
 def load_latency_table(path: str | Path) -> LatencyTable:
     """Read and validate a cost table; a missing or malformed file is a DataError saying how to rebuild it."""
     fix = "rebuild it with `python benchmarks/build_latency_table.py --out PATH`"

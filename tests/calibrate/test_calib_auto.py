@@ -133,6 +133,21 @@ def test_fold_abs_is_the_abs_histogram_on_the_same_grid() -> None:
     assert folded.first == 0 and folded.hi == float(np.abs(x).max())
 
 
+@pytest.mark.parametrize("value", [0.74203104, -3.5e4, 1e-30])
+def test_a_constant_far_from_zero_is_calibrated_in_its_own_bins(value: float) -> None:
+    """A tensor holding one value (a transformer's attention mask) has a grid so fine that its bin index is near
+    1e9: folding to |x| must count from the occupied bin, not allocate every empty bin down to 0 (it raised
+    "array is too big" in every static CNN recipe run on a transformer)."""
+    x = np.float32(value)
+    r = _fed(AutoObserver(), np.full(64, x)).compute()
+    assert r.rmin == r.rmax == pytest.approx(float(x), rel=1e-6)
+    hist = AlignedHistogram(1, 512)
+    hist.update(np.full((1, 64), x))
+    folded = fold_abs(hist.row(0))
+    assert folded.counts.size <= 2 and int(folded.counts.sum()) == 64 and folded.hi == abs(float(x))
+    assert folded.first > 1000  # counted from its own bin, far from bin 0
+
+
 def test_auto_is_per_tensor_and_checks_its_options() -> None:
     with pytest.raises(ValueError, match="per tensor"):
         make_observer("auto", "t", 1)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from qgraph.passes.cleanup import Cleanup
+from qgraph.passes.cleanup import Cleanup, CleanupDetails
 from qgraph.passes.fold_constants import FoldConstants
 
 from qgraph import GraphHandle, PassContext, Pipeline, get_pass
@@ -64,17 +64,17 @@ def test_structure_and_counts(prep: Any) -> None:
     assert [t.name for t in out.graph.initializer] == ["w1"]
     # named on load (qgraph.graph.naming), by the outputs they had then: the second Mul keeps Mul(m2)
     assert [n.name for n in out.graph.node] == ["Mul(m1)", "Mul(m2)", "Relu(r)", "Add(z)", "Identity(passthrough)"]
-    assert res.details == {
-        "identity": 3,
-        "dropout": 1,
-        "dead_nodes": 2,
-        "unused_initializers": 0,
-        "unused_graph_inputs": 0,
-        "duplicate_initializers": 1,
-        "renamed_nodes": 0,  # the model's nodes were named on load
-        "reordered_graphs": 0,
-        "scopes": 1,
-    }
+    assert res.details == CleanupDetails(
+        identity=3,
+        dropout=1,
+        dead_nodes=2,
+        unused_initializers=0,
+        unused_graph_inputs=0,
+        duplicate_initializers=1,
+        renamed_nodes=0,  # the model's nodes were named on load
+        reordered_graphs=0,
+        scopes=1,
+    )
     assert res.nodes_removed == 6
     assert prep.relative_error(model, out, random_feeds(model, 1)[0]) == 0.0
 

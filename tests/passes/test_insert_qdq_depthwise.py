@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from insert_qdq_helpers import quantize, with_weights
 from qgraph.passes.insert_qdq.depthwise import spread_loss
-from qgraph.passes.insert_qdq.speed import SHIPPED_TABLE
 
 from qgraph.errors import RecipeError
+from qgraph.runtime.latency import SHIPPED_TABLE
 from qgraph.testing.runtime import make_session
 
 C = 16

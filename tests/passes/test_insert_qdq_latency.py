@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from insert_qdq_helpers import feeds_for, quantize, source, tiny_cnn
 from qgraph.passes.insert_qdq import InsertQDQ
 from qgraph.passes.insert_qdq.latency import Cost, Decision, Edge, decide
-from qgraph.passes.insert_qdq.speed import SHIPPED_TABLE
 
 from qgraph.errors import DataError, PassError, RecipeError
-from qgraph.runtime.latency import load_latency_table, op_signature
+from qgraph.runtime.latency import SHIPPED_TABLE, load_latency_table, op_signature
 
 
 # ---------------------------------------------------------------------------------------------- decide()

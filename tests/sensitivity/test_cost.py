@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qgraph import Pipeline
 from qgraph.analysis.sensitivity.cost import CostSpec, LatencyModel, cost_aware_order
 from qgraph.analysis.sensitivity.noise import NoiseModel
+from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.probe import LocalError
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.targets import parse_target
@@ -131,8 +132,8 @@ def fragile(tmp_path_factory: pytest.TempPathFactory) -> tuple[onnx.ModelProto, 
 
 def test_auto_reports_modelled_and_measured_latency(fragile: tuple[onnx.ModelProto, onnx.ModelProto, str]) -> None:
     model, qdq, data = fragile
-    r = auto_fallback(model, qdq, data, "sqnr:30", costs=CostSpec(_table(), "p"), latency_rounds=1,
-                      float_weights=ReferenceWeights(model))
+    r = auto_fallback(model, qdq, data, "sqnr:30", SearchOptions(
+        costs=CostSpec(_table(), "p"), latency_rounds=1, float_weights=ReferenceWeights(model)))
     assert r.target_met and r.nodes, r.message()
     lat = r.latency
     assert lat["modelled_float_us"] > 0 and lat["modelled_chosen_ratio"] > lat["modelled_int8_ratio"]
@@ -142,7 +143,7 @@ def test_auto_reports_modelled_and_measured_latency(fragile: tuple[onnx.ModelPro
 
 def test_no_op_when_the_target_is_already_met(fragile: tuple[onnx.ModelProto, onnx.ModelProto, str]) -> None:
     model, qdq, data = fragile
-    r = auto_fallback(model, qdq, data, "sqnr:-100", costs=CostSpec(_table(), "p"), latency_rounds=3)
+    r = auto_fallback(model, qdq, data, "sqnr:-100", SearchOptions(costs=CostSpec(_table(), "p"), latency_rounds=3))
     assert r.target_met and r.nodes == [] and r.latency == {} and r.evaluations == 1
     assert r.stop_reason == "the INT8 model already meets the target"
 
@@ -175,12 +176,12 @@ def test_pass_summary_shows_latency_and_restores_float_weights(tmp_path: Path) -
 def test_max_latency_bounds_the_search(fragile: tuple[onnx.ModelProto, onnx.ModelProto, str]) -> None:
     """A latency bound below what the target needs stops the search there and says why."""
     model, qdq, data = fragile
-    free = auto_fallback(model, qdq, data, "sqnr:30", costs=CostSpec(_table(), "p"),
-                         float_weights=ReferenceWeights(model))
+    free = auto_fallback(model, qdq, data, "sqnr:30", SearchOptions(
+        costs=CostSpec(_table(), "p"), float_weights=ReferenceWeights(model)))
     lat = LatencyModel(qdq, _table(), "p", {"input": (1, 8, 16, 16)})
     needed = lat.predict(free.nodes) / lat.all_float()
-    bounded = auto_fallback(model, qdq, data, "sqnr:30", costs=CostSpec(_table(), "p"),
-                            float_weights=ReferenceWeights(model), max_latency=0.9 * needed)
+    bounded = auto_fallback(model, qdq, data, "sqnr:30", SearchOptions(
+        costs=CostSpec(_table(), "p"), float_weights=ReferenceWeights(model), max_latency=0.9 * needed))
     assert not bounded.target_met and "max_latency reached" in bounded.stop_reason
     assert bounded.latency["modelled_chosen_us"] <= 0.9 * needed * lat.all_float() + 1e-6
 

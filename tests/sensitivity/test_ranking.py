@@ -14,6 +14,7 @@ import pytest
 
 from qgraph.analysis.sensitivity import search as search_mod
 from qgraph.analysis.sensitivity.evaluate import Evaluator, load_feeds, reference_outputs
+from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.ranking import candidate_nodes, rank_nodes, sensitivity_report
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.targets import parse_target
@@ -122,7 +123,7 @@ def test_search_meets_a_reachable_target_in_few_evaluations(fragile: Path, monke
 
 def test_unmet_target_keeps_the_best_model_and_says_why(fragile: Path) -> None:
     ref, qdq = onnx.load(fragile / "float.onnx"), onnx.load(fragile / "qdq.onnx")
-    result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", max_nodes=3)
+    result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", SearchOptions(max_nodes=3))
     assert not result.target_met and result.stop_reason == "max_nodes (3) reached"
     assert 1 <= len(result.nodes) <= 3 and result.score > result.int8_score
     assert result.message().startswith("target NOT met")
@@ -130,7 +131,7 @@ def test_unmet_target_keeps_the_best_model_and_says_why(fragile: Path) -> None:
 
 def test_max_time_is_respected(fragile: Path) -> None:
     ref, qdq = onnx.load(fragile / "float.onnx"), onnx.load(fragile / "qdq.onnx")
-    result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", max_time=0.05)
+    result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", SearchOptions(max_time=0.05))
     assert not result.target_met and "max_time (0.05 s) reached" in result.stop_reason
     # counted, not timed (a wall-clock bound fails on a loaded machine): the budget is spent by the baseline and
     # the one-run ranking, so no search step and no confirmation run; without the budget the same search runs both
@@ -151,7 +152,7 @@ def test_sessions_are_built_and_released_one_at_a_time(fragile: Path, monkeypatc
 
     monkeypatch.setattr(ort, "InferenceSession", Tracked)
     ref, qdq = onnx.load(fragile / "float.onnx"), onnx.load(fragile / "qdq.onnx")
-    result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", max_nodes=20, exact_top=3)
+    result = auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", SearchOptions(max_nodes=20, exact_top=3))
     assert len(live) >= result.evaluations + 2  # reference, probe, every evaluation
     assert peak["n"] == 1  # each released before the next is built, whatever the node count
 
@@ -162,8 +163,8 @@ def test_progress_events_per_stage(fragile: Path) -> None:
 
     events: list[tuple[str, int, int | None]] = []
     ref, qdq = onnx.load(fragile / "float.onnx"), onnx.load(fragile / "qdq.onnx")
-    auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", max_nodes=4, exact_top=2,
-                  progress=lambda stage, done, total: events.append((stage, done, total)))
+    auto_fallback(ref, qdq, str(fragile / "eval.npz"), "sqnr:200", SearchOptions(
+        max_nodes=4, exact_top=2, progress=lambda stage, done, total: events.append((stage, done, total))))
     stages = [e[0] for e in events]
     assert stages.index("ranking") < stages.index("exact") < stages.index("search") < stages.index("confirmation")
     ranking = [e for e in events if e[0] == "ranking"]

@@ -14,6 +14,7 @@ import pytest
 
 from qgraph import Pipeline, RecipeError
 from qgraph.analysis.sensitivity.evaluate import Evaluator
+from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.stats import matmul_flops
 from qgraph.analysis.sensitivity.targets import parse_target
@@ -164,8 +165,10 @@ def test_worker_processes_give_the_same_table(encoder: Path) -> None:
     from qgraph import NodeSelector
 
     kwargs["candidates"] = NodeSelector(regex=("^layer0/attn/",))
-    one = auto_fallback(ref, qdq, str(encoder / "eval.npz"), "cosine:0.99", jobs=1, **kwargs)  # type: ignore[arg-type]
-    two = auto_fallback(ref, qdq, str(encoder / "eval.npz"), "cosine:0.99", jobs=2, **kwargs)  # type: ignore[arg-type]
+    one = auto_fallback(ref, qdq, str(encoder / "eval.npz"), "cosine:0.99", SearchOptions(
+        jobs=1, **kwargs))  # type: ignore[arg-type]
+    two = auto_fallback(ref, qdq, str(encoder / "eval.npz"), "cosine:0.99", SearchOptions(
+        jobs=2, **kwargs))  # type: ignore[arg-type]
     assert one.sensitivity is not None and two.sensitivity is not None
     rows1 = {r.name: r.sensitivity for r in one.sensitivity.rows if r.measured}
     rows2 = {r.name: r.sensitivity for r in two.sensitivity.rows if r.measured}
@@ -177,7 +180,8 @@ def test_candidate_selector_matching_nothing(encoder: Path) -> None:
 
     ref, qdq = onnx.load(encoder / "float.onnx"), onnx.load(encoder / "qdq.onnx")
     with pytest.raises(PassError, match="nope"):
-        auto_fallback(ref, qdq, str(encoder / "eval.npz"), "sqnr:90", candidates=NodeSelector(names=("nope",)))
+        auto_fallback(ref, qdq, str(encoder / "eval.npz"), "sqnr:90", SearchOptions(
+            candidates=NodeSelector(names=("nope",))))
 
 
 def test_targets_parse() -> None:

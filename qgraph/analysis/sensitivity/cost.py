@@ -332,19 +332,6 @@ class CostSpec:
     preset: str
 
 
-def shipped_latency_table() -> LatencyTable:
-    """The cost table ``insert_qdq`` ships: a data file next to the module of the pass registered under that name
-    (found through the registry, so the engine does not import the built-in passes)."""
-    import sys
-    from pathlib import Path
-
-    from qgraph.pipeline.pass_api import get_pass
-    from qgraph.runtime.latency import load_latency_table
-
-    module = sys.modules[get_pass("insert_qdq").__module__]
-    return load_latency_table(Path(module.__file__ or "").with_name("latency_table.json"))
-
-
 def latency_summary(latency: LatencyModel, base: Sequence[str], chosen: Sequence[str]) -> dict[str, float]:
     """Modelled µs of the INT8 model (``base`` float), the chosen model and the float model, and the ratios."""
     int8, mine, flt = latency.predict(base), latency.predict(chosen), latency.all_float()

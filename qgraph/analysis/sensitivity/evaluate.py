@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -20,10 +21,6 @@ import onnxruntime as ort
 
 from qgraph.data import DataSource, Feed, NpzSource, batched, model_inputs, open_data_source
 from qgraph.errors import DataError, ModelError
-from qgraph.graph.selectors import NodeSelector
-from qgraph.pipeline.pass_api import get_pass
-from qgraph.pipeline.recipe import Recipe
-from qgraph.pipeline.runner import Pipeline
 from qgraph.quant.reference_weights import ReferenceWeights
 from qgraph.remedy.apply import remedy_model
 from qgraph.runtime.compare import TensorDiff, session_run
@@ -229,25 +226,21 @@ PATCH_RECIPE_NAME = "float-fallback"
 
 def build_model(qdq: onnx.ModelProto, nodes: Sequence[str],
                 float_weights: ReferenceWeights | None = None, remedy: str = "float") -> onnx.ModelProto:
-    """``qdq`` with ``nodes`` in float (``remedy="a16w8"``/``"a16w16"``: with 16-bit activations/weights), built as
-    `qgraph run PATCH qdq` would build it (with ``float_weights``: as the pass builds it after ``insert_qdq`` in
-    one recipe, float weights restored)."""
+    """``qdq`` with ``nodes`` in float (``remedy="a16w8"``/``"a16w16"``: with 16-bit activations/weights): the
+    rewrite the ``float_fallback`` pass applies (`qgraph.remedy.apply.remedy_model`; with ``float_weights``, float
+    weights restored as the pass restores them after ``insert_qdq`` in one recipe)."""
     if not nodes:
         return qdq
-    if float_weights is not None or remedy != "float":
-        return remedy_model(qdq, nodes, remedy, float_weights).model
-    recipe = patch_recipe(nodes, remedy)
-    return Pipeline(recipe.passes, recipe=recipe).run(qdq).model
+    return remedy_model(qdq, nodes, remedy, float_weights).model
 
 
-def patch_recipe(nodes: Sequence[str], remedy: str = "float", float_weights: str | None = None) -> Recipe:
-    """A one-pass recipe: ``float_fallback`` of ``nodes`` (``to: remedy`` unless float; the weights of the float
-    model ``float_weights`` when given)."""
-    # The float_fallback pass is reached through the registry, as any plug-in would be.
-    fallback = get_pass("float_fallback")
-    options: dict[str, object] = {"nodes": NodeSelector(names=tuple(nodes))}
+def patch_recipe(nodes: Sequence[str], remedy: str = "float", float_weights: str | None = None) -> dict[str, Any]:
+    """A one-pass recipe as data: ``float_fallback`` of ``nodes`` (``to: remedy`` unless float; the weights of the
+    float model ``float_weights`` when given). Data, not a `Recipe`: the engine names the pass without importing it
+    or reaching it through the registry (``Recipe.from_dict`` validates it where it is read)."""
+    options: dict[str, Any] = {"pass": "float_fallback", "nodes": {"names": list(nodes)}}
     if remedy != "float":
         options["to"] = remedy
     if float_weights is not None:
         options["float_weights"] = float_weights
-    return Recipe(PATCH_RECIPE_NAME, [fallback(**options)])
+    return {"name": PATCH_RECIPE_NAME, "passes": [options]}

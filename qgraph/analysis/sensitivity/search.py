@@ -34,7 +34,6 @@ from typing import Any
 import onnx
 
 from qgraph.analysis.sensitivity.cost import (
-    CostSpec,
     LatencyModel,
     cost_aware_order,
     latency_summary,
@@ -51,21 +50,17 @@ from qgraph.analysis.sensitivity.evaluate import (
     reference_outputs,
     streamed_reference_outputs,
 )
-from qgraph.analysis.sensitivity.prefix import AutoStep, Clock, PrefixSearch, StageProgress
+from qgraph.analysis.sensitivity.options import SearchOptions
+from qgraph.analysis.sensitivity.prefix import AutoStep, Clock, PrefixSearch
 from qgraph.analysis.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
 from qgraph.analysis.sensitivity.targets import Target, parse_target
 from qgraph.data import DataSource, model_inputs
 from qgraph.errors import ModelError
 from qgraph.graph import named_model
-from qgraph.graph.selectors import NodeSelector
 from qgraph.io.outputs import write_atomic
-from qgraph.pipeline.recipe import Recipe
-from qgraph.quant.reference_weights import ReferenceWeights
+from qgraph.pipeline.recipe_text import recipe_yaml
 from qgraph.remedy.apply import body_candidates
-from qgraph.runtime.executor import Executor, ExecutorSpec, make_executor
-from qgraph.runtime.kernels.measure import Kernels
-from qgraph.runtime.output_parts import OutputParts
-from qgraph.runtime.streaming import Recurrence
+from qgraph.runtime.executor import Executor, make_executor
 
 
 @dataclass
@@ -141,8 +136,9 @@ class AutoResult:
             parts.append(f"confirmation {self.stages['confirmation']:.1f} s")
         return f"Tried: {'; '.join(parts)}; {self.evaluations} full evaluation(s) in {self.seconds:.1f} s."
 
-    def recipe(self) -> Recipe | None:
-        """The decision as a one-pass recipe (None when no node needs to go back to float)."""
+    def recipe(self) -> dict[str, Any] | None:
+        """The decision as a one-pass recipe mapping (None when no node needs to go back to float);
+        ``Recipe.from_dict`` makes it a `Recipe`."""
         if not self.nodes:
             return None
         return patch_recipe(self.nodes, self.remedy, self.float_model)
@@ -158,7 +154,7 @@ class AutoResult:
             "# Apply to the same QDQ model: qgraph run RECIPE MODEL --patch THIS_FILE -o OUT.onnx,",
             "# or paste the float_fallback entry at the end of the recipe's passes.",
         ]
-        return "\n".join(header) + "\n" + recipe.to_yaml()
+        return "\n".join(header) + "\n" + recipe_yaml(recipe)
 
     def write_patch(self, path: str | Path) -> bool:
         """Write `patch_yaml` atomically; False (nothing written) when no node needs to go back to float."""
@@ -200,134 +196,87 @@ def auto_fallback(
     qdq: onnx.ModelProto,
     data: str | DataSource,
     target: Target | str,
-    *,
-    candidates: NodeSelector | None = None,
-    keep_float: Sequence[str] = (),
-    max_nodes: int | None = None,
-    max_time: float | None = None,
-    jobs: int = 1,
-    samples: int | None = None,
-    batch_size: int = 32,
-    kernels: Kernels | None = None,
-    progress: StageProgress | None = None,
-    report_only: bool = False,
-    exact_top: int = 0,
-    executor: ExecutorSpec | Executor | None = None,
-    float_weights: ReferenceWeights | None = None,
-    costs: CostSpec | None = None,
-    latency_rounds: int = 0,
-    max_latency: float | None = None,
-    rank_by: str = "latency",
-    recurrence: Recurrence | None = None,
-    remedy: str = "float",
-    in_bodies: bool = False,
-    parts: OutputParts | None = None,
+    options: SearchOptions | None = None,
 ) -> AutoResult:
     """Find a small set of nodes to keep in float so that ``qdq`` meets ``target`` (see module docs).
 
-    ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data, ``keep_float`` nodes
-    that are in float regardless (counted in ``max_nodes``), ``exact_top`` how many of the ranked nodes to measure
-    exactly, ``executor`` where full evaluations run (`qgraph.runtime.executor`; default: ``jobs`` local processes; one
-    executor serves the whole search), ``float_weights`` the float weights that nodes going back to float take instead
-    of their integer ones (`qgraph.remedy.fallback.ReferenceWeights` of ``reference``), ``costs`` a latency cost table:
-    the search then ranks by output error bought per added latency (`qgraph.analysis.sensitivity.cost`;
-    ``rank_by="error"``: by error alone all the same) and reports the modelled latency; ``latency_rounds`` > 0 times the
-    float, INT8 and chosen models in onnxruntime that many rounds (the measured ratios are reported); with ``costs``,
-    ``max_latency`` keeps the search to prefixes modelled at most that many times the float model's latency (1.0: never
-    slower than float). With ``recurrence`` (a recurrent model's state feedback) every full evaluation runs streamed,
-    each model fed its own state (`qgraph.runtime.streaming`); the one-run ranking stays per sample (states from the
-    data), its prediction corrected on the streamed measurements. ``remedy="a16w8"`` gives the chosen nodes 16-bit
-    activations instead of float (`qgraph.remedy.widen`; for NPUs), ``"a16w16"`` 16-bit weights too (re-quantized from
-    ``float_weights`` when given: `qgraph.remedy.widen_weights`). ``in_bodies`` makes the quantized nodes inside If/Loop
-    bodies candidates too (`qgraph.remedy.apply`), each measured exactly once for the ranking. ``parts``: the scored
-    parts of the outputs (`qgraph.runtime.output_parts`; default: each output whole). With ``report_only`` the ranking
-    is made and no search. Never raises for an unmet target."""
-    pool = make_executor(executor, jobs)
+    ``reference`` is the float model the outputs are compared with, ``data`` the evaluation data; how the search
+    runs is `SearchOptions` (candidates, budgets, executor, cost table, remedy, ...). With ``recurrence`` every
+    full evaluation runs streamed, each model fed its own state; the one-run ranking stays per sample (states from
+    the data), its prediction corrected on the streamed measurements. Never raises for an unmet target."""
+    o = options or SearchOptions()
+    pool = make_executor(o.executor, o.jobs)
     try:
-        return _auto_fallback(reference, qdq, data, target, keep_float=keep_float, candidates=candidates,
-                              max_nodes=max_nodes, max_time=max_time, samples=samples, batch_size=batch_size,
-                              kernels=kernels, progress=progress, report_only=report_only,
-                              exact_top=exact_top, pool=pool, float_weights=float_weights, costs=costs,
-                              latency_rounds=latency_rounds, max_latency=max_latency, rank_by=rank_by,
-                              recurrence=recurrence, remedy=remedy, in_bodies=in_bodies, parts=parts)
+        return _auto_fallback(reference, qdq, data, target, o, pool)
     finally:
-        if pool is not executor:
+        if pool is not o.executor:
             pool.close()
 
 
 def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str | DataSource, target: str | Target,
-                   *, keep_float: Sequence[str], candidates: NodeSelector | None, max_nodes: int | None,
-                   max_time: float | None, samples: int | None, batch_size: int, kernels: Kernels | None,
-                   progress: StageProgress | None, report_only: bool, exact_top: int, pool: Executor,
-                   float_weights: ReferenceWeights | None, costs: CostSpec | None,
-                   latency_rounds: int, max_latency: float | None, rank_by: str,
-                   recurrence: Recurrence | None = None, remedy: str = "float",
-                   in_bodies: bool = False, parts: OutputParts | None = None) -> AutoResult:
+                   o: SearchOptions, pool: Executor) -> AutoResult:
     """`auto_fallback` with its executor made."""
-    run = Clock(time.monotonic(), max_time, progress)
+    run = Clock(time.monotonic(), o.max_time, o.progress)
     tgt = parse_target(target) if isinstance(target, str) else target
     # Named once, as GraphHandle names on load: every variant, candidate and patch uses the names reports show.
     qdq, naming = named_model(qdq)
-    ref_inputs, qdq_inputs = [i.name for i in model_inputs(reference)], [i.name for i in model_inputs(qdq)]
-    if sorted(ref_inputs) != sorted(qdq_inputs) or len(reference.graph.output) != len(qdq.graph.output):
-        raise ModelError(
-            f"the float and QDQ models do not match: inputs {ref_inputs} vs {qdq_inputs}, "
-            f"{len(reference.graph.output)} vs {len(qdq.graph.output)} outputs. Give the float model the QDQ "
-            "model was made from."
-        )
-    batches = load_feeds(data, reference, samples=samples, batch_size=1 if recurrence else batch_size, others=[qdq])
+    _check_pair(reference, qdq)
+    batches = load_feeds(data, reference, samples=o.samples, batch_size=1 if o.recurrence else o.batch_size,
+                         others=[qdq])
     shapes = {k: tuple(v.shape) for k, v in first_sample(batches[0], reference).items()}
     starts: list[int] = []
-    if recurrence is None:
-        refs_per_batch = reference_outputs(reference, batches, kernels)
+    if o.recurrence is None:
+        refs_per_batch = reference_outputs(reference, batches, o.kernels)
     else:
-        refs_per_batch, starts = streamed_reference_outputs(reference, batches, recurrence, kernels)
-    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, kernels=kernels,
-                          float_weights=float_weights, recurrence=recurrence, starts=starts, remedy=remedy, parts=parts)
+        refs_per_batch, starts = streamed_reference_outputs(reference, batches, o.recurrence, o.kernels)
+    evaluator = Evaluator(qdq, batches, refs_per_batch, keep_outputs=tgt.needs_outputs, kernels=o.kernels,
+                          float_weights=o.float_weights, recurrence=o.recurrence, starts=starts, remedy=o.remedy,
+                          parts=o.parts)
     run.refs = concat_outputs(refs_per_batch) if tgt.needs_outputs else None
     float_score = tgt.score([], run.refs, run.refs)
     threshold = tgt.threshold(float_score)
-    chosen = list(keep_float)
+    chosen = list(o.keep_float)
     base = evaluator.measure(chosen)
     run.evaluations, run.eval_seconds = 1, [base.seconds]
     int8_score = run.int8_score = tgt.score(base.scored, base.outputs, run.refs)
     run.stage_end("baseline")
-    found, notes = candidate_nodes(evaluator.variant(chosen), candidates)
+    found, notes = candidate_nodes(evaluator.variant(chosen), o.candidates)
     notice = naming.notice()
     if notice:
         notes.insert(0, f"QDQ model: {notice}")
     inside: list[tuple[str, str]] = []
-    if in_bodies:
-        inside, more = body_candidates(evaluator.variant(chosen), candidates)
+    if o.in_bodies:
+        inside, more = body_candidates(evaluator.variant(chosen), o.candidates)
         notes.extend(more)
     out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
-                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=remedy)
-    if out.target_met and not report_only:
+                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=o.remedy)
+    if out.target_met and not o.report_only:
         return _finish(run, out, "the INT8 model already meets the target")
-    report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=exact_top,
+    report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=o.exact_top,
                         deadline=run.deadline, progress=run.reporter("ranking"), exact_progress=run.reporter("exact"),
-                        stats=report_only, executor=pool, measured_only=inside)
+                        stats=o.report_only, executor=pool, measured_only=inside)
     run.evaluations += sum(r.measured for r in report.rows)
     out.sensitivity = report
     notes.extend(report.notes)
     run.stage_end("ranking")
-    if report_only:
+    if o.report_only:
         return _finish(run, out, "report only")
-    latency = LatencyModel(qdq, costs.table, costs.preset, shapes) if costs is not None else None
-    order = _order(report, latency if rank_by == "latency" else None, chosen)
-    cap = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(chosen)))
-    slow = _latency_cap(latency, order[:cap], max_latency)
+    latency = LatencyModel(qdq, o.costs.table, o.costs.preset, shapes) if o.costs is not None else None
+    order = _order(report, latency if o.rank_by == "latency" else None, chosen)
+    cap = len(order) if o.max_nodes is None else max(0, min(len(order), o.max_nodes - len(chosen)))
+    slow = _latency_cap(latency, order[:cap], o.max_latency)
     cap = min(cap, slow) if slow is not None else cap
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
-    size, reason = search.run(predicted, max_nodes)
+    size, reason = search.run(predicted, o.max_nodes)
     if slow is not None and slow == cap and reason.startswith(("max_nodes", "every candidate")):
-        reason = f"max_latency reached: more than {cap} node(s) in float is modelled slower than {max_latency:g}x float"
+        reason = (f"max_latency reached: more than {cap} node(s) in float is modelled slower than {o.max_latency:g}x "
+                  "float")
     out.steps = search.steps
     run.stage_end("search")
     if size:
         out.nodes = [*chosen, *order[:size]]
-        out.model = build_model(qdq, out.nodes, float_weights, remedy)
+        out.model = build_model(qdq, out.nodes, o.float_weights, o.remedy)
         if run.time_left(1):
             tick = run.reporter("confirmation")
             if tick is not None:
@@ -342,8 +291,19 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
             out.score = search.scores[size]
             notes.append("not confirmed: max_time reached (the score is the search's evaluation of the same nodes)")
     out.target_met = tgt.met(out.score, threshold)
-    _latency(out, latency, chosen, latency_rounds, reference, evaluator)
+    _latency(out, latency, chosen, o.latency_rounds, reference, evaluator)
     return _finish(run, out, "target met" if out.target_met else reason)
+
+
+def _check_pair(reference: onnx.ModelProto, qdq: onnx.ModelProto) -> None:
+    """The float and Q/DQ models take the same inputs and give as many outputs (else `ModelError`)."""
+    ref_inputs, qdq_inputs = [i.name for i in model_inputs(reference)], [i.name for i in model_inputs(qdq)]
+    if sorted(ref_inputs) != sorted(qdq_inputs) or len(reference.graph.output) != len(qdq.graph.output):
+        raise ModelError(
+            f"the float and QDQ models do not match: inputs {ref_inputs} vs {qdq_inputs}, "
+            f"{len(reference.graph.output)} vs {len(qdq.graph.output)} outputs. Give the float model the QDQ "
+            "model was made from."
+        )
 
 
 def _latency_cap(latency: LatencyModel | None, order: Sequence[str], limit: float | None) -> int | None:
