@@ -191,10 +191,12 @@ def _convert_back(graph: GraphHandle, dq: gs.Node, params: list[gs.Tensor], read
     """``readers`` read ``dq``'s output through ``Q -> DQ`` with the 8-bit ``params`` (scale, zero point)."""
     wide = dq.outputs[0]
     name = graph.unique_name(f"{wide.name}/to8", "any")
-    q8_out = gs.Variable(f"{name}/q", dtype=params[1].dtype if len(params) > 1 else np.uint8)
-    dq8_out = gs.Variable(f"{name}/dq", dtype=wide.dtype)
-    added.append(gs.Node("QuantizeLinear", f"{name}/q", inputs=[wide, *params], outputs=[q8_out]))
-    added.append(gs.Node("DequantizeLinear", f"{name}/dq", inputs=[q8_out, *params], outputs=[dq8_out]))
+    # each name free in both namespaces: the node and the tensor it writes share it
+    q_name, dq_name = graph.unique_name(f"{name}/q", "any"), graph.unique_name(f"{name}/dq", "any")
+    q8_out = gs.Variable(q_name, dtype=params[1].dtype if len(params) > 1 else np.uint8)
+    dq8_out = gs.Variable(dq_name, dtype=wide.dtype)
+    added.append(gs.Node("QuantizeLinear", q_name, inputs=[wide, *params], outputs=[q8_out]))
+    added.append(gs.Node("DequantizeLinear", dq_name, inputs=[q8_out, *params], outputs=[dq8_out]))
     for reader in readers:
         for i, t in enumerate(reader.inputs):
             if t is wide:

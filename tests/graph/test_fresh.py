@@ -1,8 +1,6 @@
-"""Fresh names (`qgraph.graph.fresh`): one rule for graphsurgeon and protos, every scope known, linear cost."""
+"""Fresh names (`qgraph.graph.fresh`): one rule for graphsurgeon and protos, every scope known."""
 
 from __future__ import annotations
-
-import time
 
 import hypothesis.strategies as st
 import numpy as np
@@ -12,6 +10,7 @@ from hypothesis import given
 from onnx import helper, numpy_helper
 
 from qgraph.graph import GraphHandle, ProtoNames, free_name, fresh_name, model_names
+from qgraph.runtime.kernels.corrections import ProtoEmitter
 
 
 def _model_with_a_body() -> onnx.ModelProto:
@@ -69,15 +68,10 @@ def test_names_handed_out_are_distinct_and_unused(existing: list[str], asked: li
         assert not any(n.startswith(space) or n == space[:-1] for n in [*existing, *given_out])
 
 
-def test_cost_is_linear_in_the_model() -> None:
-    def build(n: int) -> float:
-        nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"n{i}") for i in range(n)]
-        model = helper.make_model(helper.make_graph(nodes, "g", [], []))
-        start = time.perf_counter()
-        names = ProtoNames(model)
-        for i in range(n):
-            names.fresh(f"t{i}")
-        return time.perf_counter() - start
 
-    small, large = min(build(5_000) for _ in range(3)), min(build(40_000) for _ in range(3))
-    assert large < 8 * small * 3  # 8x the nodes: well under the 64x of a quadratic walk
+def test_the_emulation_emitter_follows_the_same_rule() -> None:
+    """The CPU-emulation subgraphs (`qgraph.runtime.kernels.corrections.ProtoEmitter`) name by the same rule."""
+    taken = set(model_names(_model_with_a_body()))
+    emitter = ProtoEmitter(set(taken), opset=17)
+    assert [emitter.name(b) for b in ("neg", "neg", "inner/t", "new")] == ["neg_1", "neg_2", "inner/t_1", "new"]
+    assert emitter.const("w", [1.0]) == "w_1" and emitter.inits[0].name == "w_1"

@@ -44,10 +44,8 @@ from qgraph.remedy.fallback import fall_back
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputParts
 
-#: Stems of the probe's namespaces (`qgraph.graph.ProtoNames.prefix`: ``qgraph_local_1/`` when the model already
-#: uses ``qgraph_local/``): copies of nodes and their Q/DQ chains; copies of a node's own output pairs (the same Q
-#: may also start a chain); the reductions. Three namespaces, so a copy of a tensor named like a reduction
-#: (``0/0/err``) cannot meet it.
+#: Free namespaces (`qgraph.graph.ProtoNames.prefix`) for: node and chain copies, copies of a node's own output
+#: pairs (the same Q may also start a chain), reductions (apart, so a copied ``0/0/err`` cannot meet one).
 COPY_STEM, OUT_STEM, SUM_STEM = "qgraph_local", "qgraph_local_out", "qgraph_local_sum"
 #: Ops where branches merge: a branch's relative error is diluted by the other inputs' signal (`output_weights`).
 MERGE_OPS = frozenset({"Add", "Sub", "Sum", "Concat"})
@@ -94,8 +92,7 @@ class Probe:
     powers: dict[str, str]  # tensor -> output holding Σ t² (inputs and outputs of merging ops)
     #: node -> (scored unit, Σ err output, Σ sig output) per part of a split graph output it writes
     parts: dict[str, list[probe_parts.PartReduction]] = field(default_factory=dict)
-    #: The namespace of the quantized copies (nodes named in it are not the float model's).
-    copies: str = COPY_STEM + "/"
+    copies: str = COPY_STEM + "/"  # the namespace of the quantized copies (not the float model's nodes)
 
 
 def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
