@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 from qgraph.graph import GraphHandle, gs_label, is_default_domain
 from qgraph.graph.detach import is_placeholder
 from qgraph.quant.math import _broadcast_param, dequantize, shift_int32_bias
-from qgraph.quant.qdq_graph import QParams, is_dq, is_q, qparams
+from qgraph.quant.qdq_graph import QParams, is_dq, pair_q, qparams
 
 WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
 
@@ -188,8 +188,8 @@ def _weight(graph: GraphHandle, node: gs.Node) -> tuple[gs.Constant, QParams, bo
             return "its weight codes are not 8/16-bit integers"
         owners = graph.consumers(src)
         return (src, params, False) if len(owners) == 1 else "its weight codes are shared"
-    q = graph.producer(src)
-    if q is not None and is_q(q) and isinstance(q.inputs[0], gs.Constant) and len(graph.consumers(src)) == 1:
+    q = pair_q(graph, dq)
+    if q is not None and isinstance(q.inputs[0], gs.Constant) and len(graph.consumers(src)) == 1:
         if len(graph.consumers(q.inputs[0])) != 1:
             return "its float weight is shared"
         return q.inputs[0], params, True

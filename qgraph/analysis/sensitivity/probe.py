@@ -38,7 +38,7 @@ from qgraph.analysis.sensitivity import probe_parts
 from qgraph.data import Feed
 from qgraph.graph import GraphHandle, ProtoNames, model_names
 from qgraph.io.model_io import save_model
-from qgraph.quant.qdq import is_dequantize, is_quantize
+from qgraph.quant.qdq import is_dequantize, is_quantize, pairs_reading
 from qgraph.quant.qdq_graph import quantized_nodes
 from qgraph.remedy.fallback import fall_back
 from qgraph.runtime.compare import make_session, session_run
@@ -256,22 +256,19 @@ class _Builder:
     def _output_pair(self, y: str, y_copy: str, consumers: dict[str, list[onnx.NodeProto]],
                      graph_outputs: set[str], tail: list[onnx.NodeProto]) -> tuple[str, str]:
         """``(ŷ, y)``; when ``y`` reaches a graph output through its own ``Q → DQ``, both sides at that output."""
-        for q in consumers.get(y, []):
-            if not is_quantize(q.op_type, q.domain):
-                continue
-            for dq in consumers.get(q.output[0], []):
-                if is_dequantize(dq.op_type, dq.domain) and dq.output[0] in graph_outputs:
-                    qc, dqc = onnx.NodeProto(), onnx.NodeProto()
-                    qc.CopyFrom(q)
-                    dqc.CopyFrom(dq)
-                    out = self.out_prefix
-                    qc.name, dqc.name = out + q.name, out + dq.name
-                    qc.input[0], qc.output[0] = y_copy, out + q.output[0]
-                    dqc.input[0], dqc.output[0] = qc.output[0], out + dq.output[0]
-                    for t in [*qc.input[1:], *dqc.input[1:]]:
-                        self._need(t)
-                    tail.extend([qc, dqc])
-                    return dqc.output[0], dq.output[0]
+        for q, dq in pairs_reading(y, consumers):
+            if dq.output[0] in graph_outputs:
+                qc, dqc = onnx.NodeProto(), onnx.NodeProto()
+                qc.CopyFrom(q)
+                dqc.CopyFrom(dq)
+                out = self.out_prefix
+                qc.name, dqc.name = out + q.name, out + dq.name
+                qc.input[0], qc.output[0] = y_copy, out + q.output[0]
+                dqc.input[0], dqc.output[0] = qc.output[0], out + dq.output[0]
+                for t in [*qc.input[1:], *dqc.input[1:]]:
+                    self._need(t)
+                tail.extend([qc, dqc])
+                return dqc.output[0], dq.output[0]
         return y_copy, y
 
 
