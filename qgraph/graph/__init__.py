@@ -13,7 +13,7 @@
 - Fresh names (``fresh``): one rule (``base``, ``base_1``, ...) for every generated name; `GraphHandle.unique_name`
   on the graphsurgeon graph, `ProtoNames` / `fresh_name` on a ``ModelProto`` (every scope, linear time).
 - Checks (``checks``): `check_model` on every input model, `check_structure` after every pass.
-- `MatchResult` (``match``): how a pass says "this pattern does not apply here, because ...".
+- `NoMatch` (``match``): how a pass says "this pattern does not apply here, because ..." (the one refusal).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .checks import check_acyclic, check_model, check_structure, check_unique_na
 from .detach import placeholders_as_inputs
 from .fresh import ProtoNames, free_name, fresh_name, model_names
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
-from .match import MatchResult, NoMatch
+from .match import NoMatch
 from .naming import (
     Naming,
     gs_label,
@@ -70,7 +70,6 @@ __all__ = [
     "GraphHandle",
     "GraphIndex",
     "Inferred",
-    "MatchResult",
     "Naming",
     "NoMatch",
     "ProtoNames",
