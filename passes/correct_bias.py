@@ -183,7 +183,7 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, layers, ctx.float_reference_weights)
         twins = [Twin(la.node.outputs[0].name, weights[la.output], biases[la.output].astype(np.float32),
-                      f"{la.output}/qgraph_float_twin") for la in layers]
+                      graph.unique_name(f"{la.output}/qgraph_float_twin", "any")) for la in layers]
         tensors = _tensors(layers)
         tensors.update({t.output: tensors[la.output] for t, la in zip(twins, layers, strict=True)})
 

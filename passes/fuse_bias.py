@@ -115,7 +115,7 @@ class FuseBias(Pass[FuseBiasConfig]):
                 try:
                     conv, vector = match(add, graph, hosts)
                 except NoMatch as exc:
-                    res.skip(add.name, str(exc))
+                    res.skip(add.name, exc)
                     continue
                 old = const_value(conv.inputs[2]) if len(conv.inputs) > 2 and conv.inputs[2].name else None
                 bias = (vector if old is None else old.reshape(-1) + vector).astype(vector.dtype)

@@ -36,6 +36,7 @@ import numpy.typing as npt
 from pydantic import Field
 
 from qgraph import GraphHandle, NodeSelector, PassContext, PassDetails, PassResult, register
+from qgraph.graph import NoMatch
 from qgraph.quant.layers import QuantLayer, ensure_bias, float_biases
 from qgraph.recovery.rounding import optimize_rounding, rounding_objective, second_moments
 from qgraph.recovery.weight_correction import (
@@ -105,11 +106,10 @@ class OptimizeRounding(CorrectionPass[OptimizeRoundingConfig]):
             return res
         work: list[tuple[QuantLayer, RowSpec]] = []
         for layer in cands.layers:
-            spec = row_spec(layer)
-            if isinstance(spec, str):
-                res.skip(layer.name, spec)
-                continue
-            work.append((layer, spec))
+            try:
+                work.append((layer, row_spec(layer)))
+            except NoMatch as refusal:
+                res.skip(layer.name, refusal)
         res.matched = len(work)
         created: list[str] = []
         if cfg.adjust_bias:

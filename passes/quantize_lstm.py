@@ -55,7 +55,7 @@ def _quantized(w: np.ndarray, per_channel: bool, pair_safe: bool = False) -> tup
     scale, zero = compute_scale_zero_point(-absmax, absmax, spec)
     rows = w.reshape(-1, w.shape[2])  # one row per (direction, gate row): per-channel along axis 0
     if pair_safe:  # the rows are the GEMM's output channels, K its reduction axis: the kernel's pairs
-        raised = pair_safe_scales(rows, scale.reshape(-1), -128, 127)
+        raised = pair_safe_scales(rows, scale.reshape(-1), *spec.qrange)
         scale = (raised if per_channel else np.full_like(raised, raised.max())).reshape(scale.shape)
     codes = quantize(rows, scale.reshape(-1), zero.reshape(-1), QuantDtype.INT8, axis=0).reshape(w.shape)
     return np.ascontiguousarray(codes.transpose(0, 2, 1)), scale.astype(np.float32), zero.astype(np.int8)

@@ -207,7 +207,7 @@ class TuneRanges(Pass[TuneRangesConfig]):
         """Calibration data and the float reference (``insert_qdq`` earlier in the recipe)."""
         if ctx.calibration_data is None:
             raise PassError(f"{NAME}: {self.missing_data(ctx.calibration)}")
-        quantized = any(n.op == "QuantizeLinear" for g in graph.scopes() for n in g.nodes)
+        quantized = any(is_q(n) for g in graph.scopes() for n in g.nodes)
         if ctx.float_reference is None or not quantized:
             raise PassError(f"{NAME}: needs a quantized model and its float reference: run it after `insert_qdq` "
                             "in the same recipe.")

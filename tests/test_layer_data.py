@@ -8,6 +8,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from qgraph.runtime.layer_data import RowSpec, Twin, channel_means, sample_inputs, with_twins
+from qgraph.testing.names import occupied
 from qgraph.testing.runtime import run_ort
 
 
@@ -95,3 +96,25 @@ def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkey
     assert 1 < len(created) <= (36 + 4 * 8) // 8 + 1
     for name in tensors:
         assert np.array_equal(sliced[name], whole[name]), name  # the same kernels, the same bits
+
+
+def test_names_the_model_already_uses_are_not_taken() -> None:
+    """A model that already holds tensors named like the helper nodes (``qgraph_layer/0/mean``, the twin's
+    ``qgraph_layer_twin/0/w``) gets the same means and twin: the helpers move to a free namespace."""
+    model = _conv([1, 1], [0, 0, 0, 0], [1, 1], 1)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    feed = {"x": np.random.default_rng(3).normal(0, 1, (1, 6, 5, 5)).astype(np.float32)}
+    old = [f"qgraph_layer/0/{t}" for t in ("shape", "flat", "axes", "mean", "size")]
+    old += ["qgraph_layer/one", "qgraph_layer/means", "qgraph_layer/sizes"]
+    old += [f"qgraph_layer_twin/0/{t}" for t in ("w", "b", "node")]
+    results = []
+    for m in (model, occupied(model, old)):
+        twinned = with_twins(m, [Twin("y", (2 * w).astype(np.float32), np.zeros(6, np.float32), "y_twin")])
+        assert {n.output[0] for n in twinned.graph.node if n.op_type == "Conv"} == {"y", "y_twin"}
+        twinned.graph.output.append(helper.make_value_info("y_twin", onnx.TypeProto()))
+        results.append(channel_means(twinned, {"y": (6, True), "y_twin": (6, True)}, [feed]))
+    clean, squatted = results
+    np.testing.assert_array_equal(squatted["y"], clean["y"])
+    np.testing.assert_array_equal(squatted["y_twin"], clean["y_twin"])
+    b = numpy_helper.to_array(model.graph.initializer[1])
+    np.testing.assert_allclose(clean["y_twin"], 2 * (clean["y"] - b), rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from qgraph.pipeline.pass_api import get_pass
 from qgraph.runtime.bodies import BodyError, bodies, body_feeds, graft_body, outer_names, standalone_body
 from qgraph.testing.control_flow import LOOP_TRIPS as TRIPS
 from qgraph.testing.control_flow import loop_net
+from qgraph.testing.names import occupied
 
 
 def _feeds(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
@@ -154,3 +155,21 @@ def test_every_body_is_fed_from_one_session_and_one_pass(monkeypatch: pytest.Mon
     per_body = body_feeds(model, found, data(), limit=100)
     assert len(sessions) == 1 and reads["n"] == 1
     assert {b.attr: len(f) for b, f in zip(found, per_body, strict=True)} == {"then_branch": 6, "else_branch": 4}
+
+
+def test_loop_inputs_are_recorded_under_fresh_names() -> None:
+    """Recording a Loop body's inputs lifts them out as extra Loop outputs (``<loop>__qgraph_input_<k>``, from
+    ``<input>__qgraph_iter`` inside the body). A model already using those names gets the same recordings: the
+    lifted tensors take fresh names (`qgraph.graph.ProtoNames`) instead of a second producer of the same tensor."""
+    model = loop_net()
+    (node, attr), = list(bodies(model))
+    formal = [i.name for i in node.attribute[0].g.input]
+    taken = [f"{name}__qgraph_iter" for name in formal] + [f"{node.name}__qgraph_input_{k}" for k in range(3)]
+    squatted = occupied(model, taken)
+    (plain,) = body_feeds(model, [standalone_body(model, node, attr)], _feeds(2), limit=100)
+    (node_s, _), = list(bodies(squatted))
+    (got,) = body_feeds(squatted, [standalone_body(squatted, node_s, attr)], _feeds(2), limit=100)
+    assert len(plain) == 2 * TRIPS and [sorted(f) for f in got] == [sorted(f) for f in plain]
+    for a, b in zip(plain, got, strict=True):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])

@@ -15,6 +15,7 @@ from qgraph.quant.qdq_graph import QParams, dequantize, is_dq, is_q, quantized_n
 from qgraph.remedy.widen import MS_DOMAIN, wide_params, widen_activations
 from qgraph.testing import depthwise_feeds, depthwise_float_and_qdq, depthwise_net, output_sqnr_db
 from qgraph.testing.models import run_ort
+from qgraph.testing.names import occupied
 
 Feed = dict[str, np.ndarray]
 _feeds, _sqnr = depthwise_feeds, output_sqnr_db
@@ -290,3 +291,19 @@ def test_a_pair_without_zero_point_converts_back_with_an_explicit_one() -> None:
     x = np.random.default_rng(1).uniform(0, 2.5, (2, 4)).astype(np.float32)  # uint8 with zero point 0: x >= 0
     (_, z0), (_, z1) = run_ort(model, {"x": x}), run_ort(wide, {"x": x})
     assert np.abs(z1 - z0).max() <= 0.02 * 1.12 + 1e-6
+
+
+def test_the_converted_back_pair_takes_fresh_names() -> None:
+    """The pair put back for an 8-bit reader is named after the widened tensor (``xd/to8/q``, ``xd/to8/dq``); a
+    model already holding those names gets a valid model with the same numbers (names free in every namespace)."""
+    model = onnx.parser.parse_model(SHARED)
+    squatted = occupied(model, ["xd/to8/q", "xd/to8/dq"], as_outputs=True)
+    wide, outcome = _widened(squatted, ("mm_a",))  # checks the model: one producer per tensor
+    assert outcome.converted == 1  # type: ignore[attr-defined]
+    assert sorted(o for n in wide.graph.node for o in n.output if o.startswith("xd/to8")) == \
+        ["xd/to8/dq", "xd/to8/dq_1", "xd/to8/q", "xd/to8/q_1"]
+    x = np.random.default_rng(2).uniform(-2.5, 2.5, (2, 4)).astype(np.float32)
+    plain, _ = _widened(model, ("mm_a",))
+    got, ref = run_ort(wide, {"x": x}), run_ort(plain, {"x": x})
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1], ref[1])

@@ -135,7 +135,7 @@ def _find_pairs(scopes: list[gs.Graph], selected: set[int] | None, res: PassResu
             except NoSecondLayer:
                 continue  # a model's last layer: nothing follows it, nothing to report
             except NoMatch as refusal:
-                res.skip(node.name, str(refusal))
+                res.skip(node.name, refusal)
     return pairs
 
 

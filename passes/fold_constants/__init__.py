@@ -40,16 +40,15 @@ from qgraph.graph import (
     rebuild,
     tensor_shape,
 )
+from qgraph.quant.qdq_graph import is_qdq
 
 from .evaluate import evaluation_model, generator_size, run_model, shape_value
 
-_QDQ = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 _RANDOM = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 )
-_NEVER = (
-    _QDQ
-    | _RANDOM
+_NEVER = (  # and Q/DQ (`is_qdq`)
+    _RANDOM
     | frozenset(
         {
             "Constant",
@@ -196,9 +195,10 @@ class _Folder:
             if value is not None:
                 ready.append(node)
                 continue
-            if not is_default_domain(node.domain) or node.op in _NEVER or node_subgraphs(node):
-                if node.op in _QDQ | _RANDOM and node.inputs and all(constant(t) for t in node.inputs):
-                    kind = "Q/DQ on a constant weight is kept" if node.op in _QDQ else "random op"
+            qdq = is_qdq(node, dynamic=True)
+            if qdq or not is_default_domain(node.domain) or node.op in _NEVER or node_subgraphs(node):
+                if (qdq or node.op in _RANDOM) and node.inputs and all(constant(t) for t in node.inputs):
+                    kind = "Q/DQ on a constant weight is kept" if qdq else "random op"
                     self.result.skip(node.name, f"{kind}: never folded")
                 continue
             if not node.outputs:

@@ -10,6 +10,7 @@ from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pa
 from qgraph.graph import topological_order
 from qgraph.pipeline.target import CalibrationSpec
 from qgraph.quant.math import QuantDtype, QuantSpec
+from qgraph.quant.qdq_graph import is_dq
 from qgraph.runtime.kernels.cpu import host_cpu
 from qgraph.runtime.kernels.measure import target_family
 
@@ -318,7 +319,7 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             for node in list(sub.nodes):
                 if node.op not in ops or node.op not in WEIGHTED | BINARY | VARIADIC | UNARY:
                     continue
-                if any(t.inputs and t.inputs[0].op == "DequantizeLinear" for t in node.inputs):
+                if any(t.inputs and is_dq(t.inputs[0]) for t in node.inputs):
                     continue  # quantized statically with its body (subgraphs: static)
                 w = graph.constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
                 x_const = graph.constant_value(node.inputs[0]) is not None

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from qgraph.quant.qdq_graph import is_dq
+
 #: Ops with a weight input: fused into QLinearConv / QGemm / QLinearMatMul / MatMulIntegerToFloat.
 WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 #: Elementwise binary ops fused into QLinearAdd / QLinearMul (need Q/DQ on both inputs and the output).
@@ -39,7 +41,6 @@ MOVEMENT = frozenset(
 )
 #: Ops whose output Q is required for onnxruntime to fuse them (MatMul/Gemm also fuse with a float output).
 NEEDS_Q_OUT = frozenset({"Conv", "ConvTranspose"}) | BINARY | VARIADIC | UNARY | CLIPPING
-QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
 
 #: Ops whose (first) output has the element type of their first input.
 _SAME_TYPE = (
@@ -131,7 +132,7 @@ def float32_tensors(nodes: Iterable[gs.Node], inputs: Iterable[gs.Tensor]) -> se
             elif node.op == "Where" and len(node.inputs) > 1:
                 if node.inputs[1].name in out:
                     out.add(t.name)
-            elif node.op in ("DequantizeLinear",) or (
+            elif is_dq(node) or (
                 node.op in _SAME_TYPE and first is not None and first.name in out and (k == 0 or node.op == "Split")
             ):
                 out.add(t.name)

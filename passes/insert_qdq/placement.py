@@ -26,9 +26,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle
+from qgraph.quant.qdq_graph import is_qdq
 
 from .config import InsertQDQConfig
-from .ops import BINARY, CLIPPING, MOVEMENT, NEEDS_Q_OUT, QDQ_OPS, UNARY, VARIADIC, WEIGHTED
+from .ops import BINARY, CLIPPING, MOVEMENT, NEEDS_Q_OUT, UNARY, VARIADIC, WEIGHTED
 from .tails import integer_fed
 from .units import Plan, Unit, UnitKind, is_depthwise, label
 
@@ -83,7 +84,7 @@ class Planner:
         if t.name not in self.floats:
             return f"input {t.name!r} is not a float32 tensor"
         prod = self.idx.producer.get(t.name)
-        if prod is not None and prod.op in QDQ_OPS:
+        if prod is not None and is_qdq(prod, dynamic=True):
             return "already quantized (an input comes from a Q/DQ node)"
         return None
 
@@ -182,7 +183,7 @@ class Planner:
         op = node.op
         for t in node.inputs:
             prod = self.idx.producer.get(t.name) if t.name else None
-            if prod is not None and prod.op in QDQ_OPS and op not in MOVEMENT and op not in CLIPPING:
+            if prod is not None and is_qdq(prod, dynamic=True) and op not in MOVEMENT and op not in CLIPPING:
                 return "already quantized (an input comes from a Q/DQ node)"
         if self.cfg.mode == "dynamic":
             if op in ("MatMul", "Gemm"):

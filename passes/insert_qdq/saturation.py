@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qgraph import PassResult
-from qgraph.quant.math import QuantDtype
+from qgraph.quant.math import QuantDtype, dtype_range
 from qgraph.runtime.kernels.pairs import INT16_MAX, INT16_MIN, kernel_rows, pair_bounds
 
 from .emit import ActParams
@@ -92,8 +92,9 @@ def analyze_layer(w: QuantizedWeight, codes: tuple[int, int]) -> LayerSaturation
 
 def activation_codes(rmin: float, rmax: float, scale: float, zero_point: int) -> tuple[int, int]:
     """u8 codes ``[q(rmin), q(rmax)]`` of a calibrated range."""
-    lo = int(np.clip(np.rint(rmin / scale) + zero_point, 0, 255))
-    hi = int(np.clip(np.rint(rmax / scale) + zero_point, 0, 255))
+    qmin, qmax = dtype_range(QuantDtype.UINT8)
+    lo = int(np.clip(np.rint(rmin / scale) + zero_point, qmin, qmax))
+    hi = int(np.clip(np.rint(rmax / scale) + zero_point, qmin, qmax))
     return lo, hi
 
 

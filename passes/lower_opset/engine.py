@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from qgraph.errors import PassError
-from qgraph.graph import MatchResult, NoMatch, is_default_domain, placeholders_as_inputs, proto_label
+from qgraph.graph import NoMatch, is_default_domain, placeholders_as_inputs, proto_label
 
 from .adapters import load_adapters
 from .context import LowerContext, iter_graphs
@@ -44,7 +44,7 @@ class LoweringResult:
     adapters: dict[str, int] = field(default_factory=dict)
     #: op type -> how many nodes of that op (at any depth) were rewritten
     ops: dict[str, int] = field(default_factory=dict)
-    refusals: list[MatchResult] = field(default_factory=list)
+    refusals: list[NoMatch] = field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0
 
@@ -57,7 +57,7 @@ class LoweringResult:
 class LoweringError(PassError):
     """Lowering is impossible without changing results; ``refusals`` lists every offending node."""
 
-    def __init__(self, message: str, refusals: list[MatchResult]) -> None:
+    def __init__(self, message: str, refusals: list[NoMatch]) -> None:
         super().__init__(message)
         self.refusals = refusals
 
@@ -67,7 +67,7 @@ class _Engine:
         self.ctx = ctx
         self.op_counts: Counter[str] = Counter()
 
-    def lower_graph(self, graph: onnx.GraphProto, opset: int, refusals: list[MatchResult]) -> None:
+    def lower_graph(self, graph: onnx.GraphProto, opset: int, refusals: list[NoMatch]) -> None:
         out: list[onnx.NodeProto] = []
         for node in graph.node:
             for a in node.attribute:
@@ -80,7 +80,7 @@ class _Engine:
                 new = self.lower_node(node, opset, original=True)
             except NoMatch as r:
                 name = proto_label(node)
-                refusals.append(MatchResult.fail(r.reason, name, node.op_type))
+                refusals.append(NoMatch(r.reason, name, node.op_type))
                 out.append(node)
                 continue
             if len(new) != 1 or new[0] is not node:
@@ -134,10 +134,10 @@ class _Engine:
         """Lower the bodies of an emitted If/Loop/Scan (first refusal inside is raised)."""
         for a in node.attribute:
             for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
-                inner: list[MatchResult] = []
+                inner: list[NoMatch] = []
                 self.lower_graph(g, opset, inner)
                 if inner:
-                    raise NoMatch(f"in the body of {node.op_type}: {inner[0]}")
+                    raise NoMatch(f"in the body of {node.op_type}: {inner[0].where}")
 
     def decompose(self, node: onnx.NodeProto, opset: int, v: int) -> list[onnx.NodeProto]:
         ctx = self.ctx
@@ -224,10 +224,10 @@ def lower_model(model: onnx.ModelProto, target_opset: int) -> LoweringResult:
     types = collect_types(work)
     ctx = LowerContext(work, target_opset, types)
     engine = _Engine(ctx)
-    refusals: list[MatchResult] = []
+    refusals: list[NoMatch] = []
     engine.lower_graph(work.graph, src, refusals)
     if refusals:
-        lines = "\n".join(f"  - {r}" for r in refusals)
+        lines = "\n".join(f"  - {r.where}" for r in refusals)
         raise LoweringError(
             f"cannot lower the model from opset {src} to {target_opset} exactly; {len(refusals)} node(s) "
             f"have no exact form at opset {target_opset}:\n{lines}",

@@ -198,7 +198,7 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
                 try:
                     layers.append(as_layer(node, cfg.format))
                 except NoMatch as why:
-                    res.skip(node.name, str(why))
+                    res.skip(node.name, why)
         return layers
 
     def _eight_bit(self, graph: GraphHandle, res: PassResult) -> set[int]:

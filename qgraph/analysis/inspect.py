@@ -43,6 +43,7 @@ from qgraph.graph import GraphHandle, check_model, proto_node_names
 from qgraph.graph.ops import is_default_domain
 from qgraph.graph.opsets import model_opset
 from qgraph.io.model_io import external_data_files, load_model
+from qgraph.quant.qdq import is_qdq
 
 #: Ops with an int8 kernel or a QDQ fusion, and data-movement ops that pass int8 through, per runtime family.
 #: A conservative approximation for planning; anything else runs in float between DequantizeLinear/QuantizeLinear.
@@ -63,7 +64,8 @@ TARGET_INT8_OPS: dict[str, frozenset[str]] = {
     "ort-arm": _ORT_INT8,
     "tensorrt": _TRT_INT8,
 }
-_IGNORED_FOR_TARGET = frozenset({"QuantizeLinear", "DequantizeLinear", "Constant", "Shape"})
+#: Ops that never decide where a model runs (Q/DQ nodes are left out of the count by `is_qdq`, any domain).
+_IGNORED_FOR_TARGET = frozenset({"Constant", "Shape"})
 #: Thresholds of the extreme-range analysis.
 HUGE_VALUE = 1e4
 OUTLIER_RATIO = 50.0
@@ -157,7 +159,8 @@ def analyze_model(
         "qdq_coverage": qdq_coverage(idx).to_dict(),
         "batchnorm": foldable_batchnorms(GraphHandle(model)),
         "opset": opset_support(model, ops, opset),
-        "target": target_support(ops, target) if target else None,
+        "target": target_support(Counter(r.op for r in idx.nodes if not is_qdq(r.node.op_type, r.node.domain)),
+                                 target) if target else None,
         "extreme_ranges": extreme_weights(idx) + (extreme_activations(model, feeds) if feeds is not None else []),
         # int16 saturation is a property of x86 u8xs8 kernels without VNNI only: not asked for other targets.
         "saturation": [r.to_dict() for r in saturation_risks(idx)] if target in (None, "ort-x86-avx2") else None,

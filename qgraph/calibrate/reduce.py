@@ -44,6 +44,7 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qgraph.graph import ProtoNames
 from qgraph.graph.ops import is_default_domain
 
 #: Ops whose output holds exactly the input's values, in the same row-major order.
@@ -231,11 +232,7 @@ class InGraphMinMax:
     ) -> None:
         self.sources = list(sources)
         self.subsample = subsample
-        existing = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
-        prefix = _PREFIX
-        while any(name.startswith(prefix + "/") for name in existing):
-            prefix += "_"
-        self._prefix = prefix
+        self._prefix = prefix = ProtoNames(model).prefix(_PREFIX)  # "qgraph_calib/", or the next free namespace
         types, static = _tensor_info(model, self.sources)
         wide = any(types.get(s) == TensorProto.DOUBLE for s in self.sources)
         self.result_type = TensorProto.DOUBLE if wide else TensorProto.FLOAT
@@ -250,7 +247,7 @@ class InGraphMinMax:
         scalars: list[list[str]] = [[], [], []]
         sizes, subs, sub_sizes = [], [], []
         for i, src in enumerate(self.sources):
-            t = f"{prefix}/{i}"
+            t = f"{prefix}{i}"
             x = src
             if types.get(src, TensorProto.FLOAT) != self.result_type:
                 x = self._add("Cast", [x], f"{t}/cast", to=self.result_type)  # exact: fp16/bf16 -> fp32 -> fp64
@@ -276,17 +273,17 @@ class InGraphMinMax:
                     step_t = self._add("Max", [div, self._constant("one", [1])], f"{t}/step")
                     subs.append(self._add("Slice", [flat, *bounds, step_t], f"{t}/sub"))
                     sub_sizes.append(self._add("Shape", [subs[-1]], f"{t}/sub_size"))
-        stacked = self._add("SequenceConstruct", [name for kind in scalars for name in kind], f"{prefix}/scalars")
-        self.outputs = [self._add("ConcatFromSequence", [stacked], f"{prefix}/extremes", axis=0, new_axis=1)]
+        stacked = self._add("SequenceConstruct", [name for kind in scalars for name in kind], f"{prefix}scalars")
+        self.outputs = [self._add("ConcatFromSequence", [stacked], f"{prefix}extremes", axis=0, new_axis=1)]
         self._kinds = [self.result_type]
         if sizes:
-            self.outputs.append(self._add("Concat", sizes, f"{prefix}/sizes", axis=0))
+            self.outputs.append(self._add("Concat", sizes, f"{prefix}sizes", axis=0))
             self._kinds.append(TensorProto.INT64)
         if subsample:
-            self.outputs.append(self._add("Concat", subs, f"{prefix}/subsamples", axis=0))
+            self.outputs.append(self._add("Concat", subs, f"{prefix}subsamples", axis=0))
             self._kinds.append(self.result_type)
             if sub_sizes:
-                self.outputs.append(self._add("Concat", sub_sizes, f"{prefix}/subsample_sizes", axis=0))
+                self.outputs.append(self._add("Concat", sub_sizes, f"{prefix}subsample_sizes", axis=0))
                 self._kinds.append(TensorProto.INT64)
 
     def _add(self, op: str, inputs: list[str], output: str, **attrs: Any) -> str:
@@ -295,7 +292,7 @@ class InGraphMinMax:
 
     def _constant(self, key: str, value: Any, dtype: int = TensorProto.INT64) -> str:
         """A shared constant initializer."""
-        name = f"{self._prefix}/{key}"
+        name = f"{self._prefix}{key}"
         if name not in self._constants:
             self._constants.add(name)
             array = np.array(value, helper.tensor_dtype_to_np_dtype(dtype))

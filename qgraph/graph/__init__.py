@@ -10,16 +10,19 @@
   `graph_scopes`, `node_subgraphs`, `dependencies`, `topological_order`, `tensor_shape`, `tensor_dtype`.
 - Node names (``naming``): the one rule that names unnamed nodes ``<OpType>(<first output>)`` and numbers repeated
   names (``add1#2``), applied on load (``handle.naming``) and by `proto_node_names` / `named_model` for protos.
+- Fresh names (``fresh``): one rule (``base``, ``base_1``, ...) for every generated name; `GraphHandle.unique_name`
+  on the graphsurgeon graph, `ProtoNames` / `fresh_name` on a ``ModelProto`` (every scope, linear time).
 - Checks (``checks``): `check_model` on every input model, `check_structure` after every pass.
-- `MatchResult` (``match``): how a pass says "this pattern does not apply here, because ...".
+- `NoMatch` (``match``): how a pass says "this pattern does not apply here, because ..." (the one refusal).
 """
 
 from __future__ import annotations
 
 from .checks import check_acyclic, check_model, check_structure, check_unique_names, cycle_message
 from .detach import placeholders_as_inputs
+from .fresh import ProtoNames, free_name, fresh_name, model_names
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
-from .match import MatchResult, NoMatch
+from .match import NoMatch
 from .naming import (
     Naming,
     gs_label,
@@ -67,9 +70,9 @@ __all__ = [
     "GraphHandle",
     "GraphIndex",
     "Inferred",
-    "MatchResult",
     "Naming",
     "NoMatch",
+    "ProtoNames",
     "Shape",
     "check_acyclic",
     "check_model",
@@ -83,11 +86,14 @@ __all__ = [
     "dependencies",
     "describe",
     "detach",
+    "free_name",
+    "fresh_name",
     "graph_scopes",
     "gs_label",
     "insert_after_producers",
     "is_default_domain",
     "is_topological",
+    "model_names",
     "name_graph",
     "named_model",
     "named_nodes",

@@ -28,6 +28,7 @@ from qgraph.graph.ops import is_default_domain
 
 from .checks import gs_cycle_message
 from .detach import Held, attach_weights, detach_constants, fill_weights, weightless
+from .fresh import free_name
 from .gs_compat import TypeKeeper
 from .naming import Naming, name_graph
 from .ops import Inferred, const_value, consumers, graph_scopes, producer, topological_order
@@ -278,10 +279,7 @@ class GraphHandle:
             spaces += [idx.tensors, scoped[1], self._taken_by_kind.get("any", set())]
         if kind == "any":
             spaces += [self._taken_by_kind.get("node", set()), self._taken_by_kind.get("tensor", set())]
-        name, k = base, 0
-        while any(name in space for space in spaces):
-            k += 1
-            name = f"{base}_{k}"
+        name = free_name(base, lambda n: any(n in space for space in spaces))
         taken.add(name)
         return name
 

@@ -1,57 +1,32 @@
-"""How a pass says a rewrite does not apply: one type, used by every pass (after onnxscript's ``MatchResult``).
+"""How a pass says a rewrite does not apply: one mechanism, used by every pass.
 
-A matcher returns ``MatchResult.ok()`` or ``MatchResult.fail(reason, node)``; code deep inside a matcher may
-``raise NoMatch(reason)`` instead and let `MatchResult.attempt` turn it into a result. A failed match is not an
-error: the pass reports it as a skipped node with its reason (``PassResult.skip``), so a user sees why.
+A matcher that finds the pattern does not apply raises `NoMatch` with a sentence a user can act on, however deep
+inside the matcher it is found; the pass catches it where it loops over nodes and hands it to
+``PassResult.skip(node, refusal)``, so the user sees why that node was left alone. A failed match is not an error
+(that is `qgraph.errors.PassError`). Refusals that are collected rather than skipped one by one (``lower_opset``
+lists every node it cannot lower before refusing the model) keep the `NoMatch` objects: each knows its node and op.
+
+    try:
+        found = match_conv_bn(graph, node)
+    except NoMatch as refusal:
+        res.skip(node.name, refusal)
+        continue
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
-
-T = TypeVar("T")
-
 
 class NoMatch(Exception):
-    """Raised inside a matcher: the pattern does not apply, for ``reason`` (a sentence a user can act on)."""
+    """The pattern does not apply, for ``reason`` (a sentence a user can act on); ``node`` / ``op`` say where,
+    when the code raising it knows. ``str()`` is the reason alone; `where` adds the node."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, node: str = "", op: str = "") -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.node, self.op = reason, node, op
 
-
-@dataclass(frozen=True)
-class MatchResult:
-    """Whether a pattern applies at a node, and why not when it does not (truthy when it matched)."""
-
-    node: str = ""
-    reason: str | None = None
-    #: The node's op type, when the caller knows it (shown as "Op node 'name': reason").
-    op: str = ""
-
-    def __bool__(self) -> bool:
-        return self.reason is None
-
-    def __str__(self) -> str:
-        where = f"{self.op} node {self.node!r}" if self.op else self.node
-        return f"{where}: {self.reason}" if self.reason is not None else f"{where}: matched"
-
-    @classmethod
-    def ok(cls, node: str = "") -> MatchResult:
-        """The pattern applies."""
-        return cls(node)
-
-    @classmethod
-    def fail(cls, reason: str, node: str = "", op: str = "") -> MatchResult:
-        """The pattern does not apply at ``node`` (an ``op`` node) because of ``reason``."""
-        return cls(node, reason, op)
-
-    @staticmethod
-    def attempt(fn: Callable[[], T], node: str = "") -> T | MatchResult:
-        """``fn()``, or a failed `MatchResult` when it raises `NoMatch`."""
-        try:
-            return fn()
-        except NoMatch as exc:
-            return MatchResult.fail(exc.reason, node)
+    @property
+    def where(self) -> str:
+        """``<op> node '<name>': <reason>`` (or ``<name>: <reason>`` without an op; the reason alone without a
+        node): the refusal as a line of a list."""
+        place = f"{self.op} node {self.node!r}" if self.op else self.node
+        return f"{place}: {self.reason}" if place else self.reason

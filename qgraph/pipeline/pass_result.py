@@ -12,7 +12,7 @@ from typing import Any
 
 import onnx
 
-from qgraph.graph import gs_label, proto_label
+from qgraph.graph import NoMatch, gs_label, proto_label
 from qgraph.pipeline.pass_details import PassDetails, details_dict
 
 
@@ -71,9 +71,11 @@ class PassResult:
         """Record that this pass put ``node`` (its name) in float on purpose, because of ``reason``."""
         self.kept_float.append(Skipped(node, reason))
 
-    def skip(self, node: str, reason: str) -> None:
+    def skip(self, node: str, reason: str | NoMatch) -> None:
         """Record that ``node`` (its name; a node object is taken by its ``name``) was left alone because of
-        ``reason``."""
+        ``reason``: a sentence, or the `qgraph.graph.NoMatch` a matcher raised (its reason is recorded)."""
+        if isinstance(reason, NoMatch):
+            reason = reason.reason
         if not isinstance(node, str):  # a gs.Node / NodeProto given for its name: never its multi-line repr
             name = getattr(node, "name", None)
             if not isinstance(name, str):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from qgraph.quant.math import QuantDtype, dtype_range, symmetric_zero_point
+
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
 
@@ -65,12 +67,17 @@ class BlockFormat:
     @property
     def qmax(self) -> int:
         """Largest unsigned code, ``2^b - 1``."""
-        return (1 << self.bits) - 1
+        return dtype_range(self.unsigned)[1]
 
     @property
     def mid(self) -> int:
         """The symmetric zero point ``2^(b-1)`` (also the offset between signed and unsigned storage)."""
-        return 1 << (self.bits - 1)
+        return symmetric_zero_point(self.unsigned)
+
+    @property
+    def unsigned(self) -> QuantDtype:
+        """The unsigned type the codes are stored in (uint4 or uint8)."""
+        return QuantDtype(f"uint{self.bits}")
 
     def n_blocks(self, k: int) -> int:
         """Blocks per output column for ``k`` input channels."""

@@ -25,6 +25,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.graph import GraphHandle
 from qgraph.quant.math import dequantize
+from qgraph.quant.qdq import is_dynamic_quantize
 
 #: Suffixes quantizers append to the name of the MatMul they replace (qgraph's insert_qdq, onnxruntime).
 ANCHOR_SUFFIXES = ("/matmul_int", "_quant")
@@ -98,7 +99,7 @@ def _unit(graph: GraphHandle, node: gs.Node) -> DynamicUnit | None:
     if node.op == "DynamicQuantizeMatMul":
         return _fused(graph, node, node.inputs[0], (1, 2, 3), 4)
     dq = graph.producer(node.inputs[0])
-    if dq is None or dq.op != "DynamicQuantizeLinear":
+    if dq is None or not is_dynamic_quantize(dq.op, dq.domain):
         return None
     if node.op == "MatMulIntegerToFloat":  # (A, B, a_scale, b_scale, a_zp, b_zp, bias)
         if len(node.inputs) > 2 and node.inputs[2] is not dq.outputs[1]:

@@ -23,10 +23,10 @@ import numpy.typing as npt
 import onnx
 import onnx_graphsurgeon as gs
 
-from qgraph.graph import GraphHandle, gs_label, is_default_domain
+from qgraph.graph import GraphHandle, NoMatch, gs_label, is_default_domain
 from qgraph.graph.detach import is_placeholder
 from qgraph.quant.math import _broadcast_param, dequantize, shift_int32_bias
-from qgraph.quant.qdq_graph import QParams, is_dq, is_q, qparams
+from qgraph.quant.qdq_graph import QParams, is_dq, pair_q, qparams
 
 WEIGHTED_OPS = frozenset({"Conv", "Gemm", "MatMul"})
 
@@ -170,30 +170,32 @@ def _input_scale(graph: GraphHandle, node: gs.Node) -> float | None:
     return float(p.scale.reshape(-1)[0]) if p is not None and p.scale.size == 1 else None
 
 
-def _weight(graph: GraphHandle, node: gs.Node) -> tuple[gs.Constant, QParams, bool] | str:
-    """The weight's constant, parameters and form, or why the node is not a quantized layer."""
+def _weight(graph: GraphHandle, node: gs.Node) -> tuple[gs.Constant, QParams, bool]:
+    """The weight's constant, parameters and form; `NoMatch` saying why the node is not a quantized layer."""
     if len(node.inputs) < 2:
-        return "no weight input"
+        raise NoMatch("no weight input")
     dq = graph.producer(node.inputs[1])
     if dq is None or not is_dq(dq):
-        return "its weight is not read through a DequantizeLinear"
+        raise NoMatch("its weight is not read through a DequantizeLinear")
     if len(graph.consumers(node.inputs[1])) != 1:
-        return "its dequantized weight is shared with other nodes"
+        raise NoMatch("its dequantized weight is shared with other nodes")
     params = qparams(graph, dq)
     if params is None or params.block_size:
-        return "its weight's quantization parameters are not constant (or blocked)"
+        raise NoMatch("its weight's quantization parameters are not constant (or blocked)")
     src = dq.inputs[0]
     if isinstance(src, gs.Constant):
         if np.asarray(src.values).dtype.kind not in "iu" or src.values.dtype.itemsize > 2:
-            return "its weight codes are not 8/16-bit integers"
+            raise NoMatch("its weight codes are not 8/16-bit integers")
         owners = graph.consumers(src)
-        return (src, params, False) if len(owners) == 1 else "its weight codes are shared"
-    q = graph.producer(src)
-    if q is not None and is_q(q) and isinstance(q.inputs[0], gs.Constant) and len(graph.consumers(src)) == 1:
+        if len(owners) != 1:
+            raise NoMatch("its weight codes are shared")
+        return src, params, False
+    q = pair_q(graph, dq)
+    if q is not None and isinstance(q.inputs[0], gs.Constant) and len(graph.consumers(src)) == 1:
         if len(graph.consumers(q.inputs[0])) != 1:
-            return "its float weight is shared"
+            raise NoMatch("its float weight is shared")
         return q.inputs[0], params, True
-    return "its weight is not a constant behind Q/DQ"
+    raise NoMatch("its weight is not a constant behind Q/DQ")
 
 
 def _bias(graph: GraphHandle, node: gs.Node, channels: int) -> tuple[BiasRef | None, str]:
@@ -232,11 +234,11 @@ def find_layers(graph: GraphHandle) -> tuple[list[QuantLayer], list[tuple[str, s
         if node.op not in WEIGHTED_OPS or not is_default_domain(node.domain):
             continue
         name = gs_label(node)
-        got = _weight(graph, node)
-        if isinstance(got, str):
-            skipped.append((name, got))
+        try:
+            weight, params, float_qdq = _weight(graph, node)
+        except NoMatch as refusal:
+            skipped.append((name, refusal.reason))
             continue
-        weight, params, float_qdq = got
         shape = weight.values.shape
         if (node.op == "MatMul" and len(shape) != 2) or (node.op == "Gemm" and int(node.attrs.get("transA", 0))):
             skipped.append((name, "only 2-D MatMul weights and Gemm without transA are handled"))

@@ -124,6 +124,15 @@ def dtype_range(dtype: QuantDtype | str, narrow: bool = False, reduce_range: boo
     return qmin, qmax
 
 
+def storage_range(dtype: npt.DTypeLike) -> tuple[int, int] | None:
+    """`dtype_range` of the codes a numpy array of ``dtype`` holds (int4/uint4 as ``ml_dtypes`` names them, int8 to
+    int32); None for other carriers (float8: no integer clamp to speak of)."""
+    try:
+        return dtype_range(QuantDtype(np.dtype(dtype).name))
+    except (TypeError, ValueError):
+        return None
+
+
 def symmetric_zero_point(dtype: QuantDtype | str, narrow: bool = False, reduce_range: bool = False) -> int:
     """Zero point of a symmetric quantizer: 0 for signed types, ``(qmin + qmax + 1) // 2`` otherwise.
 

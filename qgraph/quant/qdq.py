@@ -1,4 +1,8 @@
-"""Shared helpers for QDQ models: find Q/DQ pairs by the tensors they quantize, measure onnxruntime fusion.
+"""Q/DQ recognition and pairs on protos (the one place for both), and onnxruntime's fusion report.
+
+`is_quantize` / `is_dequantize` (and `is_qdq`) recognise the nodes with the domain check (ONNX or com.microsoft);
+`pair_quantize`, `pairs_reading` and `float_behind` walk ``Q -> DQ`` pairs (`qgraph.quant.qdq_graph` has the same
+on the graphsurgeon graph); the integer ranges of the codes are `qgraph.quant.math.dtype_range`.
 
 ``insert_qdq`` names its nodes predictably (``<tensor>/q``, ``<tensor>/dq``); `find_qdq_pairs` does not rely on
 names, it follows ``QuantizeLinear -> DequantizeLinear`` edges, so it works on any QDQ model (float fallback and
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +63,50 @@ def is_quantize(op: str, domain: str | None = "") -> bool:
 def is_dequantize(op: str, domain: str | None = "") -> bool:
     """Whether ``op`` in ``domain`` is a DequantizeLinear."""
     return op == "DequantizeLinear" and (domain or "") in QDQ_DOMAINS
+
+
+def is_dynamic_quantize(op: str, domain: str | None = "") -> bool:
+    """Whether ``op`` in ``domain`` is an ONNX ``DynamicQuantizeLinear`` (default domain only)."""
+    return op == "DynamicQuantizeLinear" and (domain or "") in ("", "ai.onnx")
+
+
+def is_qdq(op: str, domain: str | None = "", *, dynamic: bool = False) -> bool:
+    """Whether ``op`` in ``domain`` is a QuantizeLinear or DequantizeLinear (or, with ``dynamic``, a
+    DynamicQuantizeLinear): the node kinds a rewrite of compute ops leaves alone."""
+    return is_quantize(op, domain) or is_dequantize(op, domain) or (dynamic and is_dynamic_quantize(op, domain))
+
+
+# The pair walker on protos (`qgraph.quant.qdq_graph` has its twin on graphsurgeon graphs). ``producer`` maps a
+# tensor name to the node writing it, ``consumers`` to the nodes reading it (one scope; build them once per walk).
+
+
+def pair_quantize(dq: onnx.NodeProto, producer: Mapping[str, onnx.NodeProto]) -> onnx.NodeProto | None:
+    """The QuantizeLinear of the pair DequantizeLinear ``dq`` closes: the producer of its input when that is a
+    QuantizeLinear; None for a DQ of a constant or of an integer input (a stored weight)."""
+    q = producer.get(dq.input[0]) if dq.input else None
+    return q if q is not None and is_quantize(q.op_type, q.domain) else None
+
+
+def pairs_reading(tensor: str, consumers: Mapping[str, Sequence[onnx.NodeProto]]
+                  ) -> list[tuple[onnx.NodeProto, onnx.NodeProto]]:
+    """``(Q, DQ)`` for every pair quantizing ``tensor``: a QuantizeLinear reading it as its data input, and each
+    DequantizeLinear reading that Q's output, in consumer order."""
+    return [(q, dq) for q in consumers.get(tensor, ()) if is_quantize(q.op_type, q.domain) and q.input[0] == tensor
+            for dq in consumers.get(q.output[0], ()) if is_dequantize(dq.op_type, dq.domain)]
+
+
+def float_behind(tensor: str, producer: Mapping[str, onnx.NodeProto], limit: int = 64) -> str:
+    """The float tensor behind ``tensor``'s ``DQ(Q(x))`` chains (``tensor`` itself when it is not a pair's output,
+    or when its DequantizeLinear reads no QuantizeLinear). ``limit`` bounds the walk on malformed chains."""
+    for _ in range(limit):
+        dq = producer.get(tensor)
+        if dq is None or not is_dequantize(dq.op_type, dq.domain):
+            return tensor
+        q = pair_quantize(dq, producer)
+        if q is None:
+            return tensor
+        tensor = q.input[0]
+    return tensor
 
 
 def has_qdq(model: onnx.ModelProto) -> bool:

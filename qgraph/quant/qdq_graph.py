@@ -17,9 +17,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from qgraph.graph import GraphHandle
+from qgraph.quant.math import QuantDtype, dtype_range, fake_quantize_counted, storage_range
 from qgraph.quant.math import dequantize as quant_dequantize
-from qgraph.quant.math import fake_quantize_counted
 from qgraph.quant.qdq import is_dequantize, is_quantize
+from qgraph.quant.qdq import is_qdq as qdq_op
 
 #: Producers whose output is never negative: a folded Relu after them needs no restoring.
 NON_NEGATIVE_OPS = frozenset({"Relu", "Softmax", "Sigmoid", "Abs", "Exp", "Softplus", "HardSigmoid", "Sqrt"})
@@ -35,9 +36,26 @@ def is_dq(node: gs.Node) -> bool:
     return is_dequantize(node.op, node.domain)
 
 
-def is_qdq(node: gs.Node) -> bool:
-    """Whether ``node`` is a Q or DQ node."""
-    return is_q(node) or is_dq(node)
+def is_qdq(node: gs.Node, *, dynamic: bool = False) -> bool:
+    """Whether ``node`` is a Q or DQ node (or, with ``dynamic``, a DynamicQuantizeLinear)."""
+    return qdq_op(node.op, node.domain, dynamic=dynamic)
+
+
+# The pair walker on the graphsurgeon graph (`qgraph.quant.qdq` has its twin on protos); every scope (the graph's
+# tensor links).
+
+
+def pair_q(graph: GraphHandle, dq: gs.Node) -> gs.Node | None:
+    """The QuantizeLinear of the pair DequantizeLinear ``dq`` closes; None for a DQ of a constant or an input."""
+    q = graph.producer(dq.inputs[0]) if dq.inputs else None
+    return q if q is not None and is_q(q) else None
+
+
+def pairs_reading(graph: GraphHandle, tensor: gs.Tensor) -> list[tuple[gs.Node, gs.Node]]:
+    """``(Q, DQ)`` for every pair quantizing ``tensor``: a QuantizeLinear reading it as its data input, and each
+    DequantizeLinear reading that Q's output."""
+    return [(q, dq) for q in graph.consumers(tensor) if is_q(q) and q.inputs[0] is tensor
+            for dq in graph.consumers(q.outputs[0]) if is_dq(dq) and dq.inputs[0] is q.outputs[0]]
 
 
 @dataclass
@@ -76,11 +94,8 @@ def qparams(graph: GraphHandle, node: gs.Node) -> QParams | None:
     dtype = np.dtype(zp.dtype)
     if is_q(node) and not has_zp and "output_dtype" in node.attrs:
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["output_dtype"])))
-    try:
-        info = np.iinfo(dtype)
-        qmin, qmax = int(info.min), int(info.max)
-    except ValueError:  # float8 and other non-integer carriers: no integer clamp to speak of
-        qmin, qmax = -(2**31), 2**31 - 1
+    # float8 and other non-integer carriers: no integer clamp to speak of (the int32 range stands for none)
+    qmin, qmax = storage_range(dtype) or dtype_range(QuantDtype.INT32)
     return QParams(scale, zp, int(node.attrs.get("axis", 1)), int(node.attrs.get("block_size", 0)), qmin, qmax)
 
 
@@ -117,7 +132,7 @@ def float_source(graph: GraphHandle, tensor: gs.Tensor) -> FloatSource:
         if dq is None or not is_dq(dq):
             return FloatSource(tensor=current, relu=relu and can_be_negative(graph, current))
         x = dq.inputs[0]
-        q = graph.producer(x)
+        q = graph.producer(x)  # not `pair_q`: what else writes it decides the problem reported
         if q is None:
             if isinstance(x, gs.Constant) or graph.constant_value(x) is not None:
                 if qparams(graph, dq) is None:
@@ -146,15 +161,7 @@ def can_be_negative(graph: GraphHandle, tensor: gs.Tensor) -> bool:
 
 def owned_output_pairs(graph: GraphHandle, node: gs.Node) -> list[tuple[gs.Tensor, gs.Node]]:
     """``(float output, DQ)`` for each output of ``node`` reaching a graph output through ``Q → DQ``."""
-    pairs: list[tuple[gs.Tensor, gs.Node]] = []
-    for t in node.outputs:
-        for q in graph.consumers(t):
-            if not is_q(q) or q.inputs[0] is not t:
-                continue
-            for dq in graph.consumers(q.outputs[0]):
-                if is_dq(dq) and dq.inputs[0] is q.outputs[0] and graph.is_graph_output(dq.outputs[0]):
-                    pairs.append((t, dq))
-    return pairs
+    return [(t, dq) for t in node.outputs for _, dq in pairs_reading(graph, t) if graph.is_graph_output(dq.outputs[0])]
 
 
 def is_quantized(graph: GraphHandle, node: gs.Node) -> bool:

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
-from qgraph.graph import GraphHandle
+from qgraph.graph import GraphHandle, NoMatch
 from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
@@ -131,14 +131,15 @@ def calibration_batches(ctx: PassContext) -> Iterable[Feed]:
     return batched(ctx.calibration_data, ctx.calibration.batch_size)
 
 
-def row_spec(layer: QuantLayer) -> RowSpec | str:
-    """How `qgraph.runtime.layer_data.sample_inputs` cuts the layer's input into rows, or why it cannot."""
+def row_spec(layer: QuantLayer) -> RowSpec:
+    """How `qgraph.runtime.layer_data.sample_inputs` cuts the layer's input into rows; `NoMatch` saying why it
+    cannot."""
     node = layer.node
     w = layer.weight.values
     if node.op != "Conv":
         return RowSpec(node.inputs[0].name, int(layer.rows(np.empty(w.shape, np.float32)).shape[1]))
     if str(node.attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
-        return "auto_pad SAME_* convolutions are not handled (pads depend on the input size)"
+        raise NoMatch("auto_pad SAME_* convolutions are not handled (pads depend on the input size)")
     nd = w.ndim - 2
     kernel = tuple(int(k) for k in w.shape[2:])
     return RowSpec(

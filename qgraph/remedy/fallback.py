@@ -39,10 +39,9 @@ from qgraph.quant.qdq_graph import (
     dequantize,
     dq_inputs,
     float_source,
-    is_dq,
-    is_q,
     is_qdq,
     owned_output_pairs,
+    pairs_reading,
     qparams,
 )
 from qgraph.quant.reference_weights import ReferenceWeights
@@ -107,10 +106,7 @@ def fall_back(graph: GraphHandle, targets: Iterable[gs.Node], tag: str = PASS_NA
             {
                 c.name
                 for t in node.outputs
-                for q in graph.consumers(t)
-                if is_q(q)
-                for dq in graph.consumers(q.outputs[0])
-                if is_dq(dq)
+                for _, dq in pairs_reading(graph, t)
                 for c in graph.consumers(dq.outputs[0])
             }
         )

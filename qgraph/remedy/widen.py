@@ -30,14 +30,15 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph.graph import GraphHandle
-from qgraph.quant.qdq_graph import QParams, is_dq, is_q, is_qdq, owned_output_pairs, qparams
+from qgraph.quant.math import QuantDtype, dtype_range, storage_range
+from qgraph.quant.qdq_graph import QParams, is_dq, is_qdq, owned_output_pairs, pair_q, qparams
 from qgraph.remedy.widen_weights import WeightWidenOutcome
 
 MS_DOMAIN = "com.microsoft"
 #: The 16-bit type each 8-bit activation type widens to.
 WIDER = {np.dtype(np.uint8): np.dtype(np.uint16), np.dtype(np.int8): np.dtype(np.int16)}
 _BIASED = frozenset({"Conv", "ConvTranspose", "Gemm"})
-_INT32 = (-(2**31), 2**31 - 1)
+_INT32 = dtype_range(QuantDtype.INT32)
 
 
 @dataclass
@@ -102,12 +103,12 @@ def _pairs_of(graph: GraphHandle, node: gs.Node) -> list[gs.Node]:
         dq = graph.producer(t)
         if dq is None or not is_dq(dq):
             continue
-        q = graph.producer(dq.inputs[0])
+        q = pair_q(graph, dq)
         # A weight stored as Q(float constant) -> DQ (TensorRT's form) is a weight, not an activation: it stays.
-        if q is not None and is_q(q) and graph.constant_value(q.inputs[0]) is None:
+        if q is not None and graph.constant_value(q.inputs[0]) is None:
             found.append(q)
     for _, dq in owned_output_pairs(graph, node):
-        q = graph.producer(dq.inputs[0])
+        q = pair_q(graph, dq)
         if q is not None:
             found.append(q)
     return found
@@ -134,16 +135,18 @@ def _why_not(graph: GraphHandle, q: gs.Node) -> str | None:
 def wide_params(params: QParams, margin: float) -> tuple[np.ndarray, np.ndarray]:
     """16-bit ``(scale, zero_point)`` covering ``margin`` x the representable range of 8-bit ``params``."""
     wide = WIDER.get(np.dtype(params.zero_point.dtype), np.dtype(params.zero_point.dtype))
-    info = np.iinfo(wide)
+    qrange = storage_range(wide)
+    assert qrange is not None, f"{wide}: not an integer carrier"  # `_refusal` let 8/16-bit integers only
+    qmin, qmax = qrange
     lo, hi = params.representable
     lo, hi = min(lo, 0.0) * margin, max(hi, 0.0) * margin
     dtype = params.scale.dtype
-    if info.min < 0 and int(params.zero_point.reshape(-1)[0]) == 0:  # symmetric signed stays symmetric
-        scale = max(-lo / -info.min, hi / info.max)
+    if qmin < 0 and int(params.zero_point.reshape(-1)[0]) == 0:  # symmetric signed stays symmetric
+        scale = max(-lo / -qmin, hi / qmax)
         zero = 0
     else:
-        scale = (hi - lo) / (int(info.max) - int(info.min))
-        zero = int(np.clip(round(info.min - lo / scale), info.min, info.max)) if scale > 0 else 0
+        scale = (hi - lo) / (qmax - qmin)
+        zero = int(np.clip(round(qmin - lo / scale), qmin, qmax)) if scale > 0 else 0
     scale = scale if scale > 0 else float(params.scale.reshape(-1)[0])
     return np.asarray(scale, dtype=dtype).reshape(params.scale.shape), np.asarray(zero, dtype=wide).reshape(
         params.zero_point.shape)
@@ -191,10 +194,12 @@ def _convert_back(graph: GraphHandle, dq: gs.Node, params: list[gs.Tensor], read
     """``readers`` read ``dq``'s output through ``Q -> DQ`` with the 8-bit ``params`` (scale, zero point)."""
     wide = dq.outputs[0]
     name = graph.unique_name(f"{wide.name}/to8", "any")
-    q8_out = gs.Variable(f"{name}/q", dtype=params[1].dtype if len(params) > 1 else np.uint8)
-    dq8_out = gs.Variable(f"{name}/dq", dtype=wide.dtype)
-    added.append(gs.Node("QuantizeLinear", f"{name}/q", inputs=[wide, *params], outputs=[q8_out]))
-    added.append(gs.Node("DequantizeLinear", f"{name}/dq", inputs=[q8_out, *params], outputs=[dq8_out]))
+    # each name free in both namespaces: the node and the tensor it writes share it
+    q_name, dq_name = graph.unique_name(f"{name}/q", "any"), graph.unique_name(f"{name}/dq", "any")
+    q8_out = gs.Variable(q_name, dtype=params[1].dtype if len(params) > 1 else np.uint8)
+    dq8_out = gs.Variable(dq_name, dtype=wide.dtype)
+    added.append(gs.Node("QuantizeLinear", q_name, inputs=[wide, *params], outputs=[q8_out]))
+    added.append(gs.Node("DequantizeLinear", dq_name, inputs=[q8_out, *params], outputs=[dq8_out]))
     for reader in readers:
         for i, t in enumerate(reader.inputs):
             if t is wide:

@@ -29,7 +29,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.graph import GraphHandle
 from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, quantize, quantize_bias
-from qgraph.quant.qdq_graph import dequantize, is_dq, is_q, qparams
+from qgraph.quant.qdq_graph import dequantize, is_dq, pair_q, qparams
 from qgraph.quant.reference_weights import ReferenceWeights
 
 MS_DOMAIN = "com.microsoft"
@@ -88,8 +88,8 @@ def _codes_of(graph: GraphHandle, dq: gs.Node) -> np.ndarray | None:
     codes = graph.constant_value(dq.inputs[0])
     if codes is not None:
         return codes
-    q = graph.producer(dq.inputs[0])
-    if q is None or not is_q(q):
+    q = pair_q(graph, dq)
+    if q is None:
         return None
     values, params = graph.constant_value(q.inputs[0]), qparams(graph, q)
     if values is None or params is None:

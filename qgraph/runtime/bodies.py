@@ -28,7 +28,7 @@ import onnx
 from onnx import helper
 
 from qgraph.data import Feed
-from qgraph.graph import proto_label
+from qgraph.graph import ProtoNames, proto_label
 from qgraph.runtime.compare import make_session, session_run
 
 #: Bodies this module can extract, by op type.
@@ -141,16 +141,17 @@ def standalone_body(model: onnx.ModelProto, node: onnx.NodeProto, attr: str, fac
     return Body(node, attr, standalone, outer, fed)
 
 
-def _lift_loop_inputs(probe: onnx.ModelProto, loop: onnx.NodeProto) -> list[str]:
-    """Make ``loop`` (a node of ``probe``, edited in place) also return its body's formal inputs, stacked over
-    iterations; the names of those extra outputs."""
+def _lift_loop_inputs(loop: onnx.NodeProto, names: ProtoNames) -> list[str]:
+    """Make ``loop`` (edited in place) also return its body's formal inputs, stacked over iterations; the names of
+    those extra outputs (fresh in the model ``names`` knows)."""
     body = _body(loop, "body")
     stacked: list[str] = []
     for i, formal in enumerate(list(body.input)):
-        lifted = f"{formal.name}__qgraph_iter"
-        body.node.append(helper.make_node("Identity", [formal.name], [lifted], name=f"{lifted}/identity"))
+        lifted = names.fresh(f"{formal.name}__qgraph_iter")
+        body.node.append(helper.make_node("Identity", [formal.name], [lifted],
+                                          name=names.fresh(f"{lifted}/identity")))
         body.output.append(helper.make_value_info(lifted, formal.type))
-        out = f"{loop.name}__qgraph_input_{i}"
+        out = names.fresh(f"{loop.name}__qgraph_input_{i}")
         loop.output.append(out)
         stacked.append(out)
     return stacked
@@ -169,7 +170,8 @@ def body_executions(model: onnx.ModelProto, found: Sequence[Body], data: Iterabl
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe_nodes = {n.name: n for n in probe.graph.node}
-    stacked = {b.node.name: _lift_loop_inputs(probe, probe_nodes[b.node.name])
+    fresh = ProtoNames(probe)
+    stacked = {b.node.name: _lift_loop_inputs(probe_nodes[b.node.name], fresh)
                for b in found if b.node.op_type == "Loop"}
     graph_inputs = {i.name for i in model.graph.input}
     wanted_all: list[str] = []

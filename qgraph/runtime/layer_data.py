@@ -25,14 +25,14 @@ from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.errors import DataError
-from qgraph.graph import insert_after_producers
+from qgraph.graph import ProtoNames, insert_after_producers
 from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER, with_weights
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.segments import observe_segmented, segmentable
 
-_PREFIX = "qgraph_layer"
-_ONE = f"{_PREFIX}/one"
-_MEANS, _SIZES = f"{_PREFIX}/means", f"{_PREFIX}/sizes"
+#: Stems of the namespaces the helper nodes live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_1/`` when
+#: the model already uses ``qgraph_layer/``).
+_STEM, _TWIN_STEM = "qgraph_layer", "qgraph_layer_twin"
 _NO_OPTIMIZATION = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # what `make_session` runs with
 #: `channel_means` runs graphs over this many nodes slice by slice, in slices of `SLICE_NODES`. Higher than
 #: calibration's threshold: the twin graph of a 1,000-layer chain (~20k nodes) initializes no faster in 4,000-node
@@ -45,10 +45,10 @@ def _opset(model: onnx.ModelProto) -> int:
     return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _mean_nodes(name: str, k: int, channels: int, channel_first: bool, opset: int) -> tuple[
+def _mean_nodes(name: str, p: str, one: str, channels: int, channel_first: bool, opset: int) -> tuple[
         list[onnx.NodeProto], list[onnx.TensorProto], tuple[str, str]]:
-    """Per-channel mean (cast to double: exact) and element count (as a 1-vector) of tensor ``name``."""
-    p = f"{_PREFIX}/{k}/"
+    """Per-channel mean (cast to double: exact) and element count (as a 1-vector) of tensor ``name``; helper
+    names start with ``p``, ``one`` names the shared constant ``[1]``."""
     shape = [0, channels, -1] if channel_first else [-1, channels]
     axes = [0, 2] if channel_first else [0]
     inits = [numpy_helper.from_array(np.array(shape, np.int64), p + "shape")]
@@ -60,7 +60,7 @@ def _mean_nodes(name: str, k: int, channels: int, channel_first: bool, opset: in
         nodes.append(helper.make_node("ReduceMean", [p + "flat"], [p + "mean"], axes=axes, keepdims=0))
     nodes.append(helper.make_node("Cast", [p + "mean"], [p + "mean64"], to=onnx.TensorProto.DOUBLE))
     nodes.append(helper.make_node("Size", [name], [p + "size"]))
-    nodes.append(helper.make_node("Reshape", [p + "size", _ONE], [p + "size1"]))
+    nodes.append(helper.make_node("Reshape", [p + "size", one], [p + "size1"]))
     return nodes, inits, (p + "mean64", p + "size1")
 
 
@@ -87,11 +87,13 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
         return {}
     opset = _opset(model)
     after: dict[str, list[onnx.NodeProto]] = {}
-    inits: list[onnx.TensorProto] = [numpy_helper.from_array(np.array([1], np.int64), _ONE)]
+    space = ProtoNames(model).prefix(_STEM)
+    one = space + "one"
+    inits: list[onnx.TensorProto] = [numpy_helper.from_array(np.array([1], np.int64), one)]
     means: list[str] = []
     sizes: list[str] = []
     for k, (name, (c, first)) in enumerate(tensors.items()):
-        nodes, consts, (mean_o, size_o) = _mean_nodes(name, k, c, first, opset)
+        nodes, consts, (mean_o, size_o) = _mean_nodes(name, f"{space}{k}/", one, c, first, opset)
         after.setdefault(name, []).extend(nodes)
         inits.extend(consts)
         means.append(mean_o)
@@ -109,7 +111,7 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
         sums += np.asarray(mean, np.float64) * n[per_channel]
         rows += n
 
-    _each_run(augmented, means, sizes, batches, weights, fold)
+    _each_run(augmented, (means, sizes), (space + "means", space + "sizes"), batches, weights, fold)
     totals = dict(zip(tensors, np.split(sums, ends[:-1]), strict=True))
     rows_of = dict(zip(tensors, rows, strict=True))
     out: dict[str, npt.NDArray[np.float64]] = {}
@@ -122,7 +124,8 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
     return out
 
 
-def _each_run(model: onnx.ModelProto, means: list[str], sizes: list[str], batches: Iterable[Feed],
+def _each_run(model: onnx.ModelProto, parts: tuple[list[str], list[str]], joined: tuple[str, str],
+              batches: Iterable[Feed],
               weights: Mapping[str, npt.NDArray[Any]] | None,
               use: Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]) -> None:
     """``use(every mean joined, every size joined)`` for every batch, in order.
@@ -133,13 +136,14 @@ def _each_run(model: onnx.ModelProto, means: list[str], sizes: list[str], batche
     for the quantized twin graph of a 3,000-layer chain, ~100 s at 10,000 layers) runs slice by slice
     (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
     Concat would carry every mean through every later slice); they are joined here: the same values."""
+    means, sizes = parts
     if len(model.graph.node) <= SLICE_ABOVE or not segmentable(model):
-        model.graph.node.extend([helper.make_node("Concat", means, [_MEANS], axis=0),  # `model` is our own copy
-                                 helper.make_node("Concat", sizes, [_SIZES], axis=0)])
-        model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in (_MEANS, _SIZES))
+        model.graph.node.extend([helper.make_node("Concat", means, [joined[0]], axis=0),  # `model` is our own copy
+                                 helper.make_node("Concat", sizes, [joined[1]], axis=0)])
+        model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in joined)
         session = make_session(model, mem_pattern=False, weights=weights)
         for feed in batches:
-            use(*session_run(session, [_MEANS, _SIZES], feed))
+            use(*session_run(session, list(joined), feed))
         return
     got: dict[str, Any] = {}
 
@@ -306,9 +310,10 @@ def with_twins(model: onnx.ModelProto, twins: Sequence[Twin],
     by_output = {n.output[0]: n for n in model.graph.node if n.output}
     after: dict[str, list[onnx.NodeProto]] = {}
     inits: list[onnx.TensorProto] = []
+    space = ProtoNames(model).prefix(_TWIN_STEM)
     for k, twin in enumerate(twins):
         node = by_output[twin.node_output]
-        p = f"{_PREFIX}_twin/{k}/"
+        p = f"{space}{k}/"
         inits += [_twin_tensor(twin.weight, p + "w", weights), _twin_tensor(twin.bias, p + "b", weights)]
         copy = onnx.NodeProto()
         copy.CopyFrom(node)

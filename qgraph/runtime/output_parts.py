@@ -33,7 +33,7 @@ import onnx
 
 from qgraph.graph.ops import Inferred
 from qgraph.graph.shapes import skeleton, static_shapes
-from qgraph.quant.qdq import is_dequantize, is_quantize
+from qgraph.quant.qdq import float_behind, is_qdq
 from qgraph.runtime.compare import DiffAccumulator, TensorDiff
 from qgraph.runtime.part import OutputPart
 
@@ -150,25 +150,13 @@ def _concat_behind(name: str, producer: dict[str, onnx.NodeProto]) -> onnx.NodeP
             return None
         if node.op_type == "Concat":
             return node if node.domain in ("", "ai.onnx") else None
-        if node.op_type == "Identity" or is_dequantize(node.op_type, node.domain) or \
-                is_quantize(node.op_type, node.domain):
+        if node.op_type == "Identity" or is_qdq(node.op_type, node.domain):
             node = producer.get(node.input[0]) if node.input else None
             continue
         return None
     return None
 
 
-def _source(tensor: str, producer: dict[str, onnx.NodeProto]) -> str:
-    """The float tensor behind ``tensor``'s ``DQ(Q(x))`` chains (``tensor`` itself when it has none)."""
-    for _ in range(8):
-        dq = producer.get(tensor)
-        if dq is None or not is_dequantize(dq.op_type, dq.domain):
-            return tensor
-        q = producer.get(dq.input[0])
-        if q is None or not is_quantize(q.op_type, q.domain):
-            return tensor
-        tensor = q.input[0]
-    return tensor
 
 
 def _declared(info: onnx.ValueInfoProto) -> tuple[int | None, ...] | None:
@@ -198,7 +186,7 @@ def _split(name: str, concat: onnx.NodeProto, producer: dict[str, onnx.NodeProto
         shape = (shapes.get(t) or (None, 0))[0]
         sizes.append(shape[axis] if shape is not None and axis < len(shape) else None)
     if any(s is None for s in sizes):
-        listed = ", ".join(f"{_source(t, producer)} [{'?' if s is None else s}]" for t, s in zip(inputs, sizes,
+        listed = ", ".join(f"{float_behind(t, producer)} [{'?' if s is None else s}]" for t, s in zip(inputs, sizes,
                                                                                                strict=True))
         return OutputSplit(name, whole, f"the sizes of its Concat's inputs along axis {axis} are not static "
                            f"({listed}); give the model static sizes there to score each input separately")
@@ -207,7 +195,7 @@ def _split(name: str, concat: onnx.NodeProto, producer: dict[str, onnx.NodeProto
     for t, s in zip(inputs, sizes, strict=True):
         assert s is not None
         if s > 0:  # an empty input writes nothing
-            parts.append(OutputPart(name, _source(t, producer), axis, start, start + s, length))
+            parts.append(OutputPart(name, float_behind(t, producer), axis, start, start + s, length))
         start += s
     return OutputSplit(name, tuple(parts)) if len(parts) > 1 else OutputSplit(name, whole)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import qgraph.calibrate.collector as collector
 from qgraph.calibrate import RobustMagnitude, collect_ranges, make_observer, observe
@@ -292,3 +292,18 @@ def test_models_below_opset_11_take_the_fetch_path(monkeypatch: pytest.MonkeyPat
     assert {n: (c.range.rmin, c.range.rmax) for n, c in cal.items()} == {
         "x": (-4.0, 3.5), "y": (-3.0, 4.5), "r": (0.0, 4.5)
     }
+
+
+def test_names_the_model_already_uses_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model holding initializers named like the reductions' (``qgraph_calib/extremes``, its shared constant
+    ``qgraph_calib/one``) is still reduced in the graph, to the same ranges: the reductions take a free namespace
+    (`qgraph.graph.ProtoNames.prefix`). Initializers are names too: the check once looked at node outputs only."""
+    model = onnx.parser.parse_model(CHAIN)
+    feeds = _chain_feeds(3)
+    clean = _summary(collect_ranges(model, CHAIN_NAMES, feeds, robust_percentile=99.99))
+    squatted = onnx.ModelProto()
+    squatted.CopyFrom(model)
+    squatted.graph.initializer.extend(numpy_helper.from_array(np.array([7.0], np.float32), f"qgraph_calib/{k}")
+                                      for k in ("extremes", "scalars", "one", "sizes", "subsamples", "0/min"))
+    monkeypatch.setattr(collector, "observe", lambda *a, **k: pytest.fail("took the fetch path"))
+    assert _summary(collect_ranges(squatted, CHAIN_NAMES, feeds, robust_percentile=99.99)) == clean

@@ -14,6 +14,7 @@ import onnx
 
 from qgraph.analysis.diff.probe import only_this_pair
 from qgraph.data import Feed
+from qgraph.graph import ProtoNames
 from qgraph.quant.rescaling import Rescaling
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputPart, OutputParts
@@ -85,6 +86,7 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
     start = time.perf_counter()
     work = onnx.ModelProto()
     work.CopyFrom(a)
+    names = ProtoNames(work)  # every probe is undone on exit: the names stay those of `a` plus the ones handed out
     screened: list[tuple[float, list[Culprit]]] = []
     for i in range(0, len(rest), GROUP):
         if time.perf_counter() - start > seconds:
@@ -93,7 +95,7 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
         # one probe per tensor (two points on one tensor would insert the same probe twice)
         distinct = list({(c.point.scope, c.point.tensor): c for c in reversed(group)}.values())
         with contextlib.ExitStack() as stack:
-            applied = [stack.enter_context(only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)))
+            applied = [stack.enter_context(only_this_pair(work, c, (rescaled or {}).get(c.point.tensor), names))
                        for c in distinct]
             if any(p is not None for p in applied):
                 screened.append((noise_ratio(refs, outputs(work, feeds), out.scored), group))
@@ -135,6 +137,7 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
         out.output_noise = noise_ratio(refs, got, out.scored)
     work = onnx.ModelProto()
     work.CopyFrom(a)
+    names = ProtoNames(work)
     opset = next((o.version for o in a.opset_import if o.domain in ("", "ai.onnx")), 0)
     for c in culprits:
         if not c.point.in_reference:
@@ -142,7 +145,7 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
         if c.point.kind == "activation" and opset < 11:
             out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no Round)")
             continue
-        with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor)) as probe:
+        with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor), names) as probe:
             if probe is None:
                 continue
             c.output_noise = noise_ratio(refs, outputs(work, feeds), out.scored)

@@ -17,6 +17,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qgraph.quant.blockwise import BlockFormat, BlockQuant, to_blocks, unpack_codes, unpack_int4, unpack_zero_points
+from qgraph.quant.math import QuantDtype, dtype_range
+from qgraph.quant.qdq import is_dequantize
 
 
 @dataclass
@@ -77,7 +79,7 @@ def _blocked_dq(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tup
     if len(node.input) > 2 and node.input[2] and bits == 4:
         z = inits[node.input[2]]
         zp = unpack_int4(z.raw_data, int(np.prod(z.dims)), signed).reshape(tuple(z.dims)).astype(np.float32)
-    shift = (1 << (bits - 1)) if signed else 0
+    shift = -dtype_range(QuantDtype(f"int{bits}"))[0] if signed else 0  # signed -> unsigned storage
     fmt = BlockFormat(bits, int(attrs["block_size"]), zp is None)
     scale = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
     scale, zp = (scale, zp) if axis == 1 else (scale.T, zp.T if zp is not None else None)  # [N, nb]
@@ -96,7 +98,7 @@ def block_blame(a: onnx.ModelProto, b: onnx.ModelProto) -> list[BlockBlame]:
     out: list[BlockBlame] = []
     for node in b.graph.node:
         found = (_nbits(node, inits) if node.op_type == "MatMulNBits"
-                 else _blocked_dq(node, inits) if node.op_type == "DequantizeLinear" else None)
+                 else _blocked_dq(node, inits) if is_dequantize(node.op_type, node.domain) else None)
         if found is None or found[1] not in float_weights:
             continue
         bq, weight = found
@@ -111,7 +113,7 @@ def block_blame(a: onnx.ModelProto, b: onnx.ModelProto) -> list[BlockBlame]:
         col, blk = np.unravel_index(int(np.argmax(per_block)), per_block.shape)
         total = float(per_block.sum())
         lo = int(blk) * bq.fmt.block_size
-        layer = reader.get(node.output[0], node) if node.op_type == "DequantizeLinear" else node
+        layer = reader.get(node.output[0], node) if is_dequantize(node.op_type, node.domain) else node
         out.append(BlockBlame(layer.name or layer.output[0], bq.fmt.bits, bq.fmt.block_size,
                               _db(float(energy.sum()), total), int(col), (lo, min(lo + bq.fmt.block_size, bq.k)),
                               _db(float(energy[col, blk]), float(per_block[col, blk])),

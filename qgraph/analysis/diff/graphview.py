@@ -22,6 +22,7 @@ from qgraph.analysis.diff.html import esc, short_name
 from qgraph.analysis.diff.layers import NumericDiff
 from qgraph.analysis.diff.protos import ModelIndex, NodeRef
 from qgraph.analysis.diff.structural import match_nodes
+from qgraph.quant.qdq import is_qdq
 
 _W, _H, _GX, _GY, _PAD = 168, 38, 18, 30, 12
 _FILL = {"qdq": "#dbe9fb", "inserted": "#dcf3dc", "removed": "#fbdada", "changed": "#fdf0cc"}
@@ -202,7 +203,7 @@ def changed_regions_html(a: onnx.ModelProto, b: onnx.ModelProto, numeric: Numeri
     out = [_ARROW, _LEGEND]
     for k, r in enumerate(shown):
         kinds_a = dict.fromkeys(r.changed_a, "removed")
-        kinds_b = {i: "changed" if i in mapping else "qdq" if ib.nodes[i].op in ("QuantizeLinear", "DequantizeLinear")
+        kinds_b = {i: "changed" if i in mapping else "qdq" if is_qdq(ib.nodes[i].node.op_type, ib.nodes[i].node.domain)
                    else "inserted" for i in r.changed_b}
         tint_b = {b_of_a[i]: c for i, c in tint_a.items() if i in b_of_a}
         members_a = sorted(r.anchors | r.changed_a)

@@ -16,6 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qgraph.analysis.diff.quant_points import QuantPoint
+from qgraph.graph import ProtoNames
 from qgraph.quant.math import dequantize
 from qgraph.quant.rescaling import channel_shape
 
@@ -38,11 +39,14 @@ def body_graphs(model: onnx.ModelProto, path: tuple[tuple[str, str], ...]) -> li
 
 
 class only_this_pair:
-    """Apply one pair to ``work`` (A) in place and undo it on exit."""
+    """Apply one pair to ``work`` (A) in place and undo it on exit. ``names``: the names of ``work``
+    (`qgraph.graph.ProtoNames`), built once by a caller applying many pairs; the probe's nodes get a free
+    namespace from it."""
 
-    def __init__(self, work: onnx.ModelProto, culprit: Culprit, rescaled: tuple[int, np.ndarray] | None = None
-                 ) -> None:
+    def __init__(self, work: onnx.ModelProto, culprit: Culprit, rescaled: tuple[int, np.ndarray] | None = None,
+                 names: ProtoNames | None = None) -> None:
         self.work, self.c, self.rescaled = work, culprit, rescaled
+        self.names = names if names is not None else ProtoNames(work)
         self.undo: list[Any] = []
 
     def __enter__(self) -> object | None:
@@ -78,7 +82,7 @@ class only_this_pair:
 
     def _activation(self, p: QuantPoint, g: onnx.GraphProto) -> object | None:
         """The probe in ``g`` (the graph of the pair's readers), before the readers named by the pair."""
-        base = f"{p.tensor}/qgraph_probe"
+        space = self.names.prefix(f"{p.tensor}/qgraph_probe")  # "<tensor>/qgraph_probe/" unless the model uses it
         shape: list[int] = []
         if p.axis is not None:
             shape = [1] * (self.c.stats.ndim or 1)
@@ -97,15 +101,15 @@ class only_this_pair:
         lo, hi = (-np.inf if p.flat[0] else qmin), (np.inf if p.flat[1] else qmax)
         consts = {"s": scale.astype(dt), "z": np.asarray(p.zero_point, dt).reshape(shape),
                   "lo": np.asarray(lo, dt), "hi": np.asarray(hi, dt)}
-        inits = [numpy_helper.from_array(v, f"{base}/{k}") for k, v in consts.items()]
+        inits = [numpy_helper.from_array(v, f"{space}{k}") for k, v in consts.items()]
 
         def n(op: str, ins: list[str], o: str) -> onnx.NodeProto:
-            return helper.make_node(op, ins, [f"{base}/{o}"], name=f"{base}/{o}")
+            return helper.make_node(op, ins, [f"{space}{o}"], name=f"{space}{o}")
 
-        nodes = [n("Div", [p.tensor, f"{base}/s"], "div"), n("Round", [f"{base}/div"], "round"),
-                 n("Add", [f"{base}/round", f"{base}/z"], "add"),
-                 n("Clip", [f"{base}/add", f"{base}/lo", f"{base}/hi"], "clip"),
-                 n("Sub", [f"{base}/clip", f"{base}/z"], "sub"), n("Mul", [f"{base}/sub", f"{base}/s"], "fq")]
+        nodes = [n("Div", [p.tensor, f"{space}s"], "div"), n("Round", [f"{space}div"], "round"),
+                 n("Add", [f"{space}round", f"{space}z"], "add"),
+                 n("Clip", [f"{space}add", f"{space}lo", f"{space}hi"], "clip"),
+                 n("Sub", [f"{space}clip", f"{space}z"], "sub"), n("Mul", [f"{space}sub", f"{space}s"], "fq")]
         names = {k[len(p.scope) + 1:] if p.scope else k for k, _ in p.consumers}  # local names inside a body
         readers = [(k, i) for k, node in enumerate(g.node) for i, t in enumerate(node.input) if t == p.tensor]
         targets = [(k, i) for k, i in readers if g.node[k].name in names] or readers
@@ -116,9 +120,9 @@ class only_this_pair:
         saved.node.extend(g.node)
         first = min((k for k, _ in targets), default=len(g.node))
         for k, i in targets:
-            g.node[k].input[i] = f"{base}/fq"
+            g.node[k].input[i] = f"{space}fq"
         for o in outputs:
-            o.name = f"{base}/fq"
+            o.name = f"{space}fq"
         # The probe goes right before its first reader: onnxruntime wants every graph (bodies too) sorted.
         order = onnx.GraphProto()
         order.node.extend(g.node[:first])

@@ -25,6 +25,7 @@ import numpy as np
 
 from qgraph.analysis.diff.protos import ModelIndex, NodeRef, dtype_name
 from qgraph.graph.ops import is_default_domain
+from qgraph.quant.math import QuantDtype, dtype_range
 from qgraph.quant.qdq import is_dequantize, is_quantize
 
 #: Ops with an integer kernel or QDQ fusion in common runtimes, and which inputs carry data (None: all).
@@ -57,8 +58,7 @@ INTEGER_OPS = frozenset(
     }
 )
 
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-_INT16_MIN, _INT16_MAX = -32768, 32767
+_INT16_MIN, _INT16_MAX = dtype_range(QuantDtype.INT16)
 
 
 @dataclass
@@ -242,7 +242,7 @@ def saturation_risks(model_or_index: Any) -> list[SaturationRisk]:
         if rows.shape[1] % 2:
             rows = np.pad(rows, ((0, 0), (0, 1)))
         w0, w1 = rows[:, 0::2], rows[:, 1::2]
-        qmax = 255
+        qmax = dtype_range(QuantDtype.UINT8)[1]  # the raw activation codes (checked uint8 above)
         high = qmax * (np.maximum(w0, 0) + np.maximum(w1, 0))
         low = qmax * (np.minimum(w0, 0) + np.minimum(w1, 0))
         over = (high > _INT16_MAX) | (low < _INT16_MIN)

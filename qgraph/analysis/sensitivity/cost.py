@@ -39,7 +39,7 @@ import onnx_graphsurgeon as gs
 from qgraph.analysis.sensitivity.noise import NoiseModel
 from qgraph.analysis.sensitivity.targets import Target
 from qgraph.graph import GraphHandle, tensor_shape
-from qgraph.quant.qdq_graph import is_dq, is_q, is_qdq, quantized_nodes
+from qgraph.quant.qdq_graph import is_dq, is_qdq, pair_q, quantized_nodes
 from qgraph.runtime.latency import LatencyTable, op_signature
 
 #: Share of the mean positive added time of one node that prices a free node (see module docs).
@@ -255,8 +255,8 @@ def _float_tensor(handle: GraphHandle, t: gs.Tensor) -> gs.Tensor | None:
         dq = handle.producer(t)
         if dq is None or not is_dq(dq):
             return t
-        q = handle.producer(dq.inputs[0])
-        if q is None or not is_q(q):
+        q = pair_q(handle, dq)
+        if q is None:
             return None  # an integer constant or input: no float activation behind it
         t = q.inputs[0]
     return t

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import onnx
@@ -36,15 +37,17 @@ from onnx import TensorProto, helper
 from qgraph.analysis.sensitivity import probe_parts
 from qgraph.analysis.sensitivity.probe_dynamic import copy_nodes, unit_copy, unit_nodes
 from qgraph.data import Feed
-from qgraph.graph import GraphHandle
+from qgraph.graph import GraphHandle, ProtoNames, model_names
 from qgraph.io.model_io import save_model
-from qgraph.quant.qdq import is_dequantize, is_quantize
+from qgraph.quant.qdq import is_dequantize, is_quantize, pairs_reading
 from qgraph.remedy.apply import fall_back_all
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputParts
 
-PREFIX = "qgraph_local/"
-OUT_PREFIX = "qgraph_local_out/"  # copies of a node's own output pairs (the same Q may also start a chain)
+#: Free namespaces (`qgraph.graph.ProtoNames.prefix`) for: node and chain copies, copies of a node's own output
+#: pairs (the same Q may also start a chain), reductions (apart, so a copied ``0/0/err`` cannot meet one).
+COPY_STEM, OUT_STEM, SUM_STEM = "qgraph_local", "qgraph_local_out", "qgraph_local_sum"
+UNIT_STEM = "qgraph_local_unit"  # copies of dynamically quantized MatMul units (`probe_dynamic`)
 #: Ops where branches merge: a branch's relative error is diluted by the other inputs' signal (`output_weights`).
 MERGE_OPS = frozenset({"Add", "Sub", "Sum", "Concat"})
 StepProgress = Callable[[int, int | None], None]
@@ -90,6 +93,7 @@ class Probe:
     powers: dict[str, str]  # tensor -> output holding Σ t² (inputs and outputs of merging ops)
     #: node -> (scored unit, Σ err output, Σ sig output) per part of a split graph output it writes
     parts: dict[str, list[probe_parts.PartReduction]] = field(default_factory=dict)
+    copies: str = COPY_STEM + "/"  # the namespace of the quantized copies (not the float model's nodes)
 
 
 def float_model(qdq: onnx.ModelProto) -> onnx.ModelProto:
@@ -118,7 +122,9 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
     by_name = {n.name: n for n in g.node}
     available = {t.name for t in f.graph.initializer} | {i.name for i in f.graph.input}
     available |= {o for n in f.graph.node for o in n.output}
-    ctx = _Builder(producer, inits, available)
+    names_in_use = ProtoNames(chain(model_names(qdq), model_names(f)))
+    ctx = _Builder(producer, inits, available, names_in_use.prefix(COPY_STEM), names_in_use.prefix(OUT_STEM))
+    sums, unit_space = names_in_use.prefix(SUM_STEM), names_in_use.prefix(UNIT_STEM)
     groups: dict[str, list[onnx.NodeProto]] = {}
     outputs: dict[str, list[tuple[str, str]]] = {}
     skipped: dict[str, str] = {}
@@ -134,7 +140,7 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
         chains = dict(ctx.chains)
         try:
             if name in units:
-                nodes, pairs = unit_copy(units[name], f"{PREFIX}{k}/", ctx.need)
+                nodes, pairs = unit_copy(units[name], f"{unit_space}{k}/", ctx.need)
             else:
                 assert node is not None
                 nodes, pairs = ctx.node_copy(node, consumers, graph_outputs)
@@ -142,8 +148,8 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
             ctx.chains = chains  # copies made for this node are dropped with it
             skipped[name] = str(why)
             continue
-        reductions, names_out = _reductions(f"{PREFIX}{k}/", pairs)
-        sliced, consts, per_part[name] = probe_parts.part_reductions(f"{PREFIX}{k}/", pairs, by_output)
+        reductions, names_out = _reductions(f"{sums}{k}/", pairs)
+        sliced, consts, per_part[name] = probe_parts.part_reductions(f"{sums}{k}/", pairs, by_output)
         ctx.initializers += consts
         groups[name] = nodes + reductions + sliced
         outputs[name] = names_out
@@ -155,7 +161,7 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
         if node.op_type in MERGE_OPS and node.domain in ("", "ai.onnx"):
             for t in [*node.input, *node.output]:
                 if t and t not in powers:
-                    powers[t] = f"{PREFIX}power/{len(powers)}"
+                    powers[t] = f"{sums}power/{len(powers)}"
                     ordered += [helper.make_node("Cast", [t], [powers[t] + "/f"], to=TensorProto.FLOAT),
                                 helper.make_node("ReduceSumSquare", [powers[t] + "/f"], [powers[t]], keepdims=0)]
     del f.graph.node[:]
@@ -164,7 +170,7 @@ def build_probe(qdq: onnx.ModelProto, names: Sequence[str], parts: OutputParts |
     fetch = [t for pairs in outputs.values() for pair in pairs for t in pair] + list(powers.values())
     fetch += [t for cuts in per_part.values() for _, *sums in cuts for t in sums]
     f.graph.output.extend(helper.make_value_info(t, onnx.TypeProto()) for t in fetch)
-    return Probe(f, outputs, skipped, powers, {n: c for n, c in per_part.items() if c})
+    return Probe(f, outputs, skipped, powers, {n: c for n, c in per_part.items() if c}, ctx.prefix)
 
 
 class _NoProbe(Exception):
@@ -174,8 +180,10 @@ class _NoProbe(Exception):
 class _Builder:
     """Copies Q/DQ chains (once per DQ output, shared by the nodes reading it) and nodes into the probe."""
 
-    def __init__(self, producer: dict[str, onnx.NodeProto], inits: dict[str, TensorProto], available: set[str]):
+    def __init__(self, producer: dict[str, onnx.NodeProto], inits: dict[str, TensorProto], available: set[str],
+                 prefix: str, out_prefix: str):
         self.producer, self.inits, self.available = producer, inits, available
+        self.prefix, self.out_prefix = prefix, out_prefix  # free namespaces (`ProtoNames.prefix`)
         self.chains: dict[str, str] = {}  # DQ output -> the copy's output name
         self.constants: list[onnx.NodeProto] = []  # Constant nodes the float model dropped
         self.initializers: list[TensorProto] = []  # initializers the float model dropped (scales, codes)
@@ -210,7 +218,7 @@ class _Builder:
                 raise _NoProbe(f"{p.name!r} dequantizes the output of {q.op_type} {q.name!r}")
             links.append(q)
             current = q.input[0]
-        copies, renamed = copy_nodes(list(reversed(links)), PREFIX, self.need)
+        copies, renamed = copy_nodes(list(reversed(links)), self.prefix, self.need)
         emitted.extend(copies)
         self.chains[tensor] = renamed.get(tensor, tensor)
         return self.chains[tensor]
@@ -223,7 +231,7 @@ class _Builder:
         emitted: list[onnx.NodeProto] = []
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
-        copy.name = PREFIX + node.name
+        copy.name = self.prefix + node.name
         for i, t in enumerate(node.input):
             p = self.producer.get(t)
             if p is not None and is_dequantize(p.op_type, p.domain):
@@ -235,28 +243,26 @@ class _Builder:
         for i, y in enumerate(node.output):
             if not y:
                 continue
-            copy.output[i] = PREFIX + y
+            copy.output[i] = self.prefix + y
             pairs.append(self._output_pair(y, copy.output[i], consumers, graph_outputs, tail))
         return [*emitted, copy, *tail], pairs
 
     def _output_pair(self, y: str, y_copy: str, consumers: dict[str, list[onnx.NodeProto]],
                      graph_outputs: set[str], tail: list[onnx.NodeProto]) -> tuple[str, str]:
         """``(ŷ, y)``; when ``y`` reaches a graph output through its own ``Q → DQ``, both sides at that output."""
-        for q in consumers.get(y, []):
-            if not is_quantize(q.op_type, q.domain):
-                continue
-            for dq in consumers.get(q.output[0], []):
-                if is_dequantize(dq.op_type, dq.domain) and dq.output[0] in graph_outputs:
-                    qc, dqc = onnx.NodeProto(), onnx.NodeProto()
-                    qc.CopyFrom(q)
-                    dqc.CopyFrom(dq)
-                    qc.name, dqc.name = OUT_PREFIX + q.name, OUT_PREFIX + dq.name
-                    qc.input[0], qc.output[0] = y_copy, OUT_PREFIX + q.output[0]
-                    dqc.input[0], dqc.output[0] = qc.output[0], OUT_PREFIX + dq.output[0]
-                    for t in [*qc.input[1:], *dqc.input[1:]]:
-                        self.need(t)
-                    tail.extend([qc, dqc])
-                    return dqc.output[0], dq.output[0]
+        for q, dq in pairs_reading(y, consumers):
+            if dq.output[0] in graph_outputs:
+                qc, dqc = onnx.NodeProto(), onnx.NodeProto()
+                qc.CopyFrom(q)
+                dqc.CopyFrom(dq)
+                out = self.out_prefix
+                qc.name, dqc.name = out + q.name, out + dq.name
+                qc.input[0], qc.output[0] = y_copy, out + q.output[0]
+                dqc.input[0], dqc.output[0] = qc.output[0], out + dq.output[0]
+                for t in [*qc.input[1:], *dqc.input[1:]]:
+                    self.need(t)
+                tail.extend([qc, dqc])
+                return dqc.output[0], dq.output[0]
         return y_copy, y
 
 
@@ -354,7 +360,7 @@ def local_errors(
     if not probe.outputs:
         return errors, probe.skipped, 0
     structure = onnx.ModelProto()  # the float model's wiring, for `output_weights` (no weights kept)
-    structure.graph.node.extend(n for n in probe.model.graph.node if not n.name.startswith(PREFIX))
+    structure.graph.node.extend(n for n in probe.model.graph.node if not n.name.startswith(probe.copies))
     structure.graph.output.extend(qdq.graph.output)
     power = dict.fromkeys(probe.powers, 0.0)
     session = _session(probe, optimization)

@@ -15,6 +15,7 @@ import onnx
 
 from qgraph.graph import GraphHandle
 from qgraph.quant.dynamic_graph import dynamic_units
+from qgraph.quant.qdq import is_dynamic_quantize
 
 #: A unit's nodes in order and its output tensor.
 UnitNodes = tuple[list[onnx.NodeProto], str]
@@ -33,7 +34,7 @@ def unit_nodes(qdq: onnx.ModelProto) -> dict[str, UnitNodes]:
         for u in units:
             names = [n.name for n in u.nodes]
             quantizer = handle.producer(u.anchor.inputs[0])
-            if quantizer is not None and quantizer.op == "DynamicQuantizeLinear":
+            if quantizer is not None and is_dynamic_quantize(quantizer.op, quantizer.domain):
                 names.insert(0, quantizer.name)
             if all(n in by_name for n in names):
                 found[u.name] = ([by_name[n] for n in names], u.output.name)

@@ -11,7 +11,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qgraph.data import Feed
-from qgraph.graph import GraphHandle, insert_after_producers
+from qgraph.graph import GraphHandle, ProtoNames, insert_after_producers
 from qgraph.quant.dynamic_graph import dynamic_units
 from qgraph.quant.qdq_graph import float_source, is_dq, qparams
 from qgraph.runtime.compare import make_session, session_run
@@ -79,8 +79,9 @@ def _add_reductions(model: onnx.ModelProto, per_tensor: dict[str, _Pair]) -> dic
     g = model.graph
     out: dict[str, tuple[str, ...]] = {}
     after: dict[str, list[onnx.NodeProto]] = {}  # DQ output -> the reductions that read it
+    space = ProtoNames(model).prefix("qgraph_stats")  # a namespace no name of the model is in
     for k, (name, (src, fq, params, relu)) in enumerate(per_tensor.items()):
-        p = f"qgraph_stats/{k}/"
+        p = f"{space}{k}/"
         nodes: list[onnx.NodeProto] = []
         x = src
         if relu:

@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qgraph.graph import free_name
+
 from .pairs import INT16_MAX, INT16_MIN, RiskyPairs
 
 #: Lowest default-domain opset the correction subgraphs are written for (Clip bounds, CumSum and Pad as inputs).
@@ -42,11 +44,8 @@ class ProtoEmitter:
     inits: list[onnx.TensorProto] = field(default_factory=list)
 
     def name(self, base: str) -> str:
-        """``base``, or ``base#2``, ... : a name no node or tensor of the model has."""
-        name, i = base, 1
-        while name in self.taken:
-            i += 1
-            name = f"{base}#{i}"
+        """``base``, or ``base_1``, ... (`qgraph.graph.free_name`): a name no node or tensor of the model has."""
+        name = free_name(base, self.taken.__contains__)
         self.taken.add(name)
         return name
 

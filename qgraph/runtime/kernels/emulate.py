@@ -35,7 +35,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qgraph.graph.detach import with_weights
 from qgraph.graph.ops import proto_scopes
-from qgraph.quant.qdq import is_dequantize, is_quantize
+from qgraph.quant.qdq import is_dequantize, is_dynamic_quantize, is_qdq, is_quantize
 
 from .corrections import MIN_OPSET, ConvGeometry, CorrectionInput, ProtoEmitter, conv_correction, matmul_correction
 from .expand import exact_integer_node, expand_fused
@@ -95,8 +95,8 @@ class Emulation:
 
 def has_integer_work(model: onnx.ModelProto) -> bool:
     """Whether ``model`` holds Q/DQ or integer ops anywhere (a float model needs no emulation)."""
-    return any(is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain) or n.op_type in INTEGER_OPS
-               or n.op_type == "DynamicQuantizeLinear" for g in proto_scopes(model.graph) for n in g.node)
+    return any(is_qdq(n.op_type, n.domain, dynamic=True) or n.op_type in INTEGER_OPS
+               for g in proto_scopes(model.graph) for n in g.node)
 
 
 #: `fused_layers` answers by the model's fusion key (`fusion_key`), a few models at most: a weight-correcting pass
@@ -327,7 +327,8 @@ def _explicit_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], 
         return None
     zp = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     src = producers.get(node.input[0])
-    signed = zp is not None and zp.dtype == np.int8 and not (src is not None and src.op_type == "DynamicQuantizeLinear")
+    dynamic = src is not None and is_dynamic_quantize(src.op_type, src.domain)
+    signed = zp is not None and zp.dtype == np.int8 and not dynamic
     if node.op_type == "ConvInteger" and zp is None and len(node.input) > 2 and node.input[2]:
         out.skipped.append((node.name, "its activation zero point is not a constant (convolution padding reads it)"))
         return None

@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-INT16_MIN, INT16_MAX = -32768, 32767
+from qgraph.quant.math import QuantDtype, dtype_range
+
+INT16_MIN, INT16_MAX = dtype_range(QuantDtype.INT16)
 #: The raw activation codes the AVX2 kernels multiply (u8, or s8 shifted by 128).
-RAW_CODES = (0, 255)
+RAW_CODES = dtype_range(QuantDtype.UINT8)
 
 
 def pad_even(x: npt.NDArray[Any]) -> npt.NDArray[Any]:
