@@ -89,13 +89,27 @@ def need_positive(value: float | None, option: str) -> None:
 
 
 def data_path(spec: str | None) -> Path | None:
-    """The file behind a data option (for the output guard), None for module:function or nothing."""
+    """The file behind a data option (for the output guard): the path itself, or the file of ``file.py:function``
+    and ``file.npz:KEY``; None for ``package.module:function`` or nothing."""
     if spec is None:
         return None
     if not spec.strip():
         raise UsageError("--calibration-data/--inputs/--data is empty: give an .npz, a folder or module:function.")
-    p = Path(spec)
-    return p if p.exists() else None
+    return spec_file(spec)
+
+
+def spec_file(spec: str | None) -> Path | None:
+    """The file a ``--labels``/``--metric``/data spec reads (``FILE``, ``FILE:KEY``, ``FILE.py:function``), None
+    when it names no existing file (an importable module, or nothing)."""
+    if not spec:
+        return None
+    for candidate in (spec, spec.rpartition(":")[0]):
+        try:
+            if candidate and Path(candidate).exists():
+                return Path(candidate)
+        except OSError:  # a name too long for the file system: no such file
+            continue
+    return None
 
 
 def literal(text: str) -> str:

@@ -9,7 +9,16 @@ from typing import Annotated
 import typer
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import KernelsOption, QGraphCommand, TargetCpuOption, app, check_kernel_options, data_path, say
+from qgraph.cli._app import (
+    KernelsOption,
+    QGraphCommand,
+    TargetCpuOption,
+    app,
+    check_kernel_options,
+    data_path,
+    say,
+    spec_file,
+)
 
 LabelsOption = Annotated[
     str | None, typer.Option("--labels", help="Labels: FILE.npy, FILE.npz or FILE.npz:KEY (default: a 'labels' "
@@ -65,7 +74,8 @@ def check(
     drop = Drop.parse(max_drop)
     total = Drop.parse(max_total_drop, "--max-total-drop") if max_total_drop is not None else None
     json_file = None if json_out in (None, "-") else json_out
-    check_outputs({"--json": json_file}, inputs=[reference, *stages, data_path(data), reference_outputs])
+    check_outputs({"--json": json_file}, inputs=[reference, *stages, data_path(data), reference_outputs,
+                                                 spec_file(labels), spec_file(metric)])
     for p in stages:
         if not p.is_file():
             raise UsageError(f"{p}: no such model file.")

@@ -20,6 +20,7 @@ from qgraph.cli._app import (
     executor_spec,
     need_positive,
     say,
+    spec_file,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.data import DataLayout
@@ -131,11 +132,15 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         raise_usage("--labels and --metric need --eval-data (held-out samples to score).")
     if min_sqnr is not None and (not check or math.isnan(min_sqnr) or math.isinf(min_sqnr)):
         raise_usage(f"--min-sqnr {min_sqnr}: give a finite number of dB, without --no-check.")
-    check_outputs({"-o": output, "--report": report},
-                  inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
+    inputs = [recipe, model, data_path(calibration_data), data_path(eval_data), spec_file(labels), spec_file(metric),
+              *(patch or [])]
+    check_outputs({"-o": output, "--report": report}, inputs=inputs, models=["-o"])
     rec = Recipe.from_yaml(recipe)
     for p in patch or []:
         rec = rec.apply_patch(p)
+    if calibration_data is None and rec.calibration.data:  # the recipe names its data: a file this run reads too
+        check_outputs({"-o": output, "--report": report}, inputs=[*inputs, spec_file(rec.calibration.data)],
+                      models=["-o"])
     if min_sqnr is not None and not (eval_data or calibration_data or rec.calibration.data):
         raise_usage("--min-sqnr needs samples to measure on: give --eval-data or --calibration-data.")
     pipeline = rec.pipeline()
