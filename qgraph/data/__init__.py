@@ -45,6 +45,7 @@ from .sources import (
     NpzSource,
     import_callable,
     open_data_source,
+    user_code,
     without_fixed_inputs,
 )
 
@@ -66,5 +67,6 @@ __all__ = [
     "import_callable",
     "model_inputs",
     "open_data_source",
+    "user_code",
     "without_fixed_inputs",
 ]

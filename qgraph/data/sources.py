@@ -248,7 +248,7 @@ class CallableSource(DataSource):
         self.description = description
 
     def _raw(self) -> Iterator[Feed]:
-        with _user_code(self.description, "the data function"):
+        with user_code(self.description, "the data function"):
             produced = self.fn()
         if isinstance(produced, dict):
             raise DataError(f"{self.description}: returned one dict; return an iterable (list/generator) of them.")
@@ -258,7 +258,7 @@ class CallableSource(DataSource):
         iterator = iter(produced)
         index = 0
         while True:
-            with _user_code(self.description, f"the data generator (after {index} samples)"):
+            with user_code(self.description, f"the data generator (after {index} samples)"):
                 try:
                     feed = next(iterator)
                 except StopIteration:
@@ -311,8 +311,10 @@ def without_fixed_inputs(source: DataSource, fixed: dict[str, np.ndarray]) -> Fi
 
 
 @contextlib.contextmanager
-def _user_code(where: str, what: str) -> Iterator[None]:
-    """Turn anything a user's data code raises (SystemExit included) into a `DataError` naming it."""
+def user_code(where: str, what: str, error: type[QGraphError] = DataError,
+              should: str = "Data code must return or yield feeds.") -> Iterator[None]:
+    """Turn anything a user's code (a data function, a metric) raises, SystemExit included, into ``error``
+    naming it: ``sys.exit(0)`` in a metric must not end the command with exit 0 and no verdict."""
     try:
         yield
     except QGraphError:
@@ -320,10 +322,9 @@ def _user_code(where: str, what: str) -> Iterator[None]:
     except (KeyboardInterrupt, GeneratorExit):
         raise
     except SystemExit as exc:
-        raise DataError(f"{where}: {what} called sys.exit({exc.code!r}). Data code must return or yield feeds."
-                        ) from None
+        raise error(f"{where}: {what} called sys.exit({exc.code!r}). {should}") from None
     except Exception as exc:
-        raise DataError(f"{where}: {what} raised {type(exc).__name__}: {exc}") from exc
+        raise error(f"{where}: {what} raised {type(exc).__name__}: {exc}. {should}") from exc
 
 
 def open_data_source(

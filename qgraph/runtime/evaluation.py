@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.data import DataSource, Feed, import_callable, open_data_source
+from qgraph.data import DataSource, Feed, import_callable, open_data_source, user_code
 from qgraph.errors import DataError
 from qgraph.runtime.compare import TensorDiff, session_run
 from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
@@ -120,14 +120,10 @@ class Evaluation:
                 raise DataError(f"labels {self.labels_from}: {len(self.labels)} label(s) for {rows} output rows; "
                                 "give one label per sample.")
             target = self.labels[:rows]
-        try:
+        with user_code(f"--metric {self.metric_spec}", "the metric", should="A metric returns a float; it is called "
+                       "as function(outputs, labels or reference outputs), outputs[i] = output i over all samples "
+                       "(axis 0)."):
             return float(self.metric(outputs, target))
-        except DataError:
-            raise
-        except Exception as exc:
-            raise DataError(f"--metric {self.metric_spec} raised {type(exc).__name__}: {exc}. It is called as "
-                            "function(outputs, labels or reference outputs), outputs[i] = output i over all "
-                            "samples (axis 0).") from exc
 
     def outputs(self, model: onnx.ModelProto | str | Path,
                 kernels: Kernels | None = None) -> tuple[list[str], list[np.ndarray]]:
@@ -206,10 +202,28 @@ class StageScore:
         return next((t for t in self.top1 if t is not None), None)
 
 
+def paired(names: Sequence[str], got_names: Sequence[str], got: Sequence[np.ndarray]) -> list[np.ndarray] | str:
+    """``got`` (outputs named ``got_names``) in the order of the reference's ``names``: outputs are compared by name,
+    never by position (two models listing the same outputs in another order must not be compared crosswise). A
+    sentence naming both sides when the names differ."""
+    if sorted(got_names) != sorted(names):
+        return (f"its outputs are {list(got_names)}, the reference's {list(names)}: outputs are compared by name, so "
+                "both models must have the same output names (rename them)")
+    by_name = dict(zip(got_names, got, strict=True))
+    return [by_name[n] for n in names]
+
+
 def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str], got: Sequence[np.ndarray],
-                evaluation: Evaluation | None = None, parts: OutputParts | None = None) -> StageScore:
-    """Compare ``got`` with ``reference`` output by output (by position), and part by part where ``parts`` split an
-    output (`qgraph.runtime.output_parts`), and apply the metric."""
+                evaluation: Evaluation | None = None, parts: OutputParts | None = None,
+                got_names: Sequence[str] | None = None) -> StageScore:
+    """Compare ``got`` with ``reference`` output by output (by name when ``got_names`` are given, see `paired`;
+    else by position), and part by part where ``parts`` split an output (`qgraph.runtime.output_parts`), and apply
+    the metric."""
+    if got_names is not None:
+        ordered = paired(names, got_names, got)
+        if isinstance(ordered, str):
+            return StageScore(stage, error=ordered)
+        got = ordered
     if len(got) != len(reference):
         return StageScore(stage, error=f"{len(got)} outputs where the reference has {len(reference)}")
     out = StageScore(stage)

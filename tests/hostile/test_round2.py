@@ -5,10 +5,14 @@ each building its hostile files in the workspace (see `conftest.Workspace.run` f
 from __future__ import annotations
 
 import os
+import re
 
+import numpy as np
 import onnx
 import pytest
 from conftest import RECIPE_PREP, Workspace, conv_model  # type: ignore[import-not-found]
+
+import qgraph.cli._app as _app
 
 
 def save_external(ws: Workspace, name: str = "m.onnx", data: str = "m.data") -> None:
@@ -53,3 +57,78 @@ def test_an_output_never_overwrites_a_file_an_input_reads(ws: Workspace, argv: l
         return text
 
     ws.run(*[fill(a) for a in argv], code=2, says=(fill(says),))
+
+
+# ------------------------------------------------------------------ 2-5, 20. the gate passes only what it checked
+def two_outputs(order: tuple[str, str], names: tuple[str, str] = ("y", "s")) -> onnx.ModelProto:
+    """``conv_model`` with a second output ``s = Sigmoid(y)``; ``order`` lists the graph outputs by role."""
+    model = conv_model()
+    g = model.graph
+    for n in g.node:
+        if n.name == "fc":
+            n.output[0] = "y0"
+    g.node.append(onnx.helper.make_node("Sigmoid", ["y0"], ["s0"], name="sig"))
+    g.node.append(onnx.helper.make_node("Identity", ["y0"], [names[0]], name="out_y"))
+    g.node.append(onnx.helper.make_node("Identity", ["s0"], [names[1]], name="out_s"))
+    del g.output[:]
+    by_role = {"y": names[0], "s": names[1]}
+    for role in order:
+        g.output.append(onnx.helper.make_tensor_value_info(by_role[role], onnx.TensorProto.FLOAT, ["N", 2]))
+    return model
+
+
+def nan_model() -> onnx.ModelProto:
+    """``conv_model`` whose conv weights are all NaN (every output value NaN)."""
+    return conv_model(weight=np.full((4, 3, 3, 3), np.nan, np.float32))
+
+
+def test_outputs_are_paired_by_name(ws: Workspace) -> None:
+    onnx.save(two_outputs(("y", "s")), ws.root / "a.onnx")
+    onnx.save(two_outputs(("s", "y")), ws.root / "swapped.onnx")
+    onnx.save(two_outputs(("y", "s"), names=("logits", "probs")), ws.root / "renamed.onnx")
+    out = ws.run("check", ws.path("a.onnx"), ws.path("swapped.onnx"), "--data", ws.path("data.npz"), code=0,
+                 says=("PASS",))
+    assert "inf (exact)" in out.text  # the same outputs, compared name by name whatever their order
+    ws.run("check", ws.path("a.onnx"), ws.path("renamed.onnx"), "--data", ws.path("data.npz"), code=1,
+           says=("its outputs are ['logits', 'probs'], the reference's ['y', 's']", "compared by name"))
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "says"),
+    [
+        ("metric-inf", 1, ("the metric", "returned inf on the reference's outputs", "FAIL")),
+        ("metric-exit", 2, ("--metric", "called sys.exit(0)", "A metric returns a float")),
+        ("nan-candidate-100%", 1, ("candidate 1", "NaN/Inf in output y (8 of 8 values)", "FAIL")),
+        ("max-drop-200%", 2, ("--max-drop '200%'", "at most 100%")),
+        ("nan-reference", 1, ("reference (", "NaN/Inf in output y (8 of 8 values)", "fix the reference",
+                              "│ not compared │")),
+        ("nan-reference-outputs", 1, ("reference outputs (", "NaN/Inf in output y (1 of 8 values)")),
+        ("total-drop-unit", 0, ("PASS",)),
+    ],
+)
+def test_the_gate_never_passes_what_it_did_not_check(ws: Workspace, case: str, code: int, says: tuple[str, ...],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_app.out, "width", 400)  # whole table cells on any terminal
+    onnx.save(nan_model(), ws.root / "nan.onnx")
+    (ws.root / "metric.py").write_text("import math, sys\ndef inf(outputs, refs):\n    return math.inf\n"
+                                       "def leave(outputs, refs):\n    sys.exit(0)\n")
+    refs = {"y": np.zeros((4, 2), np.float32)}
+    refs["y"][0, 0] = np.nan
+    np.savez(ws.root / "refs.npz", **refs)
+    base = ["check", ws.path("model.onnx"), ws.path("model.onnx"), "--data", ws.path("data.npz")]
+    argv = {
+        "metric-inf": [*base, "--metric", ws.path("metric.py") + ":inf"],
+        "metric-exit": [*base, "--metric", ws.path("metric.py") + ":leave"],
+        "nan-candidate-100%": ["check", ws.path("model.onnx"), ws.path("nan.onnx"), "--data", ws.path("data.npz"),
+                               "--max-drop", "100%"],
+        "max-drop-200%": [*base, "--max-drop", "200%"],
+        "nan-reference": ["check", ws.path("nan.onnx"), ws.path("model.onnx"), "--data", ws.path("data.npz")],
+        "nan-reference-outputs": ["check", ws.path("model.onnx"), "--reference-outputs", ws.path("refs.npz"),
+                                  "--data", ws.path("data.npz")],
+        "total-drop-unit": [*base, "--max-drop", "1%", "--max-total-drop", "0.001"],
+    }[case]
+    out = ws.run(*argv, code=code, says=says)
+    if case == "nan-reference":
+        assert re.search(r"drops [\d.]+%", out.text) is None  # the good candidate is not blamed
+    if case == "total-drop-unit":
+        assert "│ 0% │ 0 │ ok" in out.text, out.text  # the step drop in %, the absolute total drop without

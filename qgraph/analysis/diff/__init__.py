@@ -111,15 +111,19 @@ def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluati
     ``saturation``: B's layers whose int16 pair sums saturated."""
     choice = choice or choose(None)
     names, ref, _ = evaluation.run(a, choose(model_target(a)).kernels)
-    _, got, saturation = evaluation.run(b, choice.kernels)
-    score = score_stage("B", ref, names, got, evaluation)
+    got_names, got, saturation = evaluation.run(b, choice.kernels)
+    # by name when both models name the same outputs (listed in any order); renamed outputs by position, as the
+    # layer diff pairs them (`numeric._pair_tensors`), and its table shows that pairing
+    by_name = got_names if sorted(got_names) == sorted(names) else None
+    score = score_stage("B", ref, names, got, evaluation, got_names=by_name)
     out = {"data": evaluation.describe(), "top1_agreement": score.top1_agreement,
            "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
            "sqnr_db": score.sqnr_db, "cosine": score.cosine, "error": score.error,
            "kernels": choice.to_dict(), "measured_with": choice.kernels.label(),
            "saturation": [c.to_dict() for c in saturation]}
     if choice.other is not None:
-        host = score_stage("B", ref, names, evaluation.run(b, choice.other)[1], evaluation)
+        host_names, host_got, _ = evaluation.run(b, choice.other)
+        host = score_stage("B", ref, names, host_got, evaluation, got_names=host_names if by_name else None)
         out["host"] = {"measured_with": choice.other.label(), "top1_agreement": host.top1_agreement,
                        "metric_b": host.metric, "sqnr_db": host.sqnr_db, "cosine": host.cosine, "error": host.error}
     return out
