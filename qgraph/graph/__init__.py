@@ -16,7 +16,14 @@
 
 from __future__ import annotations
 
-from .checks import check_acyclic, check_model, check_structure, check_unique_names, cycle_message
+from .checks import (
+    check_acyclic,
+    check_input_structure,
+    check_model,
+    check_structure,
+    check_unique_names,
+    cycle_message,
+)
 from .detach import placeholders_as_inputs
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
 from .match import MatchResult, NoMatch
@@ -72,6 +79,7 @@ __all__ = [
     "NoMatch",
     "Shape",
     "check_acyclic",
+    "check_input_structure",
     "check_model",
     "check_structure",
     "check_unique_names",

@@ -23,7 +23,7 @@ import onnx
 
 from qgraph.data import DataLayout, DataSource, Feed, open_data_source
 from qgraph.errors import UsageError, VerificationError
-from qgraph.graph import GraphHandle, check_model
+from qgraph.graph import GraphHandle, check_input_structure, check_model
 from qgraph.graph.detach import fill_weights
 from qgraph.io.model_io import load_model, model_fingerprint, save_model
 from qgraph.pipeline.contract import run_pass
@@ -201,6 +201,7 @@ class Pipeline(RecipeSpec):
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout, kernels)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
         handle = GraphHandle(source)
+        check_input_structure(handle.graph, handle.opset)  # an invalid input is the model's fault, not a pass's
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
         load_decisions = [f"input model: {notice}"] if notice else []
         emit(PipelineEvent("pipeline_start", total, warnings=tuple(str(w) for w in early)))

@@ -132,3 +132,41 @@ def test_the_gate_never_passes_what_it_did_not_check(ws: Workspace, case: str, c
         assert re.search(r"drops [\d.]+%", out.text) is None  # the good candidate is not blamed
     if case == "total-drop-unit":
         assert "│ 0% │ 0 │ ok" in out.text, out.text  # the step drop in %, the absolute total drop without
+
+
+# ------------------------------------------------------------------ 10. an invalid model is the model's fault
+def invalid_model(kind: str) -> onnx.ModelProto:
+    """``conv_model`` broken one way: a tensor nothing produces, an op the default domain lacks, a tensor nothing
+    produces inside an If body, a graph output nobody produces."""
+    model = conv_model()
+    g = model.graph
+    h = onnx.helper
+    if kind == "undefined-tensor":
+        g.node[1].input[0] = "ghost"  # relu reads a tensor that does not exist
+    elif kind == "unknown-op":
+        g.node[1].op_type = "Reluu"
+    elif kind == "undefined-in-subgraph":
+        body = h.make_graph([h.make_node("Identity", ["ghost"], ["t"], name="inner")], "then",
+                            [], [h.make_tensor_value_info("t", onnx.TensorProto.FLOAT, None)])
+        other = h.make_graph([h.make_node("Identity", ["y"], ["e"], name="inner_e")], "else",
+                             [], [h.make_tensor_value_info("e", onnx.TensorProto.FLOAT, None)])
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(True), "cond"))
+        g.node.append(h.make_node("If", ["cond"], ["z"], name="branch", then_branch=body, else_branch=other))
+        g.output.append(h.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None))
+    else:  # an output nobody produces
+        g.output.append(h.make_tensor_value_info("nobody", onnx.TensorProto.FLOAT, ["N", 2]))
+    return model
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("undefined-tensor", "input 'ghost' is produced by no node"),
+    ("unknown-op", "Reluu does not exist at opset 17"),
+    ("undefined-in-subgraph", "input 'ghost' is produced by no node"),
+    ("output-nobody-produces", "graph output 'nobody' is produced by no node"),
+])
+def test_an_invalid_input_model_is_blamed_on_the_model(ws: Workspace, kind: str, says: str) -> None:
+    onnx.save(invalid_model(kind), ws.root / "bad.onnx")
+    for argv in (["run", ws.path("prep.yaml"), ws.path("bad.onnx"), "-o", ws.path("out.onnx")],
+                 ["lower", ws.path("bad.onnx"), "--opset", "13", "-o", ws.path("out.onnx")]):
+        out = ws.run(*argv, code=2, says=("the input model is not a valid ONNX graph", says, "Fix the model"))
+        assert "bug" not in out.text
