@@ -35,7 +35,9 @@ from .inputs import (
     LayoutChoice,
     check_array,
     decide_layout,
+    exact_array,
     model_inputs,
+    plain_value_problem,
 )
 from .sources import (
     CallableSource,
@@ -64,9 +66,11 @@ __all__ = [
     "batched",
     "check_array",
     "decide_layout",
+    "exact_array",
     "import_callable",
     "model_inputs",
     "open_data_source",
+    "plain_value_problem",
     "user_code",
     "without_fixed_inputs",
 ]

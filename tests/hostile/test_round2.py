@@ -170,3 +170,41 @@ def test_an_invalid_input_model_is_blamed_on_the_model(ws: Workspace, kind: str,
                  ["lower", ws.path("bad.onnx"), "--opset", "13", "-o", ws.path("out.onnx")]):
         out = ws.run(*argv, code=2, says=("the input model is not a valid ONNX graph", says, "Fix the model"))
         assert "bug" not in out.text
+
+
+# ------------------------------------------------------------------ 6, 11. values that do not fit are recipe errors
+def control_model() -> onnx.ModelProto:
+    """Inputs ``x: float32[1, 2]`` and ``sr: int64[]``; ``out = x * Cast(sr)``."""
+    h = onnx.helper
+    nodes = [h.make_node("Cast", ["sr"], ["srf"], name="cast", to=onnx.TensorProto.FLOAT),
+             h.make_node("Mul", ["x", "srf"], ["out"], name="mul")]
+    graph = h.make_graph(nodes, "control", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2]),
+                                            h.make_tensor_value_info("sr", onnx.TensorProto.INT64, [])],
+                         [h.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1, 2])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("{sr: 16000.7}", "input 'sr' is int64: 16000.7 is not a whole number"),
+    ("{sr: true}", "input 'sr' is int64: True is a bool"),
+    ("{sr: 1.0e+23}", "does not fit int64"),
+    ("{x: [[1.0e+40, 1]]}", "does not fit float32"),
+])
+def test_a_value_that_does_not_fit_the_input_dtype_is_a_recipe_error(ws: Workspace, value: str, says: str) -> None:
+    onnx.save(control_model(), ws.root / "control.onnx")
+    (ws.root / "spec.yaml").write_text(f"name: spec\npasses:\n  - pass: specialize_inputs\n    inputs: {value}\n")
+    out = ws.run("run", ws.path("spec.yaml"), ws.path("control.onnx"), "-o", ws.path("out.onnx"), code=2,
+                 says=(f"{ws.path('spec.yaml')}:4:", says))
+    assert "bug" not in out.text and "identical" not in out.text
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    ("specialize_inputs\n    inputs: {sr: .nan}", "nan is not a finite number"),
+    ("specialize_inputs\n    inputs: {sr: null}", "null is not a number"),
+    ("specialize_inputs\n    inputs: {sr: abc}", "'abc' is not a number"),
+    ("specialize_inputs\n    inputs: {x: [[1, 2], [3]]}", "ragged"),
+    ("optimize_rounding\n    seed: -1", "greater than or equal to 0"),
+])
+def test_bad_option_values_fail_validate(ws: Workspace, option: str, says: str) -> None:
+    (ws.root / "bad.yaml").write_text(f"name: bad\npasses:\n  - pass: {option}\n")
+    ws.run("validate", ws.path("bad.yaml"), code=2, says=(f"{ws.path('bad.yaml')}:4:", says))
