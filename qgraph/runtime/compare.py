@@ -181,6 +181,9 @@ class TensorDiff:
     samples: int = 1
     #: The part of a graph output this diff measures (`qgraph.runtime.output_parts`); None: the whole tensor ``name``.
     part: OutputPart | None = None
+    #: Values compared (finite in both; None: not counted). 0 with samples > 0: every output was empty, so nothing
+    #: was measured and "relative error 0" would be a false "verified".
+    values: int | None = None
 
     @property
     def output(self) -> str:
@@ -250,6 +253,7 @@ class DiffAccumulator:
         self.bad_ref = 0
         self.bad_cand = 0
         self.samples = 0
+        self.values = 0
 
     def add(self, reference: Any, candidate: Any) -> None:
         """Fold one pair of outputs (arrays of the same shape; sequences and optionals are flattened) into the
@@ -270,6 +274,7 @@ class DiffAccumulator:
             r, c = r[both], c[both]
             if r.size == 0:
                 return
+        self.values += int(r.size)
         err = c - r
         self.max_abs = max(self.max_abs, float(np.max(np.abs(err))))
         self.scale = max(self.scale, float(np.max(np.abs(r))))
@@ -290,7 +295,8 @@ class DiffAccumulator:
             sqnr = 10.0 * math.log10(self.ref_sq / self.err_sq)
         if self.bad_ref or self.bad_cand:
             cosine, sqnr = math.nan, math.nan
-        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr, self.bad_ref, self.bad_cand, self.samples)
+        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr, self.bad_ref, self.bad_cand, self.samples,
+                          values=self.values)
 
 
 def compare_models(

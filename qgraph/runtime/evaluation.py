@@ -95,6 +95,8 @@ class Evaluation:
             with np.load(str(data), allow_pickle=False) as npz:
                 if LABEL_KEY in npz.files and LABEL_KEY not in inputs:
                     label_arr, label_from = np.asarray(npz[LABEL_KEY]), f"{data}:{LABEL_KEY}"
+        if label_arr is not None:
+            label_arr, label_from = _checked_labels(label_arr, str(label_from), feeds, source.truncated)
         ev = cls(feeds, _sample_count(len(feeds), source) + f" sample(s) of {source.description}" +
                  (" (--samples to use more)" if source.truncated else ""), label_arr, label_from, metric,
                  load_metric(metric) if metric else None, higher_is_better)
@@ -141,6 +143,23 @@ class Evaluation:
             for i, v in enumerate(session_run(session, names, feed)):
                 per[i].append(np.asarray(v))
         return names, [concat(v) for v in per], saturation_of(session)
+
+
+def _checked_labels(labels: np.ndarray, where: str, feeds: list[Feed], truncated: bool) -> tuple[np.ndarray, str]:
+    """Labels checked against the samples before any model runs: one row per sample row (the first input's axis 0
+    summed over the feeds); more labels are used in part only when --samples cut the data (and the description
+    says so), otherwise they are an error, as fewer are."""
+    if labels.ndim == 0:
+        raise DataError(f"labels {where}: a single value (a 0-d array); give one label per sample (an array whose "
+                        "axis 0 indexes the samples).")
+    rows = sum(int(np.shape(next(iter(f.values())))[0]) if f and np.ndim(next(iter(f.values()))) else 1
+               for f in feeds)
+    if len(labels) < rows or (len(labels) > rows and not truncated):
+        raise DataError(f"labels {where}: {len(labels)} label(s) for {rows} sample row(s) of the evaluation data; "
+                        "give exactly one label per sample.")
+    if len(labels) > rows:
+        return labels[:rows], f"{where} (the first {rows} of {len(labels)}, as --samples cut the data)"
+    return labels, where
 
 
 def _sample_count(used: int, source: DataSource) -> str:

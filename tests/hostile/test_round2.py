@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from conftest import RECIPE_PREP, Workspace, conv_model  # type: ignore[import-not-found]
+from conftest import RECIPE_PREP, Workspace, conv_model, one_input_model  # type: ignore[import-not-found]
 
 import qgraph.cli._app as _app
 
@@ -208,3 +209,66 @@ def test_a_value_that_does_not_fit_the_input_dtype_is_a_recipe_error(ws: Workspa
 def test_bad_option_values_fail_validate(ws: Workspace, option: str, says: str) -> None:
     (ws.root / "bad.yaml").write_text(f"name: bad\npasses:\n  - pass: {option}\n")
     ws.run("validate", ws.path("bad.yaml"), code=2, says=(f"{ws.path('bad.yaml')}:4:", says))
+
+
+# ------------------------------------------------------------------ 7. the check measures what was written
+def test_the_final_check_measures_the_model_written_not_the_file_read_back(ws: Workspace,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from qgraph.pipeline.runner import PipelineResult
+
+    real_save = PipelineResult.save
+
+    def save_then_replaced(self: PipelineResult, path: str | Path) -> Path:
+        written = real_save(self, path)
+        onnx.save(nan_model(), written)  # a concurrent writer replaces the file before the check
+        return written
+
+    monkeypatch.setattr(PipelineResult, "save", save_then_replaced)
+    out = ws.run("run", ws.path("int8.yaml"), ws.path("model.onnx"), "-o", ws.path("out.onnx"), "--calibration-data",
+                 ws.path("data.npz"), "--eval-data", ws.path("data.npz"), "--min-sqnr", "5", code=0,
+                 says=("wrote",), outputs=("out.onnx",))
+    assert "nan" not in out.text.lower().replace("nan/inf", "")
+
+
+# ------------------------------------------------------------------ 8. nothing compared is said
+def test_verify_says_when_nothing_could_be_compared(ws: Workspace) -> None:
+    onnx.save(one_input_model(onnx.TensorProto.FLOAT, [0, 3], op="Cast"), ws.root / "zerosize.onnx")
+    out = ws.run("run", ws.path("prep.yaml"), ws.path("zerosize.onnx"), "-o", ws.path("out.onnx"), "--verify",
+                 code=0, says=("nothing could be compared", "every output was empty (0 values)"),
+                 outputs=("out.onnx",))
+    assert "relative error 0.00e+00" not in out.text
+
+
+# ------------------------------------------------------------------ 9. non-finite search targets
+@pytest.mark.parametrize("target", ["sqnr:nan", "sqnr:inf", "cosine:nan"])
+def test_sensitivity_refuses_non_finite_targets(ws: Workspace, target: str) -> None:
+    onnx.save(conv_model(), ws.root / "other.onnx")
+    ws.run("sensitivity", ws.path("model.onnx"), ws.path("other.onnx"), "--data", ws.path("data.npz"), "--target",
+           target, code=2, says=(f"invalid target {target!r}", "not a finite number"))
+
+
+# ------------------------------------------------------------------ 15, 21, 22. labels checked before the run
+@pytest.mark.parametrize(("labels", "says"), [
+    (np.zeros((8,), np.int64), "8 label(s) for 4 sample row(s)"),
+    (np.zeros((2,), np.int64), "2 label(s) for 4 sample row(s)"),
+    (np.array(3), "a single value (a 0-d array)"),
+])
+@pytest.mark.parametrize("command", ["run", "check", "diff"])
+def test_labels_that_do_not_match_the_samples_are_refused_before_any_output(ws: Workspace, labels: np.ndarray,
+                                                                           says: str, command: str) -> None:
+    np.save(ws.root / "labels.npy", labels)
+    (ws.root / "metric.py").write_text("def acc(outputs, labels):\n    return 1.0\n")
+    common = ["--labels", ws.path("labels.npy"), "--metric", ws.path("metric.py") + ":acc"]
+    argv = {"run": ["run", ws.path("int8.yaml"), ws.path("model.onnx"), "-o", ws.path("out.onnx"),
+                    "--calibration-data", ws.path("data.npz"), "--eval-data", ws.path("data.npz")],
+            "check": ["check", ws.path("model.onnx"), ws.path("model.onnx"), "--data", ws.path("data.npz")],
+            "diff": ["diff", ws.path("model.onnx"), ws.path("model.onnx"), "--inputs", ws.path("data.npz")]}[command]
+    ws.run(*argv, *common, code=2, says=(f"labels {ws.path('labels.npy')}", says))
+
+
+def test_a_metric_failing_after_the_write_says_the_output_was_written(ws: Workspace) -> None:
+    (ws.root / "metric.py").write_text("def boom(outputs, refs):\n    raise RuntimeError('boom')\n")
+    ws.run("run", ws.path("int8.yaml"), ws.path("model.onnx"), "-o", ws.path("out.onnx"), "--calibration-data",
+           ws.path("data.npz"), "--eval-data", ws.path("data.npz"), "--metric", ws.path("metric.py") + ":boom",
+           code=2, says=("raised RuntimeError: boom", f"{ws.path('out.onnx')} was written before the check failed"),
+           outputs=("out.onnx",))
