@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from qgraph.errors import DataError, QGraphError, UsageError
+from qgraph.io.inputs import array_file_problem, input_file_problem
 from qgraph.runtime.compare import TensorDiff
 from qgraph.runtime.evaluation import Evaluation, StageScore, paired, score_stage
 from qgraph.runtime.kernels.measure import KernelChoice, Kernels, SaturationCount, choose, model_target, target_family
@@ -183,6 +184,9 @@ class CheckResult:
 
 def _saved_outputs(path: Path, names: list[str], rows: int) -> list[np.ndarray]:
     """Outputs saved by the training framework: one array per output name (a lone array for one output)."""
+    problem = array_file_problem(path, ".npz") if path.is_file() else input_file_problem(path)
+    if problem is not None:
+        raise DataError(f"--reference-outputs {path}: {problem}.")
     if not path.is_file():
         raise DataError(f"--reference-outputs {path}: no such file.")
     with np.load(path, allow_pickle=False) as data:

@@ -77,7 +77,12 @@ def check(
     json_file = None if json_out in (None, "-") else json_out
     check_outputs({"--json": json_file}, inputs=[reference, *stages, data_path(data), reference_outputs,
                                                  spec_file(labels), spec_file(metric)])
+    from qgraph.io.inputs import input_file_problem
+
     for p in stages:
+        problem = input_file_problem(p)
+        if problem is not None:
+            raise UsageError(f"model {p}: {problem}.")
         if not p.is_file():
             raise UsageError(f"{p}: no such model file.")
     ev = Evaluation.open(load_model(reference), data, labels=labels, metric=metric, samples=samples,

@@ -45,11 +45,10 @@ from .sources import (
     FixedInputs,
     FolderSource,
     NpzSource,
-    import_callable,
     open_data_source,
-    user_code,
     without_fixed_inputs,
 )
+from .user_code import import_callable, user_code
 
 __all__ = [
     "DEFAULT_MAX_SAMPLES",

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from qgraph.errors import ModelError, WriteError
 from qgraph.graph.checks import check_unique_names
 from qgraph.graph.naming import named_nodes
+from qgraph.io.inputs import input_file_problem
 from qgraph.io.outputs import temporary_file, write_atomic
 from qgraph.io.proto_stream import read_header, serialized_size, tensor_size, write_streamed
 
@@ -38,6 +39,9 @@ EXTERNAL_DATA_THRESHOLD = 1024
 def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
     """Load an ONNX model with its external data, raising `ModelError` with a fix for every failure mode."""
     p = Path(path)
+    problem = input_file_problem(p)
+    if problem is not None:
+        raise ModelError(f"model {p}: {problem}.")
     if not p.exists():
         raise ModelError(f"model file not found: {p}. Check the path (relative paths start at {Path.cwd()}).")
     if p.is_dir():

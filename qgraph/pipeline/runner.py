@@ -112,6 +112,14 @@ class PipelineResult:
         return save_model(self.model, path)
 
 
+def _input_handle(model: onnx.ModelProto) -> GraphHandle:
+    """The graph handle of the input model, checked structurally first: an invalid input (a dangling tensor, an
+    unknown op) is the model's fault (`ModelError`), not the first pass's that would meet it."""
+    handle = GraphHandle(model)
+    check_input_structure(handle.graph, handle.opset)
+    return handle
+
+
 def _check_options(kernels: str, verify_tolerance: float) -> None:
     if kernels not in KERNEL_OPTIONS:
         raise UsageError(f"kernels {kernels!r}: give one of {', '.join(KERNEL_OPTIONS)}.")
@@ -200,8 +208,7 @@ class Pipeline(RecipeSpec):
 
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout, kernels)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
-        handle = GraphHandle(source)
-        check_input_structure(handle.graph, handle.opset)  # an invalid input is the model's fault, not a pass's
+        handle = _input_handle(source)
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
         load_decisions = [f"input model: {notice}"] if notice else []
         emit(PipelineEvent("pipeline_start", total, warnings=tuple(str(w) for w in early)))

@@ -25,6 +25,7 @@ import onnx
 
 from qgraph.data import DataSource, Feed, import_callable, open_data_source, user_code
 from qgraph.errors import DataError
+from qgraph.io.inputs import array_file_problem, input_file_problem
 from qgraph.runtime.compare import TensorDiff, session_run
 from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs
@@ -38,8 +39,13 @@ def load_labels(spec: str | Path) -> tuple[np.ndarray, str]:
     text = str(spec)
     path_text, _, key = text.rpartition(":") if text.count(":") and not Path(text).exists() else (text, "", "")
     path = Path(path_text)
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise DataError(f"--labels {path}: {problem}.")
     if not path.is_file():
         raise DataError(f"--labels {text}: no such file. Give FILE.npy, FILE.npz or FILE.npz:KEY.")
+    if path.suffix in (".npy", ".npz") and (problem := array_file_problem(path, path.suffix)) is not None:
+        raise DataError(f"--labels {path}: {problem}.")
     if path.suffix == ".npy":
         return np.load(path, allow_pickle=False), str(path)
     if path.suffix != ".npz":

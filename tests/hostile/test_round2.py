@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -272,3 +273,52 @@ def test_a_metric_failing_after_the_write_says_the_output_was_written(ws: Worksp
            ws.path("data.npz"), "--eval-data", ws.path("data.npz"), "--metric", ws.path("metric.py") + ":boom",
            code=2, says=("raised RuntimeError: boom", f"{ws.path('out.onnx')} was written before the check failed"),
            outputs=("out.onnx",))
+
+
+# ------------------------------------------------------------------ 18, 23. non-regular inputs, loops, foreign content
+def make_special(ws: Workspace, kind: str, name: str) -> str:
+    """A FIFO, a character device node copied from /dev/zero (skipped without the right to create one), or a
+    symlink loop named ``name`` in the workspace."""
+    path = ws.root / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        try:
+            os.mknod(path, 0o600 | stat.S_IFCHR, os.stat("/dev/zero").st_rdev)
+        except (PermissionError, FileNotFoundError, AttributeError):
+            pytest.skip("cannot create a device node here")
+    else:
+        path.symlink_to(path)
+    return str(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+@pytest.mark.parametrize("kind", ["fifo", "device", "loop"])
+@pytest.mark.parametrize("role", ["recipe", "model", "data", "labels", "check-candidate"])
+def test_inputs_that_are_not_regular_files_are_refused_at_once(ws: Workspace, kind: str, role: str) -> None:
+    says = {"fifo": "is a named pipe (FIFO), not a regular file", "device": "is a device, not a regular file",
+            "loop": "is a symlink loop"}[kind]
+    special = make_special(ws, kind, {"recipe": "r.yaml", "model": "m.onnx", "data": "d.npz", "labels": "l.npy",
+                                      "check-candidate": "c.onnx"}[role])
+    run = ["run", ws.path("int8.yaml"), ws.path("model.onnx"), "-o", ws.path("out.onnx"), "--calibration-data",
+           ws.path("data.npz")]
+    argv = {"recipe": ["run", special, ws.path("model.onnx"), "-o", ws.path("out.onnx")],
+            "model": ["run", ws.path("prep.yaml"), special, "-o", ws.path("out.onnx")],
+            "data": [*run[:-1], special],
+            "labels": ["check", ws.path("model.onnx"), ws.path("model.onnx"), "--data", ws.path("data.npz"),
+                       "--labels", special],
+            "check-candidate": ["check", ws.path("model.onnx"), special, "--data", ws.path("data.npz")]}[role]
+    ws.run(*argv, code=2, says=(special, says))
+
+
+@pytest.mark.parametrize(("content", "name", "says"), [
+    (b"x,y\n1,2\n", "data.txt.npz", "is not a .npz file (its content is text)"),
+    (b"\x00\x01garbage", "folder/0.npy", "is not a .npy file (its content is something else)"),
+])
+def test_array_files_of_another_kind_say_what_they_are(ws: Workspace, content: bytes, name: str, says: str) -> None:
+    onnx.save(one_input_model(onnx.TensorProto.FLOAT, [1, 3]), ws.root / "one.onnx")
+    (ws.root / "folder").mkdir()
+    (ws.root / name).write_bytes(content)
+    data = ws.path(name) if name.endswith(".npz") else ws.path("folder")
+    out = ws.run("diff", ws.path("one.onnx"), ws.path("one.onnx"), "--inputs", data, code=2, says=(says,))
+    assert "pickle" not in out.text
