@@ -322,3 +322,52 @@ def test_array_files_of_another_kind_say_what_they_are(ws: Workspace, content: b
     data = ws.path(name) if name.endswith(".npz") else ws.path("folder")
     out = ws.run("diff", ws.path("one.onnx"), ws.path("one.onnx"), "--inputs", data, code=2, says=(says,))
     assert "pickle" not in out.text
+
+
+# ------------------------------------------------------------------ 13. verify on inputs whose sizes are unknown
+def matmul_model(shape: list[int | str] | None) -> onnx.ModelProto:
+    """``y = x @ W`` with ``W: [4, 2]`` and ``x`` declared as ``shape`` (None: no shape at all)."""
+    h = onnx.helper
+    x = (h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, shape) if shape is not None else
+         h.make_value_info("x", h.make_tensor_type_proto(onnx.TensorProto.FLOAT, shape=None)))
+    graph = h.make_graph([h.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "mm", [x],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                         [onnx.numpy_helper.from_array(np.ones((4, 2), np.float32), "W")])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("shape", [["N", "K"], None], ids=["symbolic", "undeclared"])
+@pytest.mark.parametrize("command", ["run", "lower"])
+def test_verify_on_unknown_input_sizes_says_what_to_give(ws: Workspace, shape: list[int | str] | None,
+                                                        command: str) -> None:
+    onnx.save(matmul_model(shape), ws.root / "mm.onnx")
+    argv = (["run", ws.path("prep.yaml"), ws.path("mm.onnx")] if command == "run" else
+            ["lower", ws.path("mm.onnx"), "--opset", "13"])
+    ws.run(*argv, "-o", ws.path("out.onnx"), "--verify", code=2,
+           says=("onnxruntime cannot run the reference model on the inputs it was given (x: float32[",
+                 "MatMul dimension mismatch", "give data whose samples have the sizes the model expects"))
+
+
+# ------------------------------------------------------------------ 14, 15. inputs the two sides disagree on
+@pytest.mark.parametrize(("elem", "shape", "says"), [
+    (onnx.TensorProto.BFLOAT16, [1, 3], "bfloat16[1,3] in B"),
+    (onnx.TensorProto.FLOAT16, [1, 3], "float16[1,3] in B"),
+    (onnx.TensorProto.BOOL, [1, 3], "bool[1,3] in B"),
+    (onnx.TensorProto.DOUBLE, [1, 3], "float64[1,3] in B"),
+    (onnx.TensorProto.INT64, [1, 3], "int64[1,3] in B"),
+    (onnx.TensorProto.UINT8, [1, 3], "uint8[1,3] in B"),
+    (onnx.TensorProto.FLOAT, [0, 3], "float32[0,3] in B"),
+])
+def test_diff_names_an_input_the_models_type_differently(ws: Workspace, elem: int, shape: list[int],
+                                                         says: str) -> None:
+    onnx.save(one_input_model(onnx.TensorProto.FLOAT, [1, 3], op="Cast"), ws.root / "a.onnx")
+    onnx.save(one_input_model(elem, shape, op="Cast"), ws.root / "b.onnx")
+    ws.run("diff", ws.path("a.onnx"), ws.path("b.onnx"), "--inputs", "random", code=2,
+           says=("input a: float32[1,3] in A", says))
+
+
+def test_reference_outputs_that_are_not_an_npz_are_named(ws: Workspace) -> None:
+    (ws.root / "refs.npz").write_bytes(b"\x80\x04\x95pickled-looking bytes")
+    out = ws.run("check", ws.path("model.onnx"), "--reference-outputs", ws.path("refs.npz"), "--data",
+                 ws.path("data.npz"), code=2, says=(f"--reference-outputs {ws.path('refs.npz')}: is not a .npz file",))
+    assert "pickle" not in out.text
