@@ -161,5 +161,8 @@ def executor_spec(kind: ExecutorKind, address: str | None, jobs: int | None) -> 
     if address is not None and not address.strip():
         raise UsageError("--address is empty: give 'auto', HOST:PORT or ray://HOST:PORT, or leave it out.")
     if kind == "ray":
+        from qgraph.runtime.executor.ray_tasks import check_address
+
         require_ray()
+        check_address(address)  # before any work: a cluster that does not answer is said in seconds, not minutes
     return ExecutorSpec(kind=kind, address=address, workers=jobs)

@@ -69,7 +69,24 @@ def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
         raise ModelError(
             f"{p}: cannot read its external data ({exc}). Keep the .data file(s) beside the model."
         ) from exc
+    _check_tensor_data(model, p)
     return model
+
+
+#: The typed value fields of a TensorProto (besides ``raw_data``).
+_VALUE_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+def _check_tensor_data(model: onnx.ModelProto, path: Path) -> None:
+    """`ModelError` for a tensor whose dims say it holds values but that stores none (every reader would fail on
+    it deep inside, reshaping nothing into its shape). Reads no tensor's bytes (``HasField`` and field lengths)."""
+    for t in _all_tensors(model):
+        if t.HasField("raw_data") or any(len(getattr(t, f)) for f in _VALUE_FIELDS):
+            continue
+        count = int(np.prod([int(d) for d in t.dims])) if len(t.dims) else 1
+        if count:
+            raise ModelError(f"{path}: tensor {t.name!r} declares dims {list(t.dims)} ({count} value(s)) but holds "
+                             "no data: the file is truncated or was written without its weights. Re-export it.")
 
 
 def _external_entries(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, str]]:

@@ -4,6 +4,7 @@ each building its hostile files in the workspace (see `conftest.Workspace.run` f
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import stat
@@ -371,3 +372,40 @@ def test_reference_outputs_that_are_not_an_npz_are_named(ws: Workspace) -> None:
     out = ws.run("check", ws.path("model.onnx"), "--reference-outputs", ws.path("refs.npz"), "--data",
                  ws.path("data.npz"), code=2, says=(f"--reference-outputs {ws.path('refs.npz')}: is not a .npz file",))
     assert "pickle" not in out.text
+
+
+# ------------------------------------------------------------------ 16, 19. a Ray cluster that cannot answer
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("command", ["run", "sensitivity"])
+def test_a_ray_address_that_does_not_answer_is_said_at_once(ws: Workspace, command: str) -> None:
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{closed_port()}"
+    argv = (["run", ws.path("prep.yaml"), ws.path("model.onnx"), "--out-dir", ws.path("out")] if command == "run"
+            else ["sensitivity", ws.path("model.onnx"), ws.path("model.onnx"), "--data", ws.path("data.npz")])
+    ws.run(*argv, "--executor", "ray", "--address", address, code=2,
+           says=(f"--address {address}: the Ray cluster did not answer",))
+
+
+def test_a_ray_client_address_without_the_client_extra_is_said(ws: Workspace) -> None:
+    pytest.importorskip("ray")
+    if importlib.util.find_spec("grpc") is not None:
+        pytest.skip("Ray's client is installed here")
+    ws.run("run", ws.path("prep.yaml"), ws.path("model.onnx"), "--out-dir", ws.path("out"), "--executor", "ray",
+           "--address", "ray://127.0.0.1:10001", code=2, says=("pip install 'ray[client]'",))
+
+
+def test_a_tensor_with_dims_but_no_bytes_is_blamed_on_the_model(ws: Workspace) -> None:
+    model = conv_model()
+    model.graph.initializer[0].ClearField("raw_data")
+    onnx.save(model, ws.root / "nobytes.onnx")
+    for argv in (["inspect", "--json", ws.path("nobytes.onnx")],
+                 ["run", ws.path("prep.yaml"), ws.path("nobytes.onnx"), "-o", ws.path("out.onnx")]):
+        ws.run(*argv, code=2, says=("tensor 'W' declares dims [4, 3, 3, 3] (108 value(s)) but holds no data",))
