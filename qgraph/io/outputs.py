@@ -26,6 +26,10 @@ from qgraph.errors import OutputError, WriteError
 PathLike = str | os.PathLike[str]
 
 
+#: Bytes of the output's name kept in its temporary file's name (the rest: prefix, pid, random part, suffix).
+_TEMP_NAME_BYTES = 120
+
+
 class Terminated(BaseException):
     """Raised in the main thread when the process receives SIGTERM, so cleanups run as for Ctrl-C."""
 
@@ -45,6 +49,7 @@ def check_output(path: PathLike | None, *, inputs: Iterable[PathLike | None] = (
         raise OutputError(f"{option} .: the output path is empty or a directory; give a file name such as "
                           "model.int8.onnx.")
     target = Path(path)
+    _check_name_lengths(target, option)
     if target.exists() or target.is_symlink():
         if target.is_dir():
             raise OutputError(f"{option} {target}: is a directory; give a file path inside it.")
@@ -81,6 +86,29 @@ def check_outputs(outputs: dict[str, PathLike | None], inputs: Iterable[PathLike
         if key in seen:
             raise OutputError(f"{option} {target}: is also the path given to {seen[key]}; give distinct outputs.")
         seen[key] = option
+
+
+def _check_name_lengths(target: Path, option: str) -> None:
+    """`OutputError` for a name or path the file system refuses (``File name too long``), found before any work;
+    the temporary names `temporary_file` uses are kept short whatever the output's name."""
+    folder = _folder(target)
+    probe = folder
+    while not os.path.isdir(probe) and probe != probe.parent:  # isdir: False, never an error, on a long path
+        probe = probe.parent
+    try:
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+        path_max = os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    # (a model over 2 GB also writes <name>.data: that name's length is the writer's to report, as it is rare)
+    length = len(os.fsencode(target.name))
+    if length > name_max:
+        raise OutputError(f"{option} {str(target)[:80]}...: the file name is {length} bytes; this file system "
+                          f"allows {name_max}. Give a shorter name.")
+    full = len(os.fsencode(os.path.abspath(target)))
+    if full >= path_max:
+        raise OutputError(f"{option} {str(target)[:80]}...: the path is {full} bytes; this system allows "
+                          f"{path_max - 1}. Give a shorter path.")
 
 
 def files_read(given: PathLike) -> Iterator[Path]:
@@ -173,7 +201,8 @@ def write_atomic(path: PathLike, content: str | bytes | Callable[[IO[bytes]], No
 def temporary_file(folder: Path, name: str) -> Iterator[Path]:
     """A fresh hidden path in ``folder`` (created empty with the umask's permissions), removed on exit unless
     it was renamed away."""
-    tmp = folder / f".qgraph-{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    short = os.fsencode(name)[:_TEMP_NAME_BYTES].decode("utf-8", "ignore")  # any output name leaves room for the rest
+    tmp = folder / f".qgraph-{short}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:

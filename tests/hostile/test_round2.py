@@ -409,3 +409,31 @@ def test_a_tensor_with_dims_but_no_bytes_is_blamed_on_the_model(ws: Workspace) -
     for argv in (["inspect", "--json", ws.path("nobytes.onnx")],
                  ["run", ws.path("prep.yaml"), ws.path("nobytes.onnx"), "-o", ws.path("out.onnx")]):
         ws.run(*argv, code=2, says=("tensor 'W' declares dims [4, 3, 3, 3] (108 value(s)) but holds no data",))
+
+
+# ------------------------------------------------------------------ 17. names the file system refuses, or nearly
+@pytest.mark.parametrize(("name", "code", "says"), [
+    ("a" * 256, 2, "the file name is 256 bytes; this file system allows"),
+    ("d/" * 2100 + "x.onnx", 2, "the path is"),
+    ("b" * 244, 0, "wrote"),
+])
+def test_output_names_the_file_system_refuses_are_found_first(ws: Workspace, name: str, code: int,
+                                                              says: str) -> None:
+    out = ws.run("run", ws.path("prep.yaml"), ws.path("model.onnx"), "-o", ws.path(name), code=code, says=(says,),
+                 outputs=(name,) if code == 0 else ())
+    assert ("wrote" in out.text) == (code == 0)  # a refusal comes before the run, never after it
+
+
+def test_ray_start_keeps_the_sigterm_handler() -> None:
+    import signal
+
+    from qgraph.runtime.executor.ray_tasks import _keeping_sigterm
+
+    def ours(signum: int, frame: object) -> None: ...
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        _keeping_sigterm(lambda: signal.signal(signal.SIGTERM, lambda s, f: None))  # what ray.init does
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)

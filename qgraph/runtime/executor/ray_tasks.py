@@ -54,6 +54,19 @@ def _ray_call(fn: Callable[[Any, Any], Any], boxed: list[Any], item: Any) -> Any
     return fn(_RAY_SHARED[key], item)
 
 
+def _keeping_sigterm(start: Callable[[], Any]) -> None:
+    """Run ``start`` (``ray.init``), then put back the SIGTERM handler it replaced: Ray's handler calls
+    ``sys.exit(15)``, which would read as user code exiting instead of the command being terminated."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    start()
+    if main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class RayExecutor(Executor):
     """Ray tasks: on the Ray this process is connected to, else on one it connects to now (``ray.init``: a local
     Ray when ``address`` is None, else the cluster at ``address``).
@@ -89,7 +102,7 @@ class RayExecutor(Executor):
             }
             if address is None and workers is not None:
                 options.setdefault("num_cpus", workers)
-            ray.init(**options)
+            _keeping_sigterm(lambda: ray.init(**options))
             self._started = True
         self.workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.max_retries = max_retries
