@@ -84,12 +84,26 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _debug_first(argv: list[str] | None) -> list[str]:
+    """``argv`` with a ``--debug`` written after the command (``qgraph diff A B --debug``, as the messages say)
+    moved before it, where the group's option lives; arguments after ``--`` are left alone."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" in args[1:end]:
+        args.remove("--debug")
+        args.insert(0, "--debug")
+    return args
+
+
 def _main(argv: list[str] | None) -> int:
+    STATE["debug"] = False
     try:
-        code = app(args=argv, standalone_mode=False, prog_name="qgraph")
+        code = app(args=_debug_first(argv), standalone_mode=False, prog_name="qgraph")
     except QGraphError as exc:
-        if STATE["debug"]:
-            raise
+        if STATE["debug"]:  # the traceback, and still the exit code of the error's kind (2: bad input)
+            import traceback
+
+            traceback.print_exc()
         console.print("error:", style="bold red", end=" ")
         console.print(exc.message, markup=False, highlight=False, emoji=False, soft_wrap=True)
         return exc.exit_code

@@ -16,6 +16,7 @@ import pytest
 from conftest import RECIPE_PREP, Workspace, conv_model, one_input_model  # type: ignore[import-not-found]
 
 import qgraph.cli._app as _app
+from qgraph.cli import main
 
 
 def save_external(ws: Workspace, name: str = "m.onnx", data: str = "m.data") -> None:
@@ -437,3 +438,51 @@ def test_ray_start_keeps_the_sigterm_handler() -> None:
         assert signal.getsignal(signal.SIGTERM) is ours
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ------------------------------------------------------------------ 24-27. real models made by other tools
+def test_diff_probes_an_opset_9_float_model_with_ops_it_has(ws: Workspace) -> None:
+    onnx.save(conv_model(opset=9), ws.root / "op9.onnx")
+    ws.run("run", ws.path("int8.yaml"), ws.path("op9.onnx"), "-o", ws.path("q.onnx"), "--calibration-data",
+           ws.path("data.npz"), code=0, outputs=("q.onnx",))
+    out = ws.run("diff", ws.path("op9.onnx"), ws.path("q.onnx"), "--eval-data", ws.path("data.npz"), "--exact-top",
+                 "0", code=0, says=("alone: output SQNR",), outputs=("q.onnx",))
+    assert "No Op registered" not in out.text
+
+
+def bad_axis_qdq() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """A float ``y = x @ W`` and a QDQ copy whose per-axis weight scale has the wrong length (4 for 3 columns)."""
+    h, nh = onnx.helper, onnx.numpy_helper
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+
+    def model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+        graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                             [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3])], inits)
+        return h.make_model(graph, opset_imports=[h.make_opsetid("", 13)], ir_version=8)
+
+    mm = h.make_node("MatMul", ["x", "W"], ["y"], name="mm")
+    codes = np.clip(np.round(w / 0.02), -127, 127).astype(np.int8)
+    inits = [nh.from_array(codes, "Wq"), nh.from_array(np.full(4, 0.02, np.float32), "Ws"),
+             nh.from_array(np.zeros(4, np.int8), "Wz")]
+    dq = h.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], name="dq", axis=1)
+    return model([mm], [nh.from_array(w, "W")]), model([dq, mm], inits)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_diff_blames_a_malformed_qdq_node_with_exit_2(ws: Workspace, debug: bool) -> None:
+    float_model, qdq = bad_axis_qdq()
+    onnx.save(float_model, ws.root / "f.onnx")
+    onnx.save(qdq, ws.root / "q.onnx")
+    np.savez(ws.root / "xs.npz", x=np.random.default_rng(1).standard_normal((4, 1, 4)).astype(np.float32))
+    argv = ["diff", ws.path("f.onnx"), ws.path("q.onnx"), "--eval-data", ws.path("xs.npz")]
+    if not debug:
+        ws.run(*argv, code=2, says=("DequantizeLinear node. Name:'dq'", "The node it names is malformed"))
+        return
+    assert main([*argv, "--debug"]) == 2  # --debug after the command, and the same exit code with the traceback
+
+
+def test_lower_to_a_higher_opset_reports_the_rewrite(ws: Workspace) -> None:
+    onnx.save(conv_model(opset=9), ws.root / "op9.onnx")
+    out = ws.run("lower", ws.path("op9.onnx"), "--opset", "13", "-o", ws.path("op13.onnx"), code=0,
+                 says=("opset 9 -> 13",), outputs=("op13.onnx",))
+    assert "although the pass reported no rewrite" not in out.text

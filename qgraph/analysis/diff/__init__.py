@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import onnx
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from qgraph.analysis.diff.attribution import Attribution, Culprit
 from qgraph.analysis.diff.culprits import EXACT_TOP, attribute
@@ -25,6 +26,7 @@ from qgraph.analysis.diff.numeric import numeric_diff
 from qgraph.analysis.diff.qdq import NodeQuant, QdqCoverage, SaturationRisk, qdq_coverage, saturation_risks
 from qgraph.analysis.diff.structural import StructuralDiff, structural_diff
 from qgraph.data import Feed, open_data_source
+from qgraph.errors import ModelError
 from qgraph.runtime.evaluation import Evaluation, load_metric, score_stage
 from qgraph.runtime.kernels.host import saturates
 from qgraph.runtime.kernels.measure import KernelChoice, Kernels, choose, model_target, target_family
@@ -96,10 +98,19 @@ def diff_files(
         evaluation = Evaluation.open(ma, str(inputs), labels=None if labels is None else str(labels), metric=metric,
                                      samples=samples)
     choice = choose(target_family(target_cpu) if target_cpu else model_target(mb), kernels)
-    numeric = numeric_diff(ma, layers_model(mb, choice.kernels), evaluation.feeds, whole_outputs=whole_outputs)
-    numeric.evaluation = compare_outputs(ma, mb, evaluation, choice)
-    if structural.coverage_b.dequantize_nodes:
-        numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top, whole_outputs=whole_outputs)
+    try:
+        numeric = numeric_diff(ma, layers_model(mb, choice.kernels), evaluation.feeds, whole_outputs=whole_outputs)
+        numeric.evaluation = compare_outputs(ma, mb, evaluation, choice)
+        if structural.coverage_b.dequantize_nodes:
+            numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top,
+                                            whole_outputs=whole_outputs)
+    except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument) as exc:
+        # a malformed node onnxruntime tolerates only when its optimizations fold it away (a per-axis scale of the
+        # wrong length): the numeric diff reads every tensor, so it runs without them
+        reason = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"onnxruntime cannot run {a} or {b} tensor by tensor (graph optimizations off, as the "
+                         f"layer-by-layer diff needs): {reason}. The node it names is malformed: fix it in the model "
+                         "(a scale's length must match its axis).") from None
     return structural, numeric
 
 
