@@ -486,3 +486,9 @@ def test_lower_to_a_higher_opset_reports_the_rewrite(ws: Workspace) -> None:
     out = ws.run("lower", ws.path("op9.onnx"), "--opset", "13", "-o", ws.path("op13.onnx"), code=0,
                  says=("opset 9 -> 13",), outputs=("op13.onnx",))
     assert "although the pass reported no rewrite" not in out.text
+
+
+def test_an_output_with_a_trailing_slash_is_refused(ws: Workspace) -> None:
+    ws.run("run", ws.path("prep.yaml"), ws.path("model.onnx"), "-o", ws.path("out/newdir") + "/", code=2,
+           says=("ends with a slash, so it names a folder",))
+    assert not (ws.root / "out").exists()
