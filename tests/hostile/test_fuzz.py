@@ -3,15 +3,22 @@ script answers usage errors with exit 2 and its usage text (issue #17 done-when,
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
+from conftest import calibration, hang_guard  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_round2 import nan_model, two_outputs  # type: ignore[import-not-found]
 
 from qgraph.cli import main
 
@@ -96,15 +103,6 @@ _KINDS = st.sampled_from(["good", "fifo", "device", "loop", "swapped", "nan"])
 @given(reference=_KINDS, candidate=_KINDS, data=st.sampled_from(["good", "fifo", "device", "loop"]))
 def test_hostile_files_in_check_never_hang_crash_or_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          reference: str, candidate: str, data: str) -> None:
-    import hashlib
-    import os
-    import stat
-
-    import numpy as np
-    import onnx
-    from conftest import calibration, hang_guard  # type: ignore[import-not-found]
-    from test_round2 import nan_model, two_outputs  # type: ignore[import-not-found]
-
     folder = tmp_path / f"{reference}-{candidate}-{data}"
     folder.mkdir()
 
