@@ -492,3 +492,18 @@ def test_an_output_with_a_trailing_slash_is_refused(ws: Workspace) -> None:
     ws.run("run", ws.path("prep.yaml"), ws.path("model.onnx"), "-o", ws.path("out/newdir") + "/", code=2,
            says=("ends with a slash, so it names a folder",))
     assert not (ws.root / "out").exists()
+
+
+# ------------------------------------------------------------------ 12. a shapeless input given data of any rank
+def test_smooth_quant_names_activations_without_a_channel_axis() -> None:
+    from qgraph.passes.smooth_quant.measure import ChannelStats
+
+    from qgraph.errors import DataError
+
+    stats = ChannelStats("x", rows=4)
+    with pytest.raises(DataError, match=r"tensor 'x' is a single value \(0-d\) on calibration sample 0"):
+        stats.update(np.float32(1.5), 0)
+    stats.update(np.ones((2, 3), np.float32), 1)
+    with pytest.raises(DataError, match=r"has 5 channel\(s\) \(last axis\) on calibration sample 2, 3 on the"):
+        stats.update(np.ones((2, 5), np.float32), 2)
+    assert stats.absmax.tolist() == [1.0, 1.0, 1.0]  # the good sample is kept, the bad ones never folded in
