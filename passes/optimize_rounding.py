@@ -75,7 +75,8 @@ class OptimizeRoundingConfig(GuardConfig):
     time_budget_s: float | None = Field(
         default=None, gt=0, description="Stop after this many seconds (layers done so far are kept; reported).")
     cache_mb: float = Field(default=256.0, gt=0, description="Memory for the input samples of one group of layers.")
-    seed: int = Field(default=0, description="Seed of the row sampling (results are reproducible).")
+    seed: int = Field(default=0, ge=0, lt=2**32, description="Seed of the row sampling (results are reproducible; "
+                      "0 to 2**32-1, as numpy's generator takes).")
 
 
 def _sqnr_db(signal: float, noise: float) -> float:

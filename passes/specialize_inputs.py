@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassError, PassResult, get_pass, register
+from qgraph.data import exact_array, model_inputs, plain_value_problem
 from qgraph.graph import const_value, tensor_dtype
 from qgraph.graph.names import GraphInputName
 
@@ -47,6 +49,16 @@ class SpecializeInputsConfig(PassConfig):
         "{sr: 16000}. The input is removed from the model's interface.",
     )
 
+    @field_validator("inputs")
+    @classmethod
+    def _plain_values(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Every value is a finite number, a bool or a rectangular nested list of them (whatever the model)."""
+        for name, given in value.items():
+            problem = plain_value_problem(given)
+            if problem is not None:
+                raise ValueError(f"input {name!r}: {problem}")
+        return value
+
 
 @register
 class SpecializeInputs(Pass[SpecializeInputsConfig]):
@@ -56,6 +68,18 @@ class SpecializeInputs(Pass[SpecializeInputsConfig]):
     config_class = SpecializeInputsConfig
     preserves_float = False  # the model takes fewer inputs: `--verify` cannot feed the original the same way
     keeps_float_values = True  # same values for the inputs kept: weight correction compares against the result
+
+    def option_issues(self, model: onnx.ModelProto) -> list[tuple[tuple[int | str, ...], str]]:
+        """A value that does not fit its input's dtype exactly (16000.7 or true on an int64, 1e40 on a float32)."""
+        specs = {s.name: s for s in model_inputs(model)}
+        out: list[tuple[tuple[int | str, ...], str]] = []
+        for name, given in self.config.inputs.items():
+            if name in specs:
+                try:
+                    exact_array(given, specs[name].dtype)
+                except ValueError as exc:
+                    out.append((("inputs", name), f"input {name!r} is {specs[name].dtype}: {exc}."))
+        return out
 
     def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
         """Every named input exists and its value fits the input's dtype and shape."""
@@ -71,7 +95,10 @@ class SpecializeInputs(Pass[SpecializeInputsConfig]):
         fixed: dict[str, np.ndarray] = {}
         for tensor in [t for t in graph.graph.inputs if t.name in self.config.inputs]:
             dtype = tensor_dtype(tensor, shapes) or np.dtype(np.float32)
-            value = np.asarray(self.config.inputs[tensor.name], dtype=dtype)
+            try:  # checked before the run (`option_issues`); a model given in memory reaches here too
+                value = exact_array(self.config.inputs[tensor.name], dtype)
+            except ValueError as exc:
+                raise PassError(f"specialize_inputs: input {tensor.name!r} is {dtype}: {exc}.") from None
             declared = tensor.shape
             if declared is not None and (len(declared) != value.ndim or any(
                     isinstance(d, int) and d >= 0 and d != v for d, v in zip(declared, value.shape, strict=False))):

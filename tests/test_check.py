@@ -143,7 +143,8 @@ def test_drop_units() -> None:
 def test_labels_are_found_or_given(tmp_path: Path) -> None:
     model = onnx.load(DIGITS / "model.onnx")
     ev = Evaluation.open(model, DIGITS / "eval.npz", samples=10)
-    assert ev.labels is not None and ev.labels_from == f"{DIGITS / 'eval.npz'}:labels" and len(ev.feeds) == 10
+    assert ev.labels is not None and len(ev.labels) == 10 and len(ev.feeds) == 10
+    assert ev.labels_from == f"{DIGITS / 'eval.npz'}:labels (the first 10 of 450, as --samples cut the data)"
     np.save(tmp_path / "y.npy", np.arange(5))
     assert load_labels(tmp_path / "y.npy")[0].tolist() == [0, 1, 2, 3, 4]
     np.savez(tmp_path / "y.npz", classes=np.arange(3))

@@ -110,11 +110,12 @@ def test_bad_calibration_data(workspace: Path, capsys, arrays: dict, expected: s
     assert not (workspace / "o.onnx").exists()
 
 
-def test_debug_flag_shows_the_traceback(workspace: Path) -> None:
-    from qgraph.errors import ModelError
-
-    with pytest.raises(ModelError):
-        main(["--debug", "run", str(workspace / "recipe.yaml"), str(workspace / "nope.onnx"), "-o", "x.onnx"])
+def test_debug_flag_shows_the_traceback(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--debug", "run", str(workspace / "recipe.yaml"), str(workspace / "nope.onnx"), "-o", "x.onnx"],
+                 ["run", str(workspace / "recipe.yaml"), str(workspace / "nope.onnx"), "-o", "x.onnx", "--debug"]):
+        assert main(argv) == 2  # the traceback, and the exit code of bad input all the same
+        err = capsys.readouterr().err
+        assert "Traceback" in err and "ModelError" in err and "model file not found" in err
 
 
 def test_labels_without_eval_data_is_refused_before_any_work(workspace: Path, capsys) -> None:  # type: ignore[no-untyped-def]

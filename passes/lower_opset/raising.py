@@ -171,7 +171,8 @@ def _pass_classes() -> tuple[type, type]:
             )
             if res.source_opset != res.target_opset:
                 graph.replace_model(res.model, held)
-                out.rewritten = sum(res.adapters.values()) + len(res.dropped_attributes)
+                # the opset stamp is itself a rewrite of the model, also when no node needed an adapter
+                out.rewritten = max(1, sum(res.adapters.values()) + len(res.dropped_attributes))
                 out.notes.append(f"opset {res.source_opset} -> {res.target_opset}")
             return out
 

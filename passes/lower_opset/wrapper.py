@@ -43,7 +43,8 @@ class LowerOpset(Pass[LowerOpsetConfig]):
         if res.source_opset == res.target_opset:
             out.notes.append(f"model is already at opset {res.target_opset}")
             return out
-        out.matched = out.rewritten = sum(res.ops.values())
+        out.matched = sum(res.ops.values())
+        out.rewritten = max(1, out.matched)  # the opset stamp is itself a rewrite, also when no node needed one
         out.nodes_added = max(0, res.nodes_after - res.nodes_before)
         out.nodes_removed = max(0, res.nodes_before - res.nodes_after)
         graph.replace_model(res.model, held)

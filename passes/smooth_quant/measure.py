@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qgraph import GraphHandle, PassContext, PassError
+from qgraph import DataError, GraphHandle, PassContext, PassError
 from qgraph.calibrate import observe
 from qgraph.data import batched
 
@@ -29,7 +29,17 @@ class ChannelStats:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     def update(self, x: np.ndarray, sample_index: int | None = None, /) -> None:
-        """Fold one batch (any leading shape, channels last) into the statistics."""
+        """Fold one batch (any leading shape, channels last) into the statistics; a batch without a channel axis (a
+        0-d value) or with another channel count than the ones before is bad data (a shapeless model input takes
+        any rank, so the data decides it), never an IndexError."""
+        if np.ndim(x) == 0:
+            raise DataError(f"smooth_quant: tensor {self.name!r} is a single value (0-d) on calibration sample "
+                            f"{sample_index}: it is smoothed per channel on its last axis. The model's input "
+                            "declares no shape, so the data decides it: give samples with the channel axis last.")
+        if self.low is not None and x.shape[-1] != self.low.shape[0]:
+            raise DataError(f"smooth_quant: tensor {self.name!r} has {x.shape[-1]} channel(s) (last axis) on "
+                            f"calibration sample {sample_index}, {self.low.shape[0]} on the samples before: give "
+                            "samples of one shape.")
         flat = np.asarray(x, dtype=np.float64).reshape(-1, x.shape[-1])
         if not np.all(np.isfinite(flat)):
             raise PassError(f"smooth_quant: tensor {self.name!r} holds NaN/Inf on calibration sample {sample_index}")

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from qgraph.errors import DataError, QGraphError, UsageError
+from qgraph.io.inputs import array_file_problem, input_file_problem
 from qgraph.runtime.class_outputs import class_outputs
 from qgraph.runtime.compare import TensorDiff
-from qgraph.runtime.evaluation import Evaluation, StageScore, score_stage
+from qgraph.runtime.evaluation import Evaluation, StageScore, paired, score_stage
 from qgraph.runtime.kernels.measure import KernelChoice, Kernels, SaturationCount, choose, model_target, target_family
 from qgraph.runtime.output_parts import OutputParts, output_parts_of
 
@@ -38,8 +39,9 @@ class Drop:
     relative: bool
 
     @classmethod
-    def parse(cls, text: str, option: str = "--max-drop") -> Drop:
-        """``"1%"`` or ``"0.01"``; negative or non-numeric values are usage errors."""
+    def parse(cls, text: str, option: str = "--max-drop", higher_is_better: bool = True) -> Drop:
+        """``"1%"`` or ``"0.01"``; negative or non-numeric values are usage errors, and so is a relative drop above
+        100% of a quality where higher is better (it would allow a stage that lost everything, NaN included)."""
         raw = text.strip()
         relative = raw.endswith("%")
         try:
@@ -48,6 +50,9 @@ class Drop:
             raise UsageError(f"{option} {text!r}: give a percentage (1%) or an absolute drop (0.01).") from None
         if not math.isfinite(value) or value < 0:
             raise UsageError(f"{option} {text!r}: the allowed drop must be a finite number ≥ 0.")
+        if relative and value > 100 and higher_is_better:
+            raise UsageError(f"{option} {text!r}: a stage cannot lose more than 100% of its quality, so this limit "
+                             "would pass anything; give at most 100% (or an absolute drop).")
         return cls(value, relative)
 
     def measure(self, before: float, after: float, higher_is_better: bool) -> float:
@@ -180,6 +185,9 @@ class CheckResult:
 
 def _saved_outputs(path: Path, names: list[str], rows: int) -> list[np.ndarray]:
     """Outputs saved by the training framework: one array per output name (a lone array for one output)."""
+    problem = array_file_problem(path, ".npz") if path.is_file() else input_file_problem(path)
+    if problem is not None:
+        raise DataError(f"--reference-outputs {path}: {problem}.")
     if not path.is_file():
         raise DataError(f"--reference-outputs {path}: no such file.")
     with np.load(path, allow_pickle=False) as data:
@@ -232,10 +240,10 @@ def check_chain(
         stages.append(_Stage("reference", str(reference), ref_out, choice=ref_choice))
     for i, path in enumerate(candidates, 1):
         choice = choose(target_family(target) if target else model_target(path), kernels)
-        stage = _run_stage(f"candidate {i}", path, evaluation, choice.kernels)
+        stage = _run_stage(f"candidate {i}", path, evaluation, choice.kernels, names)
         stage.choice = choice
         if choice.other is not None:
-            stage.host = _run_stage(f"candidate {i}", path, evaluation, choice.other)
+            stage.host = _run_stage(f"candidate {i}", path, evaluation, choice.other, names)
         stages.append(stage)
     classes = class_outputs(reference)  # top-1 agreement for class scores only
     quality_name = evaluation.metric_spec or (TOP1_AND_COSINE if _classifies(base, names, classes)
@@ -247,9 +255,21 @@ def check_chain(
         row.quality = _quality(row.score)
         if st.host is not None:
             row.host_score = st.host.score(base, names, evaluation, parts, classes)
-        _judge(result, row, evaluation.higher_is_better)
+        bad = nonfinite_outputs(names, st.outputs) if st.outputs is not None else None
+        if result.rows and not result.rows[0].ok:  # the first stage is unusable: nothing to measure against
+            row.ok, row.why = False, f"not compared: {result.rows[0].stage} is unusable"
+        elif bad is not None:
+            _fail(result, row, f"{bad}: nothing can be measured against these outputs; fix the reference (or its "
+                  "data)" if not result.rows else f"{bad}: its outputs are not numbers")
+        else:
+            _judge(result, row, evaluation.higher_is_better)
         result.rows.append(row)
     return result
+
+
+def _fail(result: CheckResult, row: CheckRow, why: str) -> None:
+    row.ok, row.why = False, why
+    result.failures.append(f"{row.stage} ({row.source}): {why}")
 
 
 @dataclass
@@ -271,14 +291,31 @@ class _Stage:
         return score_stage(self.label, base, names, self.outputs, evaluation, parts, classes)
 
 
-def _run_stage(label: str, path: Path, evaluation: Evaluation, kernels: Kernels) -> _Stage:
+def _run_stage(label: str, path: Path, evaluation: Evaluation, kernels: Kernels, names: list[str]) -> _Stage:
+    """Run one candidate; its outputs are returned in the order of the reference's ``names`` (paired by name: two
+    models whose outputs are listed in another order are still compared output by output)."""
     try:
-        _, got, saturation = evaluation.run(path, kernels)
+        got_names, got, saturation = evaluation.run(path, kernels)
     except QGraphError:
         raise
     except Exception as exc:  # onnxruntime cannot load or run it: a failed stage, not a crash
         return _Stage(label, str(path), None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-    return _Stage(label, str(path), got, saturation=saturation)
+    ordered = paired(names, got_names, got)
+    if isinstance(ordered, str):
+        return _Stage(label, str(path), None, ordered)
+    return _Stage(label, str(path), ordered, saturation=saturation)
+
+
+def nonfinite_outputs(names: list[str], outputs: list[np.ndarray]) -> str | None:
+    """``NaN/Inf in output y (8 of 16 values)`` for every float output holding non-finite values; None if none."""
+    bad = []
+    for name, value in zip(names, outputs, strict=True):
+        arr = np.asarray(value)
+        if arr.dtype.kind in "fc" and arr.size:
+            count = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            if count:
+                bad.append(f"{name} ({count} of {arr.size} values)")
+    return f"NaN/Inf in output {', '.join(bad)}" if bad else None
 
 
 def _classifies(outputs: list[np.ndarray], names: list[str], classes: dict[str, int]) -> bool:
@@ -307,7 +344,15 @@ def _judge(result: CheckResult, row: CheckRow, higher_is_better: bool) -> None:
         row.ok, row.why = False, row.score.error
         result.failures.append(f"{row.stage} ({row.source}) failed to run: {row.score.error}")
         return
+    if row.score.metric is not None and not math.isfinite(row.score.metric):
+        whose = "the reference's" if not result.rows else f"{row.stage}'s"
+        _fail(result, row, f"the metric {result.quality_name} returned {row.score.metric} on {whose} outputs: no "
+              "drop can be measured; make the metric return a finite number")
+        return
     if not result.rows:
+        if not math.isfinite(row.quality):
+            _fail(result, row, f"its {result.quality_name} against itself is {row.quality}: nothing can be measured "
+                  "against it")
         return
     prev = next((r for r in reversed(result.rows) if r.score.error is None), result.rows[0])
     row.step_drop = result.max_drop.measure(prev.quality, row.quality, higher_is_better)
@@ -319,5 +364,6 @@ def _judge(result: CheckResult, row: CheckRow, higher_is_better: bool) -> None:
         result.failures.append(f"{row.stage} ({row.source}) {row.why}")
     elif result.max_total_drop is not None and row.total_drop > result.max_total_drop.value:
         row.ok = False
-        row.why = f"drops {row.total_drop:.3g} in total (allowed {result.max_total_drop})"
+        total_unit = "%" if result.max_total_drop.relative else ""
+        row.why = f"drops {row.total_drop:.3g}{total_unit} in total (allowed {result.max_total_drop})"
         result.failures.append(f"{row.stage} ({row.source}) {row.why}")

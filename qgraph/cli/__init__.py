@@ -9,6 +9,8 @@ an exception inside a pass: `qgraph.pipeline.contract` names the pass and exits 
 
 from __future__ import annotations
 
+import itertools
+import os
 import signal
 import sys
 import threading
@@ -85,12 +87,43 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _debug_first(argv: list[str] | None) -> list[str]:
+    """``argv`` with a ``--debug`` written after the command (``qgraph diff A B --debug``, as the messages say)
+    moved before it, where the group's option lives; arguments after ``--`` are left alone."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" in args[1:end]:
+        args.remove("--debug")
+        args.insert(0, "--debug")
+    return args
+
+
+#: Options naming one output file (``--out-dir`` names a folder and is not among them).
+FILE_OUTPUTS = ("-o", "--output", "--json", "--html", "--report", "--plot", "--patch")
+
+
+def _refuse_folder_outputs(args: list[str]) -> None:
+    """`UsageError` for a file output written with a trailing slash (``-o out/newdir/``): a slash means a folder,
+    and the parsed path has lost it (qgraph would write a file named ``newdir``)."""
+    from qgraph.errors import UsageError
+
+    for option, value in itertools.pairwise(args):
+        if option in FILE_OUTPUTS and value.endswith(("/", os.sep)) and value.strip("/" + os.sep):
+            raise UsageError(f"{option} {value}: ends with a slash, so it names a folder; {option} writes one file: "
+                             f"give a file name (e.g. {value}model.int8.onnx).")
+
+
 def _main(argv: list[str] | None) -> int:
+    STATE["debug"] = False
     try:
-        code = app(args=argv, standalone_mode=False, prog_name="qgraph")
+        args = _debug_first(argv)
+        _refuse_folder_outputs(args)
+        code = app(args=args, standalone_mode=False, prog_name="qgraph")
     except QGraphError as exc:
-        if STATE["debug"]:
-            raise
+        if STATE["debug"]:  # the traceback, and still the exit code of the error's kind (2: bad input)
+            import traceback
+
+            traceback.print_exc()
         from rich.text import Text
 
         # one text, wrapped as one paragraph on a terminal; one line on a pipe (`_app.wraps`)

@@ -193,13 +193,27 @@ def need_positive(value: float | None, option: str) -> None:
 
 
 def data_path(spec: str | None) -> Path | None:
-    """The file behind a data option (for the output guard), None for module:function or nothing."""
+    """The file behind a data option (for the output guard): the path itself, or the file of ``file.py:function``
+    and ``file.npz:KEY``; None for ``package.module:function`` or nothing."""
     if spec is None:
         return None
     if not spec.strip():
         raise UsageError("--calibration-data/--inputs/--data is empty: give an .npz, a folder or module:function.")
-    p = Path(spec)
-    return p if p.exists() else None
+    return spec_file(spec)
+
+
+def spec_file(spec: str | None) -> Path | None:
+    """The file a ``--labels``/``--metric``/data spec reads (``FILE``, ``FILE:KEY``, ``FILE.py:function``), None
+    when it names no existing file (an importable module, or nothing)."""
+    if not spec:
+        return None
+    for candidate in (spec, spec.rpartition(":")[0]):
+        try:
+            if candidate and Path(candidate).exists():
+                return Path(candidate)
+        except OSError:  # a name too long for the file system: no such file
+            continue
+    return None
 
 
 def literal(text: str) -> str:
@@ -255,5 +269,8 @@ def executor_spec(kind: ExecutorKind, address: str | None, jobs: int | None) -> 
     if address is not None and not address.strip():
         raise UsageError("--address is empty: give 'auto', HOST:PORT or ray://HOST:PORT, or leave it out.")
     if kind == "ray":
+        from qgraph.runtime.executor.ray_tasks import check_address
+
         require_ray()
+        check_address(address)  # before any work: a cluster that does not answer is said in seconds, not minutes
     return ExecutorSpec(kind=kind, address=address, workers=jobs)

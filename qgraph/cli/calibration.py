@@ -30,6 +30,7 @@ from qgraph.cli._app import (
     executor_spec,
     need_positive,
     say,
+    spec_file,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.errors import UsageError
@@ -62,6 +63,8 @@ def calibrate(
         raise UsageError(f"--method {method!r}: choose one of {', '.join(METHODS)}.")
     check_output(output, inputs=[recipe, model, data_path(calibration_data)])
     rec = Recipe.from_yaml(recipe)
+    if calibration_data is None and rec.calibration.data:  # the recipe names its data: a file this run reads too
+        check_output(output, inputs=[recipe, model, data_path(rec.calibration.data)])
     with Progress(SpinnerColumn(), TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("batches"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=_app.console,
                   disable=not _app.live_progress(_app.console)) as progress:
@@ -180,7 +183,8 @@ def sensitivity(
     check_kernel_options(kernels, target_cpu)
     spec = executor_spec(executor, address, jobs)
     check_outputs({"--json": json_path, "--plot": plot, "--patch": patch, "-o": output},
-                  inputs=[model_float, model_qdq, data_path(data)])
+                  inputs=[model_float, model_qdq, data_path(data), spec_file(labels), spec_file(metric)],
+                  models=["-o"])
     code = run_command(model_float, model_qdq, data, json_path=json_path, plot=plot, jobs=jobs or 1, target=target,
                        patch=patch, output=output, max_nodes=max_nodes, max_time=max_time, samples=samples,
                        quiet=quiet, out=_app.out, console=_app.console, labels=labels, metric=metric,

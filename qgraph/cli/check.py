@@ -9,7 +9,16 @@ from typing import Annotated
 import typer
 
 import qgraph.cli._app as _app
-from qgraph.cli._app import KernelsOption, QGraphCommand, TargetCpuOption, app, check_kernel_options, data_path, say
+from qgraph.cli._app import (
+    KernelsOption,
+    QGraphCommand,
+    TargetCpuOption,
+    app,
+    check_kernel_options,
+    data_path,
+    say,
+    spec_file,
+)
 
 LabelsOption = Annotated[
     str | None, typer.Option("--labels", help="Labels: FILE.npy, FILE.npz or FILE.npz:KEY (default: a 'labels' "
@@ -62,11 +71,18 @@ def check(
     if not stages and reference_outputs is None:
         raise UsageError("qgraph check needs at least two stages: REFERENCE CANDIDATE..., or REFERENCE with "
                          "--reference-outputs.")
-    drop = Drop.parse(max_drop)
-    total = Drop.parse(max_total_drop, "--max-total-drop") if max_total_drop is not None else None
+    drop = Drop.parse(max_drop, higher_is_better=not lower_is_better)
+    total = (Drop.parse(max_total_drop, "--max-total-drop", higher_is_better=not lower_is_better)
+             if max_total_drop is not None else None)
     json_file = None if json_out in (None, "-") else json_out
-    check_outputs({"--json": json_file}, inputs=[reference, *stages, data_path(data), reference_outputs])
+    check_outputs({"--json": json_file}, inputs=[reference, *stages, data_path(data), reference_outputs,
+                                                 spec_file(labels), spec_file(metric)])
+    from qgraph.io.inputs import input_file_problem
+
     for p in stages:
+        problem = input_file_problem(p)
+        if problem is not None:
+            raise UsageError(f"model {p}: {problem}.")
         if not p.is_file():
             raise UsageError(f"{p}: no such model file.")
     ev = Evaluation.open(load_model(reference), data, labels=labels, metric=metric, samples=samples,
@@ -91,6 +107,14 @@ def check(
     say(result.verdict())
 
 
+def _verdict(row: object) -> str:
+    """The verdict cell: ok, FAIL, or not compared (the first stage was unusable)."""
+    from qgraph.analysis.check import CheckRow
+
+    assert isinstance(row, CheckRow)
+    return "ok" if row.ok else "not compared" if row.why.startswith("not compared") else "FAIL"
+
+
 def _print(result: object) -> None:
     from qgraph.analysis.check import CheckResult
     from qgraph.analysis.diff.html import cell
@@ -98,6 +122,7 @@ def _print(result: object) -> None:
 
     assert isinstance(result, CheckResult)
     unit = "%" if result.max_drop.relative else ""
+    total_unit = "%" if (result.max_total_drop or result.max_drop).relative else ""  # the total's own unit
     scored = any(r.score.metric is not None for r in result.rows)
     rows = []
     for r in result.rows:
@@ -105,7 +130,7 @@ def _print(result: object) -> None:
         quality = [cell(s.metric)] if scored else []
         rows.append([r.stage, r.source, cell(s.sqnr_db, exact_note=r is not result.rows[0]), cell(s.cosine),
                      cell(s.top1_agreement), *quality, "-" if r.step_drop is None else f"{r.step_drop:.3g}{unit}",
-                     "-" if r.total_drop is None else f"{r.total_drop:.3g}{unit}", "ok" if r.ok else "FAIL"])
+                     "-" if r.total_drop is None else f"{r.total_drop:.3g}{total_unit}", _verdict(r)])
     head = ["stage", "source", "SQNR dB", "cosine", "top-1 agr.", *(["metric"] if scored else []), "step drop",
             "total drop", "verdict"]
     _app.out.print(rich_table(f"validation chain on {result.data} (quality: {result.quality_name}; drops against "

@@ -42,6 +42,8 @@ def run_many_command(
     rec = Recipe.from_yaml(recipe)
     for p in patches:
         rec = rec.apply_patch(p)
+    if calibration_data is None and rec.calibration.data:  # the recipe names its data: a file every run reads
+        plan_outputs(list(models), out_dir, [recipe, data_path(rec.calibration.data), *patches])
     rec.pipeline()  # a recipe whose passes cannot be built fails here, once, not once per model
     job = BatchJob(rec, calibration_data, samples, data_layout, verify, tolerance)
     progress = Progress(

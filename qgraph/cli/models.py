@@ -20,6 +20,7 @@ from qgraph.cli._app import (
     data_path,
     need_positive,
     say,
+    spec_file,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
 from qgraph.io.outputs import check_output, check_outputs
@@ -41,7 +42,7 @@ def lower(
 
     check_opset(opset, "--opset")
     need_positive(tolerance, "--tolerance")
-    check_output(output, inputs=[model])
+    check_output(output, inputs=[model], model=True)
     if not Path(model).is_file():
         load_model(model)  # raises the usual ModelError (missing file, a folder)
     current = model_opset(read_header(model), opset)  # the opset without reading the weights: the pipeline does
@@ -155,7 +156,8 @@ def diff(
 
     json_file = None if json_out in (None, "-") else json_out
     check_outputs({"--json": json_file, "--html": html},
-                  inputs=[a, b, None if inputs == "random" else data_path(inputs)])
+                  inputs=[a, b, None if inputs == "random" else data_path(inputs), spec_file(labels),
+                          spec_file(metric)])
     need_positive(samples, "--samples")
     check_kernel_options(kernels, target_cpu)
     structural, numeric = diff_files(a, b, inputs=inputs, samples=samples, labels=labels, metric=metric,

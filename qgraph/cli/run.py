@@ -22,6 +22,7 @@ from qgraph.cli._app import (
     executor_spec,
     need_positive,
     say,
+    spec_file,
 )
 from qgraph.cli.check import LabelsOption, MetricOption
 
@@ -132,14 +133,19 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         raise_usage(f"--min-sqnr {min_sqnr}: give a finite number of dB, without --no-check.")
     from qgraph.io.outputs import check_outputs
 
-    check_outputs({"-o": output, "--report": report},
-                  inputs=[recipe, model, data_path(calibration_data), data_path(eval_data), *(patch or [])])
+    inputs = [recipe, model, data_path(calibration_data), data_path(eval_data), spec_file(labels), spec_file(metric),
+              *(patch or [])]
+    check_outputs({"-o": output, "--report": report}, inputs=inputs, models=["-o"])
     rec = Recipe.from_yaml(recipe)
     for p in patch or []:
         rec = rec.apply_patch(p)
+    if calibration_data is None and rec.calibration.data:  # the recipe names its data: a file this run reads too
+        check_outputs({"-o": output, "--report": report}, inputs=[*inputs, spec_file(rec.calibration.data)],
+                      models=["-o"])
     if min_sqnr is not None and not (eval_data or calibration_data or rec.calibration.data):
         raise_usage("--min-sqnr needs samples to measure on: give --eval-data or --calibration-data.")
     pipeline = rec.pipeline()
+    evaluation = _evaluation(model, eval_data, labels, metric)  # its data, labels and metric checked before the run
     if _stream(pipeline.passes, model, output, verify or report is not None or bool(patch), quiet):
         return
     progress = Progress(
@@ -164,14 +170,13 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
             say(f"  data: {note}")
     result.save(output)
     say(f"wrote {output}")
-    evaluation = None
-    if eval_data is not None:
-        from qgraph.io.model_io import load_model
-        from qgraph.runtime.evaluation import Evaluation
+    from qgraph.errors import QGraphError
 
-        evaluation = Evaluation.open(result.input_model or load_model(model), eval_data, labels=labels,
-                                     metric=metric)
-    outcome = _check(model, output, result, evaluation, min_sqnr) if check else None
+    try:
+        outcome = _check(model, output, result, evaluation, min_sqnr) if check else None
+    except QGraphError as exc:  # the user's metric failed on the outputs: the model is written all the same
+        exc.message = f"{exc.message} ({output} was written before the check failed.)"
+        raise
     if report is not None:
         from qgraph.analysis.report import write_report
 
@@ -189,6 +194,23 @@ def _run_one(recipe: Path, model: Path, output: Path, calibration_data: str | No
         raise FidelityError(f"{'; '.join(failed)}: below --min-sqnr {min_sqnr:g} dB on {outcome.data}. {output} was "
                             f"written; exit 3. See where the error comes from with qgraph diff {model} {output} "
                             "--eval-data DATA, or keep the worst layers in float (float_fallback).")
+
+
+def _evaluation(model: Path, eval_data: str | None, labels: str | None, metric: str | None) -> Evaluation | None:
+    """``--eval-data`` with its labels and metric, opened against the input model's inputs (read without its
+    weights) before any pass runs: a bad label file or metric fails before ``-o`` is written."""
+    if eval_data is None:
+        return None
+    import onnx
+
+    from qgraph.io.model_io import load_model
+    from qgraph.runtime.evaluation import Evaluation
+
+    try:
+        header = onnx.load(str(model), load_external_data=False)
+    except Exception:  # unreadable: the loader's own message
+        header = load_model(model)
+    return Evaluation.open(header, eval_data, labels=labels, metric=metric)
 
 
 def _stream(passes: list[Any], model: Path, output: Path, in_memory: bool, quiet: bool) -> bool:
@@ -213,12 +235,14 @@ def _check(model: Path, output: Path, result: PipelineResult, evaluation: Evalua
            min_sqnr: float | None = None) -> OutputCheck | None:
     """Measure the written model against the input model and print one line per output (see `qgraph.analysis.fidelity`),
     and a warning line when the result is poor, gate or not (unless ``--min-sqnr`` fails: its error says it); None
-    when no pass changed float results or there is no data."""
+    when no pass changed float results or there is no data. The model measured is the one in memory that was
+    written, never the file read back: another process may have replaced it since."""
     if not any(r.changed and not r.preserves_float for r in result.records):
         return None  # float-preserving passes only: --verify is their check
     from qgraph.analysis.fidelity import check_fidelity
 
-    outcome = check_fidelity(model, output, result.calibration_data, evaluation, result.kernel_choice)
+    outcome = check_fidelity(result.input_model or model, result.model, result.calibration_data, evaluation,
+                             result.kernel_choice)
     if outcome is None:
         say("check: no data to measure the transformed model against the float model on: give --eval-data or "
             "--calibration-data (or run qgraph diff MODEL OUTPUT --eval-data DATA).")
@@ -266,6 +290,10 @@ def _progress_listener(progress: Progress, name: str, total: int, quiet: bool) -
 def print_verified(console: Any, ev: PipelineEvent, explain: bool) -> None:
     """The verification line of a pass: its worst output against that output's tolerance; with ``explain``, also
     where the tolerance comes from when the model's noise floor raised it (`qgraph.pipeline.verify`)."""
+    if all(d.values == 0 for d in ev.verify or []):  # every output empty (a zero-size dim): nothing was measured
+        console.print("    verify: nothing could be compared: every output was empty (0 values) on the verification "
+                      "inputs; the pass is not verified", markup=False, highlight=False)
+        return
     tol = ev.tolerance
     limits = [tol.for_output(i) if tol is not None else 1.0 for i in range(len(ev.verify or []))]
     i, worst = max(enumerate(ev.verify or []), key=lambda t: t[1].relative / limits[t[0]])

@@ -212,7 +212,10 @@ def _target(target: str | None, metric: str | None, evaluation: Evaluation) -> T
 
 
 def _check_options(target: str | None, output: Path | None, patch: Path | None, remedy: str, cost: str) -> None:
-    """Refuse option combinations that cannot work, before anything is loaded."""
+    """Refuse option combinations that cannot work (and a target that does not parse), before anything is
+    loaded."""
+    if target is not None:
+        parse_target(target, load=False)
     if (output is not None or patch is not None) and target is None:
         raise RecipeError("-o/--output and --patch write the result of the automatic search: give --target too.")
     if remedy != "float" and cost == "latency":

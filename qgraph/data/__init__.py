@@ -35,7 +35,9 @@ from .inputs import (
     LayoutChoice,
     check_array,
     decide_layout,
+    exact_array,
     model_inputs,
+    plain_value_problem,
 )
 from .sources import (
     CallableSource,
@@ -43,10 +45,10 @@ from .sources import (
     FixedInputs,
     FolderSource,
     NpzSource,
-    import_callable,
     open_data_source,
     without_fixed_inputs,
 )
+from .user_code import import_callable, user_code
 
 __all__ = [
     "DEFAULT_MAX_SAMPLES",
@@ -63,8 +65,11 @@ __all__ = [
     "batched",
     "check_array",
     "decide_layout",
+    "exact_array",
     "import_callable",
     "model_inputs",
     "open_data_source",
+    "plain_value_problem",
+    "user_code",
     "without_fixed_inputs",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -161,3 +162,51 @@ def check_array(arr: Any, spec: InputSpec, where: str) -> None:
         bad = "NaN" if np.isnan(arr).any() else "Inf"
         raise DataError(f"{where}: contains {bad}. Calibration data must be finite: fix the preprocessing or drop "
                         "the sample.")
+
+
+def plain_value_problem(value: Any) -> str | None:
+    """Why ``value`` (an option a recipe gives for a tensor: a number, a bool or a nested list of them) is not a
+    tensor value: None, text, NaN/inf, a ragged list; None when it is one. Checked without the model."""
+    if isinstance(value, list):
+        if not value:
+            return None
+        problems = [plain_value_problem(v) for v in value]
+        bad = next((p for p in problems if p is not None), None)
+        if bad is not None:
+            return bad
+        shapes = {np.shape(v) for v in value}
+        return None if len(shapes) == 1 else "a ragged list (rows of different lengths); give a rectangular value"
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return None if math.isfinite(value) else f"{value} is not a finite number"
+    shown = "null" if value is None else repr(value)
+    return f"{shown} is not a number (give a number, true/false, or a nested list of them)"
+
+
+def exact_array(value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """``value`` as an array of ``dtype``, only when every element converts exactly; `ValueError` saying which
+    does not (16000.7 on an int64, true on an int64, 1e23 on an int64 or 1e40 on a float32 would become another
+    number silently)."""
+    problem = plain_value_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    flat = np.asarray(value, dtype=object).reshape(-1)
+    kind = dtype.kind
+    for v in flat:
+        if kind == "b":
+            if not isinstance(v, bool):
+                raise ValueError(f"{v!r} is not a bool; this input is {dtype}: give true or false")
+        elif isinstance(v, bool):
+            raise ValueError(f"{v!r} is a bool; this input is {dtype}: give a number")
+        elif kind in "iu":
+            if isinstance(v, float) and not v.is_integer():
+                raise ValueError(f"{v!r} is not a whole number; this input is {dtype}")
+            info = np.iinfo(dtype)
+            if not info.min <= int(v) <= info.max:
+                raise ValueError(f"{v!r} does not fit {dtype} ({info.min}..{info.max})")
+        elif kind == "f":
+            top = float(np.finfo(dtype).max)
+            if abs(float(v)) > top:
+                raise ValueError(f"{v!r} does not fit {dtype} (largest {top:g}): it would become inf")
+    return np.asarray(value, dtype=dtype)

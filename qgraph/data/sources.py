@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +10,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.errors import DataError, QGraphError
+from qgraph.errors import DataError
+from qgraph.io.inputs import array_file_problem, input_file_problem
 
 from .inputs import (
     DEFAULT_MAX_SAMPLES,
@@ -26,6 +23,7 @@ from .inputs import (
     decide_layout,
     model_inputs,
 )
+from .user_code import import_callable, user_code
 
 
 class DataSource:
@@ -133,6 +131,9 @@ class DataSource:
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
     """Every array of an .npz, with a message that names the file and the problem (never numpy's pickle advice)."""
+    problem = array_file_problem(path, ".npz")
+    if problem is not None:
+        raise DataError(f"{path}: {problem}.")
     try:
         with np.load(path, allow_pickle=False) as npz:
             if not isinstance(npz, np.lib.npyio.NpzFile):
@@ -221,6 +222,9 @@ class FolderSource(DataSource):
                 if len(names) != 1:
                     raise DataError(f"{f}: a .npy file holds one array but the model has {len(names)} inputs; use "
                                     ".npz files with one array per input name.")
+                problem = array_file_problem(f, ".npy")
+                if problem is not None:
+                    raise DataError(f"{f}: {problem}.")
                 try:
                     arrays = {names[0]: np.load(f, allow_pickle=False)}
                 except Exception as exc:
@@ -248,7 +252,7 @@ class CallableSource(DataSource):
         self.description = description
 
     def _raw(self) -> Iterator[Feed]:
-        with _user_code(self.description, "the data function"):
+        with user_code(self.description, "the data function"):
             produced = self.fn()
         if isinstance(produced, dict):
             raise DataError(f"{self.description}: returned one dict; return an iterable (list/generator) of them.")
@@ -258,7 +262,7 @@ class CallableSource(DataSource):
         iterator = iter(produced)
         index = 0
         while True:
-            with _user_code(self.description, f"the data generator (after {index} samples)"):
+            with user_code(self.description, f"the data generator (after {index} samples)"):
                 try:
                     feed = next(iterator)
                 except StopIteration:
@@ -310,22 +314,6 @@ def without_fixed_inputs(source: DataSource, fixed: dict[str, np.ndarray]) -> Fi
     return cls(source, fixed)
 
 
-@contextlib.contextmanager
-def _user_code(where: str, what: str) -> Iterator[None]:
-    """Turn anything a user's data code raises (SystemExit included) into a `DataError` naming it."""
-    try:
-        yield
-    except QGraphError:
-        raise
-    except (KeyboardInterrupt, GeneratorExit):
-        raise
-    except SystemExit as exc:
-        raise DataError(f"{where}: {what} called sys.exit({exc.code!r}). Data code must return or yield feeds."
-                        ) from None
-    except Exception as exc:
-        raise DataError(f"{where}: {what} raised {type(exc).__name__}: {exc}") from exc
-
-
 def open_data_source(
     spec: str | Path | Callable[[], Iterable[Feed]] | DataSource,
     *,
@@ -341,6 +329,9 @@ def open_data_source(
     if not text.strip():
         raise DataError("the data source is an empty string: give an .npz file, a folder, or module:function.")
     path = Path(text)
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise DataError(f"data {path}: {problem}.")
     if path.exists():
         if path.is_dir():
             return FolderSource(path, samples, layout)
@@ -350,50 +341,3 @@ def open_data_source(
     if ":" in text and not text.endswith((".npz", ".npy")):
         return CallableSource(import_callable(text, DataError, "data source"), text, samples)
     raise DataError(f"data source {text!r} not found: give an existing .npz, a folder, or module:function.")
-
-
-def _load_file(path_text: str) -> Any:
-    """Import a Python file as a module (its folder importable, so it can import its neighbours)."""
-    path = Path(path_text).resolve()
-    if not path.is_file():
-        raise ImportError(f"no such file: {path_text}")
-    name = "qgraph_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path_text}")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def import_callable(spec: str, error: type[QGraphError], what: str) -> Callable[..., Any]:
-    """Import ``module:function`` or ``path/to/file.py:function`` (the current directory is importable);
-    ``error`` names ``what`` failed."""
-    module_name, _, func_name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
-    if not module_name or not func_name:
-        raise error(f"{what} {spec!r}: give it as package.module:function or path/to/file.py:function.")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except ImportError as exc:
-        raise error(f"{what} {spec!r}: cannot import module {module_name!r} ({exc}).") from None
-    except SyntaxError as exc:
-        raise error(f"{what} {spec!r}: cannot import module {module_name!r}: syntax error at "
-                    f"{exc.filename}:{exc.lineno}: {exc.msg}.") from None
-    except SystemExit as exc:
-        raise error(f"{what} {spec!r}: importing {module_name!r} called sys.exit({exc.code!r}).") from None
-    except Exception as exc:
-        raise error(f"{what} {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise error(f"{what} {spec!r}: {module_name} has no callable {func_name!r}.")
-    return fn  # type: ignore[no-any-return]

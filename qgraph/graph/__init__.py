@@ -18,7 +18,14 @@
 
 from __future__ import annotations
 
-from .checks import check_acyclic, check_model, check_structure, check_unique_names, cycle_message
+from .checks import (
+    check_acyclic,
+    check_input_structure,
+    check_model,
+    check_structure,
+    check_unique_names,
+    cycle_message,
+)
 from .detach import placeholders_as_inputs
 from .fresh import ProtoNames, free_name, fresh_name, model_names
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
@@ -75,6 +82,7 @@ __all__ = [
     "ProtoNames",
     "Shape",
     "check_acyclic",
+    "check_input_structure",
     "check_model",
     "check_structure",
     "check_unique_names",

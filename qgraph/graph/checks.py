@@ -79,6 +79,16 @@ def check_model(model: onnx.ModelProto) -> None:
     check_acyclic(model)
 
 
+def check_input_structure(graph: gs.Graph, opset: int) -> None:
+    """`check_structure` on an input model, before any pass: an invalid model (a tensor nothing produces, an op the
+    default domain does not have, an output nobody produces, in any scope) raises `ModelError` blaming the model,
+    not the first pass that would have met it."""
+    problems = check_structure(graph, opset)
+    if problems:
+        raise ModelError(f"the input model is not a valid ONNX graph: {'; '.join(problems)}. Fix the model (or the "
+                         "exporter that wrote it); `qgraph inspect` lists its nodes.")
+
+
 @lru_cache(maxsize=4096)
 def _schema(op: str, opset: int) -> onnx.defs.OpSchema | None:
     try:

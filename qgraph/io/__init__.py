@@ -2,5 +2,5 @@
 output goes through (atomic writes, never an input).
 
 Owns: `model_io` (load/save, fingerprints), `proto_stream` (field-by-field protobuf I/O), `outputs` (output guard,
-atomic writer). May import: `qgraph.errors`, `qgraph.graph`.
+atomic writer), `inputs` (regular files only, bounded reads). May import: `qgraph.errors`, `qgraph.graph`.
 """

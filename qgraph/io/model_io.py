@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from qgraph.errors import ModelError, WriteError
 from qgraph.graph.checks import check_unique_names
 from qgraph.graph.naming import named_nodes
+from qgraph.io.inputs import input_file_problem
 from qgraph.io.outputs import temporary_file, write_atomic
 from qgraph.io.proto_stream import read_header, serialized_size, tensor_size, write_streamed
 
@@ -38,6 +39,9 @@ EXTERNAL_DATA_THRESHOLD = 1024
 def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
     """Load an ONNX model with its external data, raising `ModelError` with a fix for every failure mode."""
     p = Path(path)
+    problem = input_file_problem(p)
+    if problem is not None:
+        raise ModelError(f"model {p}: {problem}.")
     if not p.exists():
         raise ModelError(f"model file not found: {p}. Check the path (relative paths start at {Path.cwd()}).")
     if p.is_dir():
@@ -65,7 +69,24 @@ def load_model(path: str | os.PathLike[str]) -> onnx.ModelProto:
         raise ModelError(
             f"{p}: cannot read its external data ({exc}). Keep the .data file(s) beside the model."
         ) from exc
+    _check_tensor_data(model, p)
     return model
+
+
+#: The typed value fields of a TensorProto (besides ``raw_data``).
+_VALUE_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+def _check_tensor_data(model: onnx.ModelProto, path: Path) -> None:
+    """`ModelError` for a tensor whose dims say it holds values but that stores none (every reader would fail on
+    it deep inside, reshaping nothing into its shape). Reads no tensor's bytes (``HasField`` and field lengths)."""
+    for t in _all_tensors(model):
+        if t.HasField("raw_data") or any(len(getattr(t, f)) for f in _VALUE_FIELDS):
+            continue
+        count = int(np.prod([int(d) for d in t.dims])) if len(t.dims) else 1
+        if count:
+            raise ModelError(f"{path}: tensor {t.name!r} declares dims {list(t.dims)} ({count} value(s)) but holds "
+                             "no data: the file is truncated or was written without its weights. Re-export it.")
 
 
 def _external_entries(model: onnx.ModelProto) -> list[tuple[onnx.TensorProto, str]]:

@@ -13,12 +13,16 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from qgraph.errors import ModelError, WriteError
+from qgraph.io.inputs import input_file_problem
 
 
 def read_header(path: str | os.PathLike[str]) -> onnx.ModelProto:
     """The model at ``path`` without its graph (IR version, opsets, producer, metadata...), read by skipping the
     graph's bytes on disk: constant memory whatever the model's size. Raises `ModelError` on a malformed file."""
     p = Path(path)
+    problem = input_file_problem(p)
+    if problem is not None:
+        raise ModelError(f"model {p}: {problem}.")
     header = bytearray()
     try:
         with p.open("rb") as f:

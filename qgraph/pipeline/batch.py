@@ -83,7 +83,7 @@ def plan_outputs(models: Sequence[Path], out_dir: Path, other_inputs: Sequence[P
             )
         seen[out] = model
     check_outputs({f"output of {m}": o for m, o in zip(models, outputs, strict=True)},
-                  inputs=[*models, *other_inputs])
+                  inputs=[*models, *other_inputs], models=[f"output of {m}" for m in models])
     return outputs
 
 

@@ -236,6 +236,12 @@ class Pass(Generic[C]):
         """Preconditions, checked right before `run` (raise `PassError` naming what is missing and how to fix it;
         nothing may be changed here)."""
 
+    def option_issues(self, model: onnx.ModelProto) -> list[tuple[tuple[int | str, ...], str]]:
+        """Option values that cannot work on the input ``model`` (a value that does not fit an input's dtype), as
+        (option path in the config, message) pairs. The pipeline asks every pass before the first one runs and
+        reports them as recipe errors located at the option in the recipe file (`qgraph.pipeline.preflight`)."""
+        return []
+
     def missing_data(self, calibration: CalibrationSpec) -> str | None:
         """Why this pass, as configured, cannot run without calibration data (None: it can). The pipeline asks
         every pass before the first one runs when no data was given, so a missing ``--calibration-data`` fails in

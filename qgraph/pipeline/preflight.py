@@ -184,13 +184,22 @@ def preflight(passes: Sequence[Pass[Any]], model: onnx.ModelProto, locate: Locat
     issues = check_names(passes, model)
     located = [_located(issue, locate, source) for issue in issues]
     errors = [where for issue, where in zip(issues, located, strict=True) if issue.fatal]
+    for index, p in enumerate(passes):  # option values the model's inputs cannot take (`Pass.option_issues`)
+        for path, message in p.option_issues(model):
+            file, line, col = locate(index, path, False) if locate else (source, None, None)
+            errors.append(RecipeIssue(file, line, col, f"{_option_label(index, path)} ({p.name})", message))
     if errors:
         raise RecipeValidationError(errors)
     return located
 
 
+def _option_label(index: int, path: OptionPath) -> str:
+    """``passes[0].inputs.sr``: an option as the recipe nests it."""
+    return f"passes[{index}]" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
 def _located(issue: NameIssue, locate: Locate | None, source: str) -> RecipeIssue:
-    path = f"passes[{issue.pass_index}]" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in issue.ref.path)
+    path = _option_label(issue.pass_index, issue.ref.path)
     file, line, col = locate(issue.pass_index, issue.ref.path, issue.ref.is_key) if locate else (source, None, None)
     return RecipeIssue(file, line, col, f"{path} ({issue.pass_name})", issue.message)
 

@@ -15,6 +15,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError
 
 from qgraph.errors import RecipeError
+from qgraph.io.inputs import input_file_problem, read_bounded
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ MAX_YAML_DEPTH = 64
 def read_yaml_text(path: str | Path, what: str) -> str:
     """The text of a recipe or patch file, or a `RecipeError` saying why it cannot be read."""
     p = Path(path)
+    problem = input_file_problem(p)
+    if problem is not None:
+        raise RecipeError(f"{what} {p}: {problem}.")
     if not p.exists():
         raise RecipeError(f"{what} file not found: {p}. Check the path (relative paths start at {Path.cwd()}).")
     if p.is_dir():
@@ -64,9 +68,10 @@ def read_yaml_text(path: str | Path, what: str) -> str:
         raise RecipeError(f"{p}: is an ONNX model, not a {what} (YAML text). Give the {what} .yaml file here; "
                           "commands take the recipe before the model: `qgraph run RECIPE.yaml MODEL.onnx -o OUT`.")
     try:
-        if p.stat().st_size > MAX_YAML_BYTES:
-            raise RecipeError(f"{p}: {p.stat().st_size} bytes is too large for a {what} (limit {MAX_YAML_BYTES}).")
-        return p.read_text(encoding="utf-8")
+        data = read_bounded(p, MAX_YAML_BYTES)
+        if data is None:
+            raise RecipeError(f"{p}: more than {MAX_YAML_BYTES} bytes is too large for a {what}.")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{p}: is not UTF-8 text (byte {exc.start}: {exc.reason}); save the {what} as UTF-8."
                           ) from None

@@ -23,7 +23,7 @@ import onnx
 
 from qgraph.data import DataLayout, DataSource, Feed, batched, open_data_source
 from qgraph.errors import UsageError, VerificationError
-from qgraph.graph import GraphHandle, check_model
+from qgraph.graph import GraphHandle, check_input_structure, check_model
 from qgraph.graph.detach import fill_weights
 from qgraph.io.model_io import load_model, model_fingerprint, save_model
 from qgraph.pipeline.contract import run_pass
@@ -114,6 +114,14 @@ class PipelineResult:
     def save(self, path: str | Path) -> Path:
         """Write the output model atomically (external data beside it when over 2 GB)."""
         return save_model(self.model, path)
+
+
+def _input_handle(model: onnx.ModelProto) -> GraphHandle:
+    """The graph handle of the input model, checked structurally first: an invalid input (a dangling tensor, an
+    unknown op) is the model's fault (`ModelError`), not the first pass's that would meet it."""
+    handle = GraphHandle(model)
+    check_input_structure(handle.graph, handle.opset)
+    return handle
 
 
 def _check_options(kernels: str, verify_tolerance: float) -> None:
@@ -216,7 +224,7 @@ class Pipeline(RecipeSpec):
 
         ctx = self._context(source, calibration_data, on_progress, samples, data_layout, kernels)
         data = ctx.calibration_data  # as given: passes may narrow ctx's view of it (specialize_inputs)
-        handle = GraphHandle(source)
+        handle = _input_handle(source)
         yardstick = _float_yardstick(self.passes, handle, ctx, data)
         notice = handle.naming.notice()  # the output keeps these names: a decision the report shows
         load_decisions = [f"input model: {notice}"] if notice else []

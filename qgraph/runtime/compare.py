@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from qgraph.data import Feed, model_inputs
-from qgraph.errors import DataError, ModelError, VerificationError
+from qgraph.errors import DataError, ModelError, QGraphError, VerificationError
 from qgraph.graph.detach import fill_nested, placeholders_as_inputs
 from qgraph.io.model_io import PROTOBUF_LIMIT, save_model
 from qgraph.runtime.part import OutputPart
@@ -100,6 +101,20 @@ def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None
     """Run ``session`` on ``feed``; returns output name -> array (bfloat16 inputs are passed as OrtValues)."""
     names = list(outputs) if outputs is not None else [o.name for o in session.get_outputs()]
     return dict(zip(names, session_run(session, names, feed), strict=True))
+
+
+def _run_side(session: ort.InferenceSession, feed: Feed, which: str, error: type[QGraphError]) -> dict[str, np.ndarray]:
+    """`run`, with onnxruntime's failure (a MatMul dimension mismatch on inputs whose sizes were guessed) as
+    ``error`` naming the inputs it was given and what to give instead."""
+    try:
+        return run(session, feed)
+    except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument) as exc:
+        given = ", ".join(f"{k}: {getattr(v, 'dtype', '?')}{list(np.shape(v))}" for k, v in feed.items())
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise error(f"onnxruntime cannot run {which} on the inputs it was given ({given}): {reason}. Without data, "
+                    "inputs are random with every symbolic or undeclared size set to 1, which the model may not "
+                    "accept: give data whose samples have the sizes the model expects (--calibration-data, "
+                    "--eval-data).") from None
 
 
 def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Mapping[str, Any]) -> list[Any]:
@@ -181,6 +196,9 @@ class TensorDiff:
     samples: int = 1
     #: The part of a graph output this diff measures (`qgraph.runtime.output_parts`); None: the whole tensor ``name``.
     part: OutputPart | None = None
+    #: Values compared (finite in both; None: not counted). 0 with samples > 0: every output was empty, so nothing
+    #: was measured and "relative error 0" would be a false "verified".
+    values: int | None = None
 
     @property
     def output(self) -> str:
@@ -250,6 +268,7 @@ class DiffAccumulator:
         self.bad_ref = 0
         self.bad_cand = 0
         self.samples = 0
+        self.values = 0
 
     def add(self, reference: Any, candidate: Any) -> None:
         """Fold one pair of outputs (arrays of the same shape; sequences and optionals are flattened) into the
@@ -270,6 +289,7 @@ class DiffAccumulator:
             r, c = r[both], c[both]
             if r.size == 0:
                 return
+        self.values += int(r.size)
         err = c - r
         self.max_abs = max(self.max_abs, float(np.max(np.abs(err))))
         self.scale = max(self.scale, float(np.max(np.abs(r))))
@@ -290,7 +310,8 @@ class DiffAccumulator:
             sqnr = 10.0 * math.log10(self.ref_sq / self.err_sq)
         if self.bad_ref or self.bad_cand:
             cosine, sqnr = math.nan, math.nan
-        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr, self.bad_ref, self.bad_cand, self.samples)
+        return TensorDiff(self.name, self.max_abs, self.scale, cosine, sqnr, self.bad_ref, self.bad_cand, self.samples,
+                          values=self.values)
 
 
 def compare_models(
@@ -308,8 +329,8 @@ def compare_models(
     accs = [DiffAccumulator(n) for n in ref_names]
     count = 0
     for feed in feeds:
-        ref = run(ref_sess, feed)
-        cand = run(cand_sess, feed)
+        ref = _run_side(ref_sess, feed, "the reference model", DataError)
+        cand = _run_side(cand_sess, feed, "the candidate model", VerificationError)
         for acc, rn, cn in zip(accs, ref_names, cand_names, strict=True):
             try:
                 acc.add(ref[rn], cand[cn])

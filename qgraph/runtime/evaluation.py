@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from qgraph.data import DataSource, Feed, import_callable, open_data_source
+from qgraph.data import DataSource, Feed, import_callable, open_data_source, user_code
 from qgraph.errors import DataError
+from qgraph.io.inputs import array_file_problem, input_file_problem
 from qgraph.runtime.compare import TensorDiff, session_run
 from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs
@@ -38,8 +39,13 @@ def load_labels(spec: str | Path) -> tuple[np.ndarray, str]:
     text = str(spec)
     path_text, _, key = text.rpartition(":") if text.count(":") and not Path(text).exists() else (text, "", "")
     path = Path(path_text)
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise DataError(f"--labels {path}: {problem}.")
     if not path.is_file():
         raise DataError(f"--labels {text}: no such file. Give FILE.npy, FILE.npz or FILE.npz:KEY.")
+    if path.suffix in (".npy", ".npz") and (problem := array_file_problem(path, path.suffix)) is not None:
+        raise DataError(f"--labels {path}: {problem}.")
     if path.suffix == ".npy":
         return np.load(path, allow_pickle=False), str(path)
     if path.suffix != ".npz":
@@ -95,6 +101,8 @@ class Evaluation:
             with np.load(str(data), allow_pickle=False) as npz:
                 if LABEL_KEY in npz.files and LABEL_KEY not in inputs:
                     label_arr, label_from = np.asarray(npz[LABEL_KEY]), f"{data}:{LABEL_KEY}"
+        if label_arr is not None:
+            label_arr, label_from = _checked_labels(label_arr, str(label_from), feeds, source.truncated)
         ev = cls(feeds, _sample_count(len(feeds), source) + f" sample(s) of {source.description}" +
                  (" (--samples to use more)" if source.truncated else ""), label_arr, label_from, metric,
                  load_metric(metric) if metric else None, higher_is_better)
@@ -120,14 +128,10 @@ class Evaluation:
                 raise DataError(f"labels {self.labels_from}: {len(self.labels)} label(s) for {rows} output rows; "
                                 "give one label per sample.")
             target = self.labels[:rows]
-        try:
+        with user_code(f"--metric {self.metric_spec}", "the metric", should="A metric returns a float; it is called "
+                       "as function(outputs, labels or reference outputs), outputs[i] = output i over all samples "
+                       "(axis 0)."):
             return float(self.metric(outputs, target))
-        except DataError:
-            raise
-        except Exception as exc:
-            raise DataError(f"--metric {self.metric_spec} raised {type(exc).__name__}: {exc}. It is called as "
-                            "function(outputs, labels or reference outputs), outputs[i] = output i over all "
-                            "samples (axis 0).") from exc
 
     def outputs(self, model: onnx.ModelProto | str | Path,
                 kernels: Kernels | None = None) -> tuple[list[str], list[np.ndarray]]:
@@ -145,6 +149,23 @@ class Evaluation:
             for i, v in enumerate(session_run(session, names, feed)):
                 per[i].append(np.asarray(v))
         return names, [concat(v) for v in per], saturation_of(session)
+
+
+def _checked_labels(labels: np.ndarray, where: str, feeds: list[Feed], truncated: bool) -> tuple[np.ndarray, str]:
+    """Labels checked against the samples before any model runs: one row per sample row (the first input's axis 0
+    summed over the feeds); more labels are used in part only when --samples cut the data (and the description
+    says so), otherwise they are an error, as fewer are."""
+    if labels.ndim == 0:
+        raise DataError(f"labels {where}: a single value (a 0-d array); give one label per sample (an array whose "
+                        "axis 0 indexes the samples).")
+    rows = sum(int(np.shape(next(iter(f.values())))[0]) if f and np.ndim(next(iter(f.values()))) else 1
+               for f in feeds)
+    if len(labels) < rows or (len(labels) > rows and not truncated):
+        raise DataError(f"labels {where}: {len(labels)} label(s) for {rows} sample row(s) of the evaluation data; "
+                        "give exactly one label per sample.")
+    if len(labels) > rows:
+        return labels[:rows], f"{where} (the first {rows} of {len(labels)}, as --samples cut the data)"
+    return labels, where
 
 
 def _sample_count(used: int, source: DataSource) -> str:
@@ -208,12 +229,29 @@ class StageScore:
         return next((t for t in self.top1 if t is not None), None)
 
 
+def paired(names: Sequence[str], got_names: Sequence[str], got: Sequence[np.ndarray]) -> list[np.ndarray] | str:
+    """``got`` (outputs named ``got_names``) in the order of the reference's ``names``: outputs are compared by name,
+    never by position (two models listing the same outputs in another order must not be compared crosswise). A
+    sentence naming both sides when the names differ."""
+    if sorted(got_names) != sorted(names):
+        return (f"its outputs are {list(got_names)}, the reference's {list(names)}: outputs are compared by name, so "
+                "both models must have the same output names (rename them)")
+    by_name = dict(zip(got_names, got, strict=True))
+    return [by_name[n] for n in names]
+
+
 def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str], got: Sequence[np.ndarray],
                 evaluation: Evaluation | None = None, parts: OutputParts | None = None,
-                classes: Mapping[str, int] | None = None) -> StageScore:
-    """Compare ``got`` with ``reference`` output by output (by position), and part by part where ``parts`` split an
-    output (`qgraph.runtime.output_parts`), and apply the metric. Top-1 agreement only for the outputs ``classes``
-    names (`qgraph.runtime.class_outputs`; None: every output shaped like class scores)."""
+                classes: Mapping[str, int] | None = None, got_names: Sequence[str] | None = None) -> StageScore:
+    """Compare ``got`` with ``reference`` output by output (by name when ``got_names`` are given, see `paired`;
+    else by position), and part by part where ``parts`` split an output (`qgraph.runtime.output_parts`), and apply
+    the metric. Top-1 agreement only for the outputs ``classes`` names (`qgraph.runtime.class_outputs`; None:
+    every output shaped like class scores)."""
+    if got_names is not None:
+        ordered = paired(names, got_names, got)
+        if isinstance(ordered, str):
+            return StageScore(stage, error=ordered)
+        got = ordered
     if len(got) != len(reference):
         return StageScore(stage, error=f"{len(got)} outputs where the reference has {len(reference)}")
     out = StageScore(stage)

@@ -3,15 +3,23 @@ script answers usage errors with exit 2 and its usage text (issue #17 done-when,
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
+from hostile_support import calibration, hang_guard  # type: ignore[import-not-found]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_round2 import nan_model, two_outputs  # type: ignore[import-not-found]
 
 from qgraph.cli import main
 
@@ -85,3 +93,51 @@ def test_installed_console_script_usage_errors(tmp_path: Path, args: list[str], 
     assert "Usage:" in text
     assert "Traceback" not in text
     assert list(tmp_path.iterdir()) == []
+
+
+# Round 2 (issue #31): each input of `check` drawn from good files, files that are not regular (a FIFO, a device
+# node, a symlink loop) and models that must never pass the gate (outputs swapped, every output NaN).
+_KINDS = st.sampled_from(["good", "fifo", "device", "loop", "swapped", "nan"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reference=_KINDS, candidate=_KINDS, data=st.sampled_from(["good", "fifo", "device", "loop"]))
+def test_hostile_files_in_check_never_hang_crash_or_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         reference: str, candidate: str, data: str) -> None:
+    # a fresh folder per example: hypothesis may run the same example again (replay, shrinking)
+    folder = Path(tempfile.mkdtemp(prefix=f"{reference}-{candidate}-{data}-", dir=tmp_path))
+
+    def make(kind: str, name: str, good: onnx.ModelProto | None) -> Path:
+        path = folder / name
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "device":
+            try:
+                os.mknod(path, 0o600 | stat.S_IFCHR, os.stat("/dev/zero").st_rdev)
+            except (PermissionError, FileNotFoundError):
+                os.mkfifo(path)  # no right to make a device node here: a FIFO blocks just as well
+        elif kind == "loop":
+            path.symlink_to(path)
+        elif kind == "nan" and good is not None:
+            onnx.save(nan_model(), path)
+        elif kind == "swapped" and good is not None:
+            onnx.save(two_outputs(("s", "y")), path)
+        elif good is not None:
+            onnx.save(good, path)
+        else:
+            np.savez(path, **calibration())
+        return path
+
+    good = two_outputs(("y", "s"))
+    paths = [make(reference, "ref.onnx", good), make(candidate, "cand.onnx", good), make(data, "data.npz", None)]
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if not p.is_symlink() and p.is_file()}
+    with hang_guard(120):
+        code = main(["check", str(paths[0]), str(paths[1]), "--data", str(paths[2])])
+    text = " ".join((lambda c: c.err + c.out)(capsys.readouterr()).split())
+    assert "Traceback" not in text
+    assert code in (0, 1, 2), text
+    if code == 0:  # a PASS only for good inputs: swapped outputs are the same outputs, paired by name
+        assert {reference, candidate} <= {"good", "swapped"} and data == "good", text
+    if "nan" in (reference, candidate) and data == "good" and {reference, candidate} <= {"good", "swapped", "nan"}:
+        assert code == 1 and "NaN/Inf in output" in text, text
+    assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in before}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import Workspace, conv_model, one_input_model  # type: ignore[import-not-found]
+from hostile_support import Workspace, conv_model, one_input_model  # type: ignore[import-not-found]
 from onnx import TensorProto, helper, numpy_helper
 
 

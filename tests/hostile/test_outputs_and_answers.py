@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import Workspace, conv_model  # type: ignore[import-not-found]
+from hostile_support import Workspace, conv_model  # type: ignore[import-not-found]
 
 from qgraph import save_model
 from qgraph.io.outputs import Terminated

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import onnx
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from qgraph.analysis.diff.attribution import Attribution, Culprit
 from qgraph.analysis.diff.culprits import EXACT_TOP, attribute
@@ -25,6 +26,7 @@ from qgraph.analysis.diff.numeric import numeric_diff
 from qgraph.analysis.diff.qdq import NodeQuant, QdqCoverage, SaturationRisk, qdq_coverage, saturation_risks
 from qgraph.analysis.diff.structural import StructuralDiff, structural_diff
 from qgraph.data import Feed, open_data_source
+from qgraph.errors import ModelError
 from qgraph.runtime.class_outputs import class_outputs
 from qgraph.runtime.evaluation import Evaluation, load_metric, score_stage
 from qgraph.runtime.kernels.host import saturates
@@ -97,10 +99,19 @@ def diff_files(
         evaluation = Evaluation.open(ma, str(inputs), labels=None if labels is None else str(labels), metric=metric,
                                      samples=samples)
     choice = choose(target_family(target_cpu) if target_cpu else model_target(mb), kernels)
-    numeric = numeric_diff(ma, layers_model(mb, choice.kernels), evaluation.feeds, whole_outputs=whole_outputs)
-    numeric.evaluation = compare_outputs(ma, mb, evaluation, choice)
-    if structural.coverage_b.dequantize_nodes:
-        numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top, whole_outputs=whole_outputs)
+    try:
+        numeric = numeric_diff(ma, layers_model(mb, choice.kernels), evaluation.feeds, whole_outputs=whole_outputs)
+        numeric.evaluation = compare_outputs(ma, mb, evaluation, choice)
+        if structural.coverage_b.dequantize_nodes:
+            numeric.attribution = attribute(ma, mb, evaluation.feeds, exact_top=exact_top,
+                                            whole_outputs=whole_outputs)
+    except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument) as exc:
+        # a malformed node onnxruntime tolerates only when its optimizations fold it away (a per-axis scale of the
+        # wrong length): the numeric diff reads every tensor, so it runs without them
+        reason = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"onnxruntime cannot run {a} or {b} tensor by tensor (graph optimizations off, as the "
+                         f"layer-by-layer diff needs): {reason}. The node it names is malformed: fix it in the model "
+                         "(a scale's length must match its axis).") from None
     return structural, numeric
 
 
@@ -112,16 +123,21 @@ def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluati
     ``saturation``: B's layers whose int16 pair sums saturated."""
     choice = choice or choose(None)
     names, ref, _ = evaluation.run(a, choose(model_target(a)).kernels)
-    _, got, saturation = evaluation.run(b, choice.kernels)
     classes = class_outputs(a)  # top-1 agreement for class scores only
-    score = score_stage("B", ref, names, got, evaluation, classes=classes)
+    got_names, got, saturation = evaluation.run(b, choice.kernels)
+    # by name when both models name the same outputs (listed in any order); renamed outputs by position, as the
+    # layer diff pairs them (`numeric._pair_tensors`), and its table shows that pairing
+    by_name = got_names if sorted(got_names) == sorted(names) else None
+    score = score_stage("B", ref, names, got, evaluation, got_names=by_name, classes=classes)
     out = {"data": evaluation.describe(), "top1_agreement": score.top1_agreement,
            "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
            "sqnr_db": score.sqnr_db, "cosine": score.cosine, "error": score.error,
            "kernels": choice.to_dict(), "measured_with": choice.kernels.label(),
            "saturation": [c.to_dict() for c in saturation]}
     if choice.other is not None:
-        host = score_stage("B", ref, names, evaluation.run(b, choice.other)[1], evaluation, classes=classes)
+        host_names, host_got, _ = evaluation.run(b, choice.other)
+        host = score_stage("B", ref, names, host_got, evaluation, got_names=host_names if by_name else None,
+                            classes=classes)
         out["host"] = {"measured_with": choice.other.label(), "top1_agreement": host.top1_agreement,
                        "metric_b": host.metric, "sqnr_db": host.sqnr_db, "cosine": host.cosine, "error": host.error}
     return out

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 
-from qgraph.analysis.diff.probe import only_this_pair
+from qgraph.analysis.diff.probe import MIN_PROBE_OPSET, only_this_pair
 from qgraph.data import Feed
 from qgraph.graph import ProtoNames
+from qgraph.graph.opsets import model_opset
 from qgraph.quant.rescaling import Rescaling
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.output_parts import OutputPart, OutputParts
@@ -80,7 +81,9 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
     """Group screening of the points after the first ``first``: each group of `GROUP` applied at once (one run);
     the members of a group whose joint error exceeds half the worst single pair measured so far are measured one
     by one, worst group first, while ``seconds`` last. The notes say how many were measured."""
-    rest = [c for c in culprits[first:] if c.point.in_reference]
+    opset = model_opset(a)
+    rest = [c for c in culprits[first:] if c.point.in_reference and not (c.point.kind == "activation" and
+                                                                         opset < MIN_PROBE_OPSET)]
     if not out.output_noise or not rest or seconds <= 0:
         return
     start = time.perf_counter()
@@ -138,12 +141,13 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
     work = onnx.ModelProto()
     work.CopyFrom(a)
     names = ProtoNames(work)
-    opset = next((o.version for o in a.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = model_opset(a)
     for c in culprits:
         if not c.point.in_reference:
             continue
-        if c.point.kind == "activation" and opset < 11:
-            out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no Round)")
+        if c.point.kind == "activation" and opset < MIN_PROBE_OPSET:
+            out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no "
+                             "broadcasting Max/Min for the probe)")
             continue
         with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor), names) as probe:
             if probe is None:

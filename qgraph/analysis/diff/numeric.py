@@ -38,7 +38,7 @@ import onnx
 from qgraph.analysis.diff.bodies import BodyLevel, body_levels
 from qgraph.analysis.diff.layers import LayerDiff, NumericDiff, part_drops
 from qgraph.analysis.diff.protos import ModelIndex, NodeRef, subgraphs_of
-from qgraph.data import DataSource, Feed
+from qgraph.data import DataSource, Feed, model_inputs
 from qgraph.errors import DataError, ModelError
 from qgraph.graph.shapes import skeleton
 from qgraph.quant.rescaling import Rescaling, relative_rescaling, undo_rescaling
@@ -185,6 +185,22 @@ def _pair_tensors(
     return pairs, where, out_pairs, seen
 
 
+def _same_input_types(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
+    """`ModelError` when an input both models take differs in dtype or in a fixed size: the numeric diff feeds both
+    the same arrays, which one of them would refuse."""
+    specs_a = {s.name: s for s in model_inputs(a)}
+    for sb in model_inputs(b):
+        sa = specs_a.get(sb.name)
+        if sa is None:
+            continue
+        fixed_differ = sa.shape is not None and sb.shape is not None and (len(sa.shape) != len(sb.shape) or any(
+            isinstance(x, int) and isinstance(y, int) and x != y for x, y in zip(sa.shape, sb.shape, strict=True)))
+        if sa.dtype != sb.dtype or fixed_differ:
+            raise ModelError(f"input {sa.describe()} in A, {sb.describe().split(': ', 1)[1]} in B: a numeric diff "
+                             "feeds both models the same arrays, so a shared input must have the same dtype and "
+                             "fixed sizes in both. Compare models with the same interface (or convert one).")
+
+
 def numeric_diff(
     a: onnx.ModelProto,
     b: onnx.ModelProto,
@@ -208,6 +224,7 @@ def numeric_diff(
             f"the models take different inputs ({sorted(ins_a)} vs {sorted(ins_b)}): a numeric diff runs both on "
             "the same feeds, so B's graph inputs must be inputs of A with the same names."
         )
+    _same_input_types(a, b)
     types = tensor_types(a)
     pairs, where, out_pairs, seen = _pair_tensors(ia, ib, types)
     extra = [p for p in out_pairs if p[0] not in seen or p[0] != p[1]]

@@ -9,6 +9,7 @@ edit one working copy in place and are undone on exit, so measuring many pairs c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from onnx import helper, numpy_helper
 
 from qgraph.analysis.diff.quant_points import QuantPoint
 from qgraph.graph import ProtoNames
+from qgraph.graph.opsets import model_opset
 from qgraph.quant.math import dequantize
 from qgraph.quant.rescaling import channel_shape
 
@@ -36,6 +38,18 @@ def body_graphs(model: onnx.ModelProto, path: tuple[tuple[str, str], ...]) -> li
             return None
         graphs.append(body)
     return graphs
+
+
+#: The oldest opset an activation probe runs in (Max/Min broadcast from opset 8; Round is emulated before 11).
+MIN_PROBE_OPSET = 8
+
+
+def _rounded(n: Callable[[str, list[str], str], onnx.NodeProto], base: str, opset: int) -> list[onnx.NodeProto]:
+    """``{base}/round`` = round(``{base}/div``) with the ops the model's opset has: Round from opset 11, before it
+    Floor(x + 0.5) (halves round up instead of to even: a probe's estimate, never the model's result)."""
+    if opset >= 11:
+        return [n("Round", [f"{base}/div"], "round")]
+    return [n("Add", [f"{base}/div", f"{base}/half"], "plus_half"), n("Floor", [f"{base}/plus_half"], "round")]
 
 
 class only_this_pair:
@@ -106,10 +120,14 @@ class only_this_pair:
         def n(op: str, ins: list[str], o: str) -> onnx.NodeProto:
             return helper.make_node(op, ins, [f"{space}{o}"], name=f"{space}{o}")
 
-        nodes = [n("Div", [p.tensor, f"{space}s"], "div"), n("Round", [f"{space}div"], "round"),
-                 n("Add", [f"{space}round", f"{space}z"], "add"),
-                 n("Clip", [f"{space}add", f"{space}lo", f"{space}hi"], "clip"),
-                 n("Sub", [f"{space}clip", f"{space}z"], "sub"), n("Mul", [f"{space}sub", f"{space}s"], "fq")]
+        base = space[:-1]  # `_rounded` names "<base>/<what>": the same free namespace
+        nodes = [n("Div", [p.tensor, f"{base}/s"], "div"), *_rounded(n, base, model_opset(self.work, 11)),
+                 n("Add", [f"{base}/round", f"{base}/z"], "add"),
+                 # Max/Min, not Clip: Clip takes its bounds as inputs only from opset 11
+                 n("Max", [f"{base}/add", f"{base}/lo"], "max"), n("Min", [f"{base}/max", f"{base}/hi"], "clip"),
+                 n("Sub", [f"{base}/clip", f"{base}/z"], "sub"), n("Mul", [f"{base}/sub", f"{base}/s"], "fq")]
+        if model_opset(self.work, 11) < 11:
+            inits.append(numpy_helper.from_array(np.asarray(0.5, dt), f"{base}/half"))
         names = {k[len(p.scope) + 1:] if p.scope else k for k, _ in p.consumers}  # local names inside a body
         readers = [(k, i) for k, node in enumerate(g.node) for i, t in enumerate(node.input) if t == p.tensor]
         targets = [(k, i) for k, i in readers if g.node[k].name in names] or readers

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qgraph.data import import_callable
+from qgraph.data import import_callable, user_code
 from qgraph.errors import RecipeError
 from qgraph.runtime.compare import TensorDiff
 
@@ -120,10 +120,7 @@ def parse_target(text: str, *, load: bool = True, metric: Metric | None = None) 
     raw = text.strip()
     kind, _, rest = raw.partition(":")
     if kind in ("cosine", "sqnr") and rest and not any(c in rest for c in "<>="):
-        try:
-            goal = float(rest)
-        except ValueError:
-            raise _bad(raw, f"{rest!r} is not a number") from None
+        goal = _finite(rest, raw)
         if kind == "cosine" and not -1.0 <= goal <= 1.0:
             raise _bad(raw, "a cosine goal lies in [-1, 1]")
         return Target(raw, kind, goal=goal)
@@ -134,20 +131,26 @@ def parse_target(text: str, *, load: bool = True, metric: Metric | None = None) 
     rel_m = _RELATIVE.match(goal_text)
     if rel_m is not None:
         sign = -1.0 if rel_m["sign"] == "-" else 1.0
-        try:
-            number = float(rel_m["num"])
-        except ValueError:
-            raise _bad(raw, f"{rel_m['num']!r} is not a number") from None
+        number = _finite(rel_m["num"], raw)
         relative: str | None = "percent" if rel_m["pct"] else "offset"
         goal = sign * number
     else:
-        try:
-            goal = float(goal_text)
-        except ValueError:
-            raise _bad(raw, f"goal {goal_text!r} is neither a number nor float±X / float±X%") from None
+        goal = _finite(goal_text, raw, "neither a number nor float±X / float±X%")
         relative = None
     fn = metric if metric is not None else (load_metric(m["spec"]) if load else None)
     return Target(raw, "metric", m["rel"] == ">=", goal, relative, m["spec"], fn)
+
+
+def _finite(text: str, raw: str, expected: str = "not a number") -> float:
+    """The goal number in ``text``; NaN and inf are refused (a search towards NaN would run to the end and meet
+    nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _bad(raw, f"{text!r} is {expected}") from None
+    if not math.isfinite(value):
+        raise _bad(raw, f"the goal {text!r} is not a finite number")
+    return value
 
 
 def _bad(text: str, why: str) -> RecipeError:
@@ -165,11 +168,8 @@ def load_metric(spec: str) -> Metric:
 def call_metric(target: Target, outputs: list[np.ndarray], refs: list[np.ndarray]) -> float:
     """Evaluate the user metric, turning its failures into a `RecipeError` naming it."""
     fn = target.metric if target.metric is not None else load_metric(target.metric_spec or "")
-    try:
+    with user_code(f"target metric {target.metric_spec!r}", "the metric", RecipeError, should="It is called as "
+                   "function(outputs, references) with one array per model output (samples concatenated on axis 0) "
+                   "and returns a float."):
         value = float(fn(outputs, refs))
-    except Exception as exc:
-        raise RecipeError(
-            f"target metric {target.metric_spec!r} raised {type(exc).__name__}: {exc}. It is called as "
-            "function(outputs, references) with one array per model output (samples concatenated on axis 0)."
-        ) from exc
     return value

@@ -10,6 +10,35 @@ from typing import Any
 from qgraph.runtime.executor.base import Executor, R, S, T, WorkerError, expired, remaining, require_ray
 
 _RAY_SHARED: dict[str, Any] = {}
+#: Seconds a cluster address has to accept a connection before qgraph says it did not answer (``ray.init`` itself
+#: retries for minutes).
+CONNECT_TIMEOUT = 10.0
+
+
+def check_address(address: str | None, timeout: float = CONNECT_TIMEOUT) -> None:
+    """`UsageError` when ``address`` cannot work: ``ray://`` without Ray's client extra installed, or a HOST:PORT
+    that does not accept a TCP connection within ``timeout`` seconds (``auto`` and None are Ray's own to resolve)."""
+    import importlib.util
+    import socket
+
+    from qgraph.errors import UsageError
+
+    if address is None or address == "auto":
+        return
+    client = address.startswith("ray://")
+    if client and importlib.util.find_spec("grpc") is None:
+        raise UsageError(f"--address {address}: a ray:// address needs Ray's client: pip install 'ray[client]' "
+                         "(or give the cluster's HOST:6379 address from a node of the cluster).")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--address {address}: give 'auto', HOST:PORT or ray://HOST:PORT.")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise UsageError(f"--address {address}: the Ray cluster did not answer ({why} within {timeout:g} s). Check "
+                         "the address and that the cluster's head node is running.") from None
 
 
 def _ray_call(fn: Callable[[Any, Any], Any], boxed: list[Any], item: Any) -> Any:
@@ -23,6 +52,19 @@ def _ray_call(fn: Callable[[Any, Any], Any], boxed: list[Any], item: Any) -> Any
         _RAY_SHARED.clear()
         _RAY_SHARED[key] = ray.get(ref)
     return fn(_RAY_SHARED[key], item)
+
+
+def _keeping_sigterm(start: Callable[[], Any]) -> None:
+    """Run ``start`` (``ray.init``), then put back the SIGTERM handler it replaced: Ray's handler calls
+    ``sys.exit(15)``, which would read as user code exiting instead of the command being terminated."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    start()
+    if main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class RayExecutor(Executor):
@@ -50,6 +92,7 @@ class RayExecutor(Executor):
         self._started = False
         self._keep_ray = keep_ray
         if not ray.is_initialized():
+            check_address(address)
             options: dict[str, Any] = {
                 "address": address,
                 "include_dashboard": False,
@@ -59,7 +102,7 @@ class RayExecutor(Executor):
             }
             if address is None and workers is not None:
                 options.setdefault("num_cpus", workers)
-            ray.init(**options)
+            _keeping_sigterm(lambda: ray.init(**options))
             self._started = True
         self.workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.max_retries = max_retries
