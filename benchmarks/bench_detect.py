@@ -82,7 +82,8 @@ def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int
     for tool, path in {"float": paths["float.onnx"], **made}.items():
         got_rows = reference if tool == "float" else rm.run_model(path, ev, spec, cpu=cpu)
         got = [np.concatenate([r[o] for r in got_rows]) for o in spec.outputs]
-        row: dict[str, Any] = {"task": metric.scores(got, refs), "slices": rm.score(spec, reference, got_rows)}
+        row: dict[str, Any] = {"task": metric.scores(got, refs), "slices": rm.score(spec, reference, got_rows),
+                               "changed": changed(metric, got, refs)}
         results[tool] = row
         if tool != "float":
             sessions[tool] = ba._session(path)
@@ -98,6 +99,37 @@ def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int
         ratios = [q / f for q, f in zip(times[tool], times["float"], strict=True)]
         results[tool].update(ms=float(np.median(times[tool])) * 1e3, latency_ratio=float(np.median(ratios)))
     return results
+
+
+def changed(metric: Any, got: list[np.ndarray], refs: list[np.ndarray]) -> list[tuple[str, float]]:
+    """The detections that differ from float's: ``("lost", float score)`` and ``("extra", INT8 score)``."""
+    from qgraph.metrics.boxes import match
+
+    iou = np.array([metric.options.match])
+    mine, theirs = metric.family.decode(metric.options, got), metric.truth(got, refs)
+    out: list[tuple[str, float]] = []
+    for g, r in zip(mine, theirs, strict=True):
+        out += [("extra", float(s)) for s in g.scores[~match(g, r, iou)[0]]]
+        out += [("lost", float(s)) for s in r.scores[~match(r, g, iou)[0]]]
+    return out
+
+
+def notes(rows: list[dict[str, Any]], floor: float = 15.0) -> list[str]:
+    """One line per model whose output slice is below ``floor`` dB: which slice, and what it changes in the
+    detections (how many differ, and how close their scores are to the threshold)."""
+    lines = []
+    for r in rows:
+        low = {k: v for k, v in r.get("slices", {}).get("slices_db", {}).items() if v < floor}
+        if r["tool"] == "float" or not low or "task" not in r:
+            continue
+        ch = r.get("changed", [])
+        scores = [s for _, s in ch]
+        what = (f"{len(ch)} detection(s) differ from float ({sum(k == 'lost' for k, _ in ch)} lost, "
+                f"{sum(k == 'extra' for k, _ in ch)} extra), scores {min(scores):.3f}-{max(scores):.3f}"
+                if ch else "no detection differs from float")
+        lines.append(f"{r['model']} {r['tool']}: " + ", ".join(f"{k} {v:.1f} dB" for k, v in low.items()) +
+                     f" below {floor:.0f} dB; F1 {r['task']['f1']:.4f}: {what}")
+    return lines
 
 
 def run(name: str, folder: Path, goal: float, rounds: int, cpu: str | None, fallback_extra: str,
@@ -153,7 +185,10 @@ def print_table(rows: list[dict[str, Any]], cpu: str | None) -> None:
                       f"{t.get('count', 0):.0f}/{t.get('reference_count', 0):.0f}",
                       f"{s.get('min_db', float('nan')):.1f} dB ({s.get('worst', '')})",
                       f"x{r['latency_ratio']:.2f} ({r['ms']:.1f} ms)" if "latency_ratio" in r else "", quant)
-    Console(width=220).print(table)
+    console = Console(width=220)
+    console.print(table)
+    for line in notes(rows):
+        console.print(line, markup=False, highlight=False)
 
 
 def main() -> None:
