@@ -234,5 +234,5 @@ def test_a_task_metric_decides_first_and_never_gets_worse() -> None:
     assert any(d.startswith(f"task metric {metric} decided first: ") for d in record.decisions)
     outs = [_outputs(m, cal)[None] for m in (model, res.model)]  # [1, S, ...]: one output, samples on axis 0
     assert builtin_metric(metric)([outs[1][0]], [outs[0][0]]) == pytest.approx(after)
-    with pytest.raises(RecipeError, match="tune_ranges.*has no field 'f2'"):
+    with pytest.raises(RecipeError, match=r"tune_ranges.*has no field 'f2'"):
         Recipe.from_dict({"name": "r", "passes": [{"pass": "tune_ranges", "metric": "detection.f2"}]})
