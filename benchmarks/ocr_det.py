@@ -5,7 +5,7 @@
 Resize + Add + Concat; a head of Conv -> BN -> ReLU -> ConvTranspose -> BN -> ReLU -> ConvTranspose -> Sigmoid at
 opset 12). Its output is the text probability map ``[1, 1, H, W]`` at the input resolution. The wheel's
 ``ch_ppocr_det/utils.py`` needs cv2, pyclipper and shapely; nothing here does: the model is read as a file, the
-preprocessing is done with PIL and numpy, and the post-process is re-implemented with ``scipy.ndimage``.
+preprocessing is done with PIL and numpy, and the post-process is qgraph's built-in ``text_boxes`` (numpy).
 
 Preprocessing (``DetPreProcess`` with the wheel's ``config.yaml``: ``limit_type: min``, ``limit_side_len: 736``,
 mean = std = 0.5): scale so that the short side is at least 736, round each side to a multiple of 32, bilinear
@@ -13,16 +13,18 @@ resize, ``(x/255 - 0.5) / 0.5`` on BGR, CHW. Every sample here is square, so eve
 (a fixed size, so that latencies compare).
 
 Post-process (``DBPostProcess``: ``thresh 0.3``, ``box_thresh 0.5``, ``unclip_ratio 1.6``, 2x2 dilation, ``fast``
-score): binary map ``p > 0.3``, dilated; one box per 8-connected component; a box whose short side is below 3
-pixels or whose mean probability is below 0.5 is dropped; the box grows by ``d = area * 1.6 / perimeter`` on
-every side (pyclipper's unclip) and is dropped when its short side is then below 5. The wheel fits a rotated
-rectangle (``cv2.minAreaRect``) to each component; here the box is axis-aligned (the text in the data is
-horizontal, where the two agree).
+score), as qgraph's built-in ``text_boxes`` metric (`qgraph.metrics.text`, docs/metrics.md): binary map ``p >
+0.3``, dilated; one box per 8-connected component; a box whose short side is below 3 pixels or whose mean
+probability is below 0.5 is dropped; the box grows by ``d = area * 1.6 / perimeter`` on every side (pyclipper's
+unclip) and is dropped when its short side is then below 5. The wheel fits a rotated rectangle
+(``cv2.minAreaRect``) to each component; here the box is axis-aligned (the text in the data is horizontal, where
+the two agree).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -133,63 +135,38 @@ def samples(
 
 
 # ---------------------------------------------------------------------------------------------- post-process
-def boxes(prob: np.ndarray) -> np.ndarray:
-    """DB boxes ``[k, 4]`` as ``(y0, x0, y1, x1)`` (half-open, in pixels) from one probability map ``[H, W]``
-    (any leading axes of size 1 are dropped); the rules in the module docstring."""
-    from scipy import ndimage
+def _options(iou: float = 0.5) -> Any:
+    from qgraph.metrics.text import TextBoxOptions
 
-    prob = np.asarray(prob, np.float32).reshape(prob.shape[-2:])
-    mask = ndimage.binary_dilation(prob > THRESH, structure=np.ones((2, 2), bool))
-    labels, _ = ndimage.label(mask, structure=np.ones((3, 3), bool))
-    out = []
-    h, w = prob.shape
-    for sl in ndimage.find_objects(labels):
-        if sl is None:
-            continue
-        y0, y1, x0, x1 = sl[0].start, sl[0].stop, sl[1].start, sl[1].stop
-        bh, bw = y1 - y0, x1 - x0
-        if min(bh, bw) < 3 or float(prob[y0:y1, x0:x1].mean()) < BOX_THRESH:
-            continue
-        d = bh * bw * UNCLIP / (2 * (bh + bw))
-        if min(bh, bw) + 2 * d < 5:
-            continue
-        y0, x0 = max(0, round(y0 - d)), max(0, round(x0 - d))
-        y1, x1 = min(h, round(y1 + d)), min(w, round(x1 + d))
-        out.append((y0, x0, y1, x1))
-    return np.array(out, np.int64).reshape(-1, 4)
+    return TextBoxOptions(thresh=THRESH, box_thresh=BOX_THRESH, unclip=UNCLIP, match=iou)
+
+
+def boxes(prob: np.ndarray) -> np.ndarray:
+    """DB boxes ``[k, 4]`` as ``(y0, x0, y1, x1)`` (half-open, in pixels) from one probability map ``[H, W]`` (any
+    leading axes of size 1 are dropped): qgraph's built-in ``text_boxes`` (`qgraph.metrics.text`)."""
+    from qgraph.metrics.text import text_boxes
+
+    return text_boxes(prob, _options()).boxes[:, [1, 0, 3, 2]].astype(np.int64)
 
 
 def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU matrix ``[len(a), len(b)]`` of axis-aligned boxes ``(y0, x0, y1, x1)``."""
-    a, b = a[:, None, :].astype(np.float64), b[None, :, :].astype(np.float64)
-    ih = np.clip(np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]), 0, None)
-    iw = np.clip(np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]), 0, None)
-    inter = ih * iw
-    area = lambda x: (x[..., 2] - x[..., 0]) * (x[..., 3] - x[..., 1])  # noqa: E731
-    return np.asarray(inter / np.maximum(area(a) + area(b) - inter, 1e-9))
+    """IoU matrix ``[len(a), len(b)]`` of axis-aligned boxes (`qgraph.metrics.boxes.box_iou`)."""
+    from qgraph.metrics.boxes import box_iou as iou
+
+    return iou(np.asarray(a)[:, [1, 0, 3, 2]], np.asarray(b)[:, [1, 0, 3, 2]])
 
 
 def box_f1(reference: Sequence[np.ndarray], test: Sequence[np.ndarray], iou: float = 0.5) -> dict[str, float]:
-    """Agreement of ``test`` maps with ``reference`` maps through their DB boxes: each reference box is matched
-    greedily (highest IoU first) to at most one test box with IoU >= ``iou``; precision = matched / test boxes,
-    recall = matched / reference boxes, F1 their harmonic mean (1.0 when neither has a box)."""
-    matched = n_ref = n_test = 0
-    for r, t in zip(reference, test, strict=True):
-        br, bt = boxes(r), boxes(t)
-        n_ref, n_test = n_ref + len(br), n_test + len(bt)
-        if not (len(br) and len(bt)):
-            continue
-        m = box_iou(br, bt)
-        while True:
-            i, j = np.unravel_index(int(np.argmax(m)), m.shape)
-            if m[i, j] < iou:
-                break
-            matched += 1
-            m[i, :], m[:, j] = -1.0, -1.0
-    precision = matched / n_test if n_test else 1.0
-    recall = matched / n_ref if n_ref else 1.0
-    f1 = 2 * precision * recall / max(precision + recall, 1e-12)
-    return {"box_f1": f1, "box_precision": precision, "box_recall": recall, "boxes_float": float(n_ref)}
+    """Agreement of ``test`` maps with ``reference`` maps through their DB boxes (the built-in ``text_boxes``
+    metric): a test box is a true positive when it takes a reference box with IoU >= ``iou``; precision, recall,
+    F1 (1.0 when neither has a box)."""
+    from qgraph.metrics.boxes import f1_counts
+    from qgraph.metrics.text import text_boxes
+
+    opts = _options(iou)
+    s = f1_counts([text_boxes(t, opts) for t in test], [text_boxes(r, opts) for r in reference], iou)
+    return {"box_f1": s["f1"], "box_precision": s["precision"], "box_recall": s["recall"],
+            "boxes_float": s["reference_count"]}
 
 
 def mask_iou(reference: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> float:

@@ -17,9 +17,10 @@ Data: the detector fires on faces. Each sample is a scene of a background photo 
 disjoint photos too; every other sample is a close-up of the person's face (the stride-16/32 heads fire on
 those). Most samples have a detection above the wheel's threshold, at every level.
 
-Post-process (``_postprocess``): a cell is a candidate when its best class score is >= 0.2, then NMS at IoU 0.45
-(``cv2.dnn.NMSBoxes`` with score threshold 0.25). :func:`detection_f1` matches the INT8 model's detections to
-float's (same class, IoU >= 0.5): the "INT8 detector finds nothing" symptom in one number.
+Post-process: a cell is a candidate when its best class score is >= 0.2, then NMS at IoU 0.45
+(``cv2.dnn.NMSBoxes`` with score threshold 0.25): qgraph's built-in metric :data:`METRIC` (docs/metrics.md).
+:func:`detection_f1` matches the INT8 model's detections to float's (same class, IoU >= 0.5): the "INT8 detector
+finds nothing" symptom in one number.
 """
 
 from __future__ import annotations
@@ -148,62 +149,28 @@ def samples(
     return feeds
 
 
+#: The wheel's post-process as qgraph's built-in metric (docs/metrics.md): class-agnostic NMS like cv2.dnn.NMSBoxes.
+METRIC = f"detection(layout=yolov8, score={max(CANDIDATE, SCORE_THRESH)}, iou={NMS_IOU}, agnostic=true)"
+
+
 def detections(output: np.ndarray) -> list[tuple[int, float, np.ndarray]]:
-    """The wheel's post-process on ``output0`` of one image: ``(class, score, xyxy box)`` after NMS."""
-    rows = np.asarray(output, np.float64).reshape(4 + len(CLASSES), -1).T
-    scores = rows[:, 4:]
-    best = scores.max(1)
-    keep = np.nonzero(best >= max(CANDIDATE, SCORE_THRESH))[0]
-    if keep.size == 0:
-        return []
-    cx, cy, w, h = rows[keep, :4].T
-    boxes = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], 1)
-    cls, conf = scores[keep].argmax(1), best[keep]
-    order = list(np.argsort(-conf, kind="stable"))
-    out: list[tuple[int, float, np.ndarray]] = []
-    while order:  # cv2.dnn.NMSBoxes: class-agnostic greedy NMS
-        i = order.pop(0)
-        out.append((int(cls[i]), float(conf[i]), boxes[i]))
-        order = [j for j in order if box_iou(boxes[i][None], boxes[j][None])[0, 0] <= NMS_IOU]
-    return out
+    """The wheel's post-process on ``output0`` of one image: ``(class, score, xyxy box)`` after NMS
+    (`qgraph.metrics.detection`, the same decoding the built-in metric uses)."""
+    from qgraph.metrics import builtin_metric
 
-
-def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU matrix of xyxy boxes ``a`` [N, 4] and ``b`` [M, 4]."""
-    lt = np.maximum(a[:, None, :2], b[None, :, :2])
-    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.prod(np.clip(rb - lt, 0, None), axis=2)
-    area = lambda x: np.prod(np.clip(x[:, 2:] - x[:, :2], 0, None), axis=1)  # noqa: E731
-    return inter / np.maximum(area(a)[:, None] + area(b)[None, :] - inter, 1e-12)
+    metric = builtin_metric(METRIC)
+    (found,) = metric.family.decode(metric.options, [np.asarray(output).reshape(1, 4 + len(CLASSES), -1)])
+    return [(int(c), float(s), b) for c, s, b in zip(found.classes, found.scores, found.boxes, strict=True)]
 
 
 def detection_f1(reference: Sequence[np.ndarray], test: Sequence[np.ndarray], iou: float = 0.5) -> dict[str, float]:
-    """F1 of the test model's detections against float's (same class, IoU >= ``iou``, greedy by score), pooled
-    over the images; also the detection counts and the mean |score difference| of the matched detections."""
-    tp = n_ref = n_test = 0
-    diffs: list[float] = []
-    for ref_out, test_out in zip(reference, test, strict=True):
-        ref, got = detections(ref_out), detections(test_out)
-        n_ref, n_test = n_ref + len(ref), n_test + len(got)
-        used: set[int] = set()
-        for c, s, box in got:
-            best, best_iou = -1, iou
-            for j, (rc, _rs, rbox) in enumerate(ref):
-                if j in used or rc != c:
-                    continue
-                value = float(box_iou(box[None], rbox[None])[0, 0])
-                if value >= best_iou:
-                    best, best_iou = j, value
-            if best >= 0:
-                used.add(best)
-                tp += 1
-                diffs.append(abs(s - ref[best][1]))
-    precision = tp / n_test if n_test else (1.0 if not n_ref else 0.0)
-    recall = tp / n_ref if n_ref else 1.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {
-        "det_f1": float(f1),
-        "det_float": float(n_ref),
-        "det_int8": float(n_test),
-        "score_mae": float(np.mean(diffs)) if diffs else float("nan"),
-    }
+    """F1 of the test model's detections against float's (same class, IoU >= ``iou``, COCO's greedy order), pooled
+    over the images (the built-in ``detection`` metric), with the detection counts and mAP@0.5."""
+    from qgraph.metrics import builtin_metric
+
+    metric = builtin_metric(METRIC[:-1] + f", match={iou})")
+    shape = (-1, 4 + len(CLASSES), np.shape(reference[0])[-1])
+    ref = np.concatenate([np.asarray(r).reshape(shape) for r in reference])
+    got = np.concatenate([np.asarray(t).reshape(shape) for t in test])
+    s = metric.scores([got], [ref], "map50")
+    return {"det_f1": s["f1"], "det_float": s["reference_count"], "det_int8": s["count"], "det_map50": s["map50"]}

@@ -46,10 +46,12 @@ from pydantic import Field, field_validator
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassError, PassResult, register
 from qgraph.data import Feed
 from qgraph.graph.names import GraphOutputName
+from qgraph.metrics import builtin_metric, is_builtin
 from qgraph.pipeline.target import CalibrationSpec
 from qgraph.quant.layers import find_layers
 from qgraph.quant.qdq_graph import is_dq, is_q, qparams
 from qgraph.runtime.compare import make_session
+from qgraph.runtime.evaluation import load_metric
 from qgraph.runtime.output_parts import OutputParts, find_output_parts
 from qgraph.runtime.streaming import OutputScore, Recurrence, check_recurrence
 
@@ -76,6 +78,9 @@ class TuneRangesDetails(PassDetails):
     sequences: int
     scored_db_before: dict[str, float]
     scored_db_after: dict[str, float]
+    #: the task metric (``metric``) before and after, when one decided
+    metric_before: float | None = None
+    metric_after: float | None = None
 
 
 class TuneRangesConfig(PassConfig):
@@ -108,6 +113,20 @@ class TuneRangesConfig(PassConfig):
         default=True, description="Score each part of an output that a final Concat joins (a detector's boxes "
         "and class scores) on its own, the worst part deciding (`qgraph.runtime.output_parts`); false: every output "
         "whole, where the largest part's error hides the others'.")
+    metric: str | None = Field(
+        default=None, description="A task metric deciding first (docs/metrics.md: detection.f1(score=0.25), "
+        "text_boxes, ctc.exact, ...; or module:function): a factor is kept when it improves the metric against the "
+        "float reference, or leaves it equal and gains min_gain_db of SQNR.")
+
+    @field_validator("metric")
+    @classmethod
+    def _metric_known(cls, value: str | None) -> str | None:
+        if value is not None and is_builtin(value):
+            try:
+                builtin_metric(value, PassError)
+            except PassError as exc:  # a validation error: the recipe error names file, line and field
+                raise ValueError(str(exc)) from None
+        return value
 
 
 @dataclass
@@ -242,8 +261,10 @@ class TuneRanges(Pass[TuneRangesConfig]):
                                  "control flow kept (a branch the data never takes scores no gain and keeps its range)")
         start = time.perf_counter()
         kernels = ctx.kernels
+        judge = _Judge(cfg.metric, scorer, cfg.min_gain_db)
         before = self._scores(graph, scorer, kernels)
         best, after = min(before, default=math.inf), before
+        best_metric = first_metric = judge.value()
         first, evaluations, reached = best, 1, 0
         current = [1.0] * len(pairs)
         for sweep in range(cfg.sweeps):
@@ -259,8 +280,9 @@ class TuneRanges(Pass[TuneRangesConfig]):
                     scores = self._scores(graph, scorer, kernels)
                     score = min(scores, default=math.inf)
                     evaluations += 1
-                    if score > best + cfg.min_gain_db:
-                        best, keep, after = score, f, scores
+                    value = judge.value()
+                    if judge.better(value, score, best_metric, best):
+                        best, keep, after, best_metric = score, f, scores, value
                 pair.apply(keep, graph)
                 current[k] = keep
         chosen = {p.qs[0].inputs[0].name: f for p, f in zip(pairs, current, strict=True) if f != 1.0}
@@ -271,7 +293,8 @@ class TuneRanges(Pass[TuneRangesConfig]):
             score_before_db=first, score_after_db=best, factors=chosen, pairs=len(pairs), evaluations=evaluations,
             samples=len(feeds), streamed=scorer.streamed, sequences=len(scorer.starts),
             scored_db_before=dict(zip(scorer.labels, before, strict=True)),
-            scored_db_after=dict(zip(scorer.labels, after, strict=True)))
+            scored_db_after=dict(zip(scorer.labels, after, strict=True)),
+            metric_before=first_metric if cfg.metric else None, metric_after=best_metric if cfg.metric else None)
         res.decisions.append(
             f"{len(chosen)} of {len(pairs)} activation range(s) narrowed: output score (min SQNR over "
             f"{'the parts of ' if len(scorer.units) > len(scorer.names) else ''}"
@@ -279,6 +302,9 @@ class TuneRanges(Pass[TuneRangesConfig]):
             f"{scorer.describe()}) {_db(first)} -> {_db(best)} in {evaluations} evaluation(s)"
             + "".join(f"; {t} x{f:g}" for t, f in list(chosen.items())[:5])
             + (f" (+{len(chosen) - 5} more)" if len(chosen) > 5 else ""))
+        if cfg.metric is not None:
+            res.decisions.append(f"task metric {cfg.metric} decided first: {first_metric:.4g} -> {best_metric:.4g} "
+                                 "(against the float reference on the calibration samples; SQNR broke ties)")
         if reached < len(pairs):
             res.decisions.append(f"time budget reached: {len(pairs) - reached} pair(s) not tuned")
         return res
@@ -289,6 +315,29 @@ class TuneRanges(Pass[TuneRangesConfig]):
         score: their min)."""
         model, held = graph.weightless_export()
         return scorer.per_output_db(kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
+
+
+class _Judge:
+    """The objective: SQNR alone, or a task metric first and SQNR on ties (``metric``, module:function or built-in),
+    computed on the outputs `OutputScore.per_output_db` just ran."""
+
+    def __init__(self, metric: str | None, scorer: OutputScore, min_gain_db: float) -> None:
+        self.fn = load_metric(metric) if metric is not None else None
+        self.higher = getattr(self.fn, "higher_is_better", True)
+        self.scorer, self.min_gain_db = scorer, min_gain_db
+        self.refs = scorer.joined() if self.fn is not None else []
+
+    def value(self) -> float:
+        """The metric of the last scored candidate (0.0 without a metric)."""
+        if self.fn is None:
+            return 0.0
+        return float(self.fn(self.scorer.joined(self.scorer.last), self.refs))
+
+    def better(self, value: float, score: float, best_value: float, best: float) -> bool:
+        """Whether (value, score) beats the best so far: a better metric, or an equal one and more SQNR."""
+        if self.fn is not None and value != best_value and not math.isnan(value):
+            return value > best_value if self.higher else value < best_value
+        return score > best + self.min_gain_db
 
 
 def _scored_parts(reference: onnx.ModelProto, cfg: TuneRangesConfig, res: PassResult) -> OutputParts | None:

@@ -22,6 +22,7 @@ LAYERS = (
     ("qgraph.graph",),
     ("qgraph.io",),
     ("qgraph.data",),
+    ("qgraph.metrics",),
     ("qgraph.quant",),
     ("qgraph.runtime",),
     ("qgraph.calibrate",),

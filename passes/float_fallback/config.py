@@ -21,7 +21,8 @@ from qgraph.runtime.streaming import Recurrence
 class AutoFallbackConfig(PassConfig):
     """Options of the automatic mode."""
 
-    target: str = Field(description="cosine:GOAL, sqnr:GOAL_DB, or module:function>=GOAL (e.g. >=float-0.5%).")
+    target: str = Field(description="cosine:GOAL, sqnr:GOAL_DB, a built-in task metric (detection.f1:0.98, "
+                        "ctc.cer:0.01; docs/metrics.md) or module:function>=GOAL (e.g. >=float-0.5%).")
     data: str | None = Field(default=None, description="Evaluation data; default: the calibration data.")
     reference: str | None = Field(
         default=None, description="Float model to compare with; default: this model with every Q/DQ removed."

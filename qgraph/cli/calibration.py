@@ -143,7 +143,8 @@ def sensitivity(
     executor: ExecutorOption = "local",
     address: AddressOption = None,
     target: Annotated[
-        str | None, typer.Option("--target", help="Fall back until met: cosine:0.99 | sqnr:30 | mod:fn>=float-1%.")
+        str | None, typer.Option("--target", help="Fall back until met: cosine:0.99 | sqnr:30 | "
+                                 "detection.f1:0.98 (a built-in task metric) | mod:fn>=float-1%.")
     ] = None,
     patch: Annotated[Path | None, typer.Option("--patch", help="Write the decision as a recipe patch.")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the best model found.")] = None,

@@ -24,7 +24,9 @@ LabelsOption = Annotated[
     str | None, typer.Option("--labels", help="Labels: FILE.npy, FILE.npz or FILE.npz:KEY (default: a 'labels' "
                              "array in the --eval-data .npz, if any).")]
 MetricOption = Annotated[
-    str | None, typer.Option("--metric", help="module:function or path/file.py:function, called as "
+    str | None, typer.Option("--metric", help="A built-in task metric (detection.f1, detection.map50, text_boxes, "
+                             "ctc.exact, ctc.cer, top1, topk(k=5), cosine(split=4), sqnr; options in parentheses; "
+                             "docs/metrics.md) or module:function / path/file.py:function, called as "
                              "f(outputs, labels or reference outputs) -> float.")]
 LowerOption = Annotated[bool, typer.Option("--lower-is-better", help="The metric is an error (lower is better).")]
 

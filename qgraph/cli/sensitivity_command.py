@@ -25,7 +25,7 @@ from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.ranking import SensitivityReport
 from qgraph.analysis.sensitivity.search import auto_fallback
 from qgraph.analysis.sensitivity.stats import matmul_flops
-from qgraph.analysis.sensitivity.targets import Target, parse_target
+from qgraph.analysis.sensitivity.targets import Target, parse_target, per_sample_labels
 from qgraph.cli._app import emit, live_progress
 from qgraph.errors import ModelError, RecipeError
 from qgraph.io.model_io import load_model, save_model
@@ -200,6 +200,8 @@ def _target(target: str | None, metric: str | None, evaluation: Evaluation) -> T
         if evaluation.labels is None:
             return fn
         labels = evaluation.labels
+        if not per_sample_labels(fn):  # one table for every sample (detection boxes): never cut per row
+            return lambda outputs, _refs: fn(outputs, labels)
         return lambda outputs, _refs: fn(outputs, labels[: len(outputs[0]) if outputs and len(outputs[0]) else None])
 
     if target is not None:

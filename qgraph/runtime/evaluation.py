@@ -2,8 +2,9 @@
 
 ``--eval-data`` takes any data source (``.npz``, folder, ``module:function``); ``--labels`` an ``.npy``, an
 ``.npz`` (its only array, or ``FILE.npz:KEY``); when the eval ``.npz`` itself holds an array named ``labels``
-that is not a model input, those are the labels (and the report says so). ``--metric`` is
-``package.module:function`` or ``path/to/file.py:function``, called as::
+that is not a model input, those are the labels (and the report says so). ``--metric`` is a built-in task metric
+(``detection.f1(score=0.3)``, ``text_boxes``, ``ctc.cer``, ``top1``, ...: `qgraph.metrics`, ``docs/metrics.md``;
+its direction comes with it) or ``package.module:function`` or ``path/to/file.py:function``, called as::
 
     metric(outputs, labels)       # with labels: outputs[i] = model output i over all samples (axis 0)
     metric(outputs, references)   # without: references = the reference model's outputs, same layout
@@ -26,6 +27,7 @@ import onnx
 from qgraph.data import DataSource, Feed, import_callable, open_data_source, user_code
 from qgraph.errors import DataError
 from qgraph.io.inputs import array_file_problem, input_file_problem
+from qgraph.metrics import BuiltinMetric, builtin_metric, is_builtin
 from qgraph.runtime.compare import TensorDiff, session_run
 from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs
@@ -60,8 +62,19 @@ def load_labels(spec: str | Path) -> tuple[np.ndarray, str]:
 
 
 def load_metric(spec: str) -> Metric:
-    """Import ``module:function`` or ``path/to/file.py:function``."""
+    """The built-in metric ``spec`` names (`qgraph.metrics`), else import ``module:function`` or
+    ``path/to/file.py:function``."""
+    if is_builtin(spec):
+        return builtin_metric(spec, DataError)
     return import_callable(spec, DataError, "--metric")
+
+
+def labels_for(metric: Metric | None, labels: np.ndarray, rows: int | None) -> np.ndarray:
+    """The labels ``metric`` is called with for ``rows`` output rows: the first ``rows`` (one label per sample),
+    or the whole table for a metric whose labels are one table for every sample (detection boxes)."""
+    if isinstance(metric, BuiltinMetric) and not metric.labels_per_sample:
+        return labels
+    return labels[:rows]
 
 
 @dataclass
@@ -101,11 +114,15 @@ class Evaluation:
             with np.load(str(data), allow_pickle=False) as npz:
                 if LABEL_KEY in npz.files and LABEL_KEY not in inputs:
                     label_arr, label_from = np.asarray(npz[LABEL_KEY]), f"{data}:{LABEL_KEY}"
-        if label_arr is not None:
+        fn = load_metric(metric) if metric else None
+        if isinstance(fn, BuiltinMetric):  # a built-in knows its direction (ctc.cer: lower is better)
+            higher_is_better = fn.higher_is_better
+        # one label per sample, checked before any model runs; a detection label table is the metric's to read
+        if label_arr is not None and (not isinstance(fn, BuiltinMetric) or fn.labels_per_sample):
             label_arr, label_from = _checked_labels(label_arr, str(label_from), feeds, source.truncated)
         ev = cls(feeds, _sample_count(len(feeds), source) + f" sample(s) of {source.description}" +
                  (" (--samples to use more)" if source.truncated else ""), label_arr, label_from, metric,
-                 load_metric(metric) if metric else None, higher_is_better)
+                 fn, higher_is_better)
         return ev
 
     def describe(self) -> str:
@@ -124,10 +141,11 @@ class Evaluation:
         target: Any = references
         if self.labels is not None:
             rows = outputs[0].shape[0] if outputs and np.ndim(outputs[0]) else len(self.feeds)
-            if rows > len(self.labels):
+            per_sample = not isinstance(self.metric, BuiltinMetric) or self.metric.labels_per_sample
+            if per_sample and rows > len(self.labels):
                 raise DataError(f"labels {self.labels_from}: {len(self.labels)} label(s) for {rows} output rows; "
                                 "give one label per sample.")
-            target = self.labels[:rows]
+            target = labels_for(self.metric, self.labels, rows)
         with user_code(f"--metric {self.metric_spec}", "the metric", should="A metric returns a float; it is called "
                        "as function(outputs, labels or reference outputs), outputs[i] = output i over all samples "
                        "(axis 0)."):

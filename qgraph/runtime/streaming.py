@@ -150,6 +150,7 @@ class OutputScore:
             self.starts = sequence_starts(recurrence, self.feeds, chunk)
             chunk = run_streamed(reference, self.names, self.feeds, self.starts, recurrence)
         self.reference = [[np.asarray(r[n], np.float64) for n in self.names] for r in chunk]
+        self.last: list[Any] = []
 
     @property
     def streamed(self) -> bool:
@@ -178,6 +179,7 @@ class OutputScore:
                    for r in run_streamed(session, self.names, self.feeds, self.starts, self.recurrence)]
         else:
             got = [session_run(session, self.names, f) for f in self.feeds]
+        self.last = got
         signal = np.zeros(len(self.units))
         noise = np.zeros(len(self.units))
         for ref, out in zip(self.reference, got, strict=True):
@@ -187,6 +189,13 @@ class OutputScore:
                 noise[u] += float(np.sum((a - b) ** 2))
         return [-math.inf if not math.isfinite(n) else math.inf if n == 0 else
                 10 * math.log10(max(s, 1e-300) / n) for s, n in zip(signal, noise, strict=True)]
+
+    def joined(self, rows: Sequence[Sequence[Any]] | None = None) -> list[np.ndarray]:
+        """Per output, the samples of ``rows`` (default: the reference's) joined on axis 0: the layout a task
+        metric (`qgraph.metrics`) is called with. `per_output_db` keeps the candidate's rows in ``last``."""
+        rows = self.reference if rows is None else rows
+        return [np.concatenate([np.asarray(r[k]) for r in rows]) if np.ndim(rows[0][k]) else
+                np.stack([np.asarray(r[k]) for r in rows]) for k in range(len(self.names))]
 
     def score_db(self, session: Any) -> float:
         """min over the scored parts of `per_output_db` (NaN/Inf outputs give -inf: never "no error")."""

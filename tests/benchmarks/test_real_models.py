@@ -136,7 +136,6 @@ def test_bench_accuracy_tools_and_extra_recipes(rm: ModuleType, tmp_path: Path) 
 def test_ocr_det_inputs_and_db_boxes(rm: ModuleType) -> None:
     _need("rapidocr_onnxruntime")  # not imported: its __init__ needs cv2 (installed --no-deps)
     _need("skimage")
-    _need("scipy")
     ocr = rm.ocr_module()
     feeds = rm.ocr_samples(8, 3, *rm.OCR_EVAL)
     assert all(f["x"].shape == (1, 3, 736, 736) and f["x"].dtype == np.float32 for f in feeds)
@@ -159,7 +158,6 @@ def test_ocr_det_inputs_and_db_boxes(rm: ModuleType) -> None:
 
 
 def test_db_boxes_on_drawn_maps(rm: ModuleType) -> None:
-    _need("scipy")
     ocr = rm.ocr_module()
     prob = np.zeros((64, 96), np.float32)
     prob[20:30, 20:75] = 0.9  # a text line: 11 x 56 after the 2x2 dilation, mean 0.80 >= box_thresh

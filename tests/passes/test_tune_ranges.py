@@ -213,3 +213,26 @@ def test_the_score_is_the_worst_part_of_an_output_a_concat_joins() -> None:
     res = whole.records[-1].result
     assert res.details["score_before_db"] == pytest.approx(whole_db, abs=0.01) and res.details["factors"] == {}
     assert res.decisions[0].startswith("output0 scored whole (output_parts: false)")
+
+
+def test_a_task_metric_decides_first_and_never_gets_worse() -> None:
+    """``metric: detection.f1(...)``: a factor is kept only when the detections agree at least as well with float's,
+    SQNR breaking ties; the metric before/after is in the details and a decision line, and a bad metric name is a
+    recipe error at the field."""
+    from qgraph.metrics import builtin_metric
+    from qgraph.testing import detection_feeds, detection_head
+
+    model = detection_head()
+    cal = detection_feeds(16)
+    data = CallableSource(lambda: cal, "16 images")
+    qdq = get_pass("insert_qdq")(preset="ort-x86-vnni", elementwise="always")
+    metric = "detection.f1(layout=yolov8, score=0.1)"
+    res = Pipeline([qdq, get_pass("tune_ranges")(metric=metric)]).run(model, calibration_data=data)
+    record = res.records[-1].result
+    before, after = record.details["metric_before"], record.details["metric_after"]
+    assert 0.0 <= before <= after <= 1.0
+    assert any(d.startswith(f"task metric {metric} decided first: ") for d in record.decisions)
+    outs = [_outputs(m, cal)[None] for m in (model, res.model)]  # [1, S, ...]: one output, samples on axis 0
+    assert builtin_metric(metric)([outs[1][0]], [outs[0][0]]) == pytest.approx(after)
+    with pytest.raises(RecipeError, match=r"tune_ranges.*has no field 'f2'"):
+        Recipe.from_dict({"name": "r", "passes": [{"pass": "tune_ranges", "metric": "detection.f2"}]})

@@ -8,6 +8,9 @@ Syntax (``--target`` on the command line, ``auto.target`` in a recipe):
 - both score each part of an output that a final Concat joins from different tensors (boxes and class scores)
   on its own, the worst part deciding (`qgraph.runtime.output_parts`; the whole output's SQNR is never below the worst
   part's, so this only makes targets stricter);
+- a built-in task metric (`qgraph.metrics`, ``docs/metrics.md``) with a goal: ``detection.f1:0.98``,
+  ``text_boxes(thresh=0.3):0.99``, ``ctc.cer:0.01`` (the metric's own direction: at most 0.01 for an error rate),
+  or with ``>=``/``<=`` and a relative goal as below (``ctc.exact>=float-1%``);
 - ``package.module:function>=GOAL`` or ``...<=GOAL`` for a user metric, higher-is-better with ``>=`` and
   lower-is-better with ``<=``. ``GOAL`` is an absolute value (``>=0.97``), an offset from the float model's
   score (``>=float-0.005``) or a percentage of it (``>=float-0.5%`` means at least 99.5% of the float score;
@@ -31,10 +34,12 @@ import numpy as np
 
 from qgraph.data import import_callable, user_code
 from qgraph.errors import RecipeError
+from qgraph.metrics import BuiltinMetric, builtin_metric, is_builtin
 from qgraph.runtime.compare import TensorDiff
 
 Metric = Callable[[list[np.ndarray], list[np.ndarray]], float]
 _GOAL = re.compile(r"^(?P<spec>[^<>=\s]+)\s*(?P<rel>>=|<=)\s*(?P<goal>.+)$")
+_BUILTIN_GOAL = re.compile(r"^(?P<spec>[^<>]+?)\s*(?:(?P<rel>>=|<=)|:)\s*(?P<goal>[^<>=:()]+)$")
 _RELATIVE = re.compile(r"^float\s*(?P<sign>[+-])\s*(?P<num>[0-9.eE+-]+)\s*(?P<pct>%?)$")
 
 
@@ -124,21 +129,35 @@ def parse_target(text: str, *, load: bool = True, metric: Metric | None = None) 
         if kind == "cosine" and not -1.0 <= goal <= 1.0:
             raise _bad(raw, "a cosine goal lies in [-1, 1]")
         return Target(raw, kind, goal=goal)
+    b = _BUILTIN_GOAL.match(raw)
+    if b is not None and is_builtin(b["spec"]):
+        return _builtin_target(raw, b["spec"].strip(), b["rel"], b["goal"].strip())
     m = _GOAL.match(raw)
     if m is None or ":" not in m["spec"]:
         raise _bad(raw, "expected cosine:GOAL, sqnr:GOAL_DB or module:function>=GOAL / <=GOAL")
-    goal_text = m["goal"].strip()
+    goal, relative = _goal(raw, m["goal"].strip())
+    fn = metric if metric is not None else (load_metric(m["spec"]) if load else None)
+    return Target(raw, "metric", m["rel"] == ">=", goal, relative, m["spec"], fn)
+
+
+def _builtin_target(raw: str, spec: str, rel: str | None, goal_text: str) -> Target:
+    """A target on a built-in metric: ``NAME:GOAL`` takes the metric's direction; ``>=``/``<=`` must agree."""
+    fn = builtin_metric(spec, RecipeError)
+    if rel is not None and (rel == ">=") != fn.higher_is_better:
+        better = "higher" if fn.higher_is_better else "lower"
+        raise _bad(raw, f"{spec} is {better}-is-better: write {'>=' if fn.higher_is_better else '<='} "
+                   f"(or {spec}:GOAL)")
+    goal, relative = _goal(raw, goal_text)
+    return Target(raw, "metric", fn.higher_is_better, goal, relative, spec, fn)
+
+
+def _goal(raw: str, goal_text: str) -> tuple[float, str | None]:
+    """An absolute goal, or the offset / percentage of ``float±X`` / ``float±X%``."""
     rel_m = _RELATIVE.match(goal_text)
     if rel_m is not None:
         sign = -1.0 if rel_m["sign"] == "-" else 1.0
-        number = _finite(rel_m["num"], raw)
-        relative: str | None = "percent" if rel_m["pct"] else "offset"
-        goal = sign * number
-    else:
-        goal = _finite(goal_text, raw, "neither a number nor float±X / float±X%")
-        relative = None
-    fn = metric if metric is not None else (load_metric(m["spec"]) if load else None)
-    return Target(raw, "metric", m["rel"] == ">=", goal, relative, m["spec"], fn)
+        return sign * _finite(rel_m["num"], raw), "percent" if rel_m["pct"] else "offset"
+    return _finite(goal_text, raw, "neither a number nor float±X / float±X%"), None
 
 
 def _finite(text: str, raw: str, expected: str = "not a number") -> float:
@@ -155,14 +174,22 @@ def _finite(text: str, raw: str, expected: str = "not a number") -> float:
 
 def _bad(text: str, why: str) -> RecipeError:
     return RecipeError(
-        f"invalid target {text!r}: {why}. Examples: cosine:0.99, sqnr:30, mypkg.metrics:top1>=float-0.5% "
-        "(a user metric within 0.5% of the float model)."
+        f"invalid target {text!r}: {why}. Examples: cosine:0.99, sqnr:30, detection.f1:0.98 (a built-in task "
+        "metric, docs/metrics.md), mypkg.metrics:top1>=float-0.5% (a user metric within 0.5% of the float model)."
     )
 
 
 def load_metric(spec: str) -> Metric:
-    """Import ``module:function`` (the current directory is importable, as for data sources)."""
+    """The built-in metric ``spec`` names, else import ``module:function`` (the current directory is importable,
+    as for data sources)."""
+    if is_builtin(spec):
+        return builtin_metric(spec, RecipeError)
     return import_callable(spec, RecipeError, "target metric")
+
+
+def per_sample_labels(metric: Metric | None) -> bool:
+    """Whether ``metric`` takes one label per sample (cut to the scored rows) rather than one table (detection)."""
+    return not isinstance(metric, BuiltinMetric) or metric.labels_per_sample
 
 
 def call_metric(target: Target, outputs: list[np.ndarray], refs: list[np.ndarray]) -> float:
