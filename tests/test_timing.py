@@ -78,3 +78,32 @@ def test_a_real_run_measures_the_float_pass_apart_from_every_pass() -> None:
     assert alone.float_inference is not None and alone.float_inference.samples_total == 4  # no float reference kept
     dynamic = Pipeline([InsertQDQ(mode="dynamic")]).run(m, calibration_data=source(feeds_for(m, 4)))
     assert dynamic.float_inference is None  # no pass calibrated from the data: no yardstick, no time line
+
+
+def test_calibration_data_that_does_not_fit_a_shapeless_input_is_a_data_error(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]
+                                                                              ) -> None:
+    """#31 item 12: an input without a declared shape takes 0-d samples, and the model fails inside a MatMul. The
+    float yardstick runs the input model on the data before any pass: exit 2, the batch's shapes named, no output
+    and no traceback."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qgraph.cli import main
+
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                               helper.make_node("MatMul", ["r", "W"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    np.savez(tmp_path / "scalars.npz", x=np.full((8,), 3.0, np.float32))  # eight 0-d samples
+    out = tmp_path / "out.onnx"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "ort-x86-vnni.yaml"
+    code = main(["run", str(recipe), str(tmp_path / "m.onnx"), "--calibration-data", str(tmp_path / "scalars.npz"),
+                 "-o", str(out), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert "the input model cannot run on the calibration data (a batch: x: float32[1])" in err
+    assert "Traceback" not in err

@@ -20,7 +20,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 import onnx
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
+from qgraph.errors import DataError
 from qgraph.pipeline.pass_result import PassResult
 from qgraph.runtime.compare import make_session, session_run
 
@@ -67,7 +69,10 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
     timed, seconds = 0, 0.0
     for feed in batches:
         start = time.perf_counter()
-        session_run(session, names, dict(feed))
+        try:
+            session_run(session, names, dict(feed))
+        except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument) as exc:
+            raise _data_does_not_fit(feed, exc) from None
         seconds += time.perf_counter() - start
         timed += 1
         if timed >= max_samples:
@@ -76,6 +81,16 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
         return None
     total = max(len(batches), timed) if isinstance(batches, Sized) else timed
     return FloatInference(seconds * total / timed, timed, total)
+
+
+def _data_does_not_fit(feed: Mapping[str, npt.NDArray[Any]], exc: Exception) -> DataError:
+    """The input model failing on a calibration sample, before any pass: the data does not fit the model (a
+    shapeless input takes any shape, and a scalar where a matrix was meant fails only inside a node)."""
+    given = ", ".join(f"{k}: {getattr(v, 'dtype', '?')}{list(np.shape(v))}" for k, v in feed.items())
+    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return DataError(f"the input model cannot run on the calibration data (a batch: {given}): {reason}. Nothing was "
+                     "changed. Give samples with the shapes the model expects (an input without a declared shape "
+                     "takes whatever it is fed; --data-layout samples|batched says how an .npz maps to samples).")
 
 
 @dataclass(frozen=True)
