@@ -22,6 +22,8 @@ from pathlib import Path
 
 import onnx
 
+from qgraph.quant.qdq import is_qdq
+
 #: Name fragments that mark an output as class scores (rule 2).
 CLASS_WORDS = ("logit", "prob", "class", "label", "cls", "softmax")
 #: Ops whose output is a probability distribution over classes (rule 1).
@@ -30,8 +32,7 @@ PROBABILITY_OPS = frozenset({"Softmax", "LogSoftmax"})
 HEAD_OPS = frozenset({"Gemm", "MatMul", "Conv"})
 MIN_HEAD_CLASSES = 10
 #: Ops looked through on the way back from an output to what computes it.
-_SHAPE_ONLY = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast", "QuantizeLinear",
-                         "DequantizeLinear"})
+_SHAPE_ONLY = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast"})
 
 
 def class_outputs(model: onnx.ModelProto | str | Path) -> dict[str, int]:
@@ -42,7 +43,8 @@ def class_outputs(model: onnx.ModelProto | str | Path) -> dict[str, int]:
     found: dict[str, int] = {}
     for out in proto.graph.output:
         node, seen = producer.get(out.name), 0
-        while node is not None and seen < 16 and (node.op_type in _SHAPE_ONLY or _bias_add(node, producer)):
+        while node is not None and seen < 16 and (node.op_type in _SHAPE_ONLY or is_qdq(node.op_type, node.domain)
+                                                  or _bias_add(node, producer)):
             if _named(node.name):
                 break
             node, seen = producer.get(node.input[0]) if node.input else None, seen + 1
