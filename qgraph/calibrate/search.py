@@ -196,7 +196,8 @@ def mse_symmetric(row: HistogramRow, levels: float, num_candidates: int = 1024) 
     if row.lo == row.hi or nz.total == 0:
         return row.hi, np.zeros(0)
     t = row.hi * np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
-    err = _clip_error_above(nz, t) + (t / levels) ** 2 / 12.0 * _count_at_or_below(nz, t)
+    bins = _occupied(nz)
+    err = _clip_error_above(bins, t) + (t / levels) ** 2 / 12.0 * (nz.total - _count_above(bins, t))
     mse = err / row.total
     return float(t[int(np.argmin(mse))]), mse
 
@@ -219,9 +220,10 @@ def mse_asymmetric(row: HistogramRow, num_steps: int, num_candidates: int = 1024
     nz = row.without_zeros()
     alpha = np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
     a, b = alpha * lo0, alpha * hi0
-    above = _clip_error_above(nz, b)
-    below = _clip_error_below(nz, a)
-    inside = nz.total - _count_above(nz, b) - _count_below(nz, a)
+    bins = _occupied(nz)
+    above = _clip_error_above(bins, b)
+    below = _clip_error_below(bins, a)
+    inside = nz.total - _count_above(bins, b) - _count_below(bins, a)
     err = above + below + ((b - a) / num_steps) ** 2 / 12.0 * inside
     mse = err / row.total
     k = int(np.argmin(mse))
@@ -234,6 +236,14 @@ def _centers(row: HistogramRow) -> F64:
     return np.clip(c, row.lo, row.hi)
 
 
+def _occupied(row: HistogramRow) -> tuple[F64, F64]:
+    """Centers (clamped, `_centers`) and counts of the occupied bins only. The prefix and suffix sums below add
+    bins in order, and an empty bin adds an exact 0, so every sum over the occupied bins is bit for bit the sum
+    over all bins: a small tensor's row (a few hundred values over ~2,000 bins) is searched at its own size."""
+    keep = np.flatnonzero(row.counts)
+    return _centers(row)[keep], row.counts[keep].astype(np.float64)
+
+
 def _suffix(x: F64) -> F64:
     """``out[i] = sum(x[i:])``, length ``len(x) + 1``."""
     return np.concatenate([np.cumsum(x[::-1])[::-1], [0.0]])
@@ -244,34 +254,28 @@ def _prefix(x: F64) -> F64:
     return np.concatenate([[0.0], np.cumsum(x)])
 
 
-def _clip_error_above(row: HistogramRow, t: F64) -> F64:
-    c = _centers(row)
-    h = row.counts.astype(np.float64)
+def _clip_error_above(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
     idx = np.searchsorted(c, t, side="right")  # first center > t
     s0, s1, s2 = _suffix(h)[idx], _suffix(h * c)[idx], _suffix(h * c * c)[idx]
     return np.maximum(s2 - 2.0 * t * s1 + t * t * s0, 0.0)
 
 
-def _clip_error_below(row: HistogramRow, t: F64) -> F64:
-    c = _centers(row)
-    h = row.counts.astype(np.float64)
+def _clip_error_below(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
     idx = np.searchsorted(c, t, side="left")  # centers < t are c[:idx]
     p0, p1, p2 = _prefix(h)[idx], _prefix(h * c)[idx], _prefix(h * c * c)[idx]
     return np.maximum(p2 - 2.0 * t * p1 + t * t * p0, 0.0)
 
 
-def _count_above(row: HistogramRow, t: F64) -> F64:
-    idx = np.searchsorted(_centers(row), t, side="right")
-    return _suffix(row.counts.astype(np.float64))[idx]
+def _count_above(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
+    return _suffix(h)[np.searchsorted(c, t, side="right")]
 
 
-def _count_below(row: HistogramRow, t: F64) -> F64:
-    idx = np.searchsorted(_centers(row), t, side="left")
-    return _prefix(row.counts.astype(np.float64))[idx]
-
-
-def _count_at_or_below(row: HistogramRow, t: F64) -> F64:
-    return row.total - _count_above(row, t)
+def _count_below(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
+    return _prefix(h)[np.searchsorted(c, t, side="left")]
 
 
 def expected_error(row: HistogramRow, lo: F64, hi: F64, spec: QuantSpec) -> F64:
