@@ -210,12 +210,13 @@ class AlignedHistogram:
             scaled = np.multiply(values, np.ldexp(1.0, -self.k)[:, None], dtype=np.float64)
         if absolute:
             np.abs(scaled, out=scaled)  # >= 0: truncation below equals floor
-        else:
+        elif float(bmin.min()) < 0.0:  # non-negative data (ReLU outputs): truncation equals floor, one pass less
             np.floor(scaled, out=scaled)
         idx = scaled.astype(np.int64)
         del scaled
         if self.channels == 1:
-            idx -= int(self.first[0])
+            if self.first[0] != 0:  # a row starting at 0 (ReLU outputs) is indexed as it is
+                idx -= int(self.first[0])
         else:
             idx -= (self.first - np.arange(self.channels, dtype=np.int64) * self.num_bins)[:, None]
         add = np.bincount(idx.ravel(), minlength=self.channels * self.num_bins)
