@@ -221,7 +221,10 @@ class AlignedHistogram:
             idx -= (self.first - np.arange(self.channels, dtype=np.int64) * self.num_bins)[:, None]
         add = np.bincount(idx.ravel(), minlength=self.channels * self.num_bins)
         self.counts += add.reshape(self.channels, self.num_bins)
-        self.zeros += np.count_nonzero(values == 0, axis=1)
+        if self.channels == 1:  # no boolean temporary the size of the tensor
+            self.zeros[0] += values.size - np.count_nonzero(values)
+        else:
+            self.zeros += np.count_nonzero(values == 0, axis=1)
 
     def merge(self, other: AlignedHistogram) -> None:
         """Add the counts of ``other`` (same channels, bins and mode).
