@@ -24,12 +24,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 METHODS = ("minmax", "percentile", "entropy", "mse", "auto")
 
 
-def _prepare(model: Any) -> Any:
+def _prepare(model: Any, calibration: list[Any]) -> Any:
     from qgraph import Pipeline, Recipe
+    from qgraph.data import CallableSource
 
     recipe = Recipe.from_yaml(ROOT / "recipes" / "ort-x86-vnni.yaml")
     prep = [p for p in recipe.passes if p.preserves_float]
-    return Pipeline(prep).run(model).model if prep else model
+    # smooth_quant measures activation maxima on data: the preparation reads the calibration samples too
+    data = CallableSource(lambda: calibration, "calibration")
+    return Pipeline(prep).run(model, calibration_data=data).model if prep else model
 
 
 def _quantize(model: Any, calibration: list[Any], method: str, fixed: bool) -> tuple[Any, float, dict[str, Any]]:
@@ -60,7 +63,7 @@ def bench(name: str, n_cal: int, n_eval: int) -> None:
     import real_models
 
     model, calibration, evaluation, spec = real_models.load(name, n_cal=n_cal, n_eval=n_eval)
-    prepared = _prepare(model)
+    prepared = _prepare(model, calibration)
     produced = {o for n in prepared.graph.node for o in n.output}
     if spec.probe and spec.probe not in produced:  # preparation fused the probed tensor away: quantize as is
         prepared = model

@@ -85,20 +85,26 @@ def kl_divergences(
     xlogx = np.where(h > 0, h * np.log(np.where(h > 0, h, 1.0)), 0.0)
     ce = np.concatenate([[0.0], np.cumsum(xlogx)])
 
-    plogq, s_last, n_last = _level_sums(cs, nzc, L, int(cand[0]), cand.size)
-
     outliers = total - cs[cand]
     h_last = h[cand - 1]
+    invalid = (h_last == 0) & (outliers > 0)
+    kl = np.full(cand.size, np.inf)
+    # Only candidates whose last kept bin is occupied (or that clip nothing) have a finite KL: on the sparse rows
+    # of small tensors that is a few hundred of ~2,000, so the O(L) level sums run for those alone (each row of
+    # the level sums is computed on its own, so the finite values are bit for bit those of the full search)
+    valid = np.flatnonzero(~invalid)
+    if valid.size == 0:
+        return cand, kl
+    plogq, s_last, n_last = _level_sums(cs, nzc, L, cand[valid])
+    cand_v, outliers, h_last = cand[valid], outliers[valid], h_last[valid]
     q_last = s_last / np.where(n_last > 0, n_last, 1.0)
     with np.errstate(divide="ignore"):
         plogq += np.where(outliers > 0, outliers * np.log(np.where(q_last > 0, q_last, 1.0)), 0.0)
     p_last = h_last + outliers
-    plogp = ce[cand - 1] + np.where(p_last > 0, p_last * np.log(np.where(p_last > 0, p_last, 1.0)), 0.0)
+    plogp = ce[cand_v - 1] + np.where(p_last > 0, p_last * np.log(np.where(p_last > 0, p_last, 1.0)), 0.0)
     inside = total - outliers
     with np.errstate(divide="ignore"):
-        kl = (plogp - plogq) / total + np.log(np.where(inside > 0, inside, 1.0) / total)
-    invalid = (h_last == 0) & (outliers > 0)
-    kl = np.where(invalid, np.inf, kl)
+        kl[valid] = (plogp - plogq) / total + np.log(np.where(inside > 0, inside, 1.0) / total)
     return cand, kl
 
 
@@ -106,15 +112,20 @@ def kl_divergences(
 _BLOCK = 128
 
 
-def _level_sums(cs: F64, nzc: F64, num_levels: int, first: int, count: int) -> tuple[F64, F64, F64]:
-    """For candidates ``i = first .. first + count - 1``: ``sum_g S_g log(S_g / n_g)`` and the last level's ``S``
-    and ``n`` (:func:`kl_divergences`), from the prefix sums of the counts ``cs`` and of the non-empty bins ``nzc``.
-    Computed in blocks of `_BLOCK` candidates, each row exactly as a single (candidates x levels) array would."""
-    table = _level_bounds(num_levels, 1 << (first + count - 2).bit_length())
+def _level_sums(cs: F64, nzc: F64, num_levels: int, cand: npt.NDArray[np.int64]) -> tuple[F64, F64, F64]:
+    """For the candidates ``cand`` (increasing, each ``>= num_levels``): ``sum_g S_g log(S_g / n_g)`` and the last
+    level's ``S`` and ``n`` (:func:`kl_divergences`), from the prefix sums of the counts ``cs`` and of the non-empty
+    bins ``nzc``. Computed in blocks of `_BLOCK` candidates, each row exactly as a single (candidates x levels)
+    array would."""
+    count = cand.size
+    table = _level_bounds(num_levels, 1 << (int(cand[-1]) - 1).bit_length())
+    rows = cand - num_levels
+    contiguous = int(cand[-1] - cand[0]) + 1 == count
     plogq, s_last, n_last = np.empty(count), np.empty(count), np.empty(count)
     for a in range(0, count, _BLOCK):
         b = min(a + _BLOCK, count)
-        bounds = table[first - num_levels + a:first - num_levels + b]  # ceil(g * i / L), rows of candidates
+        # ceil(g * i / L), rows of candidates: a slice where the candidates are consecutive (no copy)
+        bounds = table[rows[a]:rows[a] + b - a] if contiguous else table[rows[a:b]]
         gathered = np.take(cs, bounds)  # np.take: the same values as cs[bounds], a third faster
         s_g = gathered[:, 1:] - gathered[:, :-1]
         gathered = np.take(nzc, bounds)
@@ -185,7 +196,8 @@ def mse_symmetric(row: HistogramRow, levels: float, num_candidates: int = 1024) 
     if row.lo == row.hi or nz.total == 0:
         return row.hi, np.zeros(0)
     t = row.hi * np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
-    err = _clip_error_above(nz, t) + (t / levels) ** 2 / 12.0 * _count_at_or_below(nz, t)
+    bins = _occupied(nz)
+    err = _clip_error_above(bins, t) + (t / levels) ** 2 / 12.0 * (nz.total - _count_above(bins, t))
     mse = err / row.total
     return float(t[int(np.argmin(mse))]), mse
 
@@ -208,9 +220,10 @@ def mse_asymmetric(row: HistogramRow, num_steps: int, num_candidates: int = 1024
     nz = row.without_zeros()
     alpha = np.arange(1, num_candidates + 1, dtype=np.float64) / num_candidates
     a, b = alpha * lo0, alpha * hi0
-    above = _clip_error_above(nz, b)
-    below = _clip_error_below(nz, a)
-    inside = nz.total - _count_above(nz, b) - _count_below(nz, a)
+    bins = _occupied(nz)
+    above = _clip_error_above(bins, b)
+    below = _clip_error_below(bins, a)
+    inside = nz.total - _count_above(bins, b) - _count_below(bins, a)
     err = above + below + ((b - a) / num_steps) ** 2 / 12.0 * inside
     mse = err / row.total
     k = int(np.argmin(mse))
@@ -223,6 +236,14 @@ def _centers(row: HistogramRow) -> F64:
     return np.clip(c, row.lo, row.hi)
 
 
+def _occupied(row: HistogramRow) -> tuple[F64, F64]:
+    """Centers (clamped, `_centers`) and counts of the occupied bins only. The prefix and suffix sums below add
+    bins in order, and an empty bin adds an exact 0, so every sum over the occupied bins is bit for bit the sum
+    over all bins: a small tensor's row (a few hundred values over ~2,000 bins) is searched at its own size."""
+    keep = np.flatnonzero(row.counts)
+    return _centers(row)[keep], row.counts[keep].astype(np.float64)
+
+
 def _suffix(x: F64) -> F64:
     """``out[i] = sum(x[i:])``, length ``len(x) + 1``."""
     return np.concatenate([np.cumsum(x[::-1])[::-1], [0.0]])
@@ -233,34 +254,28 @@ def _prefix(x: F64) -> F64:
     return np.concatenate([[0.0], np.cumsum(x)])
 
 
-def _clip_error_above(row: HistogramRow, t: F64) -> F64:
-    c = _centers(row)
-    h = row.counts.astype(np.float64)
+def _clip_error_above(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
     idx = np.searchsorted(c, t, side="right")  # first center > t
     s0, s1, s2 = _suffix(h)[idx], _suffix(h * c)[idx], _suffix(h * c * c)[idx]
     return np.maximum(s2 - 2.0 * t * s1 + t * t * s0, 0.0)
 
 
-def _clip_error_below(row: HistogramRow, t: F64) -> F64:
-    c = _centers(row)
-    h = row.counts.astype(np.float64)
+def _clip_error_below(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
     idx = np.searchsorted(c, t, side="left")  # centers < t are c[:idx]
     p0, p1, p2 = _prefix(h)[idx], _prefix(h * c)[idx], _prefix(h * c * c)[idx]
     return np.maximum(p2 - 2.0 * t * p1 + t * t * p0, 0.0)
 
 
-def _count_above(row: HistogramRow, t: F64) -> F64:
-    idx = np.searchsorted(_centers(row), t, side="right")
-    return _suffix(row.counts.astype(np.float64))[idx]
+def _count_above(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
+    return _suffix(h)[np.searchsorted(c, t, side="right")]
 
 
-def _count_below(row: HistogramRow, t: F64) -> F64:
-    idx = np.searchsorted(_centers(row), t, side="left")
-    return _prefix(row.counts.astype(np.float64))[idx]
-
-
-def _count_at_or_below(row: HistogramRow, t: F64) -> F64:
-    return row.total - _count_above(row, t)
+def _count_below(bins: tuple[F64, F64], t: F64) -> F64:
+    c, h = bins
+    return _prefix(h)[np.searchsorted(c, t, side="left")]
 
 
 def expected_error(row: HistogramRow, lo: F64, hi: F64, spec: QuantSpec) -> F64:
@@ -292,14 +307,31 @@ def expected_error(row: HistogramRow, lo: F64, hi: F64, spec: QuantSpec) -> F64:
     up = (qmax - zp.astype(np.float64))[:, None]
     nz = row.without_zeros()
     edges = np.clip(nz.edges(), row.lo, row.hi)[None, :]
-    phi = _error_antiderivative(edges, s, low, up)
     width = edges[:, 1:] - edges[:, :-1]
     h = nz.counts.astype(np.float64)[None, :]
+    occupied = np.flatnonzero(nz.counts)
+    if 2 * occupied.size < nz.counts.size and np.all(width > 0):
+        return _sparse_error(edges, width, h, occupied, (s, low, up), row.total)
+    phi = _error_antiderivative(edges, s, low, up)
     per_bin = (phi[:, 1:] - phi[:, :-1]) / np.where(width > 0, width, 1.0)
     if not np.all(width > 0):  # zero-width bins (single-valued data) only: the point error costs a third of the call
         point = (edges[:, :-1] - s * np.clip(np.rint(edges[:, :-1] / s), low, up)) ** 2
         per_bin = np.where(width > 0, per_bin, point)
     return np.asarray(np.sum(h * np.maximum(per_bin, 0.0), axis=1) / row.total, dtype=np.float64)
+
+
+def _sparse_error(edges: F64, width: F64, h: F64, occupied: npt.NDArray[np.intp], grid: tuple[F64, F64, F64],
+                  total: int) -> F64:
+    """:func:`expected_error` of a row whose occupied bins are under half of its bins (a small tensor's row):
+    ``Phi`` only at the edges of the occupied bins. The per-bin terms are the same element-wise operations and
+    the sum runs over the same full-length rows (empty bins add an exact 0), so the result is bit for bit that of
+    the dense path."""
+    s, low, up = grid
+    phi_lo = _error_antiderivative(edges[:, occupied], s, low, up)
+    phi_hi = _error_antiderivative(edges[:, occupied + 1], s, low, up)
+    terms = np.zeros((s.shape[0], h.shape[1]))
+    terms[:, occupied] = h[:, occupied] * np.maximum((phi_hi - phi_lo) / width[:, occupied], 0.0)
+    return np.asarray(np.sum(terms, axis=1) / total, dtype=np.float64)
 
 
 def _error_antiderivative(x: F64, s: F64, low: F64, up: F64) -> F64:

@@ -4,10 +4,10 @@ Accuracy techniques (equalization, SmoothQuant, bias correction, rounding optimi
 search) and calibration itself cost time; the budget a demanding user can accept is a small multiple of what the
 float model costs to run over the calibration data once (issue #13: at most 10x; issue #34: the yardstick must be
 something no pass can slow down). `measure_float_inference` times that float pass apart from every pass (its own
-onnxruntime session, created outside the timed span, on at most `MAX_TIMED_SAMPLES` samples, scaled to the whole
-data when its length is known); `run_timing` puts every pass's whole time (the quantizing pass's calibration
-included, and also shown on its own) against it, and `Timing.line` is what the run summary and the report print:
-the multiples, the passes over `BUDGET`, and which pass dominated the run.
+onnxruntime session, created outside the timed span, on at most `MAX_TIMED_SAMPLES` samples or about
+`MAX_TIMED_SECONDS`, scaled to the whole data when its length is known); `run_timing` puts every pass's whole
+time (the quantizing pass's calibration included, and also shown on its own) against it, and `Timing.line` is what
+the run summary and the report print: the multiples, the passes over `BUDGET`, and which pass dominated the run.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ NEGLIGIBLE = 0.05
 SHOWN = 5
 #: Samples the float pass is timed on at most (the rest is extrapolated): the yardstick stays cheap on long data.
 MAX_TIMED_SAMPLES = 64
+#: Seconds after which the float pass stops timing (having timed at least `MIN_TIMED_SAMPLES`): on long inputs
+#: (9 s audio clips) the full pass cost as much as a whole accuracy pass, spent only on a yardstick.
+MAX_TIMED_SECONDS = 1.0
+MIN_TIMED_SAMPLES = 2
 
 
 class _Record(Protocol):
@@ -60,10 +64,12 @@ class FloatInference:
 
 def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.NDArray[Any]] | None,
                             batches: Iterable[Mapping[str, npt.NDArray[Any]]],
-                            max_samples: int = MAX_TIMED_SAMPLES) -> FloatInference | None:
+                            max_samples: int = MAX_TIMED_SAMPLES,
+                            max_seconds: float = MAX_TIMED_SECONDS) -> FloatInference | None:
     """Time ``model`` (a weightless export and its ``weights``, read in place) over ``batches`` in onnxruntime:
-    the session is created outside the timed span; at most ``max_samples`` batches are run and the time is scaled
-    to all of them when ``batches`` has a length. None when there is no data."""
+    the session is created outside the timed span; at most ``max_samples`` batches are run (fewer once
+    ``max_seconds`` are spent and `MIN_TIMED_SAMPLES` were timed) and the time is scaled to all of them when
+    ``batches`` has a length. None when there is no data."""
     session = make_session(model, weights=weights)
     names = [o.name for o in session.get_outputs()]
     timed, seconds = 0, 0.0
@@ -75,7 +81,7 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
             raise _data_does_not_fit(feed, exc) from None
         seconds += time.perf_counter() - start
         timed += 1
-        if timed >= max_samples:
+        if timed >= max_samples or (seconds >= max_seconds and timed >= MIN_TIMED_SAMPLES):
             break
     if timed == 0:
         return None

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from qgraph.calibrate import AutoObserver, TensorCalibration, make_observer, read_ranges, write_ranges
 from qgraph.calibrate.auto import fold_abs
-from qgraph.calibrate.histogram import AlignedHistogram
-from qgraph.calibrate.search import expected_error
+from qgraph.calibrate.histogram import AlignedHistogram, HistogramRow
+from qgraph.calibrate.search import _error_antiderivative, expected_error
 from qgraph.quant.math import QuantSpec, compute_scale_zero_point, fake_quantize
 
 SPECS = [QuantSpec(dtype="uint8"), QuantSpec(dtype="int8"), QuantSpec(dtype="int8", symmetric=True),
@@ -45,6 +45,31 @@ def test_expected_error_matches_fake_quantization(spec: QuantSpec) -> None:
     est = expected_error(h.row(0), lo, hi, spec)
     true = np.array([_true_error(x, a, b, spec) for a, b in zip(lo, hi, strict=True)])
     np.testing.assert_allclose(est, true, rtol=0.01)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(SPECS), st.sampled_from([0.01, 0.1, 0.45]))
+def test_expected_error_of_a_sparse_row_is_the_dense_sum(seed: int, spec: QuantSpec, density: float) -> None:
+    """Rows with most bins empty (small tensors) evaluate the antiderivative only at occupied bins' edges: the
+    result is bit for bit the dense sum over every bin."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(64, 2048))
+    counts = ((rng.random(n) < density) * rng.integers(1, 30, n)).astype(np.int64)
+    counts[[0, -1]] += 1
+    first, width = int(rng.integers(-n, 1)), float(2.0 ** rng.integers(-10, 2))
+    row = HistogramRow(counts, first, width, (first + 0.25) * width, (first + n - 0.25) * width)
+    assert 2 * np.count_nonzero(counts) < n or density == 0.45
+    lo = np.minimum(row.lo * rng.uniform(0.3, 1.0, 5), 0.0)
+    hi = np.maximum(row.hi * rng.uniform(0.3, 1.0, 5), 1e-3)
+    got = expected_error(row, lo, hi, spec)
+    s32, zp = compute_scale_zero_point(lo, hi, spec)
+    s = s32.astype(np.float64)[:, None]
+    low, up = (spec.qrange[0] - zp.astype(np.float64))[:, None], (spec.qrange[1] - zp.astype(np.float64))[:, None]
+    edges = np.clip(row.edges(), row.lo, row.hi)[None, :]
+    phi = _error_antiderivative(edges, s, low, up)
+    per_bin = (phi[:, 1:] - phi[:, :-1]) / (edges[:, 1:] - edges[:, :-1])
+    dense = np.sum(counts[None, :] * np.maximum(per_bin, 0.0), axis=1) / row.total
+    assert np.array_equal(got, dense)
 
 
 def test_uniform_data_keeps_minmax_and_outliers_do_not() -> None:

@@ -89,24 +89,43 @@ def test_percentile_against_references(symmetric: bool) -> None:
     assert obs.clip_fraction() == pytest.approx(brute_clip, abs=5e-4)
 
 
+def _kl_against_reference(counts: np.ndarray, levels: int) -> tuple[np.ndarray, list[int], np.ndarray]:
+    """`kl_divergences` asserted equal to the direct definition (same candidates, same infinities, finite values
+    to 1e-7); returns (kl, reference candidates, reference values)."""
+    cands, kl = kl_divergences(counts, levels)
+    ref_c, ref_values = ref_kl(counts, levels)
+    assert cands.tolist() == ref_c
+    ref_arr = np.array(ref_values)
+    assert np.array_equal(np.isinf(kl), np.isinf(ref_arr))
+    fin = np.isfinite(ref_arr)
+    np.testing.assert_allclose(kl[fin], ref_arr[fin], rtol=1e-7, atol=1e-10)
+    return kl, ref_c, ref_arr
+
+
 @pytest.mark.parametrize(("num_bins", "levels"), [(256, 16), (2048, 128)])
 def test_kl_matches_slow_reference(num_bins: int, levels: int) -> None:
     a = np.abs(ACT)
     w, first, counts = ref_histogram(a, num_bins, True)
     assert first == 0
-    cands, kl = kl_divergences(counts, levels)
-    ref_c, ref_kl_values = ref_kl(counts, levels)
-    assert cands.tolist() == ref_c
-    ref_arr = np.array(ref_kl_values)
-    assert np.array_equal(np.isinf(kl), np.isinf(ref_arr))
-    fin = np.isfinite(ref_arr)
-    np.testing.assert_allclose(kl[fin], ref_arr[fin], rtol=1e-7, atol=1e-10)
+    kl, ref_c, ref_arr = _kl_against_reference(counts, levels)
     best_ref = int(np.argmin(ref_arr))
     obs = _fed(EntropyObserver(num_bins=num_bins, num_levels=levels, symmetric=True), ACT, 1000)
     t = obs.compute().rmax
     # same threshold, or a numerically tied one
     t_ref = min(ref_c[best_ref] * w, float(a.max()))
     assert t == t_ref or kl[round(t / w) - levels] <= ref_arr[best_ref] + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(130, 700), st.sampled_from([0.02, 0.1, 0.4]), st.integers(0, 2**32 - 1),
+       st.sampled_from([8, 32, 128]))
+def test_kl_on_sparse_rows_matches_slow_reference(n: int, density: float, seed: int, levels: int) -> None:
+    """A small tensor's row is mostly empty bins; only candidates ending on an occupied bin are computed there
+    (the others are +inf by definition): every candidate's KL still equals the direct definition."""
+    rng = np.random.default_rng(seed)
+    counts = ((rng.random(n) < density) * rng.integers(1, 40, n)).astype(np.int64)
+    counts[rng.integers(0, n)] += 1
+    _kl_against_reference(counts, levels)
 
 
 def test_entropy_searches_from_the_data_not_from_zero() -> None:
