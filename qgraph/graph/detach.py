@@ -54,6 +54,12 @@ def constants(root: gs.Graph, attributes: bool = True) -> Iterator[gs.Constant]:
                     yield t
 
 
+def constant_bytes(c: gs.Constant) -> int:
+    """Bytes of a constant's values without loading them (a lazy initializer's from its dims; 0 when unknown)."""
+    values = c._values
+    return int(values.nbytes) if isinstance(values, np.ndarray) else _lazy_bytes(c)
+
+
 def _materializable(t: onnx.TensorProto) -> bool:
     return (t.data_type in _PLAIN and t.HasField("raw_data") and not t.doc_string and not t.external_data
             and not t.HasField("segment") and not t.metadata_props and not t.string_data)

@@ -36,6 +36,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph.errors import PassError, QGraphError
 from qgraph.graph import GraphHandle, check_structure, graph_scopes
+from qgraph.graph.detach import constant_bytes
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult, install_nested_runner
 
 
@@ -46,27 +47,34 @@ class Snapshot:
 
     nodes: list[gs.Node]
     digest: int
+    #: The constants the nodes read: identity -> bytes (`constant_bytes`).
+    constants: dict[int, int]
 
     @classmethod
     def of(cls, graph: gs.Graph) -> Snapshot:
         """Take a snapshot of ``graph`` (every scope), O(nodes + edges)."""
         nodes: list[gs.Node] = []
         parts: list[Any] = []
+        constants: dict[int, int] = {}
         for g in graph_scopes(graph):
-            parts.append((tuple(id(t) for t in g.inputs), tuple(id(t) for t in g.outputs)))
+            parts.append((tuple(map(id, g.inputs)), tuple(map(id, g.outputs))))
+            nodes.extend(g.nodes)
             for node in g.nodes:
-                nodes.append(node)
-                parts.append((id(node), node.op, len(node.attrs), tuple(map(_tensor_key, node.inputs)),
-                              tuple(id(t) for t in node.outputs)))
-        return cls(nodes, hash(tuple(parts)))
+                parts.append((id(node), node.op, len(node.attrs), tuple(map(id, node.inputs)),
+                              tuple(map(id, node.outputs))))
+                for t in node.inputs:
+                    if isinstance(t, gs.Constant):
+                        # A constant reshaped or retyped in place is a change too (new values of the same shape and
+                        # dtype are not seen: reading values may swap graphsurgeon's lazy proto for an array)
+                        parts.append((id(t), _dtype_name(t.dtype), tuple(t.shape)))
+                        if id(t) not in constants:
+                            constants[id(t)] = constant_bytes(t)
+        return cls(nodes, hash(tuple(parts)), constants)
 
-
-def _tensor_key(t: gs.Tensor) -> tuple[int, str, tuple[int, ...]]:
-    # A constant reshaped or retyped in place is a change too (new values of the same shape and dtype are not
-    # seen: reading values may swap graphsurgeon's lazy proto for an array without changing anything).
-    if isinstance(t, gs.Constant):
-        return id(t), _dtype_name(t.dtype), tuple(t.shape)
-    return id(t), "", ()
+    def dropped_bytes(self, after: Snapshot) -> int:
+        """Bytes of the constants read before and not after: what a cyclic collection can give back (every
+        graphsurgeon tensor is a reference cycle with its own producer and consumer lists)."""
+        return sum(size for key, size in self.constants.items() if key not in after.constants)
 
 
 @functools.lru_cache(maxsize=64)
@@ -77,11 +85,12 @@ def _dtype_name(dtype: Any) -> str:
 
 @dataclass
 class Measured:
-    """What the pipeline measured about one pass."""
+    """What the pipeline measured about one pass; ``dropped_bytes``: `Snapshot.dropped_bytes`."""
 
     nodes_added: int
     nodes_removed: int
     changed: bool
+    dropped_bytes: int = 0
 
 
 def _new_nodes(nodes: list[gs.Node], reference: list[gs.Node]) -> list[gs.Node]:
@@ -112,7 +121,8 @@ def run_pass(p: Pass[Any], index: int, handle: GraphHandle, ctx: PassContext) ->
     _check_result(result, where)
     after = Snapshot.of(handle.graph)
     added = _new_nodes(after.nodes, before.nodes)
-    measured = Measured(len(added), len(_new_nodes(before.nodes, after.nodes)), after.digest != before.digest)
+    measured = Measured(len(added), len(_new_nodes(before.nodes, after.nodes)), after.digest != before.digest,
+                        before.dropped_bytes(after))
     for node in added:
         if node.name and node.name not in handle.tags:
             handle.tag(node, p.name)
