@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 from qgraph.errors import ModelError
 
 from .naming import gs_label, proto_label
-from .ops import graph_scopes, is_default_domain, topological_order
+from .ops import graph_scopes, is_default_domain, is_topological, topological_order
 
 #: At most this many problems are listed by `check_structure` (the first ones say enough).
 MAX_PROBLEMS = 10
@@ -112,7 +112,8 @@ def check_structure(graph: gs.Graph, opset: int) -> list[str]:
         for t in g.outputs:
             if isinstance(t, gs.Variable) and not t.inputs and id(t) not in inputs:
                 problems.append(f"graph output {t.name!r} is produced by no node")
-        if topological_order(g.nodes) is None:
+        # sorted nodes are acyclic: the one-walk check first, Kahn's algorithm only for an unsorted scope
+        if not is_topological(g.nodes) and topological_order(g.nodes) is None:
             problems.append(gs_cycle_message(g.nodes))
     return problems[:MAX_PROBLEMS]
 

@@ -306,12 +306,13 @@ def _positions(nodes: Sequence[gs.Node]) -> dict[int, int]:
 
 
 def is_topological(nodes: Sequence[gs.Node]) -> bool:
-    """Whether every node comes after the producers of everything it reads."""
+    """Whether every node comes after the producers of everything it reads (a node reading its own output does
+    not: sorted nodes are acyclic)."""
     pos = _positions(nodes)
     for j, node in enumerate(nodes):
         for t in dependencies(node):
             i = pos.get(id(t))
-            if i is not None and i > j:
+            if i is not None and i >= j:
                 return False
     return True
 
