@@ -64,9 +64,11 @@ def test_an_output_never_overwrites_a_file_an_input_reads(ws: Workspace, argv: l
 
 
 # ------------------------------------------------------------------ 2-5, 20. the gate passes only what it checked
-def two_outputs(order: tuple[str, str], names: tuple[str, str] = ("y", "s")) -> onnx.ModelProto:
-    """``conv_model`` with a second output ``s = Sigmoid(y)``; ``order`` lists the graph outputs by role."""
-    model = conv_model()
+def two_outputs(order: tuple[str, str], names: tuple[str, str] = ("y", "s"),
+                weight: np.ndarray | None = None) -> onnx.ModelProto:
+    """``conv_model`` (with ``weight``) with a second output ``s = Sigmoid(y)``; ``order`` lists the graph outputs
+    by role."""
+    model = conv_model(weight=weight)
     g = model.graph
     for n in g.node:
         if n.name == "fc":
