@@ -17,8 +17,9 @@ GELU, other readers of X) the group is skipped with that reason, or, with ``inse
 
 ``alpha: auto`` scores, per group, every α of ``alpha_grid`` and "no smoothing" by the INT8 error of the group's
 product on sampled calibration rows, ``||X·W - Q(X/s)·Q(diag(s)·W)||² / ||X·W||²`` (uint8 per-tensor activations
-over the exact smoothed range, int8 symmetric weights per column; `qgraph.recovery.equalize.smoothing_error`), and keeps
-the best: a group is smoothed only where that lowers the error.
+over the exact smoothed range, int8 symmetric weights per column; all candidates of a group in one stacked call,
+`qgraph.recovery.equalize.smoothing_errors`), and keeps the best: a group is smoothed only where that lowers the
+error.
 
 A second run measures ``a'_j = a_j / s_j`` and ``w'_j = w_j · s_j``, so ``s'_j = s_j / s_j = 1`` for any α
 (unless s was clipped): groups within ``tolerance`` are left alone, which makes the pass idempotent.
@@ -32,7 +33,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
 from qgraph.graph import rebuild, redirect
-from qgraph.recovery.equalize import log_change, smoothing_error, smoothing_scales
+from qgraph.recovery.equalize import log_change, smoothing_errors, smoothing_scales
 
 from .config import SmoothQuantConfig
 from .details import SmoothedGroup, SmoothQuantDetails
@@ -124,16 +125,14 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         mat = np.concatenate([layer.matrix(layer.value()) for layer in group.layers], axis=1)
         low, high = st.low, st.high
         assert low is not None and high is not None
-
-        def error(s: np.ndarray) -> float:
-            return smoothing_error(x, mat, s, low, high, per_channel=cfg.weights_per_channel)
-
-        best: tuple[float, float, np.ndarray | None] = (error(np.ones_like(a)), 0.0, None)
-        for alpha in cfg.alpha_grid:
-            s = smoothing_scales(a, w, alpha, cfg.min_scale, cfg.max_scale)
-            e = error(s)
-            if e < best[0]:
-                best = (e, alpha, s)
+        # "no smoothing" first, then the grid in order: every candidate scored in one stacked call
+        candidates = np.stack([np.ones_like(a), *(smoothing_scales(a, w, alpha, cfg.min_scale, cfg.max_scale)
+                                                  for alpha in cfg.alpha_grid)])
+        errors = smoothing_errors(x, mat, candidates, low, high, per_channel=cfg.weights_per_channel)
+        best: tuple[float, float, np.ndarray | None] = (float(errors[0]), 0.0, None)
+        for alpha, s, e in zip(cfg.alpha_grid, candidates[1:], errors[1:], strict=True):
+            if e < best[0]:  # strictly lower: ties keep the earlier candidate, as a loop over the grid would
+                best = (float(e), alpha, s)
         return best[1], best[2]
 
     def _apply(self, graph: GraphHandle, group: Group, s: np.ndarray) -> int:

@@ -1,0 +1,86 @@
+"""smooth_quant's batched work gives the numbers of the one-at-a-time work, bit for bit (issue #34): the stacked
+``alpha: auto`` scoring (`smoothing_errors`) against a per-candidate loop written out from the formula, and the
+activation statistics folded many samples at a time against a fold after every sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from qgraph.passes.smooth_quant.measure import ChannelStats, _Pending
+
+from qgraph import PassError
+from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
+from qgraph.recovery.equalize import smoothing_errors, smoothing_scales
+
+
+def _one_candidate(x: np.ndarray, w: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                   per_channel: bool) -> float:
+    """The relative INT8 error of one smoothing choice, candidate by candidate (the loop the stacked call replaces)."""
+    xs, ws = x / s[None, :], w * s[:, None]
+    a_scale, a_zp = compute_scale_zero_point(float(np.min(lo / s)), float(np.max(hi / s)),
+                                             QuantSpec(dtype=QuantDtype.UINT8))
+    xq = fake_quantize(xs, a_scale, a_zp, QuantDtype.UINT8).astype(np.float64)
+    absmax = np.abs(ws).max(axis=0) if per_channel else np.array(np.abs(ws).max())
+    spec = QuantSpec(dtype=QuantDtype.INT8, symmetric=True, per_channel=per_channel, axis=1 if per_channel else None)
+    w_scale, w_zp = compute_scale_zero_point(-absmax, absmax, spec)
+    wq = fake_quantize(ws, w_scale, w_zp, QuantDtype.INT8, axis=1 if per_channel else None).astype(np.float64)
+    ref = x @ w
+    signal = float(np.sum(ref * ref))
+    return float(np.sum((ref - xq @ wq) ** 2)) / signal if signal > 0 else 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 40), k=st.integers(1, 24), n=st.integers(1, 24),
+       per_channel=st.booleans(), positive=st.booleans())
+def test_stacked_candidates_score_exactly_as_one_by_one(seed: int, rows: int, k: int, n: int, per_channel: bool,
+                                                        positive: bool) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)) * np.exp(rng.normal(0, 2, k))  # outlier channels
+    x = np.abs(x) if positive else x
+    w = rng.standard_normal((k, n)) * np.exp(rng.normal(0, 1, (k, 1)))
+    lo, hi = x.min(0) - rng.random(k), x.max(0) + rng.random(k)
+    a, wr = np.maximum(np.abs(lo), np.abs(hi)), np.abs(w).max(1)
+    cands = np.stack([np.ones(k), *(smoothing_scales(a, wr, al, 1e-5, 1e5) for al in (0.3, 0.5, 0.8))])
+    got = smoothing_errors(x, w, cands, lo, hi, per_channel=per_channel)
+    assert got.tolist() == [_one_candidate(x, w, s, lo, hi, per_channel) for s in cands]
+    assert np.all(got > 0) and got[0] < 0.5  # a real INT8 error, not a degenerate zero
+
+
+def _feed(stats: ChannelStats, batches: list[np.ndarray]) -> ChannelStats:
+    for i, b in enumerate(batches):
+        stats.update(b, i)
+    return stats
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), counts=st.lists(st.sampled_from([1, 1, 1, 2, 3, 7]), min_size=1, max_size=60),
+       rows=st.integers(1, 6))
+def test_statistics_folded_together_equal_a_fold_per_sample(seed: int, counts: list[int], rows: int) -> None:
+    rng = np.random.default_rng(seed)
+    batches = [rng.standard_normal((c, 4)).astype(np.float32) for c in counts]  # runs of one-row batches, thinning
+    every = _feed(ChannelStats("x", rows, pending=_Pending(limit=0)), batches)  # folded after each sample
+    together = _feed(ChannelStats("x", rows), batches)
+    for a, b in ((every.low, together.low), (every.high, together.high)):
+        assert a is not None and b is not None and a.tolist() == b.tolist()
+    assert every.kept == together.kept <= 4 * rows + 7
+    assert every.rows_sample().tolist() == together.rows_sample().tolist()
+    assert every.rng.bit_generator.state == together.rng.bit_generator.state
+    flat = np.concatenate(batches)
+    assert together.absmax.tolist() == np.abs(flat).max(axis=0).astype(np.float64).tolist()
+
+
+def test_shared_budget_folds_every_tensor_and_bad_values_name_their_sample() -> None:
+    pending = _Pending(limit=3 * 16 * 4)  # three [4, 4] float32 batches over both tensors
+    a, b = ChannelStats("a", 2, pending=pending), ChannelStats("b", 2, pending=pending)
+    a.update(np.ones((4, 4), np.float32), 0)
+    b.update(np.ones((4, 4), np.float32), 0)
+    assert a._batches and b._batches  # kept, not yet reduced
+    a.update(np.full((4, 4), 2, np.float32), 1)
+    a.update(np.full((4, 4), 3, np.float32), 2)  # over the budget: both fold
+    assert not a._batches and not b._batches and pending.used == 0
+    b.update(np.full((1, 4), np.nan, np.float32), 7)
+    with pytest.raises(PassError, match="tensor 'b' holds NaN/Inf on calibration sample 7"):
+        b.fold()
+    assert a.absmax.tolist() == [3.0] * 4
