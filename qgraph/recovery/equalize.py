@@ -24,6 +24,7 @@ passes. Everything is computed in float64 and cast back to the weight's dtype on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from qgraph.graph import NoMatch, const_value, consumers, is_default_domain
 from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_SMALL = 1 << 16  #: weights of at most this many elements are read in one block (the default block is 32 MB)
 
 
 def dead_channels(r1: np.ndarray, r2: np.ndarray, dead: float) -> np.ndarray:
@@ -63,10 +65,30 @@ def cle_scales(r1: np.ndarray, r2: np.ndarray, min_scale: float = 0.0, max_scale
     """
     r1 = np.asarray(r1, dtype=np.float64)
     r2 = np.asarray(r2, dtype=np.float64)
-    ok = ~dead_channels(r1, r2, dead)
-    s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
-    s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
-    return np.clip(s, min_scale, max_scale)
+    ok = _live_channels(r1, r2, dead)
+    if ok is None:
+        ok = ~dead_channels(r1, r2, dead)
+    if ok.all():  # the usual case: every channel is balanced, no masked copy
+        s = np.sqrt(r1 * r2) / r2
+    else:
+        s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
+        s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
+    return np.asarray(np.clip(s, min_scale, max_scale))
+
+
+def _live_channels(r1: np.ndarray, r2: np.ndarray, dead: float) -> np.ndarray | None:
+    """``~dead_channels(r1, r2, dead)`` in a few operations when both sides' largest ranges are finite (then every
+    range is finite or -inf, which ``r > 0`` refuses, and the largest finite range is the largest), else None.
+    Why: `cle_scales` runs once per pair per round, thousands of times on a long chain."""
+    if r1.ndim != 1 or r1.shape != r2.shape or r1.size == 0:
+        return None
+    top1, top2 = float(r1.max()), float(r2.max())
+    if not (math.isfinite(top1) and math.isfinite(top2)):
+        return None
+    lo1, lo2 = dead * top1, dead * top2
+    ok = r1 >= lo1 if lo1 > 0 else r1 > 0  # r1 >= lo1 > 0 implies r1 > 0
+    ok &= r2 >= lo2 if lo2 > 0 else r2 > 0
+    return np.asarray(ok)
 
 
 def smoothing_scales(
@@ -83,7 +105,7 @@ def smoothing_scales(
 
 def log_change(s: np.ndarray) -> float:
     """``max_i |ln s_i|``: how far a scale vector is from doing nothing (0 for all ones)."""
-    return float(np.max(np.abs(np.log(s)))) if s.size else 0.0
+    return float(np.abs(np.log(s)).max()) if s.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +190,6 @@ class LinearLayer:
             return np.asarray(w * per.reshape(m, cg, *((1,) * (w.ndim - 2))))
         return np.asarray(w * (s[None, :] if self.transposed else s[:, None]))
 
-
     def scaled_ranges(self, w: np.ndarray, out_f: np.ndarray, in_f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(out_ranges, in_ranges)`` of ``scale_in(scale_out(w, out_f), in_f)`` (in float64), read block by block
         along axis 0: memory O(block), never a float64 copy of the whole weight."""
@@ -180,6 +201,10 @@ class LinearLayer:
                 out_r[lo:hi] = a.reshape(hi - lo, -1).max(axis=1)
                 per[lo:hi] = a.reshape(hi - lo, cg, -1).max(axis=2)
             return out_r, per.reshape(self.group, m // self.group, cg).max(axis=1).reshape(-1)
+        if 0 < w.size <= _SMALL:  # one block, without the generator: read once per pair per round on long chains
+            a = np.abs(self._matrix_block(w, 0, w.shape[0], out_f, in_f))
+            rows, cols = a.max(axis=1), a.max(axis=0)  # both >= 0, as the block loop's np.maximum(0, ...) gives
+            return (rows, cols) if self.transposed else (cols, rows)
         rows, cols = np.empty(w.shape[0]), np.zeros(w.shape[1])
         for lo, hi, blk in self._blocks(w, out_f, in_f):
             a = np.abs(blk)
@@ -206,17 +231,24 @@ class LinearLayer:
             per = in_f.reshape(self.group, 1, cg).repeat(m // self.group, axis=1).reshape(m, cg)
         for lo in range(0, w.shape[0], step):
             hi = min(lo + step, w.shape[0])
-            blk = w[lo:hi].astype(np.float64)
             if per is not None:
+                blk = w[lo:hi].astype(np.float64)
                 blk *= out_f[lo:hi].reshape((-1,) + (1,) * (w.ndim - 1))
                 blk *= per[lo:hi].reshape(hi - lo, w.shape[1], *((1,) * (w.ndim - 2)))
-            elif self.transposed:
-                blk *= out_f[lo:hi, None]
-                blk *= in_f[None, :]
             else:
-                blk *= in_f[lo:hi, None]
-                blk *= out_f[None, :]
+                blk = self._matrix_block(w, lo, hi, out_f, in_f)
             yield lo, hi, blk
+
+    def _matrix_block(self, w: np.ndarray, lo: int, hi: int, out_f: np.ndarray, in_f: np.ndarray) -> np.ndarray:
+        """Rows ``lo:hi`` of a Gemm/MatMul weight times its factors, in float64."""
+        blk = w[lo:hi].astype(np.float64)
+        if self.transposed:
+            blk *= out_f[lo:hi, None]
+            blk *= in_f[None, :]
+        else:
+            blk *= in_f[lo:hi, None]
+            blk *= out_f[None, :]
+        return blk
 
 
 def _float_const(tensor: gs.Tensor, what: str) -> np.ndarray:
