@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
+from qgraph.passes.smooth_quant.measure import ChannelStats
 
 from qgraph import GraphHandle, Recipe
 from qgraph.calibrate.histogram import AlignedHistogram
-from qgraph.passes.smooth_quant.measure import ChannelStats
 from qgraph.data import CallableSource
 from qgraph.pipeline.runner import PipelineEvent
 from qgraph.runtime.kernels.host import probe_pair_saturation

@@ -32,7 +32,6 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain
-from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _SMALL = 1 << 16  #: weights of at most this many elements are read in one block (the default block is 32 MB)
@@ -320,65 +319,3 @@ def scale_const_per_channel(value: np.ndarray, f: np.ndarray, axis: int, rank: i
         return None
     out: np.ndarray = value.astype(np.float64) * view
     return out.astype(value.dtype)
-
-
-def smoothing_error(
-    x: np.ndarray,
-    w: np.ndarray,
-    s: np.ndarray,
-    x_min: np.ndarray,
-    x_max: np.ndarray,
-    *,
-    per_channel: bool = True,
-) -> float:
-    """Relative INT8 error ``||X·W - Q(X / s)·Q(diag(s)·W)||² / ||X·W||²`` of one smoothing choice.
-
-    ``x``: sample rows ``[R, K]``; ``w``: ``[K, N]``; ``x_min``/``x_max``: the per-channel observed range of X over
-    all calibration data, so the per-tensor activation range after smoothing is exactly
-    ``[min_j x_min_j / s_j, max_j x_max_j / s_j]`` (uint8 asymmetric, as the x86 presets quantize activations);
-    weights int8 symmetric per output column (``per_channel``) or per tensor. The quantization math is
-    `qgraph.quant.math`'s. One candidate of `smoothing_errors`.
-    """
-    return float(smoothing_errors(x, w, np.asarray(s)[None, :], x_min, x_max, per_channel=per_channel)[0])
-
-
-def smoothing_errors(
-    x: np.ndarray,
-    w: np.ndarray,
-    scales: np.ndarray,
-    x_min: np.ndarray,
-    x_max: np.ndarray,
-    *,
-    per_channel: bool = True,
-) -> np.ndarray:
-    """`smoothing_error` of every candidate row of ``scales`` ``[C, K]`` at once: ``[C]`` float64.
-
-    Why stacked: ``alpha: auto`` scores several αs per group, and one set of numpy calls over ``[C, R, K]`` costs
-    little more than one candidate's. Every value is computed with the same elementwise operations as a
-    one-candidate call (the products and sums of each candidate run over the same contiguous ``[R, N]`` block), so
-    the errors are the ones a loop over candidates gives, bit for bit.
-    """
-    s = np.asarray(scales, dtype=np.float64)
-    c, k = s.shape
-    n = w.shape[1]
-    xs, ws = x[None, :, :] / s[:, None, :], w[None, :, :] * s[:, :, None]
-    a_spec = QuantSpec(dtype=QuantDtype.UINT8)
-    a_scale, a_zp = compute_scale_zero_point(np.min(x_min[None, :] / s, axis=1), np.max(x_max[None, :] / s, axis=1),
-                                             a_spec)
-    xq = fake_quantize(xs, a_scale, a_zp, QuantDtype.UINT8, axis=0).astype(np.float64)
-    w_spec = QuantSpec(dtype=QuantDtype.INT8, symmetric=True, per_channel=per_channel, axis=1 if per_channel else None)
-    if per_channel:  # one scale per (candidate, column): quantize the columns as rows of [C·N, K]
-        absmax = np.abs(ws).max(axis=1)  # [C, N]
-        w_scale, w_zp = compute_scale_zero_point(-absmax, absmax, w_spec)
-        cols = np.ascontiguousarray(ws.transpose(0, 2, 1)).reshape(c * n, k)
-        wq = fake_quantize(cols, w_scale.reshape(-1), w_zp.reshape(-1), QuantDtype.INT8, axis=0)
-        wq = np.ascontiguousarray(wq.reshape(c, n, k).transpose(0, 2, 1), dtype=np.float64)
-    else:
-        absmax = np.abs(ws).reshape(c, -1).max(axis=1)
-        w_scale, w_zp = compute_scale_zero_point(-absmax, absmax, w_spec)
-        wq = fake_quantize(ws, w_scale, w_zp, QuantDtype.INT8, axis=0).astype(np.float64)
-    ref = x @ w
-    signal = float(np.sum(ref * ref))
-    if signal <= 0:
-        return np.zeros(c)
-    return np.array([float(np.sum((ref - xq[i] @ wq[i]) ** 2)) / signal for i in range(c)])

@@ -1,8 +1,11 @@
 """smooth_quant's batched work gives the numbers of the one-at-a-time work, bit for bit (issue #34): the stacked
-``alpha: auto`` scoring (`smoothing_errors`) against a per-candidate loop written out from the formula, and the
-activation statistics folded many samples at a time against a fold after every sample."""
+``alpha: auto`` scoring (`smoothing_errors`, many groups at once) against a per-candidate loop written out from the
+formula, the activation statistics folded many samples at a time against a fold after every sample, and the
+report's max/median ratios against `np.median`."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +15,8 @@ from qgraph.passes.smooth_quant.measure import ChannelStats, _Pending
 
 from qgraph import PassError
 from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
-from qgraph.recovery.equalize import smoothing_errors, smoothing_scales
+from qgraph.recovery.equalize import smoothing_scales
+from qgraph.recovery.smoothing import smoothing_errors, smoothing_errors_stacked
 
 
 def _one_candidate(x: np.ndarray, w: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -46,6 +50,49 @@ def test_stacked_candidates_score_exactly_as_one_by_one(seed: int, rows: int, k:
     got = smoothing_errors(x, w, cands, lo, hi, per_channel=per_channel)
     assert got.tolist() == [_one_candidate(x, w, s, lo, hi, per_channel) for s in cands]
     assert np.all(got > 0) and got[0] < 0.5  # a real INT8 error, not a degenerate zero
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), groups=st.integers(1, 6), rows=st.integers(1, 20), k=st.integers(1, 12),
+       n=st.integers(1, 12), per_channel=st.booleans())
+def test_groups_stacked_score_exactly_as_one_by_one(seed: int, groups: int, rows: int, k: int, n: int,
+                                                    per_channel: bool) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((groups, rows, k)) * np.exp(rng.normal(0, 2, (groups, 1, k)))
+    w = rng.standard_normal((groups, k, n))
+    lo, hi = x.min(1) - rng.random((groups, k)), x.max(1) + rng.random((groups, k))
+    cands = np.exp(rng.normal(0, 1, (groups, 4, k)))
+    got = smoothing_errors_stacked(x, w, cands, lo, hi, per_channel=per_channel)
+    assert got.shape == (groups, 4)
+    for g in range(groups):
+        assert got[g].tolist() == [_one_candidate(x[g], w[g], s, lo[g], hi[g], per_channel) for s in cands[g]]
+
+
+def test_the_scorer_scores_each_shape_in_bounded_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qgraph.passes.smooth_quant import choose
+
+    calls: list[int] = []
+    stacked = choose.smoothing_errors_stacked
+
+    def counted(x: np.ndarray, *a: Any, **k: Any) -> np.ndarray:
+        calls.append(len(x))
+        return stacked(x, *a, **k)
+
+    monkeypatch.setattr(choose, "smoothing_errors_stacked", counted)
+    monkeypatch.setattr(choose, "STACK_VALUES", 3 * 2 * 4 * 5)  # three groups of [2 candidates, 4 rows, 5 channels]
+    rng = np.random.default_rng(0)
+    scorer = choose.CandidateScorer(per_channel=True)
+    shapes = [(4, 5, 3)] * 7 + [(2, 5, 3)] * 2  # seven groups of one shape, two of another
+    items = []
+    for i, (r, k, n) in enumerate(shapes):
+        x, w = rng.standard_normal((r, k)), rng.standard_normal((k, n))
+        item = (x, w, np.exp(rng.normal(0, 1, (2, k))), x.min(0), x.max(0))
+        items.append(item)
+        scorer.add(i, *item)
+    scorer.flush()
+    assert sorted(calls) == [1, 2, 3, 3]  # 3 + 3 + 1 of the first shape, 2 of the second
+    for i, (x, w, cands, lo, hi) in enumerate(items):
+        assert scorer.errors[i].tolist() == smoothing_errors(x, w, cands, lo, hi).tolist()
 
 
 def _feed(stats: ChannelStats, batches: list[np.ndarray]) -> ChannelStats:
@@ -84,3 +131,17 @@ def test_shared_budget_folds_every_tensor_and_bad_values_name_their_sample() -> 
     with pytest.raises(PassError, match="tensor 'b' holds NaN/Inf on calibration sample 7"):
         b.fold()
     assert a.absmax.tolist() == [3.0] * 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.floats(0.0, 1e6), min_size=5, max_size=5), min_size=1, max_size=4),
+       k=st.integers(1, 5))
+def test_report_ratios_are_numpys_max_over_median(rows: list[list[float]], k: int) -> None:
+    from qgraph.passes.smooth_quant import max_over_median
+
+    v = np.array(rows)[:, :k]
+    want = []
+    for row in v:
+        med = float(np.median(row))
+        want.append(round(float(row.max()) / med, 3) if med > 0 else float("inf"))
+    assert max_over_median(v) == want
