@@ -29,24 +29,10 @@ def smoothing_error(
     all calibration data, so the per-tensor activation range after smoothing is exactly
     ``[min_j x_min_j / s_j, max_j x_max_j / s_j]`` (uint8 asymmetric, as the x86 presets quantize activations);
     weights int8 symmetric per output column (``per_channel``) or per tensor. The quantization math is
-    `qgraph.quant.math`'s. One candidate of `smoothing_errors`.
+    `qgraph.quant.math`'s. One group and candidate of `smoothing_errors_stacked`.
     """
-    return float(smoothing_errors(x, w, np.asarray(s)[None, :], x_min, x_max, per_channel=per_channel)[0])
-
-
-def smoothing_errors(
-    x: np.ndarray,
-    w: np.ndarray,
-    scales: np.ndarray,
-    x_min: np.ndarray,
-    x_max: np.ndarray,
-    *,
-    per_channel: bool = True,
-) -> np.ndarray:
-    """`smoothing_error` of every candidate row of ``scales`` ``[C, K]`` at once: ``[C]`` float64."""
-    errors: np.ndarray = smoothing_errors_stacked(x[None], w[None], np.asarray(scales)[None], np.asarray(x_min)[None],
-                                                  np.asarray(x_max)[None], per_channel=per_channel)[0]
-    return errors
+    return float(smoothing_errors_stacked(x[None], w[None], np.asarray(s)[None, None, :], np.asarray(x_min)[None],
+                                          np.asarray(x_max)[None], per_channel=per_channel)[0, 0])
 
 
 def smoothing_errors_stacked(

@@ -1,7 +1,7 @@
 """smooth_quant's batched work gives the numbers of the one-at-a-time work, bit for bit (issue #34): the stacked
-``alpha: auto`` scoring (`smoothing_errors`, many groups at once) against a per-candidate loop written out from the
-formula, the activation statistics folded many samples at a time against a fold after every sample, and the
-report's max/median ratios against `np.median`."""
+``alpha: auto`` scoring (`smoothing_errors_stacked`, many groups at once) against a per-candidate loop written out
+from the formula, the activation statistics folded many samples at a time against a fold after every sample, and
+the report's max/median ratios against `np.median`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from qgraph.passes.smooth_quant.measure import ChannelStats, _Pending
 from qgraph import PassError
 from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
 from qgraph.recovery.equalize import smoothing_scales
-from qgraph.recovery.smoothing import smoothing_errors, smoothing_errors_stacked
+from qgraph.recovery.smoothing import smoothing_errors_stacked
 
 
 def _one_candidate(x: np.ndarray, w: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -47,7 +47,7 @@ def test_stacked_candidates_score_exactly_as_one_by_one(seed: int, rows: int, k:
     lo, hi = x.min(0) - rng.random(k), x.max(0) + rng.random(k)
     a, wr = np.maximum(np.abs(lo), np.abs(hi)), np.abs(w).max(1)
     cands = np.stack([np.ones(k), *(smoothing_scales(a, wr, al, 1e-5, 1e5) for al in (0.3, 0.5, 0.8))])
-    got = smoothing_errors(x, w, cands, lo, hi, per_channel=per_channel)
+    got = smoothing_errors_stacked(x[None], w[None], cands[None], lo[None], hi[None], per_channel=per_channel)[0]
     assert got.tolist() == [_one_candidate(x, w, s, lo, hi, per_channel) for s in cands]
     assert np.all(got > 0) and got[0] < 0.5  # a real INT8 error, not a degenerate zero
 
@@ -92,7 +92,7 @@ def test_the_scorer_scores_each_shape_in_bounded_stacks(monkeypatch: pytest.Monk
     scorer.flush()
     assert sorted(calls) == [1, 2, 3, 3]  # 3 + 3 + 1 of the first shape, 2 of the second
     for i, (x, w, cands, lo, hi) in enumerate(items):
-        assert scorer.errors[i].tolist() == smoothing_errors(x, w, cands, lo, hi).tolist()
+        assert scorer.errors[i].tolist() == stacked(x[None], w[None], cands[None], lo[None], hi[None])[0].tolist()
 
 
 def _feed(stats: ChannelStats, batches: list[np.ndarray]) -> ChannelStats:
