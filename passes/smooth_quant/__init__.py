@@ -32,7 +32,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
 from qgraph.graph import rebuild, redirect
-from qgraph.recovery.equalize import log_change, smoothing_scales
+from qgraph.recovery.equalize import log_change, smoothing_scales, smoothing_scales_grid
 
 from .choose import CandidateScorer
 from .config import SmoothQuantConfig
@@ -135,8 +135,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             low, high = st.low, st.high
             assert low is not None and high is not None
             # "no smoothing" first, then the grid in order
-            candidates[i] = np.stack([np.ones_like(a), *(smoothing_scales(a, w, alpha, cfg.min_scale, cfg.max_scale)
-                                                         for alpha in cfg.alpha_grid)])
+            candidates[i] = np.concatenate([np.ones((1, a.size)),
+                                            smoothing_scales_grid(a, w, cfg.alpha_grid, cfg.min_scale, cfg.max_scale)])
             mat = np.concatenate([layer.matrix(layer.value()) for layer in group.layers], axis=1)
             scorer.add(i, st.rows_sample(), mat, candidates[i], low, high)
         scorer.flush()

@@ -102,6 +102,23 @@ def smoothing_scales(
     return np.clip(s, min_scale, max_scale)
 
 
+def smoothing_scales_grid(act_absmax: np.ndarray, w_absmax: np.ndarray, alphas: tuple[float, ...],
+                          min_scale: float = 0.0, max_scale: float = np.inf) -> np.ndarray:
+    """`smoothing_scales` for every α of ``alphas`` (same-shape 1-D maxima): ``[len(alphas), K]``, row ``i`` equal
+    to ``smoothing_scales(a, w, alphas[i], ...)``; the mask and the clip are shared (``alpha: auto`` scores a grid
+    of αs per group on every MatMul input), each power is the same scalar-exponent operation."""
+    a = np.asarray(act_absmax, dtype=np.float64)
+    w = np.asarray(w_absmax, dtype=np.float64)
+    if a.shape != w.shape or a.ndim != 1:
+        return np.stack([smoothing_scales(a, w, alpha, min_scale, max_scale) for alpha in alphas])
+    ok = (a > 0) & (w > 0) & np.isfinite(a) & np.isfinite(w)
+    s = np.ones((len(alphas), a.size), dtype=np.float64)
+    a_ok, w_ok = a[ok], w[ok]
+    for i, alpha in enumerate(alphas):
+        s[i, ok] = a_ok**alpha / w_ok ** (1.0 - alpha)
+    return np.asarray(np.clip(s, min_scale, max_scale))
+
+
 def log_change(s: np.ndarray) -> float:
     """``max_i |ln s_i|``: how far a scale vector is from doing nothing (0 for all ones)."""
     return float(np.abs(np.log(s)).max()) if s.size else 0.0

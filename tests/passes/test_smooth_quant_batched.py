@@ -145,3 +145,18 @@ def test_report_ratios_are_numpys_max_over_median(rows: list[list[float]], k: in
         med = float(np.median(row))
         want.append(round(float(row.max()) / med, 3) if med > 0 else float("inf"))
     assert max_over_median(v) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.one_of(st.floats(0.0, 1e6), st.just(np.inf)), min_size=1, max_size=12), data=st.data(),
+       bounds=st.sampled_from([(0.0, np.inf), (1e-5, 1e5), (0.5, 2.0)]))
+def test_a_grid_of_alphas_gives_each_alphas_scales(a: list[float], data: st.DataObject,
+                                                    bounds: tuple[float, float]) -> None:
+    from qgraph.recovery.equalize import smoothing_scales_grid
+
+    w = np.array(data.draw(st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 1e3)), min_size=len(a), max_size=len(a))))
+    grid = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.0, 1.0)
+    got = smoothing_scales_grid(np.array(a), w, grid, *bounds)
+    assert got.shape == (len(grid), len(a))
+    for row, alpha in zip(got, grid, strict=True):
+        assert row.tobytes() == smoothing_scales(np.array(a), w, alpha, *bounds).tobytes()
