@@ -64,30 +64,26 @@ def cle_scales(r1: np.ndarray, r2: np.ndarray, min_scale: float = 0.0, max_scale
     """
     r1 = np.asarray(r1, dtype=np.float64)
     r2 = np.asarray(r2, dtype=np.float64)
-    ok = _live_channels(r1, r2, dead)
-    if ok is None:
-        ok = ~dead_channels(r1, r2, dead)
-    if ok.all():  # the usual case: every channel is balanced, no masked copy
+    if _all_live(r1, r2, dead):  # the usual case: every channel is balanced, no mask, no masked copies
         s = np.sqrt(r1 * r2) / r2
     else:
+        ok = ~dead_channels(r1, r2, dead)
         s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
         s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
     return np.asarray(np.clip(s, min_scale, max_scale))
 
 
-def _live_channels(r1: np.ndarray, r2: np.ndarray, dead: float) -> np.ndarray | None:
-    """``~dead_channels(r1, r2, dead)`` in a few operations when both sides' largest ranges are finite (then every
-    range is finite or -inf, which ``r > 0`` refuses, and the largest finite range is the largest), else None.
-    Why: `cle_scales` runs once per pair per round, thousands of times on a long chain."""
+def _all_live(r1: np.ndarray, r2: np.ndarray, dead: float) -> bool:
+    """Whether `dead_channels` is all False, from four reductions: with both sides' largest ranges finite every
+    range is finite or -inf, and every channel is live iff each side's smallest range is > 0 and >= ``dead`` times
+    its largest. Why: `cle_scales` runs once per pair per round, thousands of times on a long chain."""
     if r1.ndim != 1 or r1.shape != r2.shape or r1.size == 0:
-        return None
+        return False
     top1, top2 = float(r1.max()), float(r2.max())
     if not (math.isfinite(top1) and math.isfinite(top2)):
-        return None
-    lo1, lo2 = dead * top1, dead * top2
-    ok = r1 >= lo1 if lo1 > 0 else r1 > 0  # r1 >= lo1 > 0 implies r1 > 0
-    ok &= r2 >= lo2 if lo2 > 0 else r2 > 0
-    return np.asarray(ok)
+        return False
+    low1, low2 = float(r1.min()), float(r2.min())
+    return low1 > 0 and low2 > 0 and low1 >= dead * top1 and low2 >= dead * top2
 
 
 def smoothing_scales(
