@@ -85,13 +85,23 @@ def _float_pass(model: Any, samples: list[dict[str, np.ndarray]]) -> dict[str, A
 def _qgraph(tool: str, model: Any, samples: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     from qgraph import Recipe
     from qgraph.data import CallableSource
+    from qgraph.pipeline.runner import PipelineEvent
     from qgraph.pipeline.timing import run_timing
 
     recipe = Recipe.from_text(PLAIN) if tool == "plain" else Recipe.from_yaml(ROOT / "recipes" / f"{tool}.yaml")
+    cpu: list[float] = []  # per pass, in run order: CPU seconds of this process (steadier than wall on a shared host)
+
+    def on_event(ev: PipelineEvent) -> None:
+        if ev.kind == "pass_start":
+            cpu.append(-time.process_time())
+        elif ev.kind == "pass_end" and cpu:
+            cpu[-1] += time.process_time()
+
     start = time.perf_counter()
-    res = recipe.pipeline().run(model, calibration_data=CallableSource(lambda: samples, "chain"))
+    res = recipe.pipeline().run(model, calibration_data=CallableSource(lambda: samples, "chain"), on_event=on_event)
     seconds = time.perf_counter() - start
-    passes = [[r.name, r.seconds, r.result.calibration_seconds] for r in res.records]
+    cpu += [0.0] * (len(res.records) - len(cpu))
+    passes = [[r.name, r.seconds, r.result.calibration_seconds, c] for r, c in zip(res.records, cpu, strict=False)]
     timing = run_timing(res.records, res.float_inference)
     return {"seconds": seconds, "passes": passes, "timing": timing.line() if timing else ""}
 
@@ -147,8 +157,8 @@ def _print_cell(tool: str, cell: dict[str, Any], unit: float | None) -> None:
     print(f"  {tool:14s} {cell['seconds']:8.2f} s (child CPU {cell['cpu_seconds']:7.1f} s) "
           f"{cell['peak_rss_mb']:7.0f} MB{times}", flush=True)
     if cell.get("passes"):
-        split = ", ".join(f"{n} {s:.2f}" + (f" [cal {c:.2f}]" if c else "") for n, s, c in cell["passes"])
-        print(f"      passes: {split}", flush=True)
+        split = ", ".join(f"{n} {s:.2f}/{u:.2f}" + (f" [cal {c:.2f}]" if c else "") for n, s, c, u in cell["passes"])
+        print(f"      passes (wall/CPU s): {split}", flush=True)
     if cell.get("timing"):
         print(f"      summary: {cell['timing']}", flush=True)
 
