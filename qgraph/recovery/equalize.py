@@ -70,7 +70,10 @@ def cle_scales(r1: np.ndarray, r2: np.ndarray, min_scale: float = 0.0, max_scale
         ok = ~dead_channels(r1, r2, dead)
         s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
         s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
-    return np.asarray(np.clip(s, min_scale, max_scale))
+    # np.clip's value (s holds no NaN: live ranges are finite and positive) without its Python wrappers
+    np.maximum(s, min_scale, out=s)
+    clipped: np.ndarray = np.minimum(s, max_scale, out=s)
+    return clipped
 
 
 def _all_live(r1: np.ndarray, r2: np.ndarray, dead: float) -> bool:
