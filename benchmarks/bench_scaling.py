@@ -38,6 +38,18 @@ Calibration alone (1,000 ReLU outputs of the 3,000-node chain, 32 samples, CPU s
 minmax 1.1 -> 1.1, entropy 3.7 -> 1.8, auto 5.0 -> 3.3. The ready recipes' outputs are byte-identical before and
 after (`tools/recipe_digests.py`). Still far from the issue's targets (3k nodes < 3 s, calibration <= 2x a float
 pass): see the issue's report for what is left.
+
+equalize_weights and smooth_quant alone (the ready recipes' options, CPU seconds of the pass, same host under load
+2-5; one float pass over the data: 0.03 s at 3k, 1.0 s at 30k):
+
+                                     3,000 nodes             30,000 nodes
+    equalize_weights                 2.40 -> 1.3             23.7 -> 12.8-13.2   (50 rounds x 999 / 9,999 pairs)
+    smooth_quant (alpha auto)        1.75 -> 0.6             16.6 -> 6.1-7.0
+
+Outputs byte-identical (the chain at both sizes, and `tools/recipe_digests.py`). What is left in equalize_weights is
+the Gauss-Seidel sweep itself, one pair after the other (each step reads the previous step's scales), ~25 numpy calls
+per pair per round; in smooth_quant, measuring (0.42 s at 3k, 5.4 s at 30k: the export, onnxruntime fetching every
+MatMul input, in segments above 3k nodes, and the statistics); alpha auto's scoring is ~0.1 s per 1,000 groups.
 """
 
 from __future__ import annotations
@@ -85,13 +97,23 @@ def _float_pass(model: Any, samples: list[dict[str, np.ndarray]]) -> dict[str, A
 def _qgraph(tool: str, model: Any, samples: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     from qgraph import Recipe
     from qgraph.data import CallableSource
+    from qgraph.pipeline.runner import PipelineEvent
     from qgraph.pipeline.timing import run_timing
 
     recipe = Recipe.from_text(PLAIN) if tool == "plain" else Recipe.from_yaml(ROOT / "recipes" / f"{tool}.yaml")
+    cpu: list[float] = []  # per pass, in run order: CPU seconds of this process (steadier than wall on a shared host)
+
+    def on_event(ev: PipelineEvent) -> None:
+        if ev.kind == "pass_start":
+            cpu.append(-time.process_time())
+        elif ev.kind == "pass_end" and cpu:
+            cpu[-1] += time.process_time()
+
     start = time.perf_counter()
-    res = recipe.pipeline().run(model, calibration_data=CallableSource(lambda: samples, "chain"))
+    res = recipe.pipeline().run(model, calibration_data=CallableSource(lambda: samples, "chain"), on_event=on_event)
     seconds = time.perf_counter() - start
-    passes = [[r.name, r.seconds, r.result.calibration_seconds] for r in res.records]
+    cpu += [0.0] * (len(res.records) - len(cpu))
+    passes = [[r.name, r.seconds, r.result.calibration_seconds, c] for r, c in zip(res.records, cpu, strict=False)]
     timing = run_timing(res.records, res.float_inference)
     return {"seconds": seconds, "passes": passes, "timing": timing.line() if timing else ""}
 
@@ -147,8 +169,8 @@ def _print_cell(tool: str, cell: dict[str, Any], unit: float | None) -> None:
     print(f"  {tool:14s} {cell['seconds']:8.2f} s (child CPU {cell['cpu_seconds']:7.1f} s) "
           f"{cell['peak_rss_mb']:7.0f} MB{times}", flush=True)
     if cell.get("passes"):
-        split = ", ".join(f"{n} {s:.2f}" + (f" [cal {c:.2f}]" if c else "") for n, s, c in cell["passes"])
-        print(f"      passes: {split}", flush=True)
+        split = ", ".join(f"{n} {s:.2f}/{u:.2f}" + (f" [cal {c:.2f}]" if c else "") for n, s, c, u in cell["passes"])
+        print(f"      passes (wall/CPU s): {split}", flush=True)
     if cell.get("timing"):
         print(f"      summary: {cell['timing']}", flush=True)
 

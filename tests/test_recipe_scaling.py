@@ -1,6 +1,7 @@
 """The ready recipes scale linearly, proven by counting (no wall time): on a MatMul/Add/Relu chain 4x longer, each
 pass walks the whole graph, creates onnxruntime sessions and runs them the same number of times, and calibration
-folds each tensor into its histogram a bounded number of times whatever the number of samples (issue #34)."""
+(and smooth_quant's statistics) folds each tensor a bounded number of times whatever the number of samples (issue
+#34)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
+from qgraph.passes.smooth_quant.measure import ChannelStats
 
 from qgraph import GraphHandle, Recipe
 from qgraph.calibrate.histogram import AlignedHistogram
@@ -24,7 +26,8 @@ SAMPLES = 6
 
 
 class Counts:
-    """Per pass: whole-graph walks of every handle, sessions created, session runs, histogram updates."""
+    """Per pass: whole-graph walks of every handle, sessions created, session runs, histogram updates, smooth_quant's
+    statistics folds."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.now: collections.Counter[str] = collections.Counter()
@@ -34,6 +37,7 @@ class Counts:
         counts = self
 
         init, run, update = GraphHandle.__init__, ort.InferenceSession.run, AlignedHistogram.update
+        fold = ChannelStats.fold
         sess_init = ort.InferenceSession.__init__
 
         def handle_init(self: GraphHandle, *a: Any, **k: Any) -> None:
@@ -52,7 +56,12 @@ class Counts:
             counts.now["histogram_updates"] += 1
             update(self, *a, **k)
 
+        def stats_fold(self: ChannelStats) -> None:
+            counts.now["statistics_folds"] += bool(self._batches)
+            fold(self)
+
         monkeypatch.setattr(GraphHandle, "__init__", handle_init)
+        monkeypatch.setattr(ChannelStats, "fold", stats_fold)
         monkeypatch.setattr(ort.InferenceSession, "__init__", session_init)
         monkeypatch.setattr(ort.InferenceSession, "run", session_run)
         monkeypatch.setattr(AlignedHistogram, "update", hist_update)
@@ -98,3 +107,5 @@ def test_every_pass_of_a_ready_recipe_does_the_same_work_on_a_chain_4x_longer(
     # calibration folds each tensor's samples into its histogram together, not once per sample per tensor
     tensors_large = large["insert_qdq"]["histogram_updates"]
     assert 0 < tensors_large <= 3 * 48, large["insert_qdq"]
+    # smooth_quant reduces each MatMul input's samples together (one fold per tensor), not once per sample
+    assert large["smooth_quant"]["statistics_folds"] == 48 and small["smooth_quant"]["statistics_folds"] == 12

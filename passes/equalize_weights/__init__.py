@@ -156,6 +156,10 @@ class _Equalizer:
         # ranges exactly (the factor is uniform along it) and only stales the other side, so a layer that is only
         # ever first (or only second) in its pairs is read once; only middle layers of chains are re-read
         self._cache: dict[int, list[Any]] = {}
+        self._arrays: dict[int, np.ndarray] = {}  # weight id -> the graph's array (read-only until write_back)
+        # bias/shift id -> (channel axis, rank) and the 1/s factors of the steps so far, applied at the end
+        self._layouts: dict[int, tuple[int, int]] = {}
+        self._divisors: dict[int, list[np.ndarray]] = {}
         self.initial: list[tuple[float, float]] = []
         self.dead: list[int] = []  # per pair: channels left at s = 1 because a side's range is (near) zero
         for p in pairs:
@@ -165,12 +169,15 @@ class _Equalizer:
                     w = self._weight(key, layer.weight)
                     self.layers[key] = layer
                     self.factors[key] = (np.ones(layer.out_channels(w)), np.ones(layer.in_channels(w)))
-            for t in [p.first.bias, *(c for c, _, _ in p.shifts)]:
+            layouts = [(p.first.bias, -1, None), *p.shifts]
+            for t, axis, rank in layouts:
                 if t is not None and id(t) not in self.values:
                     value = const_value(t)
                     assert value is not None
                     self.values[id(t)] = value.astype(np.float64)
                     self.tensors[id(t)] = t
+                    self._layouts[id(t)] = (axis, max(value.ndim, 1) if rank is None else rank)
+                    self._divisors[id(t)] = []
             self.initial.append(self._spread(p))
             self.dead.append(int(np.count_nonzero(dead_channels(*self._ranges(p), cfg.dead_range))))
         self.cumulative = [np.ones(len(self.factors[id(p.first.weight)][0])) for p in pairs]
@@ -178,9 +185,10 @@ class _Equalizer:
     def _weight(self, key: int, tensor: gs.Tensor | None = None) -> np.ndarray:
         if tensor is not None:
             self.tensors[key] = tensor
-        value = const_value(self.tensors[key])
-        assert value is not None
-        return value
+            value = const_value(tensor)
+            assert value is not None
+            self._arrays[key] = value
+        return self._arrays[key]
 
     def _layer_ranges(self, key: int, side: int) -> np.ndarray:
         """Output (``side`` 0) or input (1) channel ranges of a weight with its factors applied."""
@@ -216,52 +224,72 @@ class _Equalizer:
         """Rounds over the pairs until no channel moves by more than tolerance / 10; (rounds, converged).
 
         Rounds sweep forward and backward in turn (a chain then converges in far fewer rounds), and a pair whose
-        weights no other pair touched since it was equalized is not recomputed (its scales would be 1).
+        weights no other pair touched since it was equalized is not recomputed (its scales would be 1). Each step
+        is a few numpy calls on per-channel vectors: the biases and shifts, which no range depends on, are scaled
+        once at the end (`_scale_values`).
         """
+        cfg = self.cfg
         version: dict[int, int] = dict.fromkeys(self.layers, 0)
         seen: list[tuple[int, ...] | None] = [None] * len(self.pairs)
-        order = list(range(len(self.pairs)))
-        for k in range(self.cfg.iterations):
+        plan = [(i, [self._divisors[id(t)] for t in (p.first.bias, *(c for c, _, _ in p.shifts)) if t is not None],
+                 (id(p.first.weight), *(id(x.weight) for x in p.second))) for i, p in enumerate(self.pairs)]
+        # a scale at a clip bound has |ln s| >= |ln bound|: below half of that no scale can be clipped
+        near = 0.5 * min(-math.log(cfg.min_scale), math.log(cfg.max_scale))
+        for k in range(cfg.iterations):
             worst = 0.0
-            for i in order if k % 2 == 0 else order[::-1]:
-                p = self.pairs[i]
-                keys = [id(p.first.weight), *(id(x.weight) for x in p.second)]
+            for i, divisors, keys in plan if k % 2 == 0 else reversed(plan):
                 if seen[i] == tuple(version[key] for key in keys):
                     continue
-                r1, r2 = self._ranges(p)
-                s = cle_scales(r1, r2, self.cfg.min_scale, self.cfg.max_scale, self.cfg.dead_range)
+                r1 = self._layer_ranges(keys[0], 0)
+                ins = [self._layer_ranges(key, 1) for key in keys[1:]]
+                r2 = ins[0] if len(ins) == 1 else np.max(ins, axis=0)
+                s = cle_scales(r1, r2, cfg.min_scale, cfg.max_scale, cfg.dead_range)
                 change = log_change(s)
                 worst = max(worst, change)
                 if change > 0:
-                    self._apply(p, s)
+                    self._apply(keys, divisors, s)
                     self.cumulative[i] *= s
                     for key in keys:
                         version[key] += 1
-                clipped = bool(np.any(s <= self.cfg.min_scale) or np.any(s >= self.cfg.max_scale))
+                clipped = change >= near and bool(np.any(s <= cfg.min_scale) or np.any(s >= cfg.max_scale))
                 seen[i] = None if clipped else tuple(version[key] for key in keys)
             self.last_change = worst
-            if worst <= self.cfg.tolerance / 10:
+            if worst <= cfg.tolerance / 10:
+                self._scale_values()
                 return k + 1, True
-        return self.cfg.iterations, False
+        self._scale_values()
+        return cfg.iterations, False
 
-    def _apply(self, p: Pair, s: np.ndarray) -> None:
+    def _apply(self, keys: tuple[int, ...], divisors: list[list[np.ndarray]], s: np.ndarray) -> None:
+        """Move ``s`` across the pair with weights ``keys`` (first, seconds); ``divisors``: its bias' and shifts'."""
         inv = 1.0 / s
-        v = self.values
-        first = id(p.first.weight)
-        self.factors[first][0][:] *= inv  # W1[i] /= s_i
-        self._rescaled(first, 0, inv)
-        if p.first.bias is not None:
-            scaled = scale_const_per_channel(v[id(p.first.bias)], inv, -1, max(v[id(p.first.bias)].ndim, 1))
-            assert scaled is not None  # shapes checked by as_linear
-            v[id(p.first.bias)] = scaled
-        for const, axis, rank in p.shifts:
-            scaled = scale_const_per_channel(v[id(const)], inv, axis, rank)
-            if scaled is None:
-                raise NoMatch(f"constant {const.name!r} of shape {v[id(const)].shape} is not per channel")
-            v[id(const)] = scaled
-        for second in p.second:
-            self.factors[id(second.weight)][1][:] *= s  # W2[:, i] *= s_i
-            self._rescaled(id(second.weight), 1, s)
+        self.factors[keys[0]][0][:] *= inv  # W1[i] /= s_i
+        self._rescaled(keys[0], 0, inv)
+        for pending in divisors:  # b1[i] /= s_i and the shifts on the way: at the end (`_scale_values`)
+            pending.append(inv)
+        for key in keys[1:]:
+            self.factors[key][1][:] *= s  # W2[:, i] *= s_i
+            self._rescaled(key, 1, s)
+
+    def _scale_values(self) -> None:
+        """Divide every bias and shift by its pairs' scales, in the order the rounds applied them: one product
+        over the stacked factors per constant, ``((b · f1) · f2) · ...`` as a step-by-step update computes it."""
+        for key, factors in self._divisors.items():
+            if not factors:
+                continue
+            axis, rank = self._layouts[key]
+            first = scale_const_per_channel(self.values[key], factors[0], axis, rank)
+            if first is None:
+                raise NoMatch(f"constant {self.tensors[key].name!r} of shape {self.values[key].shape} is not per "
+                              "channel")
+            if len(factors) > 1:
+                pos, c = axis % rank, factors[0].size
+                view = (1,) * (first.ndim - (rank - pos)) + (c,) + (1,) * (rank - 1 - pos)
+                rest = np.stack(factors[1:]).reshape((len(factors) - 1, *view))
+                stacked = np.concatenate([first[None], np.broadcast_to(rest, (len(factors) - 1, *first.shape))])
+                first = np.multiply.reduce(stacked, axis=0)  # left to right, one factor at a time
+            self.values[key] = first
+            factors.clear()
 
     def describe(self, i: int) -> EqualizedPair:
         """Report of pair ``i``: scale range and the channel-range spread of both layers before/after."""

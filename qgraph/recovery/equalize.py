@@ -24,6 +24,7 @@ passes. Everything is computed in float64 and cast back to the weight's dtype on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,9 +32,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from qgraph.graph import NoMatch, const_value, consumers, is_default_domain
-from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, fake_quantize
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_SMALL = 1 << 16  #: weights of at most this many elements are read in one block (the default block is 32 MB)
 
 
 def dead_channels(r1: np.ndarray, r2: np.ndarray, dead: float) -> np.ndarray:
@@ -63,10 +64,29 @@ def cle_scales(r1: np.ndarray, r2: np.ndarray, min_scale: float = 0.0, max_scale
     """
     r1 = np.asarray(r1, dtype=np.float64)
     r2 = np.asarray(r2, dtype=np.float64)
-    ok = ~dead_channels(r1, r2, dead)
-    s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
-    s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
-    return np.clip(s, min_scale, max_scale)
+    if _all_live(r1, r2, dead):  # the usual case: every channel is balanced, no mask, no masked copies
+        s = np.sqrt(r1 * r2) / r2
+    else:
+        ok = ~dead_channels(r1, r2, dead)
+        s = np.ones(np.broadcast(r1, r2).shape, dtype=np.float64)
+        s[ok] = np.sqrt(r1[ok] * r2[ok]) / r2[ok]
+    # np.clip's value (s holds no NaN: live ranges are finite and positive) without its Python wrappers
+    np.maximum(s, min_scale, out=s)
+    clipped: np.ndarray = np.minimum(s, max_scale, out=s)
+    return clipped
+
+
+def _all_live(r1: np.ndarray, r2: np.ndarray, dead: float) -> bool:
+    """Whether `dead_channels` is all False, from four reductions: with both sides' largest ranges finite every
+    range is finite or -inf, and every channel is live iff each side's smallest range is > 0 and >= ``dead`` times
+    its largest. Why: `cle_scales` runs once per pair per round, thousands of times on a long chain."""
+    if r1.ndim != 1 or r1.shape != r2.shape or r1.size == 0:
+        return False
+    top1, top2 = float(r1.max()), float(r2.max())
+    if not (math.isfinite(top1) and math.isfinite(top2)):
+        return False
+    low1, low2 = float(r1.min()), float(r2.min())
+    return low1 > 0 and low2 > 0 and low1 >= dead * top1 and low2 >= dead * top2
 
 
 def smoothing_scales(
@@ -81,9 +101,26 @@ def smoothing_scales(
     return np.clip(s, min_scale, max_scale)
 
 
+def smoothing_scales_grid(act_absmax: np.ndarray, w_absmax: np.ndarray, alphas: tuple[float, ...],
+                          min_scale: float = 0.0, max_scale: float = np.inf) -> np.ndarray:
+    """`smoothing_scales` for every α of ``alphas`` (same-shape 1-D maxima): ``[len(alphas), K]``, row ``i`` equal
+    to ``smoothing_scales(a, w, alphas[i], ...)``; the mask and the clip are shared (``alpha: auto`` scores a grid
+    of αs per group on every MatMul input), each power is the same scalar-exponent operation."""
+    a = np.asarray(act_absmax, dtype=np.float64)
+    w = np.asarray(w_absmax, dtype=np.float64)
+    if a.shape != w.shape or a.ndim != 1:
+        return np.stack([smoothing_scales(a, w, alpha, min_scale, max_scale) for alpha in alphas])
+    ok = (a > 0) & (w > 0) & np.isfinite(a) & np.isfinite(w)
+    s = np.ones((len(alphas), a.size), dtype=np.float64)
+    a_ok, w_ok = a[ok], w[ok]
+    for i, alpha in enumerate(alphas):
+        s[i, ok] = a_ok**alpha / w_ok ** (1.0 - alpha)
+    return np.asarray(np.clip(s, min_scale, max_scale))
+
+
 def log_change(s: np.ndarray) -> float:
     """``max_i |ln s_i|``: how far a scale vector is from doing nothing (0 for all ones)."""
-    return float(np.max(np.abs(np.log(s)))) if s.size else 0.0
+    return float(np.abs(np.log(s)).max()) if s.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +205,6 @@ class LinearLayer:
             return np.asarray(w * per.reshape(m, cg, *((1,) * (w.ndim - 2))))
         return np.asarray(w * (s[None, :] if self.transposed else s[:, None]))
 
-
     def scaled_ranges(self, w: np.ndarray, out_f: np.ndarray, in_f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(out_ranges, in_ranges)`` of ``scale_in(scale_out(w, out_f), in_f)`` (in float64), read block by block
         along axis 0: memory O(block), never a float64 copy of the whole weight."""
@@ -180,6 +216,10 @@ class LinearLayer:
                 out_r[lo:hi] = a.reshape(hi - lo, -1).max(axis=1)
                 per[lo:hi] = a.reshape(hi - lo, cg, -1).max(axis=2)
             return out_r, per.reshape(self.group, m // self.group, cg).max(axis=1).reshape(-1)
+        if 0 < w.size <= _SMALL:  # one block, without the generator: read once per pair per round on long chains
+            a = np.abs(self._matrix_block(w, 0, w.shape[0], out_f, in_f))
+            rows, cols = a.max(axis=1), a.max(axis=0)  # both >= 0, as the block loop's np.maximum(0, ...) gives
+            return (rows, cols) if self.transposed else (cols, rows)
         rows, cols = np.empty(w.shape[0]), np.zeros(w.shape[1])
         for lo, hi, blk in self._blocks(w, out_f, in_f):
             a = np.abs(blk)
@@ -206,17 +246,24 @@ class LinearLayer:
             per = in_f.reshape(self.group, 1, cg).repeat(m // self.group, axis=1).reshape(m, cg)
         for lo in range(0, w.shape[0], step):
             hi = min(lo + step, w.shape[0])
-            blk = w[lo:hi].astype(np.float64)
             if per is not None:
+                blk = w[lo:hi].astype(np.float64)
                 blk *= out_f[lo:hi].reshape((-1,) + (1,) * (w.ndim - 1))
                 blk *= per[lo:hi].reshape(hi - lo, w.shape[1], *((1,) * (w.ndim - 2)))
-            elif self.transposed:
-                blk *= out_f[lo:hi, None]
-                blk *= in_f[None, :]
             else:
-                blk *= in_f[lo:hi, None]
-                blk *= out_f[None, :]
+                blk = self._matrix_block(w, lo, hi, out_f, in_f)
             yield lo, hi, blk
+
+    def _matrix_block(self, w: np.ndarray, lo: int, hi: int, out_f: np.ndarray, in_f: np.ndarray) -> np.ndarray:
+        """Rows ``lo:hi`` of a Gemm/MatMul weight times its factors, in float64."""
+        blk = w[lo:hi].astype(np.float64)
+        if self.transposed:
+            blk *= out_f[lo:hi, None]
+            blk *= in_f[None, :]
+        else:
+            blk *= in_f[lo:hi, None]
+            blk *= out_f[None, :]
+        return blk
 
 
 def _float_const(tensor: gs.Tensor, what: str) -> np.ndarray:
@@ -288,33 +335,3 @@ def scale_const_per_channel(value: np.ndarray, f: np.ndarray, axis: int, rank: i
         return None
     out: np.ndarray = value.astype(np.float64) * view
     return out.astype(value.dtype)
-
-
-def smoothing_error(
-    x: np.ndarray,
-    w: np.ndarray,
-    s: np.ndarray,
-    x_min: np.ndarray,
-    x_max: np.ndarray,
-    *,
-    per_channel: bool = True,
-) -> float:
-    """Relative INT8 error ``||X·W - Q(X / s)·Q(diag(s)·W)||² / ||X·W||²`` of one smoothing choice.
-
-    ``x``: sample rows ``[R, K]``; ``w``: ``[K, N]``; ``x_min``/``x_max``: the per-channel observed range of X over
-    all calibration data, so the per-tensor activation range after smoothing is exactly
-    ``[min_j x_min_j / s_j, max_j x_max_j / s_j]`` (uint8 asymmetric, as the x86 presets quantize activations);
-    weights int8 symmetric per output column (``per_channel``) or per tensor. The quantization math is
-    `qgraph.quant.math`'s.
-    """
-    xs, ws = x / s[None, :], w * s[:, None]
-    a_spec = QuantSpec(dtype=QuantDtype.UINT8)
-    a_scale, a_zp = compute_scale_zero_point(float(np.min(x_min / s)), float(np.max(x_max / s)), a_spec)
-    xq = fake_quantize(xs, a_scale, a_zp, QuantDtype.UINT8).astype(np.float64)
-    absmax = np.abs(ws).max(axis=0) if per_channel else np.array(np.abs(ws).max())
-    w_spec = QuantSpec(dtype=QuantDtype.INT8, symmetric=True, per_channel=per_channel, axis=1 if per_channel else None)
-    w_scale, w_zp = compute_scale_zero_point(-absmax, absmax, w_spec)
-    wq = fake_quantize(ws, w_scale, w_zp, QuantDtype.INT8, axis=1 if per_channel else None).astype(np.float64)
-    ref = x @ w
-    signal = float(np.sum(ref * ref))
-    return float(np.sum((ref - xq @ wq) ** 2)) / signal if signal > 0 else 0.0

@@ -255,7 +255,7 @@ def test_alpha_auto_picks_per_group_and_beats_no_smoothing(tmp_path: Path) -> No
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), c=st.floats(0.25, 4.0))
 def test_smoothing_error_is_zero_free_and_invariant_to_a_global_scale(seed: int, c: float) -> None:
-    from qgraph.recovery.equalize import smoothing_error
+    from qgraph.recovery.smoothing import smoothing_error
 
     rng = np.random.default_rng(seed)
     x = rng.normal(0, 1, (64, 8)) * rng.uniform(0.1, 30, 8)
