@@ -28,16 +28,20 @@ unclipped box leaves (0.1-0.5 of the font size). The label is the printed string
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
 
 HEIGHT, WIDTH = 48, 640  # the wheel's rec_img_shape height; one fixed padded width (see the module docs)
 
 
-def characters(model: object) -> list[str]:
+def characters(model: onnx.ModelProto) -> list[str]:
     """The decoder's character list, as the wheel builds it: ``blank``, the model's ``metadata_props["character"]``
     lines, then ``" "``."""
-    meta = {p.key: p.value for p in model.metadata_props}  # type: ignore[attr-defined]
+    meta = {p.key: p.value for p in model.metadata_props}
     if "character" not in meta:
         raise ValueError("the recognizer has no metadata_props['character'] (the wheel would need rec_keys_path)")
     return ["blank", *meta["character"].splitlines(), " "]
@@ -58,7 +62,7 @@ def resize_bilinear(image: np.ndarray, width: int, height: int) -> np.ndarray:
     img = image.astype(np.float64)
     rows = img[y0] * (1 - fy)[:, None, None] + img[y1] * fy[:, None, None]
     out = rows[:, x0] * (1 - fx)[None, :, None] + rows[:, x1] * fx[None, :, None]
-    return np.clip(np.round(out), 0, 255).astype(np.uint8)
+    return np.asarray(np.clip(np.round(out), 0, 255), np.uint8)
 
 
 def rec_input(bgr: np.ndarray, width: int = WIDTH) -> np.ndarray:
@@ -84,14 +88,14 @@ def line(rng: np.random.Generator, vocabulary: Sequence[str], max_ratio: float) 
     while True:
         text = " ".join(words)
         x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
-        w, h = x1 - x0 + 2 * side, y1 - y0 + top + bottom
+        w, h = int(x1 - x0) + 2 * side, int(y1 - y0) + top + bottom
         if w <= max_ratio * h or len(words) == 1:
             break
         words.pop()
     if len(text) > 1 and w > max_ratio * h:  # one long word: cut it
         text = text[: max(1, int(len(text) * max_ratio * h / w))]
         x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
-        w = x1 - x0 + 2 * side
+        w = int(x1 - x0) + 2 * side
     paper = tuple(int(v) for v in rng.integers(200, 256, 3))
     ink = tuple(int(v) for v in rng.integers(0, 90, 3))
     image = Image.new("RGB", (w, h), paper)

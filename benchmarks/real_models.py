@@ -735,8 +735,13 @@ def load_ocr_rec(n_cal: int = 64, n_eval: int = 200) -> RealModel:
     )
     model = onnx.load(str(path))
     rec, words = ocr_rec_module(), ocr_module().words
-    cal = _cached(f"ocr-rec-cal-{n_cal}", lambda: _with_labels(rec.samples(n_cal, 1, words(0))))
-    ev = _cached(f"ocr-rec-eval-{n_eval}", lambda: _with_labels(rec.samples(n_eval, 2, words(1))))
+
+    def lines(n: int, seed: int, part: int) -> tuple[list[Feed], np.ndarray]:
+        feeds, texts = rec.samples(n, seed, words(part))
+        return feeds, np.asarray(texts)
+
+    cal = _cached(f"ocr-rec-cal-{n_cal}", lambda: lines(n_cal, 1, 0))
+    ev = _cached(f"ocr-rec-eval-{n_eval}", lambda: lines(n_eval, 2, 1))
     out = model.graph.output[0].name
     spec = EvalSpec(
         "ocr_rec",
@@ -748,10 +753,6 @@ def load_ocr_rec(n_cal: int = 64, n_eval: int = 200) -> RealModel:
         extra={"chars": rec.characters(model)},
     )
     return RealModel(model, cal[0], ev[0], spec)
-
-
-def _with_labels(made: tuple[list[Feed], list[str]]) -> tuple[list[Feed], np.ndarray]:
-    return made[0], np.asarray(made[1])
 
 
 LOADERS["ocr_rec"] = load_ocr_rec
