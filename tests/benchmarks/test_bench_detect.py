@@ -41,3 +41,18 @@ def test_changed_detections_and_the_note_for_a_low_slice() -> None:
     (line,) = bd.notes([row])
     assert line == ("m t: scores/s8 12.0 dB below 15 dB; F1 0.5000: 2 detection(s) differ from float (1 lost, "
                     "1 extra), scores 0.260-0.270")
+
+
+def test_a_recognizer_gets_a_ctc_fallback_target_and_its_changed_strings(tmp_path: Path) -> None:
+    path = bd.fallback_recipe("ort-x86-vnni", bd.METRICS["ocr_rec"], 0.99, tmp_path, "float.onnx", "")
+    assert Recipe.from_yaml(path).passes[-1].config.auto.target == "ctc.exact:0.99"
+    chars = ["blank", "a", "b", " "]
+    ref = np.zeros((2, 4, 4), np.float32)
+    ref[0, np.arange(4), [1, 0, 2, 3]] = 1.0  # "ab "
+    ref[1, np.arange(4), [2, 2, 0, 2]] = 1.0  # "bb" (a blank between the two b)
+    got = ref.copy()
+    got[0, 3] = [0, 0.6, 0, 0.4]  # the trailing space becomes an a: "aba"
+    spec = type("Spec", (), {"extra": {"chars": chars}, "labels": np.array(["ab", "bb"])})()
+    out = bd.changed_strings([got], [ref], spec)
+    assert out["strings"] == [("ab ", "aba")]
+    assert out["truth"] == {"exact": 0.5, "exact_strip": 0.5, "exact_nospace": 0.5, "cer_nospace": 0.25}
