@@ -30,6 +30,7 @@ from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, get_pa
 from qgraph.graph import NoMatch, const_value, rebuild
 from qgraph.pipeline.target import CalibrationSpec
 from qgraph.quant.blockwise import BlockFormat, BlockQuant
+from qgraph.quant.rescaling import record_rescaling
 
 from ..smooth_quant.groups import apply_fold, find_groups  # smooth_quant's fold, shared
 from .awq import search_scales
@@ -219,6 +220,7 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
         groups = find_groups(graph.graph, mine, False, skips)
         out: dict[int, npt.NDArray[np.float64]] = {}
         gains: list[float] = []
+        rescaled: dict[str, tuple[int, np.ndarray]] = {}
         for node, reason in skips:
             res.notes.append(f"awq: {node} quantized unscaled: {reason}")
         for group in groups:
@@ -233,10 +235,12 @@ class QuantizeWeights(Pass[QuantizeWeightsConfig]):
             alpha, s, loss, base = search_scales(ws, st.hessian, st.mean_abs, fmt, cfg.awq_grid)
             if alpha == 0 or group.fold is None:
                 continue
-            apply_fold(graph, group, s)
+            rescaled.update(apply_fold(graph, group, s))
             gains.append(base / loss if loss > 0 else 1.0)
             for lay in group.layers:
                 out[id(lay.node)] = s
+        if rescaled:
+            record_rescaling(graph.metadata, rescaled)  # the folded tensors, for the diff (`qgraph.quant.rescaling`)
         res.decisions.append(
             f"awq: {len(gains)} of {len(groups)} input group(s) scaled and folded upstream"
             + (f" (layer error / {min(gains):.2f}..{max(gains):.2f} vs unscaled)" if gains else "")

@@ -32,6 +32,7 @@ import onnx_graphsurgeon as gs
 
 from qgraph import GraphHandle, Pass, PassContext, PassError, PassResult, register, selected_ids
 from qgraph.graph import rebuild, redirect
+from qgraph.quant.rescaling import record_rescaling
 from qgraph.recovery.equalize import log_change, smoothing_scales, smoothing_scales_grid
 
 from .choose import CandidateScorer
@@ -81,6 +82,7 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         stats = measure(graph, ctx, [g.x.name for g in groups], cfg.sample_rows if auto else 0)
         self._order = {id(n): i for i, n in enumerate(graph.graph.nodes)}
         self._inserts: dict[int, list[gs.Node]] = {}
+        self._rescaled: dict[str, tuple[int, np.ndarray]] = {}
         inserted = 0
         inputs = [self._ranges(group, stats[group.x.name]) for group in groups]
         chosen = self._choose(groups, stats, inputs)
@@ -99,6 +101,8 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
             smoothed.append(_describe(group, a, w, s, alpha))
         if self._inserts:  # every inserted Mul goes in front of its group's first layer, in one pass
             rebuild(graph.graph, replacements=self._inserts)
+        if self._rescaled:
+            record_rescaling(graph.metadata, self._rescaled)
         res.nodes_added = inserted
         if res.rewritten:
             lo = min(d.scale[0] for d in smoothed)
@@ -158,7 +162,7 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         if group.fold is None:
             scale_group_weights(group, s)
             return self._insert_mul(graph, group, 1.0 / s)
-        apply_fold(graph, group, s)
+        self._rescaled.update(apply_fold(graph, group, s))
         return 0
 
     def _insert_mul(self, graph: GraphHandle, group: Group, inv: np.ndarray) -> int:
@@ -167,6 +171,9 @@ class SmoothQuant(Pass[SmoothQuantConfig]):
         factor = gs.Constant(graph.unique_name(f"{x.name}/smooth_scale", kind="tensor"), inv.astype(dtype))
         smoothed = gs.Variable(graph.unique_name(f"{x.name}/smoothed", kind="tensor"), dtype=x.dtype)
         redirect(x, smoothed, keep=group.others)
+        # the layers read x / s from a new tensor: recorded as a rescaled copy of x, so that the culprit ranking
+        # compares its Q/DQ with the float model's x in the same scale (`qgraph.quant.rescaling`)
+        self._rescaled[smoothed.name] = (-1, np.asarray(inv, np.float64))
         node = gs.Node("Mul", graph.unique_name(f"{x.name}/smooth"), inputs=[x, factor], outputs=[smoothed])
         graph.tag(node, self.name)
         first = min((layer.node for layer in group.layers), key=lambda n: self._order[id(n)])

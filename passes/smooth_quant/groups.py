@@ -172,9 +172,11 @@ def scale_group_weights(group: Group, s: np.ndarray) -> None:
         renew_const(layer.weight, layer.scale_in(layer.value(), s).astype(weight_dtype(layer.weight)))
 
 
-def apply_fold(graph: GraphHandle, group: Group, s: np.ndarray) -> None:
+def apply_fold(graph: GraphHandle, group: Group, s: np.ndarray) -> dict[str, tuple[int, np.ndarray]]:
     """Scale the group's weights by ``s`` and fold ``1 / s`` into its producer (``group.fold``, not None): the
-    model computes the same function. Used by ``smooth_quant`` and by ``quantize_weights``' AWQ."""
+    model computes the same function. Returns the tensors now scaled by ``1 / s`` on their last axis, for
+    `qgraph.quant.rescaling.record_rescaling` (once per pass: the record is one JSON text). Used by ``smooth_quant``
+    and by ``quantize_weights``' AWQ."""
     assert group.fold is not None
     scale_group_weights(group, s)
     inv = 1.0 / s
@@ -196,3 +198,8 @@ def apply_fold(graph: GraphHandle, group: Group, s: np.ndarray) -> None:
             scaled = scale_const_per_channel(bias, inv, -1, max(bias.ndim, 1))
             assert scaled is not None
             renew_const(layer.bias, scaled)
+    # every tensor the fold scaled now holds value / s on its last axis: for the caller to record once
+    # (`qgraph.quant.rescaling`), so that a diff or the culprit ranking compares like with like
+    names = {group.x.name, *(node.outputs[0].name for node, _ in group.fold.consts),
+             *(la.node.outputs[0].name for la in group.fold.layers)}
+    return {name: (-1, np.asarray(inv, np.float64)) for name in sorted(names)}

@@ -265,3 +265,35 @@ def test_smoothing_error_is_zero_free_and_invariant_to_a_global_scale(seed: int,
     assert 0 < base < 0.05
     # A global factor moves nothing between activations and weights: the error barely changes.
     assert smoothing_error(x, w, np.full(8, c), lo, hi) == pytest.approx(base, rel=0.05)
+
+
+@pytest.mark.parametrize("insert_mul", [True, False])
+def test_the_culprit_ranking_compares_a_smoothed_input_in_its_own_scale(tmp_path: Path, insert_mul: bool) -> None:
+    """SmoothQuant makes the layers read ``x / s`` (a new ``x/smoothed`` tensor, or ``x`` itself with ``1 / s``
+    folded into its LayerNorm): the rescaling is recorded, so the culprit ranking against the float model before
+    smoothing measures that Q/DQ on ``x / s``, where its range fits (regression: a 30x outlier channel of the
+    unscaled ``x`` was reported as clipping at the Q/DQ on ``x/smoothed``)."""
+    from qgraph.analysis.diff.culprits import attribute
+    from qgraph.quant.rescaling import model_rescaling
+
+    body = ("h = Relu (x)\n        y = MatMul (h, w)" if insert_mul
+            else "n = LayerNormalization (x, gamma, beta)\n        y = MatMul (n, w)")
+    text = f"g (float[4, 8] x) => (float[4, 8] y) {{\n        {body}\n    }}"
+    rng = np.random.default_rng(4)
+    gamma = np.ones(K)
+    gamma[OUTLIERS] = (30.0, 60.0)  # the LayerNorm's own outlier channels
+    model = _parse(text, {"w": rng.normal(0, 0.3, (K, K)), "gamma": gamma, "beta": np.zeros(K)})
+    data, _ = _data(tmp_path, (4, K))
+    result = Pipeline([SmoothQuant(alpha=0.5, insert_mul=insert_mul),
+                       InsertQDQ(preset="ort-x86-vnni", activations={"method": "minmax"})]).run(
+        model, calibration_data=data)
+    assert result.records[0].result.rewritten == 1
+    smoothed = "h/smoothed" if insert_mul else "n"
+    axis, factors = model_rescaling(result.model)[smoothed]
+    assert axis == -1 and factors.shape == (K,) and factors[OUTLIERS].max() < 0.5  # outliers divided down
+    x = np.load(data)["x"]
+    feeds = [{"x": x[i]} for i in range(x.shape[0])]  # the calibration samples: every minmax range covers them
+    attribution = attribute(model, result.model, feeds, exact_top=0, extend_seconds=0.0)
+    point = next(c for c in attribution.culprits if c.point.quantized == smoothed)
+    assert point.point.tensor == ("h" if insert_mul else "n")
+    assert point.stats.clip_fraction() == 0.0 and "clips" not in point.reason

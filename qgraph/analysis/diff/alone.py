@@ -98,7 +98,7 @@ def measure_more(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culp
         # one probe per tensor (two points on one tensor would insert the same probe twice)
         distinct = list({(c.point.scope, c.point.tensor): c for c in reversed(group)}.values())
         with contextlib.ExitStack() as stack:
-            applied = [stack.enter_context(only_this_pair(work, c, (rescaled or {}).get(c.point.tensor), names))
+            applied = [stack.enter_context(only_this_pair(work, c, c.point.rescaling(rescaled), names))
                        for c in distinct]
             if any(p is not None for p in applied):
                 screened.append((noise_ratio(refs, outputs(work, feeds), out.scored), group))
@@ -149,7 +149,7 @@ def measure(a: onnx.ModelProto, b: onnx.ModelProto, culprits: Sequence[Culprit],
             out.notes.append(f"{c.point.tensor}: not measured alone (the reference's opset {opset} has no "
                              "broadcasting Max/Min for the probe)")
             continue
-        with only_this_pair(work, c, (rescaled or {}).get(c.point.tensor), names) as probe:
+        with only_this_pair(work, c, c.point.rescaling(rescaled), names) as probe:
             if probe is None:
                 continue
             c.output_noise = noise_ratio(refs, outputs(work, feeds), out.scored)

@@ -194,11 +194,11 @@ def _activation_stats(a: onnx.ModelProto, ia: ModelIndex, points: Sequence[Quant
     for _, values in stream_tensors(a, chunks, feeds):
         for t, v in values.items():
             if isinstance(v, np.ndarray) and v.dtype.kind == "f":
-                in_b = undo_rescaling(v, *rescaled[t], inverse=True) if rescaled and t in rescaled else v
-                if in_b is None:
-                    continue
                 for i in wanted[t]:
-                    stats[i].add(points[i], in_b)
+                    record = points[i].rescaling(rescaled)
+                    in_b = undo_rescaling(v, *record, inverse=True) if record else v
+                    if in_b is not None:
+                        stats[i].add(points[i], in_b)
         del values
 
 

@@ -17,6 +17,7 @@ alone: the fraction of codes at the limits (clipped at quantization time) and th
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,14 @@ class QuantPoint:
     path: tuple[tuple[str, str], ...] = ()  # (first output of the If/Loop, attribute) from the top graph down
     # (low, high): the side clips only where the activation reading the pair is flat (`qgraph.analysis.diff.flat_sides`)
     flat: tuple[bool, bool] = (False, False)
+    quantized: str = ""  # the tensor B's QuantizeLinear reads, named as in B ("" for stored codes)
+
+    def rescaling(self, rescaled: Mapping[str, tuple[int, np.ndarray]] | None) -> tuple[int, np.ndarray] | None:
+        """How B's quantized values relate to A's ``tensor`` (`qgraph.quant.rescaling`): the record of the tensor B
+        quantizes (a SmoothQuant ``x/smoothed`` that A does not have), else that of ``tensor``; None: same scale."""
+        if not rescaled:
+            return None
+        return rescaled.get(self.quantized) or rescaled.get(self.tensor)
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -148,6 +157,7 @@ def _point(ref: NodeRef, a_of_b: dict[str, NodeRef], b: ModelIndex, a_tensors: s
         dtype=qdtype, axis=_attr(dq, "axis", 1) if per_channel else None, consumers=consumers, codes=codes,
     )
     point.in_reference = tensor in a_tensors
+    point.quantized = producer.node.input[0] if q_node is not None and producer is not None else ""
     if kind == "activation":
         point.flat = flat_sides(b, dq.output[0], point.scale, point.zero_point, point.qrange)
     return point
