@@ -44,10 +44,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import onnx
 from pydantic import Field
 
 from qgraph import GraphHandle, NodeSelector, PassContext, PassDetails, PassResult, register
@@ -56,14 +57,16 @@ from qgraph.recovery.weight_correction import (
     CorrectionPass,
     FidelityGuard,
     GuardConfig,
+    bias_values,
     calibration_batches,
     weightless,
 )
-from qgraph.runtime.layer_data import Twin, channel_means, with_twins
+from qgraph.runtime.layer_data import ChannelMeans, Twin, channel_means, with_twins
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
 NAME = "correct_bias"
+Shared = dict[str, npt.NDArray[Any]]  # a weightless export's placeholder values
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,12 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             res.notes.append("no layer to correct")
             return res
         assert ctx.float_reference is not None
-        guard = FidelityGuard.start(self.config, graph, ctx, layers, res)
+        # One export for the guard and the local means: their sessions read the biases from their feeds, so each
+        # runs the corrected graph again without a second export or session
+        exported = weightless(graph, layers)
+        guard = FidelityGuard.start(self.config, graph, ctx, layers, res, exported)
         if self.config.mode == "local":
-            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights)
+            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights, exported)
         else:
             per_layer, runs, clipped = self._global(graph, ctx, layers)
         res.rewritten = sum(int(v.pop("changed")) for v in per_layer.values())
@@ -178,8 +184,11 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         return before is None or after is None or not np.array_equal(before, after), clipped
 
     def _local(self, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
-               weights: dict[str, npt.NDArray[np.float32]]) -> tuple[dict[str, dict[str, float]], int, int]:
-        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins."""
+               weights: dict[str, npt.NDArray[np.float32]], exported: tuple[onnx.ModelProto, Shared]
+               ) -> tuple[dict[str, dict[str, float]], int, int]:
+        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins
+        (``exported``: `weightless` of the graph and ``layers`` now); ``measure_after`` runs the same session again,
+        fed the corrected biases."""
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, layers, ctx.float_reference_weights)
         twins = [Twin(la.node.outputs[0].name, weights[la.output], biases[la.output].astype(np.float32),
@@ -187,11 +196,16 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         tensors = _tensors(layers)
         tensors.update({t.output: tensors[la.output] for t, la in zip(twins, layers, strict=True)})
 
-        def errors() -> dict[str, npt.NDArray[np.float64]]:
+        def twinned(model: onnx.ModelProto, shared: Shared) -> ChannelMeans:
             # weightless: the session reads the graph's arrays and the reference's float weights in place
-            model, shared = weightless(graph)
-            means = channel_means(with_twins(model, twins, shared), tensors, calibration_batches(ctx), shared)
-            return {la.output: means[t.output] - means[la.output] for t, la in zip(twins, layers, strict=True)}
+            held = dict(shared)  # with_twins adds the twins' weights: not to the guard's export
+            return ChannelMeans(with_twins(model, twins, held), tensors, held, fed=bias_values(layers))
+
+        means = twinned(*exported)
+
+        def errors() -> dict[str, npt.NDArray[np.float64]]:
+            got = means(calibration_batches(ctx))
+            return {la.output: got[t.output] - got[la.output] for t, la in zip(twins, layers, strict=True)}
 
         per_layer: dict[str, dict[str, float]] = {}
         clipped = 0
@@ -201,6 +215,8 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             per_layer[layer.name] = {"mean_error_rms_before": _rms(delta), "changed": changed}
         graph.changed()
         if self.config.measure_after:
+            if not means.refeed(bias_values(layers)):  # a bias of another dtype or shape: a new session
+                means = twinned(*weightless(graph, layers))
             left = errors()
             for layer in layers:
                 per_layer[layer.name]["mean_error_rms_after"] = _rms(left[layer.output])

@@ -70,8 +70,22 @@ def test_a_twin_computes_the_layer_with_other_weights() -> None:
     np.testing.assert_allclose(means["y_twin"], 2 * (means["y"] - b), rtol=1e-5)
 
 
-def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an item for every onnxruntime session created from now on (in this test)."""
     import onnxruntime as ort
+
+    created: list[int] = []
+    init = ort.InferenceSession.__init__
+
+    def counting(self: ort.InferenceSession, *a: object, **k: object) -> None:
+        created.append(1)
+        init(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    return created
+
+
+def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from qgraph.runtime import layer_data, segments
     from qgraph.testing import matmul_add_relu_chain
@@ -80,22 +94,66 @@ def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkey
     feeds = [{"input": np.random.default_rng(i).normal(0, 1, (3, 16)).astype(np.float32)} for i in range(4)]
     tensors = {f"layer{i}/add_out": (16, False) for i in range(0, 12, 3)}
     whole = channel_means(model, tensors, feeds)
-    created: list[int] = []
-    init = ort.InferenceSession.__init__
-
-    def counting(self: ort.InferenceSession, *a: object, **k: object) -> None:
-        created.append(1)
-        init(self, *a, **k)  # type: ignore[arg-type]
-
     monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
     monkeypatch.setattr(layer_data, "SLICE_ABOVE", 10)
     monkeypatch.setattr(layer_data, "SLICE_NODES", 8)
-    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    created = _count_sessions(monkeypatch)
     sliced = channel_means(model, tensors, feeds)
     # every slice gets one session for all four batches: more than one session, fewer than one per batch and slice
     assert 1 < len(created) <= (36 + 4 * 8) // 8 + 1
     for name in tensors:
         assert np.array_equal(sliced[name], whole[name]), name  # the same kernels, the same bits
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_channel_means_refed_a_new_bias_match_a_new_session_with_it(sliced: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ChannelMeans.refeed`: the same session (or the same slices' sessions) run with other bias values gives
+    the means of the model holding those values, bit for bit, and builds no session."""
+
+    from qgraph.graph.detach import PLACEHOLDER
+    from qgraph.runtime import layer_data, segments
+    from qgraph.runtime.layer_data import ChannelMeans
+    from qgraph.testing import matmul_add_relu_chain
+
+    model = matmul_add_relu_chain(12, batch="N")
+    feeds = [{"input": np.random.default_rng(i).normal(0, 1, (3, 16)).astype(np.float32)} for i in range(3)]
+    tensors = {f"layer{i}/add_out": (16, False) for i in range(0, 12, 2)}
+    if sliced:
+        monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
+        monkeypatch.setattr(layer_data, "SLICE_ABOVE", 10)
+        monkeypatch.setattr(layer_data, "SLICE_NODES", 8)
+    biases = [f"layer{i}/bias" for i in (1, 7)]
+    weightless = onnx.ModelProto()
+    weightless.CopyFrom(model)
+    held = {}
+    for t in weightless.graph.initializer:
+        if t.name in biases:
+            held[t.name] = numpy_helper.to_array(t)
+            holder = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                      data_location=onnx.TensorProto.EXTERNAL)
+            holder.external_data.add(key="location", value=PLACEHOLDER)
+            t.CopyFrom(holder)
+    means = ChannelMeans(weightless, tensors, held, fed=biases)
+    before = means(feeds)
+    assert {k: v.tolist() for k, v in before.items()} == \
+        {k: v.tolist() for k, v in channel_means(model, tensors, feeds).items()}
+    shifted = {name: (held[name] + np.float32(0.25) * (k + 1)).astype(np.float32) for k, name in enumerate(biases)}
+    changed = onnx.ModelProto()
+    changed.CopyFrom(model)
+    for t in changed.graph.initializer:
+        if t.name in shifted:
+            t.CopyFrom(numpy_helper.from_array(shifted[t.name], t.name))
+    expected = channel_means(changed, tensors, feeds)
+    created = _count_sessions(monkeypatch)
+    assert means.refeed(shifted)
+    got = means(feeds)
+    assert created == []
+    assert not np.array_equal(got["layer2/add_out"], before["layer2/add_out"])  # the shift reached later layers
+    for name in tensors:
+        assert np.array_equal(got[name], expected[name]), name
+    assert not means.refeed({"layer3/bias": shifted[biases[0]]})  # not fed: says so, changes nothing
+    assert not means.refeed({biases[0]: shifted[biases[0]].astype(np.float64)})
 
 
 def test_names_the_model_already_uses_are_not_taken() -> None:

@@ -18,16 +18,18 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 import onnx
+from onnx import numpy_helper
 from pydantic import Field
 
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle, NoMatch
+from qgraph.graph.detach import PLACEHOLDER, is_placeholder
 from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
 from qgraph.quant.layers import QuantLayer, find_layers
-from qgraph.runtime.compare import make_session
+from qgraph.runtime.compare import make_session, refeed
 from qgraph.runtime.layer_data import RowSpec
 from qgraph.runtime.output_parts import find_output_parts
 from qgraph.runtime.streaming import OutputScore
@@ -117,12 +119,28 @@ class CorrectionPass(Pass[C]):
         for node, reason in cands.skipped:
             res.skip(node, reason)
         return cands
-def weightless(graph: GraphHandle) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
+def weightless(graph: GraphHandle, layers: Iterable[QuantLayer] = ()) -> tuple[onnx.ModelProto,
+                                                                                dict[str, npt.NDArray[Any]]]:
     """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
     `qgraph.runtime.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the
-    weights."""
+    weights. The biases of ``layers`` are placeholders too, however small: a session on the export reads them from
+    the values it is fed, so it can run the graph again after a bias correction (`bias_values`, `refeed`)."""
     model, held = graph.weightless_export()
-    return model, {name: value for name, (value, _) in held.items()}
+    shared = {name: value for name, (value, _) in held.items()}
+    fed = set(bias_values(layers))
+    for t in model.graph.initializer:
+        if t.name in fed and not is_placeholder(t):
+            shared[t.name] = numpy_helper.to_array(t)
+            holder = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                      data_location=onnx.TensorProto.EXTERNAL)
+            holder.external_data.add(key="location", value=PLACEHOLDER)
+            t.CopyFrom(holder)
+    return model, shared
+
+
+def bias_values(layers: Iterable[QuantLayer]) -> dict[str, npt.NDArray[Any]]:
+    """The bias constants of ``layers`` as stored (int32 codes or float values), by name."""
+    return {la.bias.value.name: np.asarray(la.bias.value.values) for la in layers if la.bias is not None}
 
 
 def calibration_batches(ctx: PassContext) -> Iterable[Feed]:
@@ -184,15 +202,26 @@ class FidelityGuard:
         self.res = res
         self.before = math.nan
         self.after = math.nan
+        self.session: Any = None  # what scored `start`'s export, kept for `finish` (`start`)
 
     @classmethod
     def start(cls, config: GuardConfig, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
-              res: PassResult) -> FidelityGuard | None:
-        """A guard holding the graph's score and the layers' codes now, or None when ``config.guard`` is off."""
+              res: PassResult, exported: tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]] | None = None
+              ) -> FidelityGuard | None:
+        """A guard holding the graph's score and the layers' codes now, or None when ``config.guard`` is off.
+
+        ``exported``: `weightless` ``(graph, layers)`` now, from a pass that changes nothing but these layers'
+        biases before `finish`: the session that scores it then scores the corrected graph too, fed the new biases
+        (no second export or session; where the kernels hold their constants inside, deployed ones, `finish`
+        builds a new one)."""
         if not config.guard:
             return None
         guard = cls(ctx, config.guard_samples, layers, res)
-        guard.before = guard.score(graph)
+        if exported is None:
+            guard.before = guard.score(graph)
+        else:
+            guard.session = guard.kernels.session(exported[0], weights=exported[1])
+            guard.before = guard.scorer.score_db(guard.session)
         return guard
 
     def score(self, graph: GraphHandle) -> float:
@@ -200,11 +229,20 @@ class FidelityGuard:
         model, held = graph.weightless_export()
         return self.scorer.score_db(self.kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
 
+    def _score_after(self, graph: GraphHandle) -> float:
+        """`score`, on the session that scored `start`'s export when only biases changed since (every layer's
+        weight as stored) and it reads them from its feed."""
+        same = all(np.array_equal(la.weight.values, w) for la, (w, _) in zip(self.layers, self.stored, strict=True))
+        if self.session is not None and same and refeed(self.session, bias_values(self.layers)):
+            return self.scorer.score_db(self.session)
+        return self.score(graph)
+
     def finish(self, graph: GraphHandle, tolerance_db: float, report: bool = True) -> bool:
         """Score the graph again; undo the change (restore every layer) when it lost more than ``tolerance_db``.
         Whether it was kept; with ``report``, a decision line says which and why (a pass that says it in its own
         line passes False and uses `measured`)."""
-        self.after = self.score(graph)
+        self.after = self._score_after(graph)
+        self.session = None
         kept = self.after >= self.before - tolerance_db
         if not kept:
             for layer, stored in zip(self.layers, self.stored, strict=True):

@@ -117,11 +117,13 @@ def observe_segmented(
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     providers: Sequence[str] | None = None,
     after_feed: Callable[[int], None] | None = None,
+    plan: tuple[list[_Segment], dict[str, int]] | None = None,
 ) -> int:
     """Feed ``observers`` (tensor name -> object with ``update(x, sample_index)``) for every sample of ``data``,
     running the graph slice by slice; returns the number of samples.  ``after_feed(index)`` is called once
-    each sample has gone through every slice (progress)."""
-    segments, last_use = plan_segments(model, observers, size)
+    each sample has gone through every slice (progress). ``plan``: `plan_segments` of ``model`` for these
+    observers, kept by the caller: its slices' sessions, built on the first run, serve every later run."""
+    segments, last_use = plan if plan is not None else plan_segments(model, observers, size)
     inits = {t.name: t for t in model.graph.initializer}
     opts = ort.SessionOptions()
     opts.graph_optimization_level = optimization
