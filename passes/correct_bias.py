@@ -152,12 +152,9 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             res.notes.append("no layer to correct")
             return res
         assert ctx.float_reference is not None
-        # One export for the guard and the local means: their sessions read the biases from their feeds, so each
-        # runs the corrected graph again without a second export or session
-        exported = weightless(graph, layers)
-        guard = FidelityGuard.start(self.config, graph, ctx, layers, res, exported)
+        guard = FidelityGuard.start(self.config, graph, ctx, layers, res)
         if self.config.mode == "local":
-            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights, exported)
+            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights)
         else:
             per_layer, runs, clipped = self._global(graph, ctx, layers)
         res.rewritten = sum(int(v.pop("changed")) for v in per_layer.values())
@@ -184,11 +181,9 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         return before is None or after is None or not np.array_equal(before, after), clipped
 
     def _local(self, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
-               weights: dict[str, npt.NDArray[np.float32]], exported: tuple[onnx.ModelProto, Shared]
-               ) -> tuple[dict[str, dict[str, float]], int, int]:
-        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins
-        (``exported``: `weightless` of the graph and ``layers`` now); ``measure_after`` runs the same session again,
-        fed the corrected biases."""
+               weights: dict[str, npt.NDArray[np.float32]]) -> tuple[dict[str, dict[str, float]], int, int]:
+        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins;
+        ``measure_after`` runs the same session again, fed the corrected biases (`weightless` with ``layers``)."""
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, layers, ctx.float_reference_weights)
         twins = [Twin(la.node.outputs[0].name, weights[la.output], biases[la.output].astype(np.float32),
@@ -198,10 +193,11 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
 
         def twinned(model: onnx.ModelProto, shared: Shared) -> ChannelMeans:
             # weightless: the session reads the graph's arrays and the reference's float weights in place
-            held = dict(shared)  # with_twins adds the twins' weights: not to the guard's export
-            return ChannelMeans(with_twins(model, twins, held), tensors, held, fed=bias_values(layers))
+            held = dict(shared)  # with_twins adds the twins' weights
+            return ChannelMeans(with_twins(model, twins, held), tensors, held, fed=bias_values(layers),
+                                same_rows={t.output: la.output for t, la in zip(twins, layers, strict=True)})
 
-        means = twinned(*exported)
+        means = twinned(*weightless(graph, layers))
 
         def errors() -> dict[str, npt.NDArray[np.float64]]:
             got = means(calibration_batches(ctx))

@@ -70,6 +70,23 @@ def test_a_twin_computes_the_layer_with_other_weights() -> None:
     np.testing.assert_allclose(means["y_twin"], 2 * (means["y"] - b), rtol=1e-5)
 
 
+def test_a_tensor_counted_by_its_twin_gets_the_same_means_from_fewer_nodes() -> None:
+    """``same_rows``: the twin's rows come from its layer's count (batches of different sizes weigh the same);
+    the means are bit for bit those counted on their own, with the twin's Size and Reshape nodes gone."""
+    from qgraph.runtime.layer_data import ChannelMeans
+
+    model = _conv([1, 1], [0, 0, 0, 0], [1, 1], 1)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    twinned = with_twins(model, [Twin("y", (2 * w).astype(np.float32), np.zeros(6, np.float32), "y_twin")])
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.normal(0, 1, (n, 6, 5, 5)).astype(np.float32)} for n in (1, 3, 2)]
+    tensors = {"y": (6, True), "y_twin": (6, True)}
+    alone, shared = ChannelMeans(twinned, tensors), ChannelMeans(twinned, tensors, same_rows={"y_twin": "y"})
+    for name, value in alone(feeds).items():
+        assert np.array_equal(shared(feeds)[name], value), name
+    assert alone.run.nodes - shared.run.nodes == 2  # the twin's Size and Reshape
+
+
 def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that gets an item for every onnxruntime session created from now on (in this test)."""
     import onnxruntime as ort
@@ -87,7 +104,8 @@ def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
-    from qgraph.runtime import layer_data, segments
+    from qgraph.runtime import channel_means as layer_means
+    from qgraph.runtime import segments
     from qgraph.testing import matmul_add_relu_chain
 
     model = matmul_add_relu_chain(12, batch="N")
@@ -95,8 +113,8 @@ def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkey
     tensors = {f"layer{i}/add_out": (16, False) for i in range(0, 12, 3)}
     whole = channel_means(model, tensors, feeds)
     monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
-    monkeypatch.setattr(layer_data, "SLICE_ABOVE", 10)
-    monkeypatch.setattr(layer_data, "SLICE_NODES", 8)
+    monkeypatch.setattr(layer_means, "SLICE_ABOVE", 10)
+    monkeypatch.setattr(layer_means, "SLICE_NODES", 8)
     created = _count_sessions(monkeypatch)
     sliced = channel_means(model, tensors, feeds)
     # every slice gets one session for all four batches: more than one session, fewer than one per batch and slice
@@ -112,17 +130,15 @@ def test_channel_means_refed_a_new_bias_match_a_new_session_with_it(sliced: bool
     the means of the model holding those values, bit for bit, and builds no session."""
 
     from qgraph.graph.detach import PLACEHOLDER
-    from qgraph.runtime import layer_data, segments
+    from qgraph.runtime import channel_means as layer_means
+    from qgraph.runtime import segments
     from qgraph.runtime.layer_data import ChannelMeans
     from qgraph.testing import matmul_add_relu_chain
 
     model = matmul_add_relu_chain(12, batch="N")
     feeds = [{"input": np.random.default_rng(i).normal(0, 1, (3, 16)).astype(np.float32)} for i in range(3)]
-    tensors = {f"layer{i}/add_out": (16, False) for i in range(0, 12, 2)}
-    if sliced:
-        monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
-        monkeypatch.setattr(layer_data, "SLICE_ABOVE", 10)
-        monkeypatch.setattr(layer_data, "SLICE_NODES", 8)
+    # not in graph order, with channels of another width: the joined means go back to the tensors they belong to
+    tensors = {**{f"layer{i}/add_out": (16, False) for i in range(10, -1, -2)}, "layer5/matmul_out": (4, True)}
     biases = [f"layer{i}/bias" for i in (1, 7)]
     weightless = onnx.ModelProto()
     weightless.CopyFrom(model)
@@ -134,17 +150,24 @@ def test_channel_means_refed_a_new_bias_match_a_new_session_with_it(sliced: bool
                                       data_location=onnx.TensorProto.EXTERNAL)
             holder.external_data.add(key="location", value=PLACEHOLDER)
             t.CopyFrom(holder)
-    means = ChannelMeans(weightless, tensors, held, fed=biases)
-    before = means(feeds)
-    assert {k: v.tolist() for k, v in before.items()} == \
-        {k: v.tolist() for k, v in channel_means(model, tensors, feeds).items()}
     shifted = {name: (held[name] + np.float32(0.25) * (k + 1)).astype(np.float32) for k, name in enumerate(biases)}
     changed = onnx.ModelProto()
     changed.CopyFrom(model)
     for t in changed.graph.initializer:
         if t.name in shifted:
             t.CopyFrom(numpy_helper.from_array(shifted[t.name], t.name))
-    expected = channel_means(changed, tensors, feeds)
+    # the references: whole-graph sessions on the model as it is and with the shifted biases written in
+    original, expected = channel_means(model, tensors, feeds), channel_means(changed, tensors, feeds)
+    if sliced:
+        monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
+        monkeypatch.setattr(layer_means, "SLICE_ABOVE", 10)
+        monkeypatch.setattr(layer_means, "SLICE_NODES", 8)
+        monkeypatch.setattr(layer_means, "JOIN_EVERY", 3)  # several joins, one of them across slices
+    means = ChannelMeans(weightless, tensors, held, fed=biases)
+    assert (means.run.session is None) == sliced
+    before = means(feeds)
+    for name in tensors:
+        assert np.array_equal(before[name], original[name]), name
     created = _count_sessions(monkeypatch)
     assert means.refeed(shifted)
     got = means(feeds)

@@ -29,7 +29,7 @@ from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
 from qgraph.quant.layers import QuantLayer, find_layers
-from qgraph.runtime.compare import make_session, refeed
+from qgraph.runtime.compare import make_session
 from qgraph.runtime.layer_data import RowSpec
 from qgraph.runtime.output_parts import find_output_parts
 from qgraph.runtime.streaming import OutputScore
@@ -202,47 +202,29 @@ class FidelityGuard:
         self.res = res
         self.before = math.nan
         self.after = math.nan
-        self.session: Any = None  # what scored `start`'s export, kept for `finish` (`start`)
 
     @classmethod
     def start(cls, config: GuardConfig, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
-              res: PassResult, exported: tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]] | None = None
-              ) -> FidelityGuard | None:
-        """A guard holding the graph's score and the layers' codes now, or None when ``config.guard`` is off.
-
-        ``exported``: `weightless` ``(graph, layers)`` now, from a pass that changes nothing but these layers'
-        biases before `finish`: the session that scores it then scores the corrected graph too, fed the new biases
-        (no second export or session; where the kernels hold their constants inside, deployed ones, `finish`
-        builds a new one)."""
+              res: PassResult) -> FidelityGuard | None:
+        """A guard holding the graph's score and the layers' codes now, or None when ``config.guard`` is off."""
         if not config.guard:
             return None
         guard = cls(ctx, config.guard_samples, layers, res)
-        if exported is None:
-            guard.before = guard.score(graph)
-        else:
-            guard.session = guard.kernels.session(exported[0], weights=exported[1])
-            guard.before = guard.scorer.score_db(guard.session)
+        guard.before = guard.score(graph)
         return guard
 
     def score(self, graph: GraphHandle) -> float:
-        """The graph's score now (dB; NaN/Inf outputs give -inf)."""
+        """The graph's score now (dB; NaN/Inf outputs give -inf). Its own export and session: feeding the
+        corrected biases to the session of `start` would make every run pass thousands of inputs on a long
+        chain (onnxruntime checks a feed in O(inputs x fed names))."""
         model, held = graph.weightless_export()
         return self.scorer.score_db(self.kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
-
-    def _score_after(self, graph: GraphHandle) -> float:
-        """`score`, on the session that scored `start`'s export when only biases changed since (every layer's
-        weight as stored) and it reads them from its feed."""
-        same = all(np.array_equal(la.weight.values, w) for la, (w, _) in zip(self.layers, self.stored, strict=True))
-        if self.session is not None and same and refeed(self.session, bias_values(self.layers)):
-            return self.scorer.score_db(self.session)
-        return self.score(graph)
 
     def finish(self, graph: GraphHandle, tolerance_db: float, report: bool = True) -> bool:
         """Score the graph again; undo the change (restore every layer) when it lost more than ``tolerance_db``.
         Whether it was kept; with ``report``, a decision line says which and why (a pass that says it in its own
         line passes False and uses `measured`)."""
-        self.after = self._score_after(graph)
-        self.session = None
+        self.after = self.score(graph)
         kept = self.after >= self.before - tolerance_db
         if not kept:
             for layer, stored in zip(self.layers, self.stored, strict=True):
