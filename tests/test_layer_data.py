@@ -199,3 +199,40 @@ def test_names_the_model_already_uses_are_not_taken() -> None:
     np.testing.assert_array_equal(squatted["y_twin"], clean["y_twin"])
     b = numpy_helper.to_array(model.graph.initializer[1])
     np.testing.assert_allclose(clean["y_twin"], 2 * (clean["y"] - b), rtol=1e-5, atol=1e-5)
+
+
+def test_constant_only_nodes_move_right_before_their_first_reader() -> None:
+    """`_sink_constants`: an export lists the weights' and biases' DequantizeLinear first; each moves right before
+    the node that first reads it (a fed bias counts as a constant, the data input does not), every computed node
+    keeps its order, and the graph computes the same."""
+    from qgraph.runtime.channel_means import _sink_constants
+
+    rng = np.random.default_rng(0)
+    nodes, inits, dqs = [], [], []
+    for i in range(3):
+        inits += [numpy_helper.from_array(rng.integers(-5, 5, (4, 4)).astype(np.int8), f"w{i}"),
+                  numpy_helper.from_array(np.array(0.1, np.float32), f"s{i}")]
+        dqs.append(helper.make_node("DequantizeLinear", [f"w{i}", f"s{i}"], [f"wf{i}"], name=f"dqw{i}"))
+        dqs.append(helper.make_node("DequantizeLinear", [f"b{i}", f"s{i}"], [f"bf{i}"], name=f"dqb{i}"))
+        prev = "x" if i == 0 else f"y{i - 1}"
+        nodes += [helper.make_node("MatMul", [prev, f"wf{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"m{i}", f"bf{i}"], [f"y{i}"], name=f"add{i}")]
+    relu = helper.make_node("Relu", ["x"], ["r"], name="relu")  # reads only the data input: computed, stays
+    graph = helper.make_graph([relu, *dqs, *nodes], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4]),
+                               *[helper.make_tensor_value_info(f"b{i}", onnx.TensorProto.INT32, [4])
+                                 for i in range(3)]],
+                              [helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [2, 4]),
+                               helper.make_tensor_value_info("r", onnx.TensorProto.FLOAT, [2, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    sunk = onnx.ModelProto()
+    sunk.CopyFrom(model)
+    _sink_constants(sunk, [f"b{i}" for i in range(3)])
+    order = [n.name for n in sunk.graph.node]
+    assert order == ["relu", "dqw0", "mm0", "dqb0", "add0", "dqw1", "mm1", "dqb1", "add1", "dqw2", "mm2", "dqb2",
+                     "add2"]
+    feed = {"x": rng.normal(0, 1, (2, 4)).astype(np.float32),
+            **{f"b{i}": rng.integers(-9, 9, 4).astype(np.int32) for i in range(3)}}
+    onnx.checker.check_model(sunk)
+    for a, b in zip(run_ort(model, feed, "disable"), run_ort(sunk, feed, "disable"), strict=True):
+        assert np.array_equal(a, b)
