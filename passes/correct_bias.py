@@ -18,7 +18,8 @@ calibration data, ``b_c += delta_c`` with, by ``mode``:
 ``y`` is the layer's output before any activation (the bias Add's output after a MatMul). An int32 bias moves by
 ``round(delta / bias_scale)`` codes (clamped to int32), a float bias by ``delta``; a Conv/Gemm without bias gets one
 (int32 with scale ``s_x · s_w`` when both are known). Means are reduced inside onnxruntime
-(`qgraph.runtime.layer_data.channel_means`): memory stays that of one inference.
+(`qgraph.runtime.channel_means`): memory stays that of one inference. The corrected biases are fed to the same
+session for ``measure_after``: one twin-means session per pass.
 
 Measured (``benchmarks/bench_weight_correction.py``): per-tensor depthwise test net 31.0 dB -> 37.1 (local),
 40.0 (sequential per layer), 32.6 (one_shot); PP-LCNet orientation (per-channel INT8, logits SQNR / top-1)

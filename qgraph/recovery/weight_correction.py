@@ -119,12 +119,15 @@ class CorrectionPass(Pass[C]):
         for node, reason in cands.skipped:
             res.skip(node, reason)
         return cands
+
+
 def weightless(graph: GraphHandle, layers: Iterable[QuantLayer] = ()) -> tuple[onnx.ModelProto,
                                                                                 dict[str, npt.NDArray[Any]]]:
     """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
-    `qgraph.runtime.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the
-    weights. The biases of ``layers`` are placeholders too, however small: a session on the export reads them from
-    the values it is fed, so it can run the graph again after a bias correction (`bias_values`, `refeed`)."""
+    `qgraph.runtime.channel_means.ChannelMeans` / `qgraph.runtime.layer_data.sample_inputs` take to build a session
+    without a copy of the weights. The biases of ``layers`` are placeholders too, however small: a session on the
+    export reads them from the values it is fed, so it can run the graph again after a bias correction
+    (`bias_values`, `qgraph.runtime.channel_means.ChannelMeans.refeed`)."""
     model, held = graph.weightless_export()
     shared = {name: value for name, (value, _) in held.items()}
     fed = set(bias_values(layers))

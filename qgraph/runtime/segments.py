@@ -9,7 +9,7 @@ the slices in order; a value is dropped as soon as no later slice reads it, so m
 widest cut. Sessions are built on the first sample (input element types are taken from the actual values).
 Graphs with If/Loop/Scan nodes are not segmented (their bodies read outer-scope tensors implicitly).
 :func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify, and so does
-`qgraph.runtime.layer_data.channel_means` (weight correction): with the same optimization level, a slice computes
+`qgraph.runtime.channel_means` (weight correction): with the same optimization level, a slice computes
 every node exactly as the whole graph's session would.
 """
 
