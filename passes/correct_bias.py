@@ -18,7 +18,8 @@ calibration data, ``b_c += delta_c`` with, by ``mode``:
 ``y`` is the layer's output before any activation (the bias Add's output after a MatMul). An int32 bias moves by
 ``round(delta / bias_scale)`` codes (clamped to int32), a float bias by ``delta``; a Conv/Gemm without bias gets one
 (int32 with scale ``s_x · s_w`` when both are known). Means are reduced inside onnxruntime
-(`qgraph.runtime.layer_data.channel_means`): memory stays that of one inference.
+(`qgraph.runtime.channel_means`): memory stays that of one inference. The corrected biases are fed to the same
+session for ``measure_after``: one twin-means session per pass.
 
 Measured (``benchmarks/bench_weight_correction.py``): per-tensor depthwise test net 31.0 dB -> 37.1 (local),
 40.0 (sequential per layer), 32.6 (one_shot); PP-LCNet orientation (per-channel INT8, logits SQNR / top-1)
@@ -44,10 +45,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import onnx
 from pydantic import Field
 
 from qgraph import GraphHandle, NodeSelector, PassContext, PassDetails, PassResult, register
@@ -56,14 +58,16 @@ from qgraph.recovery.weight_correction import (
     CorrectionPass,
     FidelityGuard,
     GuardConfig,
+    bias_values,
     calibration_batches,
     weightless,
 )
-from qgraph.runtime.layer_data import Twin, channel_means, with_twins
+from qgraph.runtime.layer_data import ChannelMeans, Twin, channel_means, with_twins
 
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
 NAME = "correct_bias"
+Shared = dict[str, npt.NDArray[Any]]  # a weightless export's placeholder values
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,8 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
 
     def _local(self, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
                weights: dict[str, npt.NDArray[np.float32]]) -> tuple[dict[str, dict[str, float]], int, int]:
-        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins."""
+        """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from one run with float twins;
+        ``measure_after`` runs the same session again, fed the corrected biases (`weightless` with ``layers``)."""
         assert ctx.float_reference is not None
         biases = float_biases(ctx.float_reference, layers, ctx.float_reference_weights)
         twins = [Twin(la.node.outputs[0].name, weights[la.output], biases[la.output].astype(np.float32),
@@ -187,11 +192,17 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         tensors = _tensors(layers)
         tensors.update({t.output: tensors[la.output] for t, la in zip(twins, layers, strict=True)})
 
-        def errors() -> dict[str, npt.NDArray[np.float64]]:
+        def twinned(model: onnx.ModelProto, shared: Shared) -> ChannelMeans:
             # weightless: the session reads the graph's arrays and the reference's float weights in place
-            model, shared = weightless(graph)
-            means = channel_means(with_twins(model, twins, shared), tensors, calibration_batches(ctx), shared)
-            return {la.output: means[t.output] - means[la.output] for t, la in zip(twins, layers, strict=True)}
+            held = dict(shared)  # with_twins adds the twins' weights
+            return ChannelMeans(with_twins(model, twins, held), tensors, held, fed=bias_values(layers),
+                                same_rows={t.output: la.output for t, la in zip(twins, layers, strict=True)})
+
+        means = twinned(*weightless(graph, layers))
+
+        def errors() -> dict[str, npt.NDArray[np.float64]]:
+            got = means(calibration_batches(ctx))
+            return {la.output: got[t.output] - got[la.output] for t, la in zip(twins, layers, strict=True)}
 
         per_layer: dict[str, dict[str, float]] = {}
         clipped = 0
@@ -201,6 +212,8 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             per_layer[layer.name] = {"mean_error_rms_before": _rms(delta), "changed": changed}
         graph.changed()
         if self.config.measure_after:
+            if not means.refeed(bias_values(layers)):  # a bias of another dtype or shape: a new session
+                means = twinned(*weightless(graph, layers))
             left = errors()
             for layer in layers:
                 per_layer[layer.name]["mean_error_rms_after"] = _rms(left[layer.output])

@@ -18,11 +18,13 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 import onnx
+from onnx import numpy_helper
 from pydantic import Field
 
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle, NoMatch
+from qgraph.graph.detach import PLACEHOLDER, is_placeholder
 from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
@@ -117,12 +119,31 @@ class CorrectionPass(Pass[C]):
         for node, reason in cands.skipped:
             res.skip(node, reason)
         return cands
-def weightless(graph: GraphHandle) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
+
+
+def weightless(graph: GraphHandle, layers: Iterable[QuantLayer] = ()) -> tuple[onnx.ModelProto,
+                                                                                dict[str, npt.NDArray[Any]]]:
     """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
-    `qgraph.runtime.layer_data.channel_means` / `sample_inputs` take to build a session without a copy of the
-    weights."""
+    `qgraph.runtime.channel_means.ChannelMeans` / `qgraph.runtime.layer_data.sample_inputs` take to build a session
+    without a copy of the weights. The biases of ``layers`` are placeholders too, however small: a session on the
+    export reads them from the values it is fed, so it can run the graph again after a bias correction
+    (`bias_values`, `qgraph.runtime.channel_means.ChannelMeans.refeed`)."""
     model, held = graph.weightless_export()
-    return model, {name: value for name, (value, _) in held.items()}
+    shared = {name: value for name, (value, _) in held.items()}
+    fed = set(bias_values(layers))
+    for t in model.graph.initializer:
+        if t.name in fed and not is_placeholder(t):
+            shared[t.name] = numpy_helper.to_array(t)
+            holder = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                      data_location=onnx.TensorProto.EXTERNAL)
+            holder.external_data.add(key="location", value=PLACEHOLDER)
+            t.CopyFrom(holder)
+    return model, shared
+
+
+def bias_values(layers: Iterable[QuantLayer]) -> dict[str, npt.NDArray[Any]]:
+    """The bias constants of ``layers`` as stored (int32 codes or float values), by name."""
+    return {la.bias.value.name: np.asarray(la.bias.value.values) for la in layers if la.bias is not None}
 
 
 def calibration_batches(ctx: PassContext) -> Iterable[Feed]:
@@ -196,7 +217,9 @@ class FidelityGuard:
         return guard
 
     def score(self, graph: GraphHandle) -> float:
-        """The graph's score now (dB; NaN/Inf outputs give -inf)."""
+        """The graph's score now (dB; NaN/Inf outputs give -inf). Its own export and session: feeding the
+        corrected biases to the session of `start` would make every run pass thousands of inputs on a long
+        chain (onnxruntime checks a feed in O(inputs x fed names))."""
         model, held = graph.weightless_export()
         return self.scorer.score_db(self.kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
 

@@ -1,8 +1,5 @@
-"""What weight-correction passes measure on calibration data: per-channel output means, and sampled layer inputs.
-
-`channel_means` reduces inside onnxruntime: each requested tensor ``y`` gets, right after its producer (so it can
-be freed at once), ``ReduceMean`` over everything but the channel axis and its element count; a run returns
-``C`` numbers per tensor whatever the activation size. Means over batches are weighted by rows.
+"""What weight-correction passes measure on calibration data: per-channel output means
+(`qgraph.runtime.channel_means`, re-exported here), float twins of layers, and sampled layer inputs.
 
 `sample_inputs` keeps a uniform random sample of at most ``max_rows`` input *rows* per layer over the whole data
 (reservoir by random keys: every row gets a key ``U(0, 1)``, the rows with the smallest keys are kept), so memory
@@ -13,153 +10,27 @@ is ``max_rows x K`` per layer whatever the data. A Conv row is the receptive fie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import onnx
-import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.errors import DataError
-from qgraph.graph import ProtoNames, insert_after_producers
-from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER, with_weights
+from qgraph.graph import ProtoNames
+from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
+from qgraph.runtime.channel_means import ChannelMeans, augment, channel_means
 from qgraph.runtime.compare import make_session, session_run
-from qgraph.runtime.segments import observe_segmented, segmentable
 
-#: Stems of the namespaces the helper nodes live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_1/`` when
-#: the model already uses ``qgraph_layer/``).
-_STEM, _TWIN_STEM = "qgraph_layer", "qgraph_layer_twin"
-_NO_OPTIMIZATION = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # what `make_session` runs with
-#: `channel_means` runs graphs over this many nodes slice by slice, in slices of `SLICE_NODES`. Higher than
-#: calibration's threshold: the twin graph of a 1,000-layer chain (~20k nodes) initializes no faster in 4,000-node
-#: slices (measured: 14 sessions 56 s vs 6 sessions 47 s on a loaded machine) and pays a run per slice per batch.
-SLICE_ABOVE = 32_000
-SLICE_NODES = 16_000
+__all__ = ["ChannelMeans", "RowSpec", "Twin", "channel_means", "sample_inputs", "with_twins"]
 
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-
-
-def _mean_nodes(name: str, p: str, one: str, channels: int, channel_first: bool, opset: int) -> tuple[
-        list[onnx.NodeProto], list[onnx.TensorProto], tuple[str, str]]:
-    """Per-channel mean (cast to double: exact) and element count (as a 1-vector) of tensor ``name``; helper
-    names start with ``p``, ``one`` names the shared constant ``[1]``."""
-    shape = [0, channels, -1] if channel_first else [-1, channels]
-    axes = [0, 2] if channel_first else [0]
-    inits = [numpy_helper.from_array(np.array(shape, np.int64), p + "shape")]
-    nodes = [helper.make_node("Reshape", [name, p + "shape"], [p + "flat"])]
-    if opset >= 18:
-        inits.append(numpy_helper.from_array(np.array(axes, np.int64), p + "axes"))
-        nodes.append(helper.make_node("ReduceMean", [p + "flat", p + "axes"], [p + "mean"], keepdims=0))
-    else:
-        nodes.append(helper.make_node("ReduceMean", [p + "flat"], [p + "mean"], axes=axes, keepdims=0))
-    nodes.append(helper.make_node("Cast", [p + "mean"], [p + "mean64"], to=onnx.TensorProto.DOUBLE))
-    nodes.append(helper.make_node("Size", [name], [p + "size"]))
-    nodes.append(helper.make_node("Reshape", [p + "size", one], [p + "size1"]))
-    return nodes, inits, (p + "mean64", p + "size1")
-
-
-def _augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
-             inits: list[onnx.TensorProto], outputs: list[str]) -> onnx.ModelProto:
-    """A copy of ``model`` with ``after[t]`` inserted right after the producer of ``t`` and ``outputs`` declared."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    insert_after_producers(g, after)
-    g.initializer.extend(inits)
-    declared = {o.name for o in g.output}
-    g.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in outputs if o not in declared)
-    return out
-
-
-def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], batches: Iterable[Feed],
-                  weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
-    """Per-channel mean of each tensor over every batch: ``tensors[name] = (channels, channel_first)`` (axis 1 for
-    Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
-    values of a weightless ``model``'s placeholders, read in place by the session
-    (`qgraph.runtime.compare.make_session`)."""
-    if not tensors:
-        return {}
-    opset = _opset(model)
-    after: dict[str, list[onnx.NodeProto]] = {}
-    space = ProtoNames(model).prefix(_STEM)
-    one = space + "one"
-    inits: list[onnx.TensorProto] = [numpy_helper.from_array(np.array([1], np.int64), one)]
-    means: list[str] = []
-    sizes: list[str] = []
-    for k, (name, (c, first)) in enumerate(tensors.items()):
-        nodes, consts, (mean_o, size_o) = _mean_nodes(name, f"{space}{k}/", one, c, first, opset)
-        after.setdefault(name, []).extend(nodes)
-        inits.extend(consts)
-        means.append(mean_o)
-        sizes.append(size_o)
-    augmented = _augment(model, after, inits, [])
-    channels = [c for c, _ in tensors.values()]
-    ends = np.cumsum(channels)
-    sums = np.zeros(int(ends[-1]) if channels else 0, np.float64)
-    rows = np.zeros(len(channels), np.float64)
-    per_channel = np.repeat(np.arange(len(channels)), channels)
-
-    def fold(mean: npt.NDArray[Any], size: npt.NDArray[Any]) -> None:
-        nonlocal sums, rows
-        n = np.asarray(size, np.float64) / np.asarray(channels, np.float64)
-        sums += np.asarray(mean, np.float64) * n[per_channel]
-        rows += n
-
-    _each_run(augmented, (means, sizes), (space + "means", space + "sizes"), batches, weights, fold)
-    totals = dict(zip(tensors, np.split(sums, ends[:-1]), strict=True))
-    rows_of = dict(zip(tensors, rows, strict=True))
-    out: dict[str, npt.NDArray[np.float64]] = {}
-    for name, total in totals.items():
-        mean = total / max(float(rows_of[name]), 1.0)
-        if not np.all(np.isfinite(mean)):
-            raise DataError(f"tensor {name!r} holds NaN/Inf on the calibration data: its mean cannot be corrected; "
-                            "fix the model or the data.")
-        out[name] = mean
-    return out
-
-
-def _each_run(model: onnx.ModelProto, parts: tuple[list[str], list[str]], joined: tuple[str, str],
-              batches: Iterable[Feed],
-              weights: Mapping[str, npt.NDArray[Any]] | None,
-              use: Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]) -> None:
-    """``use(every mean joined, every size joined)`` for every batch, in order.
-
-    One session: two Concat nodes join them, so a run fetches two outputs whatever the number of tensors (each
-    fetched output costs onnxruntime and Python ~10 us: 2 x 2,000 outputs x 32 samples on a 1,000-layer chain).
-    A graph over `SLICE_ABOVE` nodes (onnxruntime's session initialization is super-linear in the node count: 10 s
-    for the quantized twin graph of a 3,000-layer chain, ~100 s at 10,000 layers) runs slice by slice
-    (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
-    Concat would carry every mean through every later slice); they are joined here: the same values."""
-    means, sizes = parts
-    if len(model.graph.node) <= SLICE_ABOVE or not segmentable(model):
-        model.graph.node.extend([helper.make_node("Concat", means, [joined[0]], axis=0),  # `model` is our own copy
-                                 helper.make_node("Concat", sizes, [joined[1]], axis=0)])
-        model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in joined)
-        session = make_session(model, mem_pattern=False, weights=weights)
-        for feed in batches:
-            use(*session_run(session, list(joined), feed))
-        return
-    got: dict[str, Any] = {}
-
-    class _Keep:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def update(self, x: Any, sample_index: int | None = None) -> None:
-            got[self.name] = x
-
-    def done(_: int) -> None:
-        use(np.concatenate([got.pop(o) for o in means]), np.concatenate([got.pop(o) for o in sizes]))
-
-    full = with_weights(model, weights) if weights else model  # slices are built from protobufs
-    observe_segmented(full, {o: _Keep(o) for o in [*means, *sizes]}, batches, SLICE_NODES,
-                      optimization=_NO_OPTIMIZATION, after_feed=done)
+#: Stem of the namespace the twins live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_twin_1/`` when the
+#: model already uses ``qgraph_layer_twin/``).
+_TWIN_STEM = "qgraph_layer_twin"
 
 
 @dataclass
@@ -255,7 +126,7 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
     names = list(dict.fromkeys(s.tensor for s in specs))
     inputs = {i.name for i in model.graph.input}
     fetched = [n for n in names if n not in inputs]
-    session = (make_session(_augment(model, {}, [], fetched), mem_pattern=False, weights=weights) if fetched
+    session = (make_session(augment(model, {}, [], fetched), mem_pattern=False, weights=weights) if fetched
                else None)
     rng = np.random.default_rng(seed)
     reservoirs = [_Reservoir() for _ in specs]
@@ -332,4 +203,4 @@ def with_twins(model: onnx.ModelProto, twins: Sequence[Twin],
                 if a.name == "beta":
                     a.f = 1.0
         after.setdefault(twin.node_output, []).extend(nodes)
-    return _augment(model, after, inits, [])
+    return augment(model, after, inits, [])

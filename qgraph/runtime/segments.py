@@ -9,7 +9,7 @@ the slices in order; a value is dropped as soon as no later slice reads it, so m
 widest cut. Sessions are built on the first sample (input element types are taken from the actual values).
 Graphs with If/Loop/Scan nodes are not segmented (their bodies read outer-scope tensors implicitly).
 :func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify, and so does
-`qgraph.runtime.layer_data.channel_means` (weight correction): with the same optimization level, a slice computes
+`qgraph.runtime.channel_means` (weight correction): with the same optimization level, a slice computes
 every node exactly as the whole graph's session would.
 """
 
@@ -117,11 +117,13 @@ def observe_segmented(
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     providers: Sequence[str] | None = None,
     after_feed: Callable[[int], None] | None = None,
+    plan: tuple[list[_Segment], dict[str, int]] | None = None,
 ) -> int:
     """Feed ``observers`` (tensor name -> object with ``update(x, sample_index)``) for every sample of ``data``,
     running the graph slice by slice; returns the number of samples.  ``after_feed(index)`` is called once
-    each sample has gone through every slice (progress)."""
-    segments, last_use = plan_segments(model, observers, size)
+    each sample has gone through every slice (progress). ``plan``: `plan_segments` of ``model`` for these
+    observers, kept by the caller: its slices' sessions, built on the first run, serve every later run."""
+    segments, last_use = plan if plan is not None else plan_segments(model, observers, size)
     inits = {t.name: t for t in model.graph.initializer}
     opts = ort.SessionOptions()
     opts.graph_optimization_level = optimization
