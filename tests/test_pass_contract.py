@@ -381,11 +381,11 @@ def test_a_full_collection_runs_only_where_weights_were_dropped(monkeypatch: pyt
                                                                 mode: str, collections: int) -> None:
     """A full cyclic collection walks the whole graph (1.9 s at 30k nodes): it runs after a pass that dropped
     megabytes of weights (12 MB here) and at the end when the output holds that much, not after every pass."""
-    from qgraph.pipeline import runner
+    from qgraph.pipeline import contract
     from qgraph.pipeline.contract import Snapshot
 
     calls: list[int] = []
-    monkeypatch.setattr(runner.gc, "collect", lambda *a: calls.append(1) or 0)
+    monkeypatch.setattr(contract.gc, "collect", lambda *a: calls.append(1) or 0)
     model = _weighted_mul(size)
     handle = GraphHandle(model)
     before = Snapshot.of(handle.graph)

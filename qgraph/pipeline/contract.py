@@ -83,6 +83,18 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype)
 
 
+#: Weights (bytes) a pass must drop, or the output hold, before a full cyclic collection is worth its cost.
+COLLECT_BYTES = 8 << 20
+
+
+def collect_cycles(freed_bytes: int) -> None:
+    """Give back now the weights a pass dropped (graphsurgeon's node <-> tensor references are cycles) when they
+    are at least `COLLECT_BYTES`: a full collection walks every node and tensor of the graph (0.15 s at 3k nodes,
+    1.9 s at 30k, after every pass), and below a few MB the ordinary cyclic GC gives them back soon enough."""
+    if freed_bytes >= COLLECT_BYTES:
+        gc.collect()
+
+
 @dataclass
 class Measured:
     """What the pipeline measured about one pass; ``dropped_bytes``: `Snapshot.dropped_bytes`."""

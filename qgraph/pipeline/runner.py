@@ -8,7 +8,6 @@ a byte-identical file.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import resource
@@ -26,7 +25,7 @@ from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_input_structure, check_model
 from qgraph.graph.detach import fill_weights
 from qgraph.io.model_io import load_model, model_fingerprint, save_model
-from qgraph.pipeline.contract import run_pass
+from qgraph.pipeline.contract import collect_cycles, run_pass
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
 from qgraph.pipeline.pass_result import NestedRun
 from qgraph.pipeline.preflight import preflight, require_data
@@ -141,10 +140,6 @@ def _float_yardstick(passes: Sequence[Pass[Any]], handle: GraphHandle, ctx: Pass
     model, held = handle.weightless_export()
     return measure_float_inference(model, {name: value for name, (value, _) in held.items()},
                                    batched(data, ctx.calibration.batch_size))
-
-
-#: Weights (bytes) a pass must drop, or the output hold, before a full cyclic collection is worth its cost.
-COLLECT_BYTES = 8 << 20
 
 
 def _peak_rss_mb() -> float:
@@ -276,8 +271,7 @@ class Pipeline(RecipeSpec):
             previous = current if previous is not None else None
         out, held = handle.weightless_export()
         handle.release()  # the graph lets go of its weights: `held` is their last owner...
-        if sum(value.nbytes for value, _ in held.values()) >= COLLECT_BYTES:
-            gc.collect()  # ...once the tensors' own reference cycles (tensor <-> its consumer lists) are collected
+        collect_cycles(sum(value.nbytes for value, _ in held.values()))  # ...once the tensors' cycles are collected
         weights = {name: value for name, (value, _) in held.items()} if weightless else {}
         if not weightless:
             fill_weights(out, held, consume=True)  # each array freed once written: never the weights twice in flight
@@ -299,11 +293,7 @@ class Pipeline(RecipeSpec):
         start = time.perf_counter()
         ctx.nested = []
         result, measured = run_pass(p, index, handle, ctx)
-        if measured.dropped_bytes >= COLLECT_BYTES:
-            # the pass ran with the cyclic GC paused: give back the weights of the nodes it dropped now (graphsurgeon's
-            # node <-> tensor references are cycles). A full collection walks every node and tensor of the graph
-            # (0.15 s at 3k nodes, 1.9 s at 30k, after every pass): below a few MB dropped, the ordinary GC does it
-            gc.collect()
+        collect_cycles(measured.dropped_bytes)  # the pass ran with the cyclic GC paused: the weights it dropped
         if target_step:
             result.decisions.insert(0, f"target.opset {handle.opset}: converted from opset {opset_before} after the "
                                     "last pass, as the recipe's target asks")
