@@ -5,7 +5,7 @@ search) and calibration itself cost time; the budget a demanding user can accept
 float model costs to run over the calibration data once (issue #13: at most 10x; issue #34: the yardstick must be
 something no pass can slow down). `measure_float_inference` times that float pass apart from every pass (its own
 onnxruntime session, created outside the timed span, on at most `MAX_TIMED_SAMPLES` samples or about
-`MAX_TIMED_SECONDS`, scaled to the whole data when its length is known); `run_timing` puts every pass's whole
+`MAX_TIMED_SECONDS`, scaled to the whole data); `run_timing` puts every pass's whole
 time (the quantizing pass's calibration included, and also shown on its own) against it, and `Timing.line` is what
 the run summary and the report print: the multiples, the passes over `BUDGET`, and which pass dominated the run.
 """
@@ -68,8 +68,8 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
                             max_seconds: float = MAX_TIMED_SECONDS) -> FloatInference | None:
     """Time ``model`` (a weightless export and its ``weights``, read in place) over ``batches`` in onnxruntime:
     the session is created outside the timed span; at most ``max_samples`` batches are run (fewer once
-    ``max_seconds`` are spent and `MIN_TIMED_SAMPLES` were timed) and the time is scaled to all of them when
-    ``batches`` has a length. None when there is no data."""
+    ``max_seconds`` are spent and `MIN_TIMED_SAMPLES` were timed) and the time is scaled to all of them (a stream's
+    remaining batches are counted, not run). None when there is no data."""
     session = make_session(model, weights=weights)
     names = [o.name for o in session.get_outputs()]
     timed, seconds = 0, 0.0
@@ -85,7 +85,10 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
             break
     if timed == 0:
         return None
-    total = max(len(batches), timed) if isinstance(batches, Sized) else timed
+    if isinstance(batches, Sized):
+        total = max(len(batches), timed)
+    else:  # a stream: the samples not timed are counted (read, not run), so the time scales to all of them
+        total = timed + sum(1 for _ in batches)
     return FloatInference(seconds * total / timed, timed, total)
 
 
