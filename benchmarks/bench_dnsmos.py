@@ -18,6 +18,10 @@ Measured (issue #34; AMD Zen 4 AVX512-VNNI, 2 cores under heavy load from other 
 float pass 5 s CPU; ort-x86-vnni 46 s CPU (correct_bias and calibration each ~2x the float pass in wall time), score
 MAE 1.040/0.476/0.699; onnxruntime quantize_static 6 s CPU, MAE 1.315/1.162/0.905 (the ready recipe is more
 accurate, and still ~8x slower). Before #34 the ready recipe gave the same scores.
+Re-run 2026-11-28, host idle: float pass 4.0 s; ort-x86-vnni 31.3 s wall, 37 s CPU (correct_bias 22.6 s,
+calibration 5.5 s, smooth_quant 2.0 s), score MAE 0.888/0.527/0.593; quantize_static 2.9 s wall, 6 s CPU, MAE
+1.306/1.361/0.799. The issue's "faster than quantize_static on long inputs" is not met: correct_bias alone runs the
+quantized model with float twins twice and its guard twice over every clip.
 """
 
 from __future__ import annotations
