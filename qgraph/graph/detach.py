@@ -17,7 +17,7 @@ values into the exported protobuf one tensor at a time.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -111,13 +111,19 @@ def detach_constants(root: gs.Graph, min_bytes: int = DETACH_BYTES) -> None:
         c._values = LazyValues(own_t)
 
 
-def _placeholder(c: gs.Constant) -> LazyValues:
-    arr = c._values
-    t = onnx.TensorProto(name=c.name, data_type=onnx.helper.np_dtype_to_tensor_dtype(arr.dtype))
-    t.dims.extend(arr.shape)
+def placeholder_proto(name: str, data_type: int, dims: Iterable[int]) -> onnx.TensorProto:
+    """A data-less initializer: typed and shaped, ``data_location`` EXTERNAL at `PLACEHOLDER` (reading its data
+    fails loudly); a session is given its value separately."""
+    t = onnx.TensorProto(name=name, data_type=data_type)
+    t.dims.extend(dims)
     t.data_location = onnx.TensorProto.EXTERNAL
     t.external_data.add(key="location", value=PLACEHOLDER)
-    return LazyValues(t)
+    return t
+
+
+def _placeholder(c: gs.Constant) -> LazyValues:
+    arr = c._values
+    return LazyValues(placeholder_proto(c.name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape))
 
 
 #: What `weightless` set aside: tensor name -> (values, the data_location graphsurgeon would have written).
@@ -271,10 +277,7 @@ def split_weights(
     for t in model.graph.initializer:
         if _materializable(t) and _nbytes(t) >= min_bytes and t.name not in weights:
             weights[t.name] = _array(t)
-            holder = out.graph.initializer.add(name=t.name, data_type=t.data_type)
-            holder.dims.extend(t.dims)
-            holder.data_location = onnx.TensorProto.EXTERNAL
-            holder.external_data.add(key="location", value=PLACEHOLDER)
+            out.graph.initializer.append(placeholder_proto(t.name, t.data_type, t.dims))
         else:
             out.graph.initializer.append(t)
     return out, weights

@@ -24,7 +24,7 @@ from pydantic import Field
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle, NoMatch
-from qgraph.graph.detach import PLACEHOLDER, is_placeholder
+from qgraph.graph.detach import is_placeholder, placeholder_proto
 from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
@@ -134,10 +134,7 @@ def weightless(graph: GraphHandle, layers: Iterable[QuantLayer] = ()) -> tuple[o
     for t in model.graph.initializer:
         if t.name in fed and not is_placeholder(t):
             shared[t.name] = numpy_helper.to_array(t)
-            holder = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
-                                      data_location=onnx.TensorProto.EXTERNAL)
-            holder.external_data.add(key="location", value=PLACEHOLDER)
-            t.CopyFrom(holder)
+            t.CopyFrom(placeholder_proto(t.name, t.data_type, t.dims))
     return model, shared
 
 
