@@ -116,6 +116,28 @@ class QuantLayer:
             return r.reshape(shape)
         return np.ascontiguousarray(r.T)
 
+    def dequantized_weight(self) -> npt.NDArray[np.float64]:
+        """The weight the graph computes with: ``(q - z) · s`` as DequantizeLinear gives it (float32 values)."""
+        p = self.params
+        axis = p.axis if p.scale.size > 1 else None
+        return dequantize(self.codes(), p.scale, p.zero_point, axis).astype(np.float64)
+
+    def mean_error(self, float_weight: npt.NDArray[Any], float_bias: npt.NDArray[np.float64],
+                   mean_row: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """``E[y_float] - E[y]`` per output channel ``(C,)`` over inputs whose mean row (im2col row of a Conv, laid
+        out like the weight's ``(C_in, *kernel)``; `qgraph.runtime.row_means`) is ``mean_row``: the layer is linear,
+        so this is ``alpha (W_float - W) · mean row + (b_float - b)`` exactly, with no float copy of the layer run.
+        ``float_bias`` ``(C,)`` already holds Gemm's ``beta``, as `bias_values` does."""
+        diff = self.rows(np.asarray(float_weight, np.float64) - self.dequantized_weight())  # (C, K / groups)
+        g = self.groups
+        shift = np.einsum("gck,gk->gc", diff.reshape(g, diff.shape[0] // g, -1),
+                          np.asarray(mean_row, np.float64).reshape(g, -1)).reshape(-1)
+        if self.node.op == "Gemm":
+            shift *= float(self.node.attrs.get("alpha", 1.0))
+        bias = self.bias_values()
+        error: npt.NDArray[np.float64] = shift + float_bias - (0.0 if bias is None else bias)
+        return error
+
     def write_codes(self, codes: npt.NDArray[np.int64]) -> None:
         """Store new codes (weight-shaped): the integer initializer, or (float_qdq) the float weight the
         QuantizeLinear rounds exactly to them, ``(q - z) · s``."""

@@ -25,7 +25,7 @@ from qgraph.graph.detach import placeholders_as_inputs, with_weights
 from qgraph.runtime.compare import make_session, refeed, session_run
 from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable
 
-__all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "augment", "channel_means"]
+__all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "SessionFactory", "augment", "channel_means"]
 
 #: Stem of the namespace the helper nodes live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_1/`` when the
 #: model already uses ``qgraph_layer/``).
@@ -76,13 +76,21 @@ def augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
     return out
 
 
+#: Builds the session of a means run from the augmented model and the values of its placeholders (default:
+#: `qgraph.runtime.compare.make_session` without graph optimizations; a target's deployed kernels, e.g.
+#: ``lambda m, w: kernels.session(m, weights=w, mem_pattern=False)``). A graph run in slices ignores it.
+SessionFactory = Callable[[onnx.ModelProto, Mapping[str, npt.NDArray[Any]]], Any]
+
+
 def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], batches: Iterable[Feed],
-                  weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
+                  weights: Mapping[str, npt.NDArray[Any]] | None = None,
+                  session: SessionFactory | None = None) -> dict[str, npt.NDArray[np.float64]]:
     """Per-channel mean of each tensor over every batch: ``tensors[name] = (channels, channel_first)`` (axis 1 for
     Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
     values of a weightless ``model``'s placeholders, read in place by the session
-    (`qgraph.runtime.compare.make_session`). `ChannelMeans` keeps the session for more runs."""
-    return ChannelMeans(model, tensors, weights)(batches) if tensors else {}
+    (`qgraph.runtime.compare.make_session`); ``session``: what builds the session (`SessionFactory`). `ChannelMeans`
+    keeps the session for more runs."""
+    return ChannelMeans(model, tensors, weights, session=session)(batches) if tensors else {}
 
 
 class ChannelMeans:
@@ -92,9 +100,12 @@ class ChannelMeans:
 
     def __init__(self, model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]],
                  weights: Mapping[str, npt.NDArray[Any]] | None = None, fed: Collection[str] = (),
-                 same_rows: Mapping[str, str] | None = None) -> None:
+                 same_rows: Mapping[str, str] | None = None, session: SessionFactory | None = None,
+                 counts: Mapping[str, str] | None = None) -> None:
         # ``same_rows[t] = u``: tensor t always has as many rows (elements per channel) as u, which is counted
-        # for both (a twin and its layer): two nodes fewer per such tensor in every run
+        # for both (a twin and its layer): two nodes fewer per such tensor in every run. ``counts[t] = c``: the
+        # graph computes t's weight (rows x channels, int64 [1]) in tensor c: t is already a mean over rows that
+        # are not its elements (`qgraph.runtime.row_means`)
         like = {t: u for t, u in (same_rows or {}).items() if t in tensors and u in tensors and u != t
                 and u not in (same_rows or {})}
         opset = _opset(model)
@@ -107,7 +118,8 @@ class ChannelMeans:
         sizes: list[str] = []
         for k, (name, (c, first)) in enumerate(tensors.items()):
             nodes, consts, (mean_o, size_o) = _mean_nodes(name, f"{space}{k}/", one, c, first, opset,
-                                                          name not in like)
+                                                          name not in like and name not in (counts or {}))
+            size_o = (counts or {}).get(name, size_o)
             after.setdefault(name, []).extend(nodes)
             inits.extend(consts)
             means.append(mean_o)
@@ -120,7 +132,7 @@ class ChannelMeans:
         self.rows_from = np.array([position[like.get(t, t)] for t in tensors], np.intp)
         self.counted_channels = np.array([tensors[t][0] for t in counted], np.float64)
         self.run = _MeansRun(augment(model, after, inits, []), (means, sizes), (space + "means", space + "sizes"),
-                             weights, fed, self.channels)
+                             weights, fed, self.channels, session)
 
     def refeed(self, values: Mapping[str, npt.NDArray[Any]]) -> bool:
         """From now on, read these placeholders' values from ``values`` (the same dtype and shape); False (nothing
@@ -166,7 +178,8 @@ class _MeansRun:
     sessions, built on the first run, serve every run: the ``fed`` placeholders are their inputs."""
 
     def __init__(self, model: onnx.ModelProto, parts: tuple[list[str], list[str]], joined: tuple[str, str],
-                 weights: Mapping[str, npt.NDArray[Any]] | None, fed: Collection[str], channels: list[int]) -> None:
+                 weights: Mapping[str, npt.NDArray[Any]] | None, fed: Collection[str], channels: list[int],
+                 session: SessionFactory | None = None) -> None:
         self.parts, self.joined = parts, joined
         self.nodes = len(model.graph.node)  # before the two Concats
         weights = dict(weights or {})
@@ -177,7 +190,9 @@ class _MeansRun:
             model.graph.node.extend([helper.make_node("Concat", means, [joined[0]], axis=0),  # our own copy
                                      helper.make_node("Concat", sizes, [joined[1]], axis=0)])
             model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in joined)
-            self.session = make_session(model, mem_pattern=False, weights={**weights, **self.fed})
+            held = {**weights, **self.fed}
+            self.session = (make_session(model, mem_pattern=False, weights=held) if session is None
+                            else session(model, held))
             return
         # slices are built from protobufs: every weight written in but the fed ones, which stay graph inputs
         self.model = placeholders_as_inputs(with_weights(model, weights) if weights else model)

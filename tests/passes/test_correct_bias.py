@@ -26,7 +26,7 @@ def test_only_int32_bias_codes_change() -> None:
     assert rec.matched == 3 and rec.rewritten == 3
     assert set(rec.details["layers"]) == {"Conv(c1)", "Conv(c2)", "Gemm(y)"}  # nameless nodes: by the one rule
     (line,) = rec.decisions
-    assert line.startswith("bias correction: 3 of 3 layer bias(es) corrected (local, 1 model run(s); ")
+    assert line.startswith("bias correction: 3 of 3 layer bias(es) corrected (local, 1 model run(s), rows ")
 
 
 def test_error_reduction_on_a_per_tensor_depthwise_net() -> None:
@@ -109,7 +109,7 @@ passes:
     assert [r.name for r in res.records] == ["insert_qdq", "optimize_rounding", "correct_bias"]
     provenance = {p.key: p.value for p in res.model.metadata_props}["qgraph.passes"]
     assert "adaptive rounding: 4 layer(s) optimized" in provenance
-    assert "4 of 4 layer bias(es)" in provenance and "(local, 1 model run(s); " in provenance
+    assert "4 of 4 layer bias(es)" in provenance and "(local, 1 model run(s), rows " in provenance
 
 
 CHAIN = """
