@@ -24,7 +24,7 @@ calibration data, ``b_c += delta_c`` with, by ``mode``:
 measures the outputs) measures the rows again on the corrected graph, for the error left per layer.
 
 Cost (``local``): DNSMOS (speechmos wheel, 16 clips of 9 s, AVX512-VNNI host) 1.4 s for the rows, where a float
-twin of every layer run beside it took 8.3 s; the whole pass 22.8 s -> 7.5 s, most of it the guard's runs.
+twin of every layer run beside it took 8.3 s; the whole pass 22.8 s -> 7.3 s, most of it the guard's runs.
 
 Measured (``benchmarks/bench_weight_correction.py``): per-tensor depthwise test net 31.0 dB -> 37.1 (local),
 40.0 (sequential per layer), 32.6 (one_shot); PP-LCNet orientation (per-channel INT8, logits SQNR / top-1)
@@ -90,7 +90,8 @@ class CorrectBiasConfig(GuardConfig):
 
     mode: Literal["local", "one_shot", "sequential"] = Field(
         default="local",
-        description="local: each layer's own mean error (float twin on the same quantized input), one run; "
+        description="local: each layer's own mean error on the quantized input it reads, (W_float - W_q) times its "
+        "mean input row plus the bias difference, one run; "
         "one_shot: E[y_float] - E[y_quant] of all layers from one paired float/quantized run; sequential: the "
         "same in `rounds` groups in graph order, re-measuring the quantized model before each group.",
     )
@@ -100,9 +101,9 @@ class CorrectBiasConfig(GuardConfig):
     nodes: NodeSelector | None = Field(default=None, description="Only correct these layers (default: all).")
     create_bias: bool = Field(default=True, description="Give a quantized Conv/Gemm without bias one to correct.")
     measure_after: bool = Field(
-        default=False, description="One more run of the quantized model (with its float twins) to report the "
+        default=False, description="One more run of the quantized model (measuring the rows again) to report the "
         "mean error left per layer. Off by default: the guard already measures what the correction did to the "
-        "outputs, and this run costs as much as the measurement itself (DNSMOS: 8.3 of 22.8 s).")
+        "outputs, and this run costs as much as the measurement itself.")
 
 
 def _tensors(layers: list[QuantLayer]) -> dict[str, tuple[int, bool]]:

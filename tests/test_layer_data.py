@@ -1,4 +1,4 @@
-"""Layer statistics on calibration data: in-graph channel means, sampled im2col rows, float twins."""
+"""Layer statistics on calibration data: in-graph channel means and sampled im2col rows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from qgraph.runtime.layer_data import RowSpec, Twin, channel_means, sample_inputs, with_twins
+from qgraph.runtime.layer_data import RowSpec, channel_means, sample_inputs
 from qgraph.testing.names import occupied
 from qgraph.testing.runtime import run_ort
 
@@ -58,33 +58,20 @@ def test_reservoir_keeps_at_most_max_rows_and_channel_means_match_numpy() -> Non
     np.testing.assert_allclose(means, y.mean(axis=(0, 2, 3)), rtol=1e-5, atol=1e-6)
 
 
-def test_a_twin_computes_the_layer_with_other_weights() -> None:
-    model = _conv([1, 1], [0, 0, 0, 0], [1, 1], 1)
-    w = numpy_helper.to_array(model.graph.initializer[0])
-    twin = Twin("y", (2 * w).astype(np.float32), np.zeros(6, np.float32), "y_twin")
-    twinned = with_twins(model, [twin])
-    twinned.graph.output.append(helper.make_value_info("y_twin", onnx.TypeProto()))
-    feed = {"x": np.ones((1, 6, 5, 5), np.float32)}
-    means = channel_means(twinned, {"y": (6, True), "y_twin": (6, True)}, [feed])
-    b = numpy_helper.to_array(model.graph.initializer[1])
-    np.testing.assert_allclose(means["y_twin"], 2 * (means["y"] - b), rtol=1e-5)
-
-
-def test_a_tensor_counted_by_its_twin_gets_the_same_means_from_fewer_nodes() -> None:
-    """``same_rows``: the twin's rows come from its layer's count (batches of different sizes weigh the same);
-    the means are bit for bit those counted on their own, with the twin's Size and Reshape nodes gone."""
+def test_a_tensor_counted_by_another_gets_the_same_means_from_fewer_nodes() -> None:
+    """``same_rows``: a tensor's rows come from another's count (batches of different sizes weigh the same); the
+    means are bit for bit those counted on their own, with its Size and Reshape nodes gone."""
     from qgraph.runtime.layer_data import ChannelMeans
 
     model = _conv([1, 1], [0, 0, 0, 0], [1, 1], 1)
-    w = numpy_helper.to_array(model.graph.initializer[0])
-    twinned = with_twins(model, [Twin("y", (2 * w).astype(np.float32), np.zeros(6, np.float32), "y_twin")])
+    model.graph.node.append(helper.make_node("Relu", ["y"], ["y_relu"]))
     rng = np.random.default_rng(5)
     feeds = [{"x": rng.normal(0, 1, (n, 6, 5, 5)).astype(np.float32)} for n in (1, 3, 2)]
-    tensors = {"y": (6, True), "y_twin": (6, True)}
-    alone, shared = ChannelMeans(twinned, tensors), ChannelMeans(twinned, tensors, same_rows={"y_twin": "y"})
+    tensors = {"y": (6, True), "y_relu": (6, True)}
+    alone, shared = ChannelMeans(model, tensors), ChannelMeans(model, tensors, same_rows={"y_relu": "y"})
     for name, value in alone(feeds).items():
         assert np.array_equal(shared(feeds)[name], value), name
-    assert alone.run.nodes - shared.run.nodes == 2  # the twin's Size and Reshape
+    assert alone.run.nodes - shared.run.nodes == 2  # y_relu's Size and Reshape
 
 
 def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -123,95 +110,31 @@ def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkey
         assert np.array_equal(sliced[name], whole[name]), name  # the same kernels, the same bits
 
 
-@pytest.mark.parametrize("sliced", [False, True])
-def test_channel_means_refed_a_new_bias_match_a_new_session_with_it(sliced: bool,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ChannelMeans.refeed`: the same session (or the same slices' sessions) run with other bias values gives
-    the means of the model holding those values, bit for bit, and builds no session."""
-
-    from qgraph.graph.detach import PLACEHOLDER
-    from qgraph.runtime import channel_means as layer_means
-    from qgraph.runtime import segments
-    from qgraph.runtime.layer_data import ChannelMeans
-    from qgraph.testing import matmul_add_relu_chain
-
-    model = matmul_add_relu_chain(12, batch="N")
-    feeds = [{"input": np.random.default_rng(i).normal(0, 1, (3, 16)).astype(np.float32)} for i in range(3)]
-    # not in graph order, with channels of another width: the joined means go back to the tensors they belong to
-    tensors = {**{f"layer{i}/add_out": (16, False) for i in range(10, -1, -2)}, "layer5/matmul_out": (4, True)}
-    biases = [f"layer{i}/bias" for i in (1, 7)]
-    weightless = onnx.ModelProto()
-    weightless.CopyFrom(model)
-    held = {}
-    for t in weightless.graph.initializer:
-        if t.name in biases:
-            held[t.name] = numpy_helper.to_array(t)
-            holder = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
-                                      data_location=onnx.TensorProto.EXTERNAL)
-            holder.external_data.add(key="location", value=PLACEHOLDER)
-            t.CopyFrom(holder)
-    shifted = {name: (held[name] + np.float32(0.25) * (k + 1)).astype(np.float32) for k, name in enumerate(biases)}
-    changed = onnx.ModelProto()
-    changed.CopyFrom(model)
-    for t in changed.graph.initializer:
-        if t.name in shifted:
-            t.CopyFrom(numpy_helper.from_array(shifted[t.name], t.name))
-    # the references: whole-graph sessions on the model as it is and with the shifted biases written in
-    original, expected = channel_means(model, tensors, feeds), channel_means(changed, tensors, feeds)
-    if sliced:
-        monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
-        monkeypatch.setattr(layer_means, "SLICE_ABOVE", 10)
-        monkeypatch.setattr(layer_means, "SLICE_NODES", 8)
-        monkeypatch.setattr(layer_means, "JOIN_EVERY", 3)  # several joins, one of them across slices
-    means = ChannelMeans(weightless, tensors, held, fed=biases)
-    assert (means.run.session is None) == sliced
-    before = means(feeds)
-    for name in tensors:
-        assert np.array_equal(before[name], original[name]), name
-    created = _count_sessions(monkeypatch)
-    assert means.refeed(shifted)
-    got = means(feeds)
-    assert created == []
-    assert not np.array_equal(got["layer2/add_out"], before["layer2/add_out"])  # the shift reached later layers
-    for name in tensors:
-        assert np.array_equal(got[name], expected[name]), name
-    assert not means.refeed({"layer3/bias": shifted[biases[0]]})  # not fed: says so, changes nothing
-    assert not means.refeed({biases[0]: shifted[biases[0]].astype(np.float64)})
-
-
 def test_names_the_model_already_uses_are_not_taken() -> None:
-    """A model that already holds tensors named like the helper nodes (``qgraph_layer/0/mean``, the twin's
-    ``qgraph_layer_twin/0/w``) gets the same means and twin: the helpers move to a free namespace."""
+    """A model that already holds tensors named like the helper nodes (``qgraph_layer/0/mean``) gets the same
+    means: the helpers move to a free namespace."""
     model = _conv([1, 1], [0, 0, 0, 0], [1, 1], 1)
-    w = numpy_helper.to_array(model.graph.initializer[0])
     feed = {"x": np.random.default_rng(3).normal(0, 1, (1, 6, 5, 5)).astype(np.float32)}
     old = [f"qgraph_layer/0/{t}" for t in ("shape", "flat", "axes", "mean", "size")]
     old += ["qgraph_layer/one", "qgraph_layer/means", "qgraph_layer/sizes"]
-    old += [f"qgraph_layer_twin/0/{t}" for t in ("w", "b", "node")]
-    results = []
-    for m in (model, occupied(model, old)):
-        twinned = with_twins(m, [Twin("y", (2 * w).astype(np.float32), np.zeros(6, np.float32), "y_twin")])
-        assert {n.output[0] for n in twinned.graph.node if n.op_type == "Conv"} == {"y", "y_twin"}
-        twinned.graph.output.append(helper.make_value_info("y_twin", onnx.TypeProto()))
-        results.append(channel_means(twinned, {"y": (6, True), "y_twin": (6, True)}, [feed]))
-    clean, squatted = results
+    clean, squatted = (channel_means(m, {"y": (6, True)}, [feed]) for m in (model, occupied(model, old)))
     np.testing.assert_array_equal(squatted["y"], clean["y"])
-    np.testing.assert_array_equal(squatted["y_twin"], clean["y_twin"])
-    b = numpy_helper.to_array(model.graph.initializer[1])
-    np.testing.assert_allclose(clean["y_twin"], 2 * (clean["y"] - b), rtol=1e-5, atol=1e-5)
+    (y,) = run_ort(model, feed, "disable")
+    np.testing.assert_allclose(clean["y"], y.astype(np.float64).mean(axis=(0, 2, 3)), rtol=1e-5)
 
 
 def test_constant_only_nodes_move_right_before_their_first_reader() -> None:
     """`_sink_constants`: an export lists the weights' and biases' DequantizeLinear first; each moves right before
-    the node that first reads it (a fed bias counts as a constant, the data input does not), every computed node
-    keeps its order, and the graph computes the same."""
+    the node that first reads it (a node reading the data input does not move), every computed node keeps its
+    order, and the graph computes the same."""
     from qgraph.runtime.channel_means import _sink_constants
 
     rng = np.random.default_rng(0)
     nodes, inits, dqs = [], [], []
     for i in range(3):
         inits += [numpy_helper.from_array(rng.integers(-5, 5, (4, 4)).astype(np.int8), f"w{i}"),
-                  numpy_helper.from_array(np.array(0.1, np.float32), f"s{i}")]
+                  numpy_helper.from_array(np.array(0.1, np.float32), f"s{i}"),
+                  numpy_helper.from_array(rng.integers(-9, 9, 4).astype(np.int32), f"b{i}")]
         dqs.append(helper.make_node("DequantizeLinear", [f"w{i}", f"s{i}"], [f"wf{i}"], name=f"dqw{i}"))
         dqs.append(helper.make_node("DequantizeLinear", [f"b{i}", f"s{i}"], [f"bf{i}"], name=f"dqb{i}"))
         prev = "x" if i == 0 else f"y{i - 1}"
@@ -219,20 +142,17 @@ def test_constant_only_nodes_move_right_before_their_first_reader() -> None:
                   helper.make_node("Add", [f"m{i}", f"bf{i}"], [f"y{i}"], name=f"add{i}")]
     relu = helper.make_node("Relu", ["x"], ["r"], name="relu")  # reads only the data input: computed, stays
     graph = helper.make_graph([relu, *dqs, *nodes], "g",
-                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4]),
-                               *[helper.make_tensor_value_info(f"b{i}", onnx.TensorProto.INT32, [4])
-                                 for i in range(3)]],
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
                               [helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [2, 4]),
                                helper.make_tensor_value_info("r", onnx.TensorProto.FLOAT, [2, 4])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     sunk = onnx.ModelProto()
     sunk.CopyFrom(model)
-    _sink_constants(sunk, [f"b{i}" for i in range(3)])
+    _sink_constants(sunk)
     order = [n.name for n in sunk.graph.node]
     assert order == ["relu", "dqw0", "mm0", "dqb0", "add0", "dqw1", "mm1", "dqb1", "add1", "dqw2", "mm2", "dqb2",
                      "add2"]
-    feed = {"x": rng.normal(0, 1, (2, 4)).astype(np.float32),
-            **{f"b{i}": rng.integers(-9, 9, 4).astype(np.int32) for i in range(3)}}
+    feed = {"x": rng.normal(0, 1, (2, 4)).astype(np.float32)}
     onnx.checker.check_model(sunk)
     for a, b in zip(run_ort(model, feed, "disable"), run_ort(sunk, feed, "disable"), strict=True):
         assert np.array_equal(a, b)

@@ -18,13 +18,11 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import numpy.typing as npt
 import onnx
-from onnx import numpy_helper
 from pydantic import Field
 
 from qgraph.data import Feed, batched
 from qgraph.errors import PassError
 from qgraph.graph import GraphHandle, NoMatch
-from qgraph.graph.detach import is_placeholder, placeholder_proto
 from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
@@ -121,26 +119,12 @@ class CorrectionPass(Pass[C]):
         return cands
 
 
-def weightless(graph: GraphHandle, layers: Iterable[QuantLayer] = ()) -> tuple[onnx.ModelProto,
-                                                                                dict[str, npt.NDArray[Any]]]:
+def weightless(graph: GraphHandle) -> tuple[onnx.ModelProto, dict[str, npt.NDArray[Any]]]:
     """The graph's weightless export and its placeholders' values (the graph's own arrays, not copies): what
     `qgraph.runtime.channel_means.ChannelMeans` / `qgraph.runtime.layer_data.sample_inputs` take to build a session
-    without a copy of the weights. The biases of ``layers`` are placeholders too, however small: a session on the
-    export reads them from the values it is fed, so it can run the graph again after a bias correction
-    (`bias_values`, `qgraph.runtime.channel_means.ChannelMeans.refeed`)."""
+    without a copy of the weights."""
     model, held = graph.weightless_export()
-    shared = {name: value for name, (value, _) in held.items()}
-    fed = set(bias_values(layers))
-    for t in model.graph.initializer:
-        if t.name in fed and not is_placeholder(t):
-            shared[t.name] = numpy_helper.to_array(t)
-            t.CopyFrom(placeholder_proto(t.name, t.data_type, t.dims))
-    return model, shared
-
-
-def bias_values(layers: Iterable[QuantLayer]) -> dict[str, npt.NDArray[Any]]:
-    """The bias constants of ``layers`` as stored (int32 codes or float values), by name."""
-    return {la.bias.value.name: np.asarray(la.bias.value.values) for la in layers if la.bias is not None}
+    return model, {name: value for name, (value, _) in held.items()}
 
 
 def calibration_batches(ctx: PassContext) -> Iterable[Feed]:

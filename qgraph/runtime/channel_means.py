@@ -3,12 +3,12 @@
 `channel_means` gives each requested tensor ``y``, right after its producer (so it can be freed at once),
 ``ReduceMean`` over everything but the channel axis and its element count; a run returns ``C`` numbers per tensor
 whatever the activation size. Means over batches are weighted by rows. `ChannelMeans` keeps the session (or the
-slices' sessions of a long graph) for more runs, fed other values for some constants (a corrected bias).
+slices' sessions of a long graph) for more runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.graph import ProtoNames, insert_after_producers
 from qgraph.graph.detach import placeholders_as_inputs, with_weights
-from qgraph.runtime.compare import make_session, refeed, session_run
+from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable
 
 __all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "SessionFactory", "augment", "channel_means"]
@@ -94,18 +94,15 @@ def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], 
 
 
 class ChannelMeans:
-    """`channel_means` of one model, its session built once: each call is one streamed run over ``batches``, and
-    `refeed` changes the values of the placeholders named in ``fed`` (a layer's bias) between calls without a new
-    session."""
+    """`channel_means` of one model, its session built once: each call is one streamed run over ``batches``."""
 
     def __init__(self, model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]],
-                 weights: Mapping[str, npt.NDArray[Any]] | None = None, fed: Collection[str] = (),
-                 same_rows: Mapping[str, str] | None = None, session: SessionFactory | None = None,
-                 counts: Mapping[str, str] | None = None) -> None:
-        # ``same_rows[t] = u``: tensor t always has as many rows (elements per channel) as u, which is counted
-        # for both (a twin and its layer): two nodes fewer per such tensor in every run. ``counts[t] = c``: the
-        # graph computes t's weight (rows x channels, int64 [1]) in tensor c: t is already a mean over rows that
-        # are not its elements (`qgraph.runtime.row_means`)
+                 weights: Mapping[str, npt.NDArray[Any]] | None = None, same_rows: Mapping[str, str] | None = None,
+                 session: SessionFactory | None = None, counts: Mapping[str, str] | None = None) -> None:
+        # ``same_rows[t] = u``: tensor t always has as many rows (elements per channel) as u, which is counted for
+        # both (the offsets of one convolution's rows): two nodes fewer per such tensor in every run.
+        # ``counts[t] = c``: the graph computes t's weight (rows x channels, int64 [1]) in tensor c: t is already a
+        # mean over rows that are not its elements (`qgraph.runtime.row_means`)
         like = {t: u for t, u in (same_rows or {}).items() if t in tensors and u in tensors and u != t
                 and u not in (same_rows or {})}
         opset = _opset(model)
@@ -132,12 +129,7 @@ class ChannelMeans:
         self.rows_from = np.array([position[like.get(t, t)] for t in tensors], np.intp)
         self.counted_channels = np.array([tensors[t][0] for t in counted], np.float64)
         self.run = _MeansRun(augment(model, after, inits, []), (means, sizes), (space + "means", space + "sizes"),
-                             weights, fed, self.channels, session)
-
-    def refeed(self, values: Mapping[str, npt.NDArray[Any]]) -> bool:
-        """From now on, read these placeholders' values from ``values`` (the same dtype and shape); False (nothing
-        changed) when a name is not one of ``fed``: build a new `ChannelMeans` then."""
-        return self.run.refeed(values)
+                             weights, self.channels, session)
 
     def __call__(self, batches: Iterable[Feed]) -> dict[str, npt.NDArray[np.float64]]:
         """Per-channel means of every tensor over ``batches`` (one streamed run)."""
@@ -175,39 +167,28 @@ class _MeansRun:
     for the quantized twin graph of a 3,000-layer chain, ~100 s at 10,000 layers) runs slice by slice
     (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
     Concat would carry every mean through every later slice); they are joined here: the same values. The slices'
-    sessions, built on the first run, serve every run: the ``fed`` placeholders are their inputs."""
+    sessions, built on the first run, serve every run."""
 
     def __init__(self, model: onnx.ModelProto, parts: tuple[list[str], list[str]], joined: tuple[str, str],
-                 weights: Mapping[str, npt.NDArray[Any]] | None, fed: Collection[str], channels: list[int],
+                 weights: Mapping[str, npt.NDArray[Any]] | None, channels: list[int],
                  session: SessionFactory | None = None) -> None:
         self.parts, self.joined = parts, joined
         self.nodes = len(model.graph.node)  # before the two Concats
         weights = dict(weights or {})
         self.session: Any = None
-        self.fed = {n: np.asarray(weights.pop(n)) for n in fed if n in weights}  # slice inputs, fed per sample
         means, sizes = parts
         if len(model.graph.node) <= SLICE_ABOVE or not segmentable(model):
             model.graph.node.extend([helper.make_node("Concat", means, [joined[0]], axis=0),  # our own copy
                                      helper.make_node("Concat", sizes, [joined[1]], axis=0)])
             model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in joined)
-            held = {**weights, **self.fed}
-            self.session = (make_session(model, mem_pattern=False, weights=held) if session is None
-                            else session(model, held))
+            self.session = (make_session(model, mem_pattern=False, weights=weights) if session is None
+                            else session(model, weights))
             return
-        # slices are built from protobufs: every weight written in but the fed ones, which stay graph inputs
+        # slices are built from protobufs: every weight written in
         self.model = placeholders_as_inputs(with_weights(model, weights) if weights else model)
-        _sink_constants(self.model, self.fed)
+        _sink_constants(self.model)
         self.groups = _join_in_groups(self.model, parts, channels)
         self.plan = plan_segments(self.model, [*self.groups.means, *self.groups.sizes], SLICE_NODES)
-
-    def refeed(self, values: Mapping[str, npt.NDArray[Any]]) -> bool:
-        if not all(n in self.fed and np.asarray(v).dtype == self.fed[n].dtype
-                   and np.shape(v) == self.fed[n].shape for n, v in values.items()):
-            return False
-        if self.session is not None and not refeed(self.session, values):
-            return False
-        self.fed.update(values)
-        return True
 
     def each(self, batches: Iterable[Feed], use: Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]) -> None:
         if self.session is not None:
@@ -230,18 +211,18 @@ class _MeansRun:
                 np.concatenate([got.pop(o) for o in groups.sizes])[groups.size_order])
 
         observe_segmented(self.model, {o: _Keep(o) for o in [*groups.means, *groups.sizes]},
-                          ({**feed, **self.fed} for feed in batches), SLICE_NODES, optimization=_NO_OPTIMIZATION,
+                          batches, SLICE_NODES, optimization=_NO_OPTIMIZATION,
                           after_feed=done, plan=self.plan)
 
 
-def _sink_constants(model: onnx.ModelProto, fed: Collection[str]) -> None:
-    """Move every node that reads only initializers, the ``fed`` inputs and such nodes' outputs (a weight's or a
-    fed bias's DequantizeLinear) right before its first reader, in place. An exported graph lists them first: every
+def _sink_constants(model: onnx.ModelProto) -> None:
+    """Move every node that reads only initializers and such nodes' outputs (a weight's DequantizeLinear) right
+    before its first reader, in place. An exported graph lists them first: every
     slice would then read thousands of them from the first one, and onnxruntime checks a run's feed in
     O(inputs x fed names). The same nodes compute the same values in another topological order."""
     nodes = list(model.graph.node)
     producer = {t: i for i, n in enumerate(nodes) for t in n.output if t}
-    sources = {t.name for t in model.graph.initializer} | set(fed)
+    sources = {t.name for t in model.graph.initializer}
     constant = [False] * len(nodes)
     for i, n in enumerate(nodes):
         constant[i] = all(not t or t in sources or (t in producer and constant[producer[t]]) for t in n.input)

@@ -85,16 +85,6 @@ class WeightFedSession(ort.InferenceSession):  # type: ignore[misc]  # onnxrunti
         self.session = session
         self.weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
 
-    def refeed(self, values: Mapping[str, np.ndarray]) -> bool:
-        """Feed ``values`` in place of the fed weights of the same names from now on (the graph with other values
-        for those constants, without a new session); False, changing nothing, unless every name is a fed weight of
-        the same dtype and shape."""
-        if not all(n in self.weights and np.asarray(v).dtype == self.weights[n].dtype
-                   and np.shape(v) == self.weights[n].shape for n, v in values.items()):
-            return False
-        self.weights.update({name: np.ascontiguousarray(value) for name, value in values.items()})
-        return True
-
     def get_inputs(self) -> list[Any]:
         """The session's inputs without the weights."""
         return [i for i in self.session.get_inputs() if i.name not in self.weights]
@@ -105,16 +95,6 @@ class WeightFedSession(ort.InferenceSession):  # type: ignore[misc]  # onnxrunti
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["session"], name)
-
-
-def refeed(session: Any, values: Mapping[str, np.ndarray]) -> bool:
-    """`WeightFedSession.refeed` on ``session`` or the weight-fed session it wraps (an emulated or counted session
-    of `qgraph.runtime.kernels`); False for any other session (its constants are inside it: build a new one)."""
-    while not isinstance(session, WeightFedSession):
-        session = session.__dict__.get("session") if hasattr(session, "__dict__") else None
-        if session is None:
-            return False
-    return session.refeed(values)
 
 
 def run(session: ort.InferenceSession, feed: Feed, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:

@@ -1,5 +1,6 @@
 """What weight-correction passes measure on calibration data: per-channel output means
-(`qgraph.runtime.channel_means`, re-exported here), float twins of layers, and sampled layer inputs.
+(`qgraph.runtime.channel_means`, re-exported here), mean input rows (`qgraph.runtime.row_means`) and sampled layer
+inputs.
 
 `sample_inputs` keeps a uniform random sample of at most ``max_rows`` input *rows* per layer over the whole data
 (reservoir by random keys: every row gets a key ``U(0, 1)``, the rows with the smallest keys are kept), so memory
@@ -17,21 +18,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import onnx
-from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.errors import DataError
-from qgraph.graph import ProtoNames
-from qgraph.graph.detach import DETACH_BYTES, PLACEHOLDER
 from qgraph.runtime.channel_means import ChannelMeans, augment, channel_means
 from qgraph.runtime.compare import make_session, session_run
 
-__all__ = ["ChannelMeans", "RowSpec", "Twin", "channel_means", "sample_inputs", "with_twins"]
-
-#: Stem of the namespace the twins live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_twin_1/`` when the
-#: model already uses ``qgraph_layer_twin/``).
-_TWIN_STEM = "qgraph_layer_twin"
-
+__all__ = ["ChannelMeans", "RowSpec", "channel_means", "sample_inputs"]
 
 @dataclass
 class RowSpec:
@@ -146,61 +139,3 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
         kept = r.sample()
         out.append(kept if kept is not None else np.zeros((s.groups, 0, s.k), np.float32))
     return out
-
-
-@dataclass
-class Twin:
-    """A float copy of a quantized layer reading the same (quantized) input: node with output ``node_output`` in
-    the model, its float ``weight`` and ``bias`` (C,), and the name its twin output gets."""
-
-    node_output: str
-    weight: npt.NDArray[np.float32]
-    bias: npt.NDArray[np.float32]
-    output: str
-
-
-def _twin_tensor(value: npt.NDArray[np.float32], name: str,
-                 weights: dict[str, npt.NDArray[Any]] | None) -> onnx.TensorProto:
-    if weights is None or value.nbytes < DETACH_BYTES:
-        return numpy_helper.from_array(value, name)
-    weights[name] = value  # shared, not copied: the session reads it in place
-    t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype))
-    t.dims.extend(value.shape)
-    t.data_location = onnx.TensorProto.EXTERNAL
-    t.external_data.add(key="location", value=PLACEHOLDER)
-    return t
-
-
-def with_twins(model: onnx.ModelProto, twins: Sequence[Twin],
-               weights: dict[str, npt.NDArray[Any]] | None = None) -> onnx.ModelProto:
-    """A copy of ``model`` where each twin's layer gets a float copy right after it: the same op and attributes on
-    the same input 0, with the float weight and bias (Conv/Gemm: input 2, Gemm ``beta = 1``; MatMul: an Add).
-
-    With ``weights`` (a weightless ``model``'s placeholder values), large twin tensors are placeholders too and
-    their arrays are added to ``weights`` (shared): the copy then holds no weights at all."""
-    by_output = {n.output[0]: n for n in model.graph.node if n.output}
-    after: dict[str, list[onnx.NodeProto]] = {}
-    inits: list[onnx.TensorProto] = []
-    space = ProtoNames(model).prefix(_TWIN_STEM)
-    for k, twin in enumerate(twins):
-        node = by_output[twin.node_output]
-        p = f"{space}{k}/"
-        inits += [_twin_tensor(twin.weight, p + "w", weights), _twin_tensor(twin.bias, p + "b", weights)]
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = p + "node"
-        del copy.input[1:]
-        copy.input.append(p + "w")
-        del copy.output[:]
-        nodes = [copy]
-        if node.op_type == "MatMul":
-            copy.output.append(p + "matmul")
-            nodes.append(helper.make_node("Add", [p + "matmul", p + "b"], [twin.output], name=p + "add"))
-        else:
-            copy.input.append(p + "b")
-            copy.output.append(twin.output)
-            for a in copy.attribute:
-                if a.name == "beta":
-                    a.f = 1.0
-        after.setdefault(twin.node_output, []).extend(nodes)
-    return augment(model, after, inits, [])
