@@ -63,6 +63,18 @@ At 100,000 nodes: float pass 3.45 s, plain 70.3 s (69.8 CPU), 2008 MB; ort-x86-v
 The 1.5x-of-plain and 3k < 3 s targets are not met: correct_bias (its fidelity guard's two scoring sessions and
 fusion probe, and the twin-means runs, each a whole-graph onnxruntime session) and the per-pair CLE sweep remain.
 
+correct_bias measuring each layer's mean input row instead of running a float twin of it (`qgraph.runtime.row_means`),
+and its per-layer check run off by default, same host, load ~1, wall seconds (child CPU), peak RSS:
+
+                                     3,000 nodes                          30,000 nodes
+    ort-x86-vnni                     8.7 s (9.5), 277 MB                  139.6 s (140.1), 1612 MB
+                                     (correct_bias 5.25 -> 4.25)          (correct_bias 108 -> 81.5)
+    ort-x86-avx2                     9.45 s (10.2), 280 MB (correct_bias 7.69 -> 4.53)
+    plain                            1.87 s (2.6)
+
+At 10k nodes correct_bias takes 21.5 s: the guard's two scoring sessions 11.4 s (7.4 s of it building sessions on
+the target's kernels), the rows 8.0 s (a ~40k-node graph run in slices: 14 runs per sample).
+
 Outputs byte-identical (the chain at both sizes, and `tools/recipe_digests.py`). What is left in equalize_weights is
 the Gauss-Seidel sweep itself, one pair after the other (each step reads the previous step's scales), ~25 numpy calls
 per pair per round; in smooth_quant, measuring (0.42 s at 3k, 5.4 s at 30k: the export, onnxruntime fetching every
