@@ -153,3 +153,45 @@ def test_matrix_rows_and_a_transposed_gemm_input() -> None:
     np.testing.assert_allclose(rows, np.concatenate([f["x"].reshape(-1, 5) for f in relu]).mean(axis=0), rtol=1e-6)
     np.testing.assert_allclose(cols, np.concatenate([f["a"].T for f in relu]).mean(axis=0), rtol=1e-6)
     np.testing.assert_array_equal(again, rows)  # measured once, handed to both
+
+
+def test_a_long_graph_run_in_slices_gives_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliced runs (`qgraph.runtime.channel_means.SLICE_ABOVE`) carry the box sums and their in-graph counts
+    through every slice: the same rows, bit for bit, as one session."""
+    from qgraph.runtime import channel_means, segments
+
+    rng = np.random.default_rng(4)
+    nodes, inits, sources = [], [], []
+    x = "x"
+    for i in range(6):
+        kernel, attrs = ((3, 3), {"pads": [1, 1, 1, 1]}) if i % 2 == 0 else ((3, 3), {"strides": [2, 2]})
+        inits.append(numpy_helper.from_array(rng.normal(0, 0.3, (4, 4, *kernel)).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("Relu", [x], [f"r{i}"]),
+                  helper.make_node("Conv", [f"r{i}", f"w{i}"], [f"y{i}"], kernel_shape=list(kernel), **attrs)]
+        sources.append(conv_rows(f"r{i}", 4, kernel, attrs))
+        x = f"y{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = [{"x": rng.normal(size=(n, 4, 70, 70)).astype(np.float32)} for n in (1, 2)]
+    whole = row_means(model, sources, feeds)
+    monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
+    monkeypatch.setattr(channel_means, "SLICE_ABOVE", 10)
+    monkeypatch.setattr(channel_means, "SLICE_NODES", 20)
+    monkeypatch.setattr(channel_means, "JOIN_EVERY", 3)
+    import onnxruntime as ort
+
+    created: list[int] = []
+    init = ort.InferenceSession.__init__
+
+    def counting(self: ort.InferenceSession, *a: Any, **k: Any) -> None:
+        created.append(1)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    sliced = row_means(model, sources, feeds)
+    assert len(created) > 2  # slices, each its own session
+    for a, b in zip(whole, sliced, strict=True):
+        np.testing.assert_array_equal(a, b)
+    layer0 = _im2col_mean(feeds, (3, 3), {"pads": [1, 1, 1, 1]})  # the first layer's input is x's Relu
+    np.testing.assert_allclose(whole[0], layer0, rtol=1e-5, atol=1e-6)
