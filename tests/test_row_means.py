@@ -195,3 +195,14 @@ def test_a_long_graph_run_in_slices_gives_the_same_rows(monkeypatch: pytest.Monk
         np.testing.assert_array_equal(a, b)
     layer0 = _im2col_mean(feeds, (3, 3), {"pads": [1, 1, 1, 1]})  # the first layer's input is x's Relu
     np.testing.assert_allclose(whole[0], layer0, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kernel", "attrs"), [((3, 3), {"pads": [1, 1, 1, 1]}), ((3, 3), {"strides": [2, 2]}),
+                                               ((1, 1), {})])
+def test_nan_in_a_layer_input_is_a_data_error_that_names_it(kernel: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    from qgraph.errors import DataError
+
+    x = np.random.default_rng(0).normal(size=(1, 4, 8, 8)).astype(np.float32)
+    x[0, 1, 4, 4] = np.nan
+    with pytest.raises(DataError, match="layer input 'r' holds NaN/Inf on the calibration data"):
+        row_means(_conv_model(4, 6, kernel, attrs), [conv_rows("r", 4, kernel, attrs)], [{"x": x}])

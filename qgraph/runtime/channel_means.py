@@ -98,11 +98,14 @@ class ChannelMeans:
 
     def __init__(self, model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]],
                  weights: Mapping[str, npt.NDArray[Any]] | None = None, same_rows: Mapping[str, str] | None = None,
-                 session: SessionFactory | None = None, counts: Mapping[str, str] | None = None) -> None:
+                 session: SessionFactory | None = None, counts: Mapping[str, str] | None = None,
+                 labels: Mapping[str, str] | None = None) -> None:
         # ``same_rows[t] = u``: tensor t always has as many rows (elements per channel) as u, which is counted for
         # both (the offsets of one convolution's rows): two nodes fewer per such tensor in every run.
         # ``counts[t] = c``: the graph computes t's weight (rows x channels, int64 [1]) in tensor c: t is already a
-        # mean over rows that are not its elements (`qgraph.runtime.row_means`)
+        # mean over rows that are not its elements (`qgraph.runtime.row_means`). ``labels[t]``: what a message
+        # calls tensor t (a helper tensor by the model tensor it measures)
+        self.labels = dict(labels or {})
         like = {t: u for t, u in (same_rows or {}).items() if t in tensors and u in tensors and u != t
                 and u not in (same_rows or {})}
         opset = _opset(model)
@@ -152,8 +155,9 @@ class ChannelMeans:
         for name, total in totals.items():
             mean = total / max(float(rows_of[name]), 1.0)
             if not np.all(np.isfinite(mean)):
-                raise DataError(f"tensor {name!r} holds NaN/Inf on the calibration data: its mean cannot be "
-                                "corrected; fix the model or the data.")
+                what = self.labels.get(name, f"tensor {name!r}")
+                raise DataError(f"{what} holds NaN/Inf on the calibration data: its mean cannot be corrected; fix "
+                                "the model or the data.")
             out[name] = mean
         return out
 

@@ -315,7 +315,11 @@ def row_means(model: onnx.ModelProto, sources: Sequence[RowSource], batches: Ite
         measured[source] = name
     if any(after.values()):
         model = augment(model, after, inits, [])
-    means = ChannelMeans(model, tensors, weights, same_rows=same_rows, session=session, counts=counts)(batches)
+    owner = {**{name: s.tensor for s, name in measured.items()}, **{name: s.tensor for s, name in boxes.items()},
+             **{t: s.tensor for s, sliced in by_offset.items() for t in sliced}}
+    labels = {name: f"layer input {tensor!r}" for name, tensor in owner.items()}
+    means = ChannelMeans(model, tensors, weights, same_rows=same_rows, session=session, counts=counts,
+                         labels=labels)(batches)
     rows = {s: means[name] for s, name in measured.items()}
     rows.update({s: _from_corners(means[name], s) for s, name in boxes.items()})
     for s, sliced in by_offset.items():  # [offset, C_in] -> the weight's [C_in, offset]
