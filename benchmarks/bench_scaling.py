@@ -69,7 +69,8 @@ and its per-layer check run off by default, same host, load ~1, wall seconds (ch
                                      3,000 nodes                          30,000 nodes
     ort-x86-vnni                     8.7 s (9.5), 277 MB                  139.6 s (140.1), 1612 MB
                                      (correct_bias 5.25 -> 4.25)          (correct_bias 108 -> 81.5)
-    ort-x86-avx2                     9.45 s (10.2), 280 MB (correct_bias 7.69 -> 4.53)
+    ort-x86-avx2                     9.45 s (10.2), 280 MB                133.0 s (134.7), 1623 MB
+                                     (correct_bias 7.69 -> 4.53)          (correct_bias 105 -> 77.1)
     plain                            1.87 s (2.6)
 
 At 10k nodes correct_bias takes 21.5 s: the guard's two scoring sessions 11.4 s (7.4 s of it building sessions on
