@@ -111,7 +111,8 @@ def _bank(source: RowSource, p: str) -> tuple[list[onnx.NodeProto], list[onnx.Te
     attrs: dict[str, Any] = {name: list(v) if isinstance(v, tuple) else v for name, v in source.geometry}
     attrs["kernel_shape"] = list(source.kernel)
     node = helper.make_node("Conv", [source.tensor, weight.name], [p + "rows"], name=p + "bank")
-    node.attribute.extend(helper.make_attribute(k, v) for k, v in {**attrs, "group": source.channels}.items())
+    node.attribute.extend(helper.make_attribute(name, value)
+                          for name, value in {**attrs, "group": source.channels}.items())
     return [node], [weight], p + "rows"
 
 
