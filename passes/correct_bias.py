@@ -144,7 +144,8 @@ def _rows_session(ctx: PassContext, nodes: int, how: list[str]) -> SessionFactor
     if values >= VALUES_PER_NODE * nodes:
         how.append(f"rows on {ctx.kernels.label()}")
         return lambda m, w: ctx.kernels.session(m, weights=w, mem_pattern=False)
-    how.append(f"rows with Q/DQ in float (a sample's {values} input values are few for {nodes} nodes)")
+    how.append(f"rows with Q/DQ in float (a sample's {values} input values for {nodes} graph nodes, under "
+               f"{VALUES_PER_NODE} per node: building the target's kernels would cost more than they save)")
     return None
 
 
