@@ -22,11 +22,11 @@ Re-run 2026-11-28, host idle: float pass 4.0 s; ort-x86-vnni 31.3 s wall, 37 s C
 calibration 5.5 s, smooth_quant 2.0 s), score MAE 0.888/0.527/0.593; quantize_static 2.9 s wall, 6 s CPU, MAE
 1.306/1.361/0.799. The issue's "faster than quantize_static on long inputs" is not met: correct_bias alone runs the
 quantized model with float twins twice and its guard twice over every clip.
-After correct_bias measured mean input rows on the deployed kernels (one run, no twins, no second run), idle:
-float pass 3.9 s; ort-x86-vnni 15.9 s wall, 21 s CPU (correct_bias 7.4 s: the guard's float reference 4.0 s, its
-two scores 1.8 s, the rows 1.4 s; calibration 5.3 s = 1.3x the float pass; smooth_quant 2.0 s), score MAE
-0.888/0.529/0.593; quantize_static 2.8 s wall, MAE 1.306/1.361/0.799. Still 5.7x quantize_static's time: its
-calibration is one float pass of fetched outputs; ours also builds exact histograms (1.3x) and then corrects.
+After correct_bias measured mean input rows (one run with Q/DQ in float, no twins, no second run), idle: float pass
+4.1 s; ort-x86-vnni 19.3 s wall, 25 s CPU (correct_bias 10.6 s: the rows 4.6 s, the guard's float reference 4.0 s
+and its two scores 1.8 s; calibration 5.4 s = 1.2x the float pass; smooth_quant 2.1 s), score MAE 0.888/0.529/0.593;
+quantize_static 2.8 s wall, MAE 1.306/1.361/0.799. Still 6.8x quantize_static's time: its calibration is one float
+pass of fetched outputs; ours also builds exact histograms and then corrects the biases and checks the correction.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ calibration data, ``b_c += delta_c`` with, by ``mode``:
 
 - ``local`` (default): ``delta = E[W_float x_q + b_float] - E[Ŵ x_q + b̂]``, the layer's *own* mean error on the
   quantized input ``x_q`` it reads (float weight and bias from `PassContext.float_reference`). The layer is
-  linear, so this is ``(W_float - Ŵ) · E[row of x_q] + (b_float - b̂)``: one run of the quantized model on the
-  target's kernels measures every layer's mean input row (the mean im2col row of a Conv;
-  `qgraph.runtime.row_means`), and the rest is arithmetic in float64. No double counting: correcting layer ``k``
-  does not change what layer ``k + 1`` corrects.
+  linear, so this is ``(W_float - Ŵ) · E[row of x_q] + (b_float - b̂)``: one run of the quantized model (Q/DQ as
+  written, in float: no host-specific integer kernels) measures every layer's mean input row (the mean im2col row
+  of a Conv; `qgraph.runtime.row_means`), and the rest is arithmetic in float64. No double counting: correcting
+  layer ``k`` does not change what layer ``k + 1`` corrects.
 - ``one_shot``: ``delta = E[y_float] - E[y_quant]`` from one run of the float model and one of the quantized model
   (the textbook empirical form, all layers at once). In a deep chain every layer also "corrects" the shift its
   upstream layers already correct: on PP-LCNet it overshoots (measured below).
@@ -23,8 +23,8 @@ calibration data, ``b_c += delta_c`` with, by ``mode``:
 (`qgraph.runtime.channel_means`): memory stays that of one inference. ``measure_after`` (off by default: the guard
 measures the outputs) measures the rows again on the corrected graph, for the error left per layer.
 
-Cost (``local``): DNSMOS (speechmos wheel, 16 clips of 9 s, AVX512-VNNI host) 1.4 s for the rows, where a float
-twin of every layer run beside it took 8.3 s; the whole pass 22.8 s -> 7.3 s, most of it the guard's runs.
+Cost (``local``): DNSMOS (speechmos wheel, 16 clips of 9 s, AVX512-VNNI host) 4.6 s for the rows, where a float
+twin of every layer run beside it took 8.3 s (and a second run after); the whole pass 22.8 s -> 10.5 s.
 
 Measured (``benchmarks/bench_weight_correction.py``): per-tensor depthwise test net 31.0 dB -> 37.1 (local),
 40.0 (sequential per layer), 32.6 (one_shot); PP-LCNet orientation (per-channel INT8, logits SQNR / top-1)
@@ -65,7 +65,6 @@ from qgraph.recovery.weight_correction import (
     calibration_batches,
     weightless,
 )
-from qgraph.runtime.channel_means import SessionFactory
 from qgraph.runtime.layer_data import channel_means
 from qgraph.runtime.row_means import RowSource, conv_rows, matrix_rows, row_means
 
@@ -128,27 +127,6 @@ def _rows(layer: QuantLayer) -> RowSource:
     return matrix_rows(x, k, transposed=node.op == "Gemm" and bool(int(node.attrs.get("transA", 0))))
 
 
-#: Input values per sample, per graph node, above which the rows are measured on the target's kernels: their
-#: session builds slower (graph optimizations and Q/DQ fusion, 0.15-0.37 ms per node on a 10k-node chain; more where
-#: the kernels are emulated) but runs a heavy model faster (DNSMOS, 0.7k values per node: 1.45 s against 4.6 s).
-#: Decided from the graph and the data's shapes, never from a timing: the same inputs give the same biases.
-VALUES_PER_NODE = 32
-
-
-def _rows_session(ctx: PassContext, nodes: int, how: list[str]) -> SessionFactory | None:
-    """The session that measures the rows: the target's kernels (the x_q the deployed layers read, and a faster
-    run) where a sample's input is large next to the graph (`VALUES_PER_NODE`); else Q/DQ run as written in
-    float, which builds at once (a long graph of small tensors). What was chosen is appended to ``how``."""
-    first = next(iter(calibration_batches(ctx)), {})
-    values = sum(int(np.size(v)) for v in first.values())
-    if values >= VALUES_PER_NODE * nodes:
-        how.append(f"rows on {ctx.kernels.label()}")
-        return lambda m, w: ctx.kernels.session(m, weights=w, mem_pattern=False)
-    how.append(f"rows with Q/DQ in float (a sample's {values} input values for {nodes} graph nodes, under "
-               f"{VALUES_PER_NODE} per node: building the target's kernels would cost more than they save)")
-    return None
-
-
 def _rms(x: npt.NDArray[np.float64]) -> float:
     return float(math.sqrt(float(np.mean(np.square(x))))) if x.size else 0.0
 
@@ -193,16 +171,15 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
             return res
         assert ctx.float_reference is not None
         guard = FidelityGuard.start(self.config, graph, ctx, layers, res)
-        how: list[str] = []  # local: which session measured the rows
         if self.config.mode == "local":
-            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights, how)
+            per_layer, runs, clipped = self._local(graph, ctx, layers, cands.float_weights)
         else:
             per_layer, runs, clipped = self._global(graph, ctx, layers)
         res.rewritten = sum(int(v.pop("changed")) for v in per_layer.values())
         res.details = CorrectBiasDetails(biases_created=created or None, layers=per_layer, model_runs=runs)
         if clipped:
             res.notes.append(f"{clipped} int32 bias code(s) saturated")
-        changed, what = res.rewritten, self._summary(per_layer, runs, how)
+        changed, what = res.rewritten, self._summary(per_layer, runs)
         # One line says what happened and why: corrected (and the guard's measure), or undone and why.
         if guard is None:
             res.decide(f"bias correction: {changed} of {len(per_layer)} layer bias(es) corrected ({what})")
@@ -222,8 +199,7 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         return before is None or after is None or not np.array_equal(before, after), clipped
 
     def _local(self, graph: GraphHandle, ctx: PassContext, layers: list[QuantLayer],
-               weights: dict[str, npt.NDArray[np.float32]], how: list[str]
-               ) -> tuple[dict[str, dict[str, float]], int, int]:
+               weights: dict[str, npt.NDArray[np.float32]]) -> tuple[dict[str, dict[str, float]], int, int]:
         """Each layer's own mean error, E[layer_float(x_q)] - E[layer_quant(x_q)], from the mean input row of every
         layer in one run (`QuantLayer.mean_error`); ``measure_after`` measures the rows again on the corrected
         graph (its upstream corrections move them)."""
@@ -233,10 +209,8 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
 
         def errors() -> list[npt.NDArray[np.float64]]:
             model, shared = weightless(graph)
-            session = _rows_session(ctx, len(model.graph.node), [] if how else how)  # said once
-            rows = row_means(model, sources, calibration_batches(ctx), shared, session=session)
+            rows = row_means(model, sources, calibration_batches(ctx), shared)
             return [la.mean_error(weights[la.output], biases[la.output], r) for la, r in zip(layers, rows, strict=True)]
-
 
         per_layer: dict[str, dict[str, float]] = {}
         clipped = 0
@@ -282,10 +256,9 @@ class CorrectBias(CorrectionPass[CorrectBiasConfig]):
         bounds = np.linspace(0, len(layers), k + 1).round().astype(int)
         return [layers[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
-    def _summary(self, per_layer: dict[str, dict[str, float]], runs: int, how: list[str]) -> str:
+    def _summary(self, per_layer: dict[str, dict[str, float]], runs: int) -> str:
         before = float(np.median([v["mean_error_rms_before"] for v in per_layer.values()]))
-        text = (f"{self.config.mode}, {runs} model run(s){''.join(', ' + h for h in how)}; median per-layer "
-                f"mean-error RMS {before:.3g}")
+        text = f"{self.config.mode}, {runs} model run(s); median per-layer mean-error RMS {before:.3g}"
         if self.config.measure_after:
             after = float(np.median([v["mean_error_rms_after"] for v in per_layer.values()]))
             text += f" -> {after:.3g}"

@@ -104,10 +104,9 @@ def test_every_pass_of_a_ready_recipe_does_the_same_work_on_a_chain_4x_longer(
     assert small["insert_qdq"]["runs"] <= 2 * SAMPLES + 2
     # correct_bias: the guard's reference and before/after scores, the layer errors and their check after
     assert small["correct_bias"]["runs"] <= 5 * SAMPLES
-    # and a bounded few sessions: the float reference, the guard's two scoring sessions and one session for the
-    # layers' mean input rows, each on the target's kernels (where they are emulated on this host, each scoring
-    # and rows session also builds a fusion probe)
-    assert small["correct_bias"]["sessions"] <= 6, small["correct_bias"]
+    # and a bounded few sessions: the float reference, the guard's two scoring sessions (and, for AVX2 emulated,
+    # its fusion probe), and one session for the layers' mean input rows
+    assert small["correct_bias"]["sessions"] <= 5, small["correct_bias"]
     # calibration folds each tensor's samples into its histogram together, not once per sample per tensor
     tensors_large = large["insert_qdq"]["histogram_updates"]
     assert 0 < tensors_large <= 3 * 48, large["insert_qdq"]

@@ -25,7 +25,7 @@ from qgraph.graph.detach import placeholders_as_inputs, with_weights
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable
 
-__all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "SessionFactory", "augment", "channel_means"]
+__all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "augment", "channel_means"]
 
 #: Stem of the namespace the helper nodes live in (`qgraph.graph.ProtoNames.prefix`: ``qgraph_layer_1/`` when the
 #: model already uses ``qgraph_layer/``).
@@ -76,21 +76,13 @@ def augment(model: onnx.ModelProto, after: dict[str, list[onnx.NodeProto]],
     return out
 
 
-#: Builds the session of a means run from the augmented model and the values of its placeholders (default:
-#: `qgraph.runtime.compare.make_session` without graph optimizations; a target's deployed kernels, e.g.
-#: ``lambda m, w: kernels.session(m, weights=w, mem_pattern=False)``). A graph run in slices ignores it.
-SessionFactory = Callable[[onnx.ModelProto, Mapping[str, npt.NDArray[Any]]], Any]
-
-
 def channel_means(model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]], batches: Iterable[Feed],
-                  weights: Mapping[str, npt.NDArray[Any]] | None = None,
-                  session: SessionFactory | None = None) -> dict[str, npt.NDArray[np.float64]]:
+                  weights: Mapping[str, npt.NDArray[Any]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
     """Per-channel mean of each tensor over every batch: ``tensors[name] = (channels, channel_first)`` (axis 1 for
     Conv outputs, the last axis for Gemm/MatMul). One streamed run; `DataError` on NaN/Inf. ``weights``: the
     values of a weightless ``model``'s placeholders, read in place by the session
-    (`qgraph.runtime.compare.make_session`); ``session``: what builds the session (`SessionFactory`). `ChannelMeans`
-    keeps the session for more runs."""
-    return ChannelMeans(model, tensors, weights, session=session)(batches) if tensors else {}
+    (`qgraph.runtime.compare.make_session`). `ChannelMeans` keeps the session for more runs."""
+    return ChannelMeans(model, tensors, weights)(batches) if tensors else {}
 
 
 class ChannelMeans:
@@ -98,8 +90,7 @@ class ChannelMeans:
 
     def __init__(self, model: onnx.ModelProto, tensors: dict[str, tuple[int, bool]],
                  weights: Mapping[str, npt.NDArray[Any]] | None = None, same_rows: Mapping[str, str] | None = None,
-                 session: SessionFactory | None = None, counts: Mapping[str, str] | None = None,
-                 labels: Mapping[str, str] | None = None) -> None:
+                 counts: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None) -> None:
         # ``same_rows[t] = u``: tensor t always has as many rows (elements per channel) as u, which is counted for
         # both (the offsets of one convolution's rows): two nodes fewer per such tensor in every run.
         # ``counts[t] = c``: the graph computes t's weight (rows x channels, int64 [1]) in tensor c: t is already a
@@ -132,7 +123,7 @@ class ChannelMeans:
         self.rows_from = np.array([position[like.get(t, t)] for t in tensors], np.intp)
         self.counted_channels = np.array([tensors[t][0] for t in counted], np.float64)
         self.run = _MeansRun(augment(model, after, inits, []), (means, sizes), (space + "means", space + "sizes"),
-                             weights, self.channels, session)
+                             weights, self.channels)
 
     def __call__(self, batches: Iterable[Feed]) -> dict[str, npt.NDArray[np.float64]]:
         """Per-channel means of every tensor over ``batches`` (one streamed run)."""
@@ -174,8 +165,7 @@ class _MeansRun:
     sessions, built on the first run, serve every run."""
 
     def __init__(self, model: onnx.ModelProto, parts: tuple[list[str], list[str]], joined: tuple[str, str],
-                 weights: Mapping[str, npt.NDArray[Any]] | None, channels: list[int],
-                 session: SessionFactory | None = None) -> None:
+                 weights: Mapping[str, npt.NDArray[Any]] | None, channels: list[int]) -> None:
         self.parts, self.joined = parts, joined
         self.nodes = len(model.graph.node)  # before the two Concats
         weights = dict(weights or {})
@@ -185,8 +175,7 @@ class _MeansRun:
             model.graph.node.extend([helper.make_node("Concat", means, [joined[0]], axis=0),  # our own copy
                                      helper.make_node("Concat", sizes, [joined[1]], axis=0)])
             model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in joined)
-            self.session = (make_session(model, mem_pattern=False, weights=weights) if session is None
-                            else session(model, weights))
+            self.session = make_session(model, mem_pattern=False, weights=weights)
             return
         # slices are built from protobufs: every weight written in
         self.model = placeholders_as_inputs(with_weights(model, weights) if weights else model)

@@ -25,9 +25,9 @@ Bias correction needs nothing else: the mean output error of a quantized layer i
   layer's own geometry) copies each offset's input value to every output position (``C_in · k²`` multiply-adds
   per position; the layer itself costs ``C_out · C_in · k / group``).
 
-Measured on DNSMOS (speechmos wheel, 9 Convs and 3 MatMuls, 16 clips of 9 s, AVX512-VNNI host): the rows of
-every layer 1.45 s on the deployed kernels, where the model alone runs in 1.31 s; strided slices for every Conv
-4.2 s, row banks 4.3 s.
+Measured on DNSMOS (speechmos wheel, 9 Convs and 3 MatMuls, 16 clips of 9 s, AVX512-VNNI host, Q/DQ run in float
+without graph optimizations): the rows of every layer 4.6 s, where the model alone runs in 4.0 s; strided slices
+for every Conv 7.3 s, row banks 7.4 s; float twins of every layer (what bias correction ran before) 8.3 s.
 
 The same source (tensor and geometry) read by several layers is measured once.
 """
@@ -45,7 +45,7 @@ from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.graph import ProtoNames
-from qgraph.runtime.channel_means import ChannelMeans, SessionFactory, augment
+from qgraph.runtime.channel_means import ChannelMeans, augment
 
 __all__ = ["RowSource", "conv_rows", "matrix_rows", "row_means"]
 
@@ -257,12 +257,10 @@ def _from_corners(corners: npt.NDArray[np.float64], source: RowSource) -> npt.ND
 
 
 def row_means(model: onnx.ModelProto, sources: Sequence[RowSource], batches: Iterable[Feed],
-              weights: Mapping[str, npt.NDArray[Any]] | None = None,
-              session: SessionFactory | None = None) -> list[npt.NDArray[np.float64]]:
+              weights: Mapping[str, npt.NDArray[Any]] | None = None) -> list[npt.NDArray[np.float64]]:
     """The mean row ``(width,)`` of each source over every batch (module docstring): one streamed run of
     ``model`` with its row banks. `qgraph.errors.DataError` on NaN/Inf. ``weights``: the values of a weightless
-    ``model``'s placeholders, read in place, and ``session`` what runs it (both as in
-    `qgraph.runtime.channel_means.channel_means`)."""
+    ``model``'s placeholders, read in place (`qgraph.runtime.channel_means.channel_means`)."""
     unique = list(dict.fromkeys(sources))
     space = ProtoNames(model).prefix(_STEM)
     after: dict[str, list[onnx.NodeProto]] = {}
@@ -319,8 +317,7 @@ def row_means(model: onnx.ModelProto, sources: Sequence[RowSource], batches: Ite
     owner = {**{name: s.tensor for s, name in measured.items()}, **{name: s.tensor for s, name in boxes.items()},
              **{t: s.tensor for s, sliced in by_offset.items() for t in sliced}}
     labels = {name: f"layer input {tensor!r}" for name, tensor in owner.items()}
-    means = ChannelMeans(model, tensors, weights, same_rows=same_rows, session=session, counts=counts,
-                         labels=labels)(batches)
+    means = ChannelMeans(model, tensors, weights, same_rows=same_rows, counts=counts, labels=labels)(batches)
     rows = {s: means[name] for s, name in measured.items()}
     rows.update({s: _from_corners(means[name], s) for s, name in boxes.items()})
     for s, sliced in by_offset.items():  # [offset, C_in] -> the weight's [C_in, offset]
