@@ -50,7 +50,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +71,6 @@ from qgraph.runtime.row_means import RowSource, conv_rows, matrix_rows, row_mean
 __all__ = ["CorrectBias", "CorrectBiasConfig"]
 
 NAME = "correct_bias"
-Shared = dict[str, npt.NDArray[Any]]  # a weightless export's placeholder values
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,22 @@ small (float[N,4] x) => (float[N,4] y) {
 
 
 @pytest.fixture
+def created_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an item for every onnxruntime session the test creates from now on."""
+    import onnxruntime as ort
+
+    created: list[int] = []
+    init = ort.InferenceSession.__init__
+
+    def counting(self: ort.InferenceSession, *a: Any, **k: Any) -> None:
+        created.append(1)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    return created
+
+
+@pytest.fixture
 def small_model() -> onnx.ModelProto:
     """A 6-node float model with two Identity nodes to remove."""
     return onnx.parser.parse_model(SMALL_MODEL)

@@ -74,23 +74,8 @@ def test_a_tensor_counted_by_another_gets_the_same_means_from_fewer_nodes() -> N
     assert alone.run.nodes - shared.run.nodes == 2  # y_relu's Size and Reshape
 
 
-def _count_sessions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that gets an item for every onnxruntime session created from now on (in this test)."""
-    import onnxruntime as ort
-
-    created: list[int] = []
-    init = ort.InferenceSession.__init__
-
-    def counting(self: ort.InferenceSession, *a: object, **k: object) -> None:
-        created.append(1)
-        init(self, *a, **k)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
-    return created
-
-
-def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
-
+def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkeypatch: pytest.MonkeyPatch,
+                                                                           request: pytest.FixtureRequest) -> None:
     from qgraph.runtime import channel_means as layer_means
     from qgraph.runtime import segments
     from qgraph.testing import matmul_add_relu_chain
@@ -102,7 +87,7 @@ def test_channel_means_of_a_long_graph_run_in_slices_give_the_same_values(monkey
     monkeypatch.setattr(segments, "SEGMENT_THRESHOLD", 10)
     monkeypatch.setattr(layer_means, "SLICE_ABOVE", 10)
     monkeypatch.setattr(layer_means, "SLICE_NODES", 8)
-    created = _count_sessions(monkeypatch)
+    created = request.getfixturevalue("created_sessions")  # counted from here on, not the whole run's
     sliced = channel_means(model, tensors, feeds)
     # every slice gets one session for all four batches: more than one session, fewer than one per batch and slice
     assert 1 < len(created) <= (36 + 4 * 8) // 8 + 1

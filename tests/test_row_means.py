@@ -155,7 +155,8 @@ def test_matrix_rows_and_a_transposed_gemm_input() -> None:
     np.testing.assert_array_equal(again, rows)  # measured once, handed to both
 
 
-def test_a_long_graph_run_in_slices_gives_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_graph_run_in_slices_gives_the_same_rows(monkeypatch: pytest.MonkeyPatch,
+                                                        request: pytest.FixtureRequest) -> None:
     """Sliced runs (`qgraph.runtime.channel_means.SLICE_ABOVE`) carry the box sums and their in-graph counts
     through every slice: the same rows, bit for bit, as one session."""
     from qgraph.runtime import channel_means, segments
@@ -179,16 +180,7 @@ def test_a_long_graph_run_in_slices_gives_the_same_rows(monkeypatch: pytest.Monk
     monkeypatch.setattr(channel_means, "SLICE_ABOVE", 10)
     monkeypatch.setattr(channel_means, "SLICE_NODES", 20)
     monkeypatch.setattr(channel_means, "JOIN_EVERY", 3)
-    import onnxruntime as ort
-
-    created: list[int] = []
-    init = ort.InferenceSession.__init__
-
-    def counting(self: ort.InferenceSession, *a: Any, **k: Any) -> None:
-        created.append(1)
-        init(self, *a, **k)
-
-    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    created = request.getfixturevalue("created_sessions")  # counted from here on: the sliced run's alone
     sliced = row_means(model, sources, feeds)
     assert len(created) > 2  # slices, each its own session
     for a, b in zip(whole, sliced, strict=True):

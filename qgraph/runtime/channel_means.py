@@ -22,6 +22,7 @@ from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.graph import ProtoNames, insert_after_producers
 from qgraph.graph.detach import placeholders_as_inputs, with_weights
+from qgraph.graph.opsets import model_opset
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable
 
@@ -32,14 +33,11 @@ __all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "augment"
 _STEM = "qgraph_layer"
 _NO_OPTIMIZATION = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # what `make_session` runs with
 #: `channel_means` runs graphs over this many nodes slice by slice, in slices of `SLICE_NODES`. Higher than
-#: calibration's threshold: the twin graph of a 1,000-layer chain (~20k nodes) initializes no faster in 4,000-node
-#: slices (measured: 14 sessions 56 s vs 6 sessions 47 s on a loaded machine) and pays a run per slice per batch.
+#: calibration's threshold: a ~20k-node graph (a 1,000-layer chain with a float twin per layer, what bias correction
+#: once measured) initializes no faster in 4,000-node slices (measured: 14 sessions 56 s vs 6 sessions 47 s on a
+#: loaded machine) and pays a run per slice per batch.
 SLICE_ABOVE = 32_000
 SLICE_NODES = 16_000
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def _mean_nodes(name: str, p: str, one: str, channels: int, channel_first: bool, opset: int, count: bool) -> tuple[
@@ -99,7 +97,7 @@ class ChannelMeans:
         self.labels = dict(labels or {})
         like = {t: u for t, u in (same_rows or {}).items() if t in tensors and u in tensors and u != t
                 and u not in (same_rows or {})}
-        opset = _opset(model)
+        opset = model_opset(model, 1)
         self.channels = [c for c, _ in tensors.values()]
         after: dict[str, list[onnx.NodeProto]] = {}
         space = ProtoNames(model).prefix(_STEM)
@@ -159,7 +157,7 @@ class _MeansRun:
     One session: two Concat nodes join them, so a run fetches two outputs whatever the number of tensors (each
     fetched output costs onnxruntime and Python ~10 us: 2 x 2,000 outputs x 32 samples on a 1,000-layer chain).
     A graph over `SLICE_ABOVE` nodes (onnxruntime's session initialization is super-linear in the node count: 10 s
-    for the quantized twin graph of a 3,000-layer chain, ~100 s at 10,000 layers) runs slice by slice
+    for a 3,000-layer quantized chain with a float twin per layer, ~100 s at 10,000 layers) runs slice by slice
     (`qgraph.runtime.segments`) at the same optimization level (none), each slice handing out its own means (a
     Concat would carry every mean through every later slice); they are joined here: the same values. The slices'
     sessions, built on the first run, serve every run."""
@@ -210,9 +208,9 @@ class _MeansRun:
 
 def _sink_constants(model: onnx.ModelProto) -> None:
     """Move every node that reads only initializers and such nodes' outputs (a weight's DequantizeLinear) right
-    before its first reader, in place. An exported graph lists them first: every
-    slice would then read thousands of them from the first one, and onnxruntime checks a run's feed in
-    O(inputs x fed names). The same nodes compute the same values in another topological order."""
+    before its first reader, in place. An exported graph lists them first: every slice would then be fed thousands
+    of them from the first one, and onnxruntime checks a run's feed in O(inputs x fed names). The same nodes
+    compute the same values in another topological order."""
     nodes = list(model.graph.node)
     producer = {t: i for i, n in enumerate(nodes) for t in n.output if t}
     sources = {t.name for t in model.graph.initializer}

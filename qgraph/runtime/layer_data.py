@@ -26,6 +26,7 @@ from qgraph.runtime.compare import make_session, session_run
 
 __all__ = ["ChannelMeans", "RowSpec", "channel_means", "sample_inputs"]
 
+
 @dataclass
 class RowSpec:
     """How to cut a layer's input into rows of ``k`` values (per group): a Conv's geometry (``kernel`` non-empty;

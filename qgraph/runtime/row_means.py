@@ -45,6 +45,7 @@ from onnx import helper, numpy_helper
 
 from qgraph.data import Feed
 from qgraph.graph import ProtoNames
+from qgraph.graph.opsets import model_opset
 from qgraph.runtime.channel_means import ChannelMeans, augment
 
 __all__ = ["RowSource", "conv_rows", "matrix_rows", "row_means"]
@@ -114,10 +115,6 @@ def _bank(source: RowSource, p: str) -> tuple[list[onnx.NodeProto], list[onnx.Te
     node.attribute.extend(helper.make_attribute(name, value)
                           for name, value in {**attrs, "group": source.channels}.items())
     return [node], [weight], p + "rows"
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def _taps(source: RowSource, p: str, opset: int
@@ -259,7 +256,7 @@ def _from_corners(corners: npt.NDArray[np.float64], source: RowSource) -> npt.ND
 def row_means(model: onnx.ModelProto, sources: Sequence[RowSource], batches: Iterable[Feed],
               weights: Mapping[str, npt.NDArray[Any]] | None = None) -> list[npt.NDArray[np.float64]]:
     """The mean row ``(width,)`` of each source over every batch (module docstring): one streamed run of
-    ``model`` with its row banks. `qgraph.errors.DataError` on NaN/Inf. ``weights``: the values of a weightless
+    ``model`` with its helper nodes. `qgraph.errors.DataError` on NaN/Inf. ``weights``: the values of a weightless
     ``model``'s placeholders, read in place (`qgraph.runtime.channel_means.channel_means`)."""
     unique = list(dict.fromkeys(sources))
     space = ProtoNames(model).prefix(_STEM)
@@ -271,7 +268,7 @@ def row_means(model: onnx.ModelProto, sources: Sequence[RowSource], batches: Ite
     same_rows: dict[str, str] = {}
     counts: dict[str, str] = {}
     boxes: dict[RowSource, str] = {}
-    opset = _opset(model)
+    opset = model_opset(model, 1)
     for i, source in enumerate(unique):
         p = f"{space}{i}/"
         if source.is_conv and not source.pixelwise:

@@ -160,4 +160,3 @@ def test_the_guard_undoes_a_correction_that_makes_the_model_worse(seed: int) -> 
     (kept,) = local.records[1].result.decisions
     assert kept.startswith("bias correction: 3 of 3 layer bias(es) corrected (local, ")
     assert "; kept: output SQNR on 32 calibration sample(s) " in kept and local.records[1].result.rewritten == 3
-
