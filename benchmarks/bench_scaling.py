@@ -76,6 +76,17 @@ and its per-layer check run off by default, same host, load ~1, wall seconds (ch
 At 10k nodes correct_bias takes 21.5 s: the guard's two scoring sessions 11.4 s (7.4 s of it building sessions on
 the target's kernels), the rows 8.0 s (a ~40k-node graph run in slices: 14 runs per sample).
 
+The fidelity guard scoring long graphs in exact slices (`qgraph.runtime.sliced`: cuts only on integer Q -> DQ
+edges, so onnxruntime fuses the same units; the slices' outputs are bit-identical), same host, load ~1:
+
+                                     30,000 nodes                         100,000 nodes
+    ort-x86-vnni                     139.6 -> 107.0 s (108.8), 1611 MB    not done in 700 s -> 397 s (401), 5079 MB
+                                     (correct_bias 81.5 -> 48.4)          (correct_bias 196; equalize 48.7,
+                                                                           insert_qdq 78.5 [cal 46.6], smooth 29.7)
+
+At 30k nodes the guard's two sessions on the target's kernels took 36.6 s to build whole; in 20 slices each they take
+8.5 s. Below 8,000 nodes (the 3k chain: 7,829 after quantization) nothing changes.
+
 Outputs byte-identical (the chain at both sizes, and `tools/recipe_digests.py`). What is left in equalize_weights is
 the Gauss-Seidel sweep itself, one pair after the other (each step reads the previous step's scales), ~25 numpy calls
 per pair per round; in smooth_quant, measuring (0.42 s at 3k, 5.4 s at 30k: the export, onnxruntime fetching every

@@ -109,10 +109,10 @@ def test_names_the_model_already_uses_are_not_taken() -> None:
 
 
 def test_constant_only_nodes_move_right_before_their_first_reader() -> None:
-    """`_sink_constants`: an export lists the weights' and biases' DequantizeLinear first; each moves right before
+    """`sink_constants`: an export lists the weights' and biases' DequantizeLinear first; each moves right before
     the node that first reads it (a node reading the data input does not move), every computed node keeps its
     order, and the graph computes the same."""
-    from qgraph.runtime.channel_means import _sink_constants
+    from qgraph.runtime.segments import sink_constants
 
     rng = np.random.default_rng(0)
     nodes, inits, dqs = [], [], []
@@ -133,7 +133,7 @@ def test_constant_only_nodes_move_right_before_their_first_reader() -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     sunk = onnx.ModelProto()
     sunk.CopyFrom(model)
-    _sink_constants(sunk)
+    sink_constants(sunk)
     order = [n.name for n in sunk.graph.node]
     assert order == ["relu", "dqw0", "mm0", "dqb0", "add0", "dqw1", "mm1", "dqb1", "add1", "dqw2", "mm2", "dqb2",
                      "add2"]

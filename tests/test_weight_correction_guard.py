@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from qgraph.passes.insert_qdq import InsertQDQ
 
 from qgraph import GraphHandle, PassContext, PassResult, Pipeline
@@ -67,3 +68,36 @@ def test_a_harmless_change_is_kept() -> None:
     m = tiny_cnn()
     _, res = _run(m, factor=1.0)  # the codes rewritten as they were: the score does not move
     assert res.rewritten == 3 and any(d.startswith("guard:") and d.endswith("is kept") for d in res.decisions)
+
+
+def test_a_long_graph_is_scored_in_slices_with_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above `qgraph.runtime.sliced.SLICE_ABOVE` nodes the guard scores the graph (on the target's kernels) and the
+    float reference in slices: the same SQNR to the last digit, the same model."""
+    from qgraph.passes.correct_bias import CorrectBias
+
+    import qgraph.runtime.sliced as sliced
+    from qgraph.testing import matmul_add_relu_chain
+
+    model = matmul_add_relu_chain(40)
+    feeds = feeds_for(model, 8)
+
+    def run() -> tuple[bytes, list[str]]:
+        out = Pipeline([InsertQDQ(preset="ort-x86-vnni"), CorrectBias()]).run(model, calibration_data=source(feeds))
+        return out.model.SerializeToString(), out.records[1].result.decisions
+
+    whole_bytes, whole_lines = run()
+    made: list[int] = []
+    real = sliced.SlicedSession.__init__
+
+    def spy(self: sliced.SlicedSession, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self.slices)
+
+    monkeypatch.setattr(sliced, "SLICE_ABOVE", 50)
+    monkeypatch.setattr(sliced, "SLICE_NODES", 30)
+    monkeypatch.setattr(sliced.SlicedSession, "__init__", spy)
+    sliced_bytes, sliced_lines = run()
+    # the float reference once, the graph before and after the correction: each in several slices
+    assert len(made) == 3 and min(made) >= 3
+    assert sliced_lines == whole_lines and any("kept" in line for line in whole_lines)
+    assert sliced_bytes == whole_bytes

@@ -30,6 +30,7 @@ from qgraph.quant.layers import QuantLayer, find_layers
 from qgraph.runtime.compare import make_session
 from qgraph.runtime.layer_data import RowSpec
 from qgraph.runtime.output_parts import find_output_parts
+from qgraph.runtime.sliced import sliced_session
 from qgraph.runtime.streaming import OutputScore
 
 
@@ -178,7 +179,9 @@ class FidelityGuard:
     def __init__(self, ctx: PassContext, samples: int, layers: list[QuantLayer], res: PassResult) -> None:
         assert ctx.calibration_data is not None and ctx.float_reference is not None
         feeds = list(itertools.islice(iter(ctx.calibration_data), samples))
-        reference = make_session(ctx.float_reference, weights=ctx.float_reference_weights)
+        # a long graph runs in slices: one session over it costs more than linear time to build (`sliced_session`)
+        reference = sliced_session(ctx.float_reference, lambda m, w: make_session(m, weights=w),
+                                   weights=ctx.float_reference_weights, anywhere=True)
         self.scorer = OutputScore(reference, feeds, parts=find_output_parts(ctx.float_reference))
         self.kernels = ctx.kernels  # the target's arithmetic: a correction that only helps elsewhere is undone
         self.layers = layers
@@ -198,11 +201,13 @@ class FidelityGuard:
         return guard
 
     def score(self, graph: GraphHandle) -> float:
-        """The graph's score now (dB; NaN/Inf outputs give -inf). Its own export and session: feeding the
-        corrected biases to the session of `start` would make every run pass thousands of inputs on a long
-        chain (onnxruntime checks a feed in O(inputs x fed names))."""
+        """The graph's score now (dB; NaN/Inf outputs give -inf). Its own export and session (in exact slices on
+        a long graph): feeding the corrected biases to the session of `start` would make every run pass thousands
+        of inputs on a long chain (onnxruntime checks a feed in O(inputs x fed names))."""
         model, held = graph.weightless_export()
-        return self.scorer.score_db(self.kernels.session(model, weights={n: v for n, (v, _) in held.items()}))
+        session = sliced_session(model, lambda m, w: self.kernels.session(m, weights=w),
+                                 weights={n: v for n, (v, _) in held.items()})
+        return self.scorer.score_db(session)
 
     def finish(self, graph: GraphHandle, tolerance_db: float, report: bool = True) -> bool:
         """Score the graph again; undo the change (restore every layer) when it lost more than ``tolerance_db``.

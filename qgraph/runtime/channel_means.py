@@ -24,7 +24,7 @@ from qgraph.graph import ProtoNames, insert_after_producers
 from qgraph.graph.detach import placeholders_as_inputs, with_weights
 from qgraph.graph.opsets import model_opset
 from qgraph.runtime.compare import make_session, session_run
-from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable
+from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable, sink_constants
 
 __all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "augment", "channel_means"]
 
@@ -177,7 +177,7 @@ class _MeansRun:
             return
         # slices are built from protobufs: every weight written in
         self.model = placeholders_as_inputs(with_weights(model, weights) if weights else model)
-        _sink_constants(self.model)
+        sink_constants(self.model)
         self.groups = _join_in_groups(self.model, parts, channels)
         self.plan = plan_segments(self.model, [*self.groups.means, *self.groups.sizes], SLICE_NODES)
 
@@ -204,49 +204,6 @@ class _MeansRun:
         observe_segmented(self.model, {o: _Keep(o) for o in [*groups.means, *groups.sizes]},
                           batches, SLICE_NODES, optimization=_NO_OPTIMIZATION,
                           after_feed=done, plan=self.plan)
-
-
-def _sink_constants(model: onnx.ModelProto) -> None:
-    """Move every node that reads only initializers and such nodes' outputs (a weight's DequantizeLinear) right
-    before its first reader, in place. An exported graph lists them first: every slice would then be fed thousands
-    of them from the first one, and onnxruntime checks a run's feed in O(inputs x fed names). The same nodes
-    compute the same values in another topological order."""
-    nodes = list(model.graph.node)
-    producer = {t: i for i, n in enumerate(nodes) for t in n.output if t}
-    sources = {t.name for t in model.graph.initializer}
-    constant = [False] * len(nodes)
-    for i, n in enumerate(nodes):
-        constant[i] = all(not t or t in sources or (t in producer and constant[producer[t]]) for t in n.input)
-    placed = [False] * len(nodes)
-    out: list[onnx.NodeProto] = []
-
-    def place(first: int) -> None:
-        """Node ``first`` (constant) after the constant nodes it reads, depth first without recursion."""
-        stack = [(first, False)]
-        while stack:
-            i, ready = stack.pop()
-            if placed[i]:
-                continue
-            if ready:
-                placed[i] = True
-                out.append(nodes[i])
-                continue
-            stack.append((i, True))
-            stack.extend((producer[t], False) for t in reversed(nodes[i].input) if t in producer
-                         and not placed[producer[t]])
-
-    for i, n in enumerate(nodes):
-        if constant[i]:
-            continue
-        for t in n.input:
-            if t in producer and constant[producer[t]] and not placed[producer[t]]:
-                place(producer[t])
-        out.append(n)
-    for i in range(len(nodes)):
-        if constant[i] and not placed[i]:  # read by no computed node (a graph output): last
-            place(i)
-    model.graph.ClearField("node")
-    model.graph.node.extend(out)
 
 
 #: In a sliced run, the means (and counts) of this many tensors are joined by a Concat where the last of them is

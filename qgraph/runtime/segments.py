@@ -44,20 +44,24 @@ class _Segment:
 
 def segmentable(model: onnx.ModelProto) -> bool:
     """Large enough to be worth it and free of subgraphs."""
-    if len(model.graph.node) <= SEGMENT_THRESHOLD:
-        return False
-    return not any(
+    return len(model.graph.node) > SEGMENT_THRESHOLD and not has_subgraphs(model)
+
+
+def has_subgraphs(model: onnx.ModelProto) -> bool:
+    """Whether a top-level node holds a graph (If/Loop/Scan): its body reads outer-scope tensors implicitly."""
+    return any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in model.graph.node for a in n.attribute
     )
 
 
 def plan_segments(
-    model: onnx.ModelProto, targets: Iterable[str], size: int | None = None
+    model: onnx.ModelProto, targets: Iterable[str], size: int | None = None, starts: Sequence[int] | None = None
 ) -> tuple[list[_Segment], dict[str, int]]:
     """Cut the (topologically sorted) node list into slices with their boundary tensors (O(N)); also returns
-    the index of the last node reading each tensor."""
-    size = size or SEGMENT_NODES
+    the index of the last node reading each tensor. Slices of ``size`` nodes, or starting at ``starts`` (the first
+    0, increasing)."""
     nodes = list(model.graph.node)
+    starts = list(starts) if starts is not None else list(range(0, len(nodes), size or SEGMENT_NODES))
     inits = {t.name for t in model.graph.initializer}
     wanted = set(targets)
     produced: dict[str, int] = {}
@@ -70,8 +74,7 @@ def plan_segments(
             if t:
                 produced[t] = i
     segments: list[_Segment] = []
-    for a in range(0, len(nodes), size):
-        b = min(a + size, len(nodes))
+    for a, b in zip(starts, [*starts[1:], len(nodes)], strict=True):
         chunk = nodes[a:b]
         inputs: dict[str, None] = {}
         used_inits: dict[str, None] = {}
@@ -89,9 +92,12 @@ def plan_segments(
     return segments, last_use
 
 
-def _segment_model(
-    base: onnx.ModelProto, seg: _Segment, inits: Mapping[str, onnx.TensorProto], values: Mapping[str, Any]
+def segment_model(
+    base: onnx.ModelProto, seg: _Segment, inits: Mapping[str, onnx.TensorProto], values: Mapping[str, Any],
+    types: Mapping[str, onnx.TypeProto] | None = None,
 ) -> onnx.ModelProto:
+    """The model of slice ``seg`` of ``base``: its nodes and initializers; an input typed as ``types`` has it (the
+    whole graph's inferred shapes: onnxruntime's fusions read them), else as the value ``values`` holds."""
     m = onnx.ModelProto()
     m.ir_version = base.ir_version
     m.opset_import.extend(base.opset_import)
@@ -101,6 +107,10 @@ def _segment_model(
     g.node.extend(seg.nodes)
     g.initializer.extend(inits[t] for t in seg.initializers)
     for t in seg.inputs:
+        known = (types or {}).get(t)
+        if known is not None:
+            g.input.append(helper.make_value_info(t, known))
+            continue
         arr = np.asarray(values[t])
         g.input.append(helper.make_tensor_value_info(t, helper.np_dtype_to_tensor_dtype(arr.dtype), None))
     for t in seg.outputs:
@@ -137,7 +147,7 @@ def observe_segmented(
                 observers[name].update(arr, index)
         for seg in segments:
             if seg.session is None:
-                proto = _segment_model(model, seg, inits, values)
+                proto = segment_model(model, seg, inits, values)
                 try:
                     seg.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=provs)
                 except Exception as exc:  # onnxruntime raises its own exception classes
@@ -158,3 +168,46 @@ def observe_segmented(
     if count == 0:
         raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     return count
+
+
+def sink_constants(model: onnx.ModelProto) -> None:
+    """Move every node that reads only initializers and such nodes' outputs (a weight's DequantizeLinear) right
+    before its first reader, in place. An exported graph lists them first: every slice would then be fed thousands
+    of them from the first one, and onnxruntime checks a run's feed in O(inputs x fed names). The same nodes
+    compute the same values in another topological order."""
+    nodes = list(model.graph.node)
+    producer = {t: i for i, n in enumerate(nodes) for t in n.output if t}
+    sources = {t.name for t in model.graph.initializer}
+    constant = [False] * len(nodes)
+    for i, n in enumerate(nodes):
+        constant[i] = all(not t or t in sources or (t in producer and constant[producer[t]]) for t in n.input)
+    placed = [False] * len(nodes)
+    out: list[onnx.NodeProto] = []
+
+    def place(first: int) -> None:
+        """Node ``first`` (constant) after the constant nodes it reads, depth first without recursion."""
+        stack = [(first, False)]
+        while stack:
+            i, ready = stack.pop()
+            if placed[i]:
+                continue
+            if ready:
+                placed[i] = True
+                out.append(nodes[i])
+                continue
+            stack.append((i, True))
+            stack.extend((producer[t], False) for t in reversed(nodes[i].input) if t in producer
+                         and not placed[producer[t]])
+
+    for i, n in enumerate(nodes):
+        if constant[i]:
+            continue
+        for t in n.input:
+            if t in producer and constant[producer[t]] and not placed[producer[t]]:
+                place(producer[t])
+        out.append(n)
+    for i in range(len(nodes)):
+        if constant[i] and not placed[i]:  # read by no computed node (a graph output): last
+            place(i)
+    model.graph.ClearField("node")
+    model.graph.node.extend(out)
