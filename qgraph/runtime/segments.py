@@ -138,6 +138,10 @@ def observe_segmented(
     opts = ort.SessionOptions()
     opts.graph_optimization_level = optimization
     opts.log_severity_level = 3
+    # one thread, as `qgraph.runtime.compare.make_session`: the same reductions in the same order as one session,
+    # on every host whatever its core count
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
     provs = list(providers) if providers else ["CPUExecutionProvider"]
     count = 0
     for index, feed in enumerate(data):

@@ -55,3 +55,21 @@ def test_long_graphs_are_segmented_automatically(monkeypatch: pytest.MonkeyPatch
         a, b = reference[n], segmented[n]
         assert (a.range.rmin, a.range.rmax) == (b.range.rmin, b.range.rmax), n
         assert a.robust_absmax == b.robust_absmax and a.num_values == b.num_values
+
+
+def test_slices_run_on_one_thread_like_one_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice's session uses one thread, as `make_session` does: the same reduction order on every host whatever
+    its core count (onnxruntime splits a reduction across its intra-op threads)."""
+    import onnxruntime as ort
+
+    m, feeds, names = _encoder()
+    seen: list[tuple[int, int]] = []
+    real = ort.InferenceSession
+
+    def spy(model: object, opts: ort.SessionOptions, **kwargs: object) -> object:
+        seen.append((opts.intra_op_num_threads, opts.inter_op_num_threads))
+        return real(model, opts, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    observe_segmented(m, {n: make_observer("minmax", n) for n in names}, feeds, size=7)
+    assert len(seen) == -(-len(m.graph.node) // 7) and set(seen) == {(1, 1)}
