@@ -44,12 +44,17 @@ def test_stacked_candidates_score_exactly_as_one_by_one(seed: int, rows: int, k:
     x = rng.standard_normal((rows, k)) * np.exp(rng.normal(0, 2, k))  # outlier channels
     x = np.abs(x) if positive else x
     w = rng.standard_normal((k, n)) * np.exp(rng.normal(0, 1, (k, 1)))
-    lo, hi = x.min(0) - rng.random(k), x.max(0) + rng.random(k)
+    # calibrated ranges a little wider than the rows, relative to each channel's magnitude (an absolute margin could
+    # make a single tiny row smaller than half a step: all of it rounds to the zero point)
+    mag = np.abs(x).max(0)
+    lo, hi = x.min(0) - rng.random(k) * mag, x.max(0) + rng.random(k) * mag
     a, wr = np.maximum(np.abs(lo), np.abs(hi)), np.abs(w).max(1)
     cands = np.stack([np.ones(k), *(smoothing_scales(a, wr, al, 1e-5, 1e5) for al in (0.3, 0.5, 0.8))])
     got = smoothing_errors_stacked(x[None], w[None], cands[None], lo[None], hi[None], per_channel=per_channel)[0]
     assert got.tolist() == [_one_candidate(x, w, s, lo, hi, per_channel) for s in cands]
-    assert np.all(got > 0) and got[0] < 0.5  # a real INT8 error, not a degenerate zero
+    # a real INT8 error, not a degenerate zero; the best candidate's is small (unsmoothed, outlier channels can lose
+    # more than half of the output's energy: that is what smoothing is for)
+    assert np.all(got > 0) and got.min() < 0.5
 
 
 @settings(max_examples=30, deadline=None)
