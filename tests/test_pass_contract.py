@@ -394,3 +394,44 @@ def test_a_full_collection_runs_only_where_weights_were_dropped(monkeypatch: pyt
     assert len(calls) == collections
     y = np.asarray(res.model.graph.initializer[0].float_data or numpy_helper.to_array(res.model.graph.initializer[0]))
     assert float(y.ravel()[0]) == (2.0 if mode == "replace" else 1.0)
+
+
+class _AppendRelu(Pass[_Cfg]):
+    """Appends a Relu after the output; with ``mode: "requires"`` its `requires` also calls ``graph.changed()``."""
+
+    name = "test_append_relu"
+    config_class = _Cfg
+
+    def requires(self, graph: GraphHandle, ctx: PassContext) -> None:
+        if self.config.mode == "requires":
+            graph.changed()
+
+    def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:  # type: ignore[override]
+        import onnx_graphsurgeon as gs
+
+        out = graph.graph.outputs[0]
+        mid = gs.Variable(f"pre_relu_{len(graph.graph.nodes)}", dtype=np.float32)
+        graph.producer(out).outputs[0] = mid  # type: ignore[union-attr]
+        graph.graph.nodes.append(gs.Node("Relu", f"relu_{len(graph.graph.nodes)}", inputs=[mid], outputs=[out]))
+        return PassResult(rewritten=1)
+
+
+@pytest.mark.parametrize(("mode", "walks"), [("none", 4), ("requires", 5)])
+def test_a_pass_starts_from_the_snapshot_the_previous_one_left(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                               walks: int) -> None:
+    """Each pass's graph is walked before and after it; the walk after one pass is the walk before the next when
+    nothing called ``graph.changed()`` in between (3 passes: 4 walks, not 6; 5 when the third's `requires` did)."""
+    from qgraph.pipeline import contract
+
+    calls: list[int] = []
+    real = contract.Snapshot.of.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type[contract.Snapshot], graph: Any) -> contract.Snapshot:
+        calls.append(len(graph.nodes))
+        return real(cls, graph)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(contract.Snapshot, "of", classmethod(spy))
+    result = Pipeline([_AppendRelu(), _Broken(mode="ok"), _AppendRelu(mode=mode)]).run(_mul_model())
+    assert len(calls) == walks
+    assert [r.result.nodes_added for r in result.records] == [1, 0, 1]
+    assert [r.changed for r in result.records] == [True, False, True]

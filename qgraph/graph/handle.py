@@ -83,6 +83,8 @@ class GraphHandle:
         )
         self._model_fields.opset_import.extend(model.opset_import)
         self._model_fields.functions.extend(model.functions)
+        #: How many times `changed` was called: equal numbers, the same graph (for code that caches a walk of it).
+        self.version = 0
         try:
             self.graph: gs.Graph = gs.import_onnx(model)
         except Exception as exc:  # graphsurgeon raises bare exceptions on malformed graphs
@@ -141,6 +143,7 @@ class GraphHandle:
         itself when the node list was replaced or changed length since it was built."""
         self._drop_caches()
         self._taken_by_kind = {}
+        self.version += 1
 
     def _drop_caches(self) -> None:
         self._index = None
