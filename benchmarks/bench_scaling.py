@@ -87,6 +87,13 @@ edges, so onnxruntime fuses the same units; the slices' outputs are bit-identica
 At 30k nodes the guard's two sessions on the target's kernels took 36.6 s to build whole; in 20 slices each they take
 8.5 s. Below 8,000 nodes (the 3k chain: 7,829 after quantization) nothing changes.
 
+Then segmented runs on one onnxruntime thread (as every other session: the same reductions on any host) and the
+pipeline starting each pass from the snapshot the previous one left (N+1 graph walks, not 2N). Same minutes, 30k
+nodes: 106.2 s (d04a98d) -> 103.0 s (correct_bias 52.1 -> 51.0; the fuse passes 0.50 -> 0.31 s each). 100k nodes
+re-run: 402 s, 5082 MB. Where the 30k peak is: 939 MB when insert_qdq ends; the guard's sliced session of the graph
++420 MB while it scores; the means run of correct_bias +670 MB (every slice's session kept for the 32 samples:
+onnxruntime holds ~3.8 KB per node of a built session, with or without its arena and memory pattern).
+
 Outputs byte-identical (the chain at both sizes, and `tools/recipe_digests.py`). What is left in equalize_weights is
 the Gauss-Seidel sweep itself, one pair after the other (each step reads the previous step's scales), ~25 numpy calls
 per pair per round; in smooth_quant, measuring (0.42 s at 3k, 5.4 s at 30k: the export, onnxruntime fetching every
