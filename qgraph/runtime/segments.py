@@ -54,6 +54,20 @@ def has_subgraphs(model: onnx.ModelProto) -> bool:
     )
 
 
+def producers_and_last_reads(nodes: Sequence[onnx.NodeProto]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per tensor, the index of the node that produces it and of the last node that reads it (O(nodes))."""
+    producer: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for t in node.input:
+            if t:
+                last_read[t] = i
+        for t in node.output:
+            if t:
+                producer[t] = i
+    return producer, last_read
+
+
 def plan_segments(
     model: onnx.ModelProto, targets: Iterable[str], size: int | None = None, starts: Sequence[int] | None = None
 ) -> tuple[list[_Segment], dict[str, int]]:
@@ -64,15 +78,7 @@ def plan_segments(
     starts = list(starts) if starts is not None else list(range(0, len(nodes), size or SEGMENT_NODES))
     inits = {t.name for t in model.graph.initializer}
     wanted = set(targets)
-    produced: dict[str, int] = {}
-    last_use: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for t in node.input:
-            if t:
-                last_use[t] = i
-        for t in node.output:
-            if t:
-                produced[t] = i
+    produced, last_use = producers_and_last_reads(nodes)
     segments: list[_Segment] = []
     for a, b in zip(starts, [*starts[1:], len(nodes)], strict=True):
         chunk = nodes[a:b]

@@ -26,7 +26,13 @@ import onnx
 from onnx import numpy_helper
 
 from qgraph.runtime.compare import session_run
-from qgraph.runtime.segments import has_subgraphs, plan_segments, segment_model, sink_constants
+from qgraph.runtime.segments import (
+    has_subgraphs,
+    plan_segments,
+    producers_and_last_reads,
+    segment_model,
+    sink_constants,
+)
 
 __all__ = ["SLICE_ABOVE", "SLICE_NODES", "SlicedSession", "exact_starts", "inferred_types", "sliced_session"]
 
@@ -45,17 +51,13 @@ def exact_starts(model: onnx.ModelProto, size: int = SLICE_NODES, anywhere: bool
     """Where slices of about ``size`` nodes start (0 first) in ``model``'s node list, cut only where every tensor
     crossing the cut is an integer edge (module docstring), or anywhere with ``anywhere``. O(nodes)."""
     nodes = model.graph.node
-    producer: dict[str, int] = {}
-    last_read: dict[str, int] = {}
-    readers_dequantize: dict[str, bool] = {}
-    for i, node in enumerate(nodes):
+    producer, last_read = producers_and_last_reads(nodes)
+    readers_dequantize: dict[str, bool] = {}  # every reader of the tensor is a DequantizeLinear
+    for node in nodes:
+        dequantize = node.op_type == _DEQUANTIZE
         for t in node.input:
             if t:
-                last_read[t] = i
-                readers_dequantize[t] = readers_dequantize.get(t, True) and node.op_type == _DEQUANTIZE
-        for t in node.output:
-            if t:
-                producer[t] = i
+                readers_dequantize[t] = readers_dequantize.get(t, True) and dequantize
     # blocked[i] > 0: some tensor that may not be cut is produced before node i and read at or after it
     blocked = np.zeros(len(nodes) + 1, np.int64)
     for t, j in producer.items():
