@@ -24,6 +24,8 @@ calibrators, which disable optimizations, bit for bit.
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ from qgraph.errors import DataError, ModelError
 from qgraph.graph.detach import with_weights
 from qgraph.graph.opsets import model_opset
 from qgraph.quant.math import ActivationRange
+from qgraph.runtime.parallel import ordered_map
 from qgraph.runtime.segments import observe_segmented, segmentable
 
 ProgressCallback = Callable[[int, int | None], None]
@@ -248,8 +251,10 @@ def _collect_in_graph(
             if feeds is None:
                 feeds = feeds_of(source, session_inputs(sess), run.data_hasher)
             overflowing: list[str] = []
-            for index, arrays in feeds:
-                r = reduction.split(run_session(sess, reduction.outputs, arrays, index))
+            pulled: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
+            for index, arrays, outputs in ordered_map(_reduced(sess, reduction.outputs), _kept(feeds, pulled)):
+                pulled.popleft()
+                r = reduction.split(outputs)
                 certain, maybe = r.suspects()
                 if certain:
                     _non_finite([sources[i] for i in certain], index)
@@ -264,6 +269,8 @@ def _collect_in_graph(
                 if overflowing:
                     zeroed = zeroed | frozenset(overflowing)
                     break
+            # samples read ahead for runs of a session now replaced: the next session runs them first
+            feeds = itertools.chain(list(pulled), feeds)
         if not overflowing:
             break
     measured = {s: (float(state.lo[i]), float(state.hi[i]), int(state.num_values[i])) for i, s in enumerate(sources)}
@@ -330,8 +337,10 @@ def observe(
     done = 0
     with calibration_session(model, Additions(outputs=fetch_outputs(model, fetch)), optimize=optimize,
                              providers=providers, large_model_bytes=large_model_bytes, weights=weights) as sess:
-        for index, arrays in feeds_of(source, session_inputs(sess), data_hasher):
-            outputs = run_session(sess, fetch, arrays, index) if fetch else []
+        feeds = feeds_of(source, session_inputs(sess), data_hasher)
+        # several samples run at once; the observers see them one by one, in order, in this thread
+        runs = ordered_map(_reduced(sess, fetch), feeds) if fetch else ((i, a, []) for i, a in feeds)
+        for index, arrays, outputs in runs:
             for name in from_feed:
                 observers[name].update(arrays[name], index)
             for name, value in zip(fetch, outputs, strict=True):
@@ -341,6 +350,23 @@ def observe(
             if progress is not None:
                 progress(done, total)
     return done
+
+
+def _kept(feeds: Iterator[tuple[int, dict[str, Any]]],
+          pulled: collections.deque[tuple[int, dict[str, Any]]]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``feeds``, each also appended to ``pulled`` as it is read (the consumer pops it once used)."""
+    for item in feeds:
+        pulled.append(item)
+        yield item
+
+
+def _reduced(sess: Any, outputs: list[str]) -> Callable[[tuple[int, dict[str, Any]]],
+                                                       tuple[int, dict[str, Any], list[Any]]]:
+    """A function running ``sess`` for ``outputs`` on an ``(index, feed)``: ``(index, feed, values)``."""
+
+    def run(item: tuple[int, dict[str, Any]]) -> tuple[int, dict[str, Any], list[Any]]:
+        return item[0], item[1], run_session(sess, outputs, item[1], item[0])
+    return run
 
 
 def _check_tensors(model: onnx.ModelProto, names: list[str]) -> None:

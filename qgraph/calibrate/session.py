@@ -71,6 +71,9 @@ def session_options(optimize: bool) -> ort.SessionOptions:
     """Quiet options; full graph optimizations unless ``optimize`` is False."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    # one thread per run, samples side by side (`qgraph.runtime.parallel`): the same bits on every host
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
     opts.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )

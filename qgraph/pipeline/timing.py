@@ -12,8 +12,9 @@ the run summary and the report print: the multiples, the passes over `BUDGET`, a
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from qgraph.errors import DataError
 from qgraph.pipeline.pass_result import PassResult
 from qgraph.runtime.compare import make_session, session_run
+from qgraph.runtime.parallel import ordered_map, parallel_runs
 
 #: The multiple of one float inference pass a pass may take before the summary flags it.
 BUDGET = 10.0
@@ -54,12 +56,15 @@ class FloatInference:
     seconds: float
     samples_timed: int
     samples_total: int
+    runs: int = 1  # samples run at once (`qgraph.runtime.parallel`), as the passes run them
 
     def describe(self) -> str:
         """How it was measured, for the summary line."""
         part = ("" if self.samples_timed >= self.samples_total
                 else f", timed on {self.samples_timed} of {self.samples_total} samples")
-        return f"{self.seconds:.2f} s: the float model over {self.samples_total} calibration sample(s){part}"
+        at_once = f", {self.runs} at a time" if self.runs > 1 and self.samples_total > 1 else ""
+        return (f"{self.seconds:.2f} s: the float model over {self.samples_total} calibration sample(s){at_once}"
+                f"{part}")
 
 
 def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.NDArray[Any]] | None,
@@ -69,27 +74,39 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
     """Time ``model`` (a weightless export and its ``weights``, read in place) over ``batches`` in onnxruntime:
     the session is created outside the timed span; at most ``max_samples`` batches are run (fewer once
     ``max_seconds`` are spent and `MIN_TIMED_SAMPLES` were timed) and the time is scaled to all of them (a stream's
-    remaining batches are counted, not run). None when there is no data."""
+    remaining batches are counted, not run). The batches run as the passes run them: `parallel_runs` at once,
+    one intra-op thread each. None when there is no data."""
     session = make_session(model, weights=weights)
     names = [o.name for o in session.get_outputs()]
-    timed, seconds = 0, 0.0
-    for feed in batches:
-        start = time.perf_counter()
+
+    def run(feed: Mapping[str, npt.NDArray[Any]]) -> None:
         try:
             session_run(session, names, dict(feed))
         except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument) as exc:
             raise _data_does_not_fit(feed, exc) from None
-        seconds += time.perf_counter() - start
+
+    # run as the passes run the model: several samples at once, one per core (`qgraph.runtime.parallel`)
+    stream = iter(batches)
+    read = [0]
+
+    def counted() -> Iterator[Mapping[str, npt.NDArray[Any]]]:
+        for feed in itertools.islice(stream, max_samples):
+            read[0] += 1
+            yield feed
+
+    timed, seconds, start = 0, 0.0, time.perf_counter()
+    for _ in ordered_map(run, counted()):
+        seconds = time.perf_counter() - start
         timed += 1
-        if timed >= max_samples or (seconds >= max_seconds and timed >= MIN_TIMED_SAMPLES):
+        if seconds >= max_seconds and timed >= MIN_TIMED_SAMPLES:
             break
     if timed == 0:
         return None
     if isinstance(batches, Sized):
         total = max(len(batches), timed)
     else:  # a stream: the samples not timed are counted (read, not run), so the time scales to all of them
-        total = timed + sum(1 for _ in batches)
-    return FloatInference(seconds * total / timed, timed, total)
+        total = read[0] + sum(1 for _ in stream)
+    return FloatInference(seconds * total / timed, timed, total, parallel_runs())
 
 
 def _data_does_not_fit(feed: Mapping[str, npt.NDArray[Any]], exc: Exception) -> DataError:

@@ -23,7 +23,7 @@ from qgraph.errors import DataError
 from qgraph.graph import ProtoNames, insert_after_producers
 from qgraph.graph.detach import placeholders_as_inputs, with_weights
 from qgraph.graph.opsets import model_opset
-from qgraph.runtime.compare import make_session, session_run
+from qgraph.runtime.compare import make_session, session_runs
 from qgraph.runtime.segments import observe_segmented, plan_segments, segmentable, sink_constants
 
 __all__ = ["JOIN_EVERY", "SLICE_ABOVE", "SLICE_NODES", "ChannelMeans", "augment", "channel_means"]
@@ -183,8 +183,8 @@ class _MeansRun:
 
     def each(self, batches: Iterable[Feed], use: Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]) -> None:
         if self.session is not None:
-            for feed in batches:
-                use(*session_run(self.session, list(self.joined), feed))
+            for means, sizes in session_runs(self.session, list(self.joined), batches):
+                use(means, sizes)
             return
         got: dict[str, Any] = {}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from qgraph.data import Feed, model_inputs
 from qgraph.errors import DataError, ModelError, QGraphError, VerificationError
 from qgraph.graph.detach import fill_nested, placeholders_as_inputs
 from qgraph.io.model_io import PROTOBUF_LIMIT, save_model
+from qgraph.runtime.parallel import ordered_map
 from qgraph.runtime.part import OutputPart
 
 
@@ -124,6 +125,12 @@ def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Mappi
     values = session.run(list(names), {k: _ort_input(v) for k, v in feed.items() if k in known})
     # Sequence outputs come back as lists and empty optionals as None: keep them as they are.
     return [v if v is None or isinstance(v, list) else np.asarray(v) for v in values]
+
+
+def session_runs(session: Any, names: Sequence[str], feeds: Iterable[Mapping[str, Any]]) -> Iterator[list[Any]]:
+    """`session_run` on every feed, in order, several at once (`qgraph.runtime.parallel.ordered_map`): for sessions
+    of one intra-op thread (`make_session`'s default), which then give the bits of one run after another."""
+    return ordered_map(lambda feed: session_run(session, names, feed), feeds)
 
 
 def _ort_input(value: np.ndarray) -> Any:

@@ -28,7 +28,7 @@ from qgraph.data import DataSource, Feed, import_callable, open_data_source, use
 from qgraph.errors import DataError
 from qgraph.io.inputs import array_file_problem, input_file_problem
 from qgraph.metrics import BuiltinMetric, builtin_metric, is_builtin
-from qgraph.runtime.compare import TensorDiff, session_run
+from qgraph.runtime.compare import TensorDiff, session_runs
 from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs
 
@@ -163,8 +163,8 @@ class Evaluation:
         session = (kernels or deployed()).session(model, mem_pattern=False, count=True)
         names = [o.name for o in session.get_outputs()]
         per: list[list[np.ndarray]] = [[] for _ in names]
-        for feed in self.feeds:
-            for i, v in enumerate(session_run(session, names, feed)):
+        for values in session_runs(session, names, self.feeds):
+            for i, v in enumerate(values):
                 per[i].append(np.asarray(v))
         return names, [concat(v) for v in per], saturation_of(session)
 

@@ -23,6 +23,7 @@ from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.runtime.channel_means import ChannelMeans, augment, channel_means
 from qgraph.runtime.compare import make_session, session_run
+from qgraph.runtime.parallel import ordered_map
 
 __all__ = ["ChannelMeans", "RowSpec", "channel_means", "sample_inputs"]
 
@@ -124,8 +125,10 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
                else None)
     rng = np.random.default_rng(seed)
     reservoirs = [_Reservoir() for _ in specs]
-    for feed in batches:
-        got = session_run(session, fetched, feed) if session is not None else []
+    def run(feed: Feed) -> tuple[Feed, list[Any]]:
+        return feed, session_run(session, fetched, feed) if session is not None else []
+
+    for feed, got in ordered_map(run, batches):  # several samples at once, folded in order
         values = dict(zip(fetched, got, strict=True))
         values.update({n: feed[n] for n in names if n in inputs})
         for spec, res in zip(specs, reservoirs, strict=True):

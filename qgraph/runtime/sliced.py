@@ -17,6 +17,7 @@ Weight DequantizeLinear nodes move next to their readers first (`qgraph.runtime.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -99,6 +100,7 @@ class SlicedSession:
         self.outputs = [o.name for o in model.graph.output]
         self.segments, self.last_read = plan_segments(model, self.outputs, starts=starts)
         self.initializers = {t.name: t for t in model.graph.initializer}
+        self._building = threading.Lock()  # samples run at once (`session_runs`): each slice is built once
 
     @property
     def slices(self) -> int:
@@ -120,8 +122,11 @@ class SlicedSession:
         wanted = set(output_names or self.outputs)
         for seg in self.segments:
             if seg.session is None:
-                proto = segment_model(self.model, seg, self.initializers, values, self.types)
-                seg.session = self.factory(proto, {t: self.weights[t] for t in seg.initializers if t in self.weights})
+                with self._building:
+                    if seg.session is None:
+                        proto = segment_model(self.model, seg, self.initializers, values, self.types)
+                        seg.session = self.factory(proto, {t: self.weights[t] for t in seg.initializers
+                                                           if t in self.weights})
             values.update(zip(seg.outputs, session_run(seg.session, seg.outputs,
                                                        {t: values[t] for t in seg.inputs}), strict=True))
             for name in [t for t in values if t not in wanted and self.last_read.get(t, -1) < seg.end]:

@@ -39,7 +39,7 @@ from qgraph.data import Feed
 from qgraph.errors import PassError
 from qgraph.graph.names import GraphInputName, GraphOutputName
 from qgraph.options import PassConfig
-from qgraph.runtime.compare import session_run
+from qgraph.runtime.compare import session_run, session_runs
 from qgraph.runtime.output_parts import OutputPart, OutputParts
 
 __all__ = ["OutputScore", "Recurrence", "check_recurrence", "run_streamed", "sequence_starts"]
@@ -144,7 +144,7 @@ class OutputScore:
         #: What is scored: (position in ``names``, part) per scored part (the whole output: its one part).
         self.units = [(k, p) for k, n in enumerate(self.names) for p in split.get(n, (OutputPart(n, n),))]
         wanted = list(dict.fromkeys([*self.names, *(recurrence.state_inputs.values() if recurrence else ())]))
-        chunk = [dict(zip(wanted, session_run(reference, wanted, f), strict=True)) for f in self.feeds]
+        chunk = [dict(zip(wanted, out, strict=True)) for out in session_runs(reference, wanted, self.feeds)]
         self.starts = list(range(len(self.feeds)))
         if recurrence is not None:
             self.starts = sequence_starts(recurrence, self.feeds, chunk)
@@ -178,7 +178,7 @@ class OutputScore:
             got = [[r[n] for n in self.names]
                    for r in run_streamed(session, self.names, self.feeds, self.starts, self.recurrence)]
         else:
-            got = [session_run(session, self.names, f) for f in self.feeds]
+            got = list(session_runs(session, self.names, self.feeds))
         self.last = got
         signal = np.zeros(len(self.units))
         noise = np.zeros(len(self.units))

@@ -255,9 +255,12 @@ def test_unloadable_reductions_fall_back_to_fetching(monkeypatch: pytest.MonkeyP
     assert got == expected
 
 
-def test_overflowing_sentinel_is_confirmed_once_then_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("runs", ["1", "3"])
+def test_overflowing_sentinel_is_confirmed_once_then_zeroed(runs: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Legitimate huge values (a finfo.min mask): the sentinel sum overflows while min/max stay finite.  The tensor is
-    fetched once to rule out NaN, the session is rebuilt with the x*0 sentinel for it, and the ranges stay exact."""
+    fetched once to rule out NaN, the session is rebuilt with the x*0 sentinel for it, and the ranges stay exact.
+    With 3 runs at once, the samples read ahead for the replaced session are run again by the new one."""
+    monkeypatch.setenv("QGRAPH_THREADS", runs)
     real = collector.calibration_session
     sessions: list[str] = []
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from qgraph.io.outputs import Terminated
 from qgraph.runtime.executor.base import Executor, R, S, T, WorkerError, expired, remaining
+from qgraph.runtime.parallel import default_runs, usable_cores
 
 _WORKER: dict[str, Any] = {}
 
@@ -26,9 +27,10 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     os._exit(143)
 
 
-def _init_worker(shared: Any) -> None:
+def _init_worker(shared: Any, workers: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
     signal.signal(signal.SIGTERM, _on_sigterm)
+    default_runs(usable_cores() // workers)  # its share of the cores: the workers run side by side
     _WORKER["shared"] = shared
 
 
@@ -89,7 +91,7 @@ class LocalExecutor(Executor):
                 max_workers=self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(shared,),
+                initargs=(shared, self.workers),
             )
             self._shared = shared
         return self._pool

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from qgraph.runtime.executor.base import Executor, R, S, T, WorkerError, expired, remaining, require_ray
+from qgraph.runtime.parallel import default_runs
 
 _RAY_SHARED: dict[str, Any] = {}
 #: Seconds a cluster address has to accept a connection before qgraph says it did not answer (``ray.init`` itself
@@ -46,6 +47,7 @@ def _ray_call(fn: Callable[[Any, Any], Any], boxed: list[Any], item: Any) -> Any
     # unpickles it once, then reuses it for every later task of the same map (one object kept per worker).
     import ray
 
+    default_runs(1)  # a task holds one CPU of the cluster (num_cpus=1)
     ref = boxed[0]
     key = ref.hex()
     if key not in _RAY_SHARED:

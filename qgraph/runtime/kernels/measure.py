@@ -18,6 +18,7 @@ numbers as a second opinion (`KernelChoice.other`) and one line that says so (`K
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ class EmulatedSession:
         self.session = session
         self.emulation = emulation
         self.counts = [SaturationCount(s) for s in emulation.sites]
+        self._lock = threading.Lock()  # runs of several samples at once add their counts (`session_runs`)
         hidden = set(emulation.counters)
         self._outputs = [o for o in session.get_outputs() if o.name not in hidden]
 
@@ -101,9 +103,10 @@ class EmulatedSession:
         self._add(self.session.run(self.emulation.counters, input_feed))
 
     def _add(self, extra: list[Any]) -> None:
-        for i, count in enumerate(self.counts):
-            count.saturated += float(extra[2 * i])
-            count.computed += float(extra[2 * i + 1])
+        with self._lock:
+            for i, count in enumerate(self.counts):
+                count.saturated += float(extra[2 * i])
+                count.computed += float(extra[2 * i + 1])
 
     def saturation(self) -> list[SaturationCount]:
         """The layers that saturated at least once, most saturated first."""
