@@ -66,9 +66,10 @@ def test_nothing_is_exported_when_no_pass_asks(small_model: onnx.ModelProto, mon
     calls: list[Any] = []
     original = PassContext.set_float_reference
 
-    def counted(self: PassContext, model: onnx.ModelProto | None, weights: dict[str, Any] | None = None) -> None:
+    def counted(self: PassContext, model: onnx.ModelProto | None, weights: dict[str, Any] | None = None,
+                graph: Any = None) -> None:
         calls.append(model)
-        original(self, model, weights)
+        original(self, model, weights, graph)
 
     monkeypatch.setattr(PassContext, "set_float_reference", counted)
     Pipeline(list(_passes(toy_passes))).run(small_model)

@@ -112,7 +112,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         in_bodies = BodiesOutcome()
         if cfg.mode == "static" and cfg.subgraphs == "static":
             in_bodies = quantize_bodies(self, graph, ctx, res)
-        graph.toposort()
+        with ctx.float_preserving(graph):
+            graph.toposort()
         cpu = ctx.target.cpu_info()
         reduce_range, rr_why = resolve_reduce_range(cfg, cpu)
         if cfg.weights.reduce_range == "auto":
@@ -306,7 +307,6 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             res.decide(f"per-tensor weights: per-channel needs opset 13 and raising opset {before} -> 13 is "
                        f"impossible ({reason})", attention=True)
             return per_tensor
-        graph.changed()
         res.decisions.append(f"opset raised {before} -> {need}: {what} needs opset >= {need} (set `opset: keep` "
                              "to refuse instead)")
         return cfg

@@ -26,6 +26,7 @@ from qgraph.calibrate import (
 )
 from qgraph.data import batched
 from qgraph.io.model_io import model_fingerprint
+from qgraph.recovery.reference_outputs import keep_reference_outputs
 
 from .config import InsertQDQConfig
 
@@ -119,6 +120,10 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
     batch = ctx.calibration.batch_size
     data = ctx.calibration_data
     side = {t: make_observer("minmax", t, axis) for t, axis in (channel_axes or {}).items()}
+    # the fetch path runs anyway: keep the float reference's outputs too (an output that is also a depthwise input
+    # is not: the guard then runs the reference itself)
+    kept = keep_reference_outputs(ctx, graph) if cfg.activations.method != "minmax" else {}
+    kept = {} if set(kept) & set(side) else kept
     model, held = graph.weightless_export()  # sessions read the graph's weights in place: no second copy
     start = time.perf_counter()
     cal = collect_ranges(
@@ -130,7 +135,7 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         progress=ctx.progress("calibrating"),
         robust_percentile=OUTLIER_PERCENTILE if cfg.outliers.skip else None,
         weights={name: value for name, (value, _) in held.items()},
-        extra=side,
+        extra={**side, **kept},
     )
     count = next(iter(cal.values())).num_updates if cal else 0
     notes.append(

@@ -320,6 +320,8 @@ class GraphHandle:
         order = topological_order(self.graph.nodes)
         if order is None:
             raise ModelError(gs_cycle_message(self.graph.nodes))
+        if len(order) == len(self.graph.nodes) and all(a is b for a, b in zip(order, self.graph.nodes, strict=True)):
+            return  # already in order: the same graph (its `version` and cached walks stay valid)
         self.graph.nodes = order
         self.changed()
 

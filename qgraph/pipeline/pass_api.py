@@ -20,11 +20,13 @@ passes are discovered the same way, through the ``qgraph.passes`` entry-point gr
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import time
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -79,6 +81,7 @@ class PassContext:
         self.cache: dict[str, Any] = {}
         self._float_reference: onnx.ModelProto | None = None
         self._float_weights: dict[str, np.ndarray] = {}
+        self._reference_graph: tuple[weakref.ref[GraphHandle], int] | None = None  # exported from, at version
         #: The passes run inside the current pass through `run_pass`, in order (the pipeline moves them into the
         #: pass's record after it ends).
         self.nested: list[NestedRun] = []
@@ -92,7 +95,8 @@ class PassContext:
         if _NESTED_RUNNER is None:  # pragma: no cover - the contract module installs it when qgraph loads
             raise RuntimeError("qgraph.pipeline.contract is not loaded")
         start = time.perf_counter()
-        result = _NESTED_RUNNER(p, graph, self)
+        with self.float_preserving(graph) if p.preserves_float else contextlib.nullcontext():
+            result = _NESTED_RUNNER(p, graph, self)
         self.nested.append(NestedRun(p.name, p.config.recipe_options(), result, time.perf_counter() - start))
         return result
 
@@ -134,9 +138,11 @@ class PassContext:
         """Values of the float reference's weightless placeholders by name (empty for a self-contained one)."""
         return self._float_weights
 
-    def set_float_reference(self, model: onnx.ModelProto | None, weights: dict[str, np.ndarray] | None = None) -> None:
+    def set_float_reference(self, model: onnx.ModelProto | None, weights: dict[str, np.ndarray] | None = None,
+                            graph: GraphHandle | None = None) -> None:
         """Record the float reference and, for a weightless one, its placeholders' values (the pipeline does
-        this; tests and scripts running passes by hand may).
+        this; tests and scripts running passes by hand may); ``graph``: the graph it was exported from, now
+        (`is_float_reference`).
 
         The values are the graph's own arrays (no copy): they are made read-only here, so a later pass that
         writes into a weight in place raises instead of silently changing the reference; passes replace arrays
@@ -145,6 +151,27 @@ class PassContext:
         self._float_weights = dict(weights or {})
         for value in self._float_weights.values():
             value.setflags(write=False)
+        self._reference_graph = (weakref.ref(graph), graph.version) if graph is not None and model is not None else None
+
+    @contextlib.contextmanager
+    def float_preserving(self, graph: GraphHandle) -> Iterator[None]:
+        """Around an edit that keeps every float value (a topological sort, a raised opset): a graph that was the
+        float reference before it still is after (`is_float_reference`)."""
+        was_reference = self.is_float_reference(graph)
+        yield
+        if was_reference:
+            self._reference_graph = (weakref.ref(graph), graph.version)
+
+    def is_float_reference(self, graph: GraphHandle) -> bool:
+        """Whether ``graph`` still is the float reference: the graph it was exported from, not changed since
+        (`GraphHandle.version`) but by float-preserving passes run through `run_pass` (``insert_qdq`` raising the
+        opset) or edits inside `float_preserving`. What a pass measures by running it then is what the reference
+        gives (up to onnxruntime's graph optimizations), so it may keep it for later passes
+        (`qgraph.recovery.reference_outputs`)."""
+        if self._reference_graph is None:
+            return False
+        ref, version = self._reference_graph
+        return ref() is graph and graph.version == version
 
     def fix_inputs(self, values: dict[str, np.ndarray]) -> None:
         """Tell the pipeline that graph inputs became constants (``specialize_inputs``): from now on, calibration

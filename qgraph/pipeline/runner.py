@@ -253,7 +253,7 @@ class Pipeline(RecipeSpec):
                 # weightless, sharing the graph's arrays: no second copy of the weights (later passes replace
                 # arrays, they never write into them)
                 reference, held = handle.weightless_export()
-                ctx.set_float_reference(reference, {name: value for name, (value, _) in held.items()})
+                ctx.set_float_reference(reference, {name: value for name, (value, _) in held.items()}, handle)
             record = self._run_one(i, p, handle, ctx, target_step)
             records.append(record)
             if keep_stages or (verify and previous is not None):

@@ -27,6 +27,7 @@ from qgraph.graph.selectors import NodeSelector, select
 from qgraph.options import PassConfig
 from qgraph.pipeline.pass_api import Pass, PassContext, PassResult
 from qgraph.quant.layers import QuantLayer, find_layers
+from qgraph.recovery.reference_outputs import reference_outputs
 from qgraph.runtime.compare import make_session
 from qgraph.runtime.layer_data import RowSpec
 from qgraph.runtime.output_parts import find_output_parts
@@ -174,15 +175,23 @@ class FidelityGuard:
     Concat-joined output on its own: `qgraph.runtime.output_parts`) before (`start`, with a snapshot of the layers'
     codes)
     and after (`finish`, which restores the snapshot when the score dropped). Reported in ``res`` either way. Costs
-    one reference run and two runs of the graph on those samples."""
+    two runs of the graph on those samples, and one of the float reference unless calibration kept its outputs on
+    them (`qgraph.recovery.reference_outputs`; the decision line says which)."""
 
     def __init__(self, ctx: PassContext, samples: int, layers: list[QuantLayer], res: PassResult) -> None:
         assert ctx.calibration_data is not None and ctx.float_reference is not None
         feeds = list(itertools.islice(iter(ctx.calibration_data), samples))
-        # a long graph runs in slices: one session over it costs more than linear time to build (`sliced_session`)
-        reference = sliced_session(ctx.float_reference, lambda m, w: make_session(m, weights=w),
-                                   weights=ctx.float_reference_weights, anywhere=True)
-        self.scorer = OutputScore(reference, feeds, parts=find_output_parts(ctx.float_reference))
+        parts = find_output_parts(ctx.float_reference)
+        names = [o.name for o in ctx.float_reference.graph.output]
+        kept = reference_outputs(ctx, names, len(feeds))  # calibration ran the float reference on them
+        self.reused = kept is not None
+        if kept is not None:
+            self.scorer = OutputScore.of_outputs(names, feeds, kept, parts)
+        else:
+            # a long graph runs in slices: one session over it costs more than linear time to build (`sliced_session`)
+            reference = sliced_session(ctx.float_reference, lambda m, w: make_session(m, weights=w),
+                                       weights=ctx.float_reference_weights, anywhere=True)
+            self.scorer = OutputScore(reference, feeds, parts=parts)
         self.kernels = ctx.kernels  # the target's arithmetic: a correction that only helps elsewhere is undone
         self.layers = layers
         self.stored = [la.snapshot() for la in layers]
@@ -228,4 +237,6 @@ class FidelityGuard:
         """``output SQNR on 32 calibration sample(s) 30.10 -> 29.50 dB`` (after `finish`)."""
         units = len(self.scorer.units)
         scored = f"min output SQNR over {units} part(s)" if units > 1 else "output SQNR"
-        return f"{scored} on {len(self.scorer.feeds)} calibration sample(s) {self.before:.2f} -> {self.after:.2f} dB"
+        source = ", the float reference's outputs kept from calibration" if self.reused else ""
+        return (f"{scored} on {len(self.scorer.feeds)} calibration sample(s){source} {self.before:.2f} -> "
+                f"{self.after:.2f} dB")

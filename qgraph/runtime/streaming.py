@@ -136,7 +136,8 @@ class OutputScore:
     of a split output (default: every output whole)."""
 
     def __init__(self, reference: Any, feeds: Sequence[Feed], recurrence: Recurrence | None = None,
-                 outputs: Sequence[str] | None = None, parts: OutputParts | None = None) -> None:
+                 outputs: Sequence[str] | None = None, parts: OutputParts | None = None, *,
+                 given: Sequence[Sequence[Any]] | None = None) -> None:
         self.feeds = list(feeds)
         self.recurrence = recurrence
         self.names = list(outputs) if outputs else [o.name for o in reference.get_outputs()]
@@ -144,13 +145,25 @@ class OutputScore:
         #: What is scored: (position in ``names``, part) per scored part (the whole output: its one part).
         self.units = [(k, p) for k, n in enumerate(self.names) for p in split.get(n, (OutputPart(n, n),))]
         wanted = list(dict.fromkeys([*self.names, *(recurrence.state_inputs.values() if recurrence else ())]))
-        chunk = [dict(zip(wanted, out, strict=True)) for out in session_runs(reference, wanted, self.feeds)]
+        if given is not None:  # `of_outputs`: ``given[i]`` holds ``names``' values on ``feeds[i]``
+            if recurrence is not None or len(given) != len(self.feeds):
+                raise ValueError(f"{len(given)} given output rows for {len(self.feeds)} samples (chunk-wise only)")
+            chunk = [dict(zip(self.names, row, strict=True)) for row in given]
+        else:
+            chunk = [dict(zip(wanted, out, strict=True)) for out in session_runs(reference, wanted, self.feeds)]
         self.starts = list(range(len(self.feeds)))
         if recurrence is not None:
             self.starts = sequence_starts(recurrence, self.feeds, chunk)
             chunk = run_streamed(reference, self.names, self.feeds, self.starts, recurrence)
         self.reference = [[np.asarray(r[n], np.float64) for n in self.names] for r in chunk]
         self.last: list[Any] = []
+
+    @classmethod
+    def of_outputs(cls, names: Sequence[str], feeds: Sequence[Feed], outputs: Sequence[Sequence[Any]],
+                   parts: OutputParts | None = None) -> OutputScore:
+        """A chunk-wise score whose reference outputs were computed already: ``outputs[i]`` holds ``names``' values
+        on ``feeds[i]`` (`qgraph.recovery.reference_outputs`)."""
+        return cls(None, feeds, outputs=names, parts=parts, given=outputs)
 
     @property
     def streamed(self) -> bool:
