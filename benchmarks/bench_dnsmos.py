@@ -27,6 +27,13 @@ After correct_bias measured mean input rows (one run with Q/DQ in float, no twin
 and its two scores 1.8 s; calibration 5.4 s = 1.2x the float pass; smooth_quant 2.1 s), score MAE 0.888/0.529/0.593;
 quantize_static 2.8 s wall, MAE 1.306/1.361/0.799. Still 6.8x quantize_static's time: its calibration is one float
 pass of fetched outputs; ours also builds exact histograms and then corrects the biases and checks the correction.
+After the data passes ran one sample per core (`qgraph.runtime.parallel`; this host has 2) and the guard took the
+float reference's outputs from calibration (`qgraph.recovery.reference_outputs`), same minutes, idle: one float pass
+4.0 s one sample at a time, 2.2 s two at a time (the float row now runs so, as the yardstick does); ort-x86-vnni
+19.0 -> 13.6 -> 10.7-11.6 s wall (smooth_quant 2.0 s, calibration 3.6-4.5 s: its exact histograms are numpy work in
+one thread, correct_bias 6.0 -> 3.6-3.8 s), score MAE unchanged 0.888/0.529/0.593; quantize_static 2.8 s. Still
+about 4x quantize_static: each of smooth_quant, calibration, the rows of correct_bias and its two scores is a pass
+over the 16 clips.
 """
 
 from __future__ import annotations
@@ -97,12 +104,14 @@ def child(tool: str, cal_path: str, eval_path: str) -> dict[str, Any]:
     cal, ev = np.load(cal_path)["x"], np.load(eval_path)["x"]
     out: dict[str, Any] = {}
     if tool == "float":
-        from qgraph.runtime.compare import make_session
+        from qgraph.runtime.compare import make_session, session_runs
 
+        # as qgraph's passes and its yardstick run a model: one sample per core at once (`qgraph.runtime.parallel`)
         sess = make_session(model)
+        names = [o.name for o in sess.get_outputs()]
         start = time.perf_counter()
-        for f in _feeds(cal):
-            sess.run(None, f)
+        for _ in session_runs(sess, names, _feeds(cal)):
+            pass
         out["seconds"] = time.perf_counter() - start
         quantized = model
     elif tool == "ort":
