@@ -111,3 +111,12 @@ def test_calibration_data_that_does_not_fit_a_shapeless_input_is_a_data_error(tm
     assert code == 2 and not out.exists()
     assert "the input model cannot run on the calibration data (a batch: x: float32[1])" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("runs", [1, 3])
+def test_the_float_pass_runs_as_the_passes_do_and_says_so(runs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QGRAPH_THREADS", str(runs))
+    m = tiny_cnn()
+    measured = measure_float_inference(m, None, feeds_for(m, 6), max_samples=64)
+    assert measured is not None and (measured.samples_timed, measured.samples_total, measured.runs) == (6, 6, runs)
+    assert ("3 at a time" in measured.describe()) == (runs == 3)
