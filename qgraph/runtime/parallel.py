@@ -5,8 +5,9 @@ over every calibration sample. Each session computes with one intra-op thread, a
 run at once on threads (onnxruntime releases the GIL while it runs), their results handed back in sample order
 by `ordered_map`. So a run gives the bits one thread gives, on any host whatever its core count, and uses every
 core. onnxruntime's own intra-op threads do not: its float Conv without graph optimizations splits work
-differently from 3 threads on (SqueezeNet: 33 of 52 tensors change bits between 2 and 3 threads), so the model a
-recipe writes would depend on the core count. Measured on DNSMOS (speechmos wheel, 16 clips of 9 s, 2-core
+differently from 3 threads on (SqueezeNet: 33 of 52 tensors change bits between 2 and 3 threads), and with graph
+optimizations the PP-OCRv4 recognizer's activations change between 1 and 2, so the model a recipe writes would
+depend on the core count. Measured on DNSMOS (speechmos wheel, 16 clips of 9 s, 2-core
 AMD Zen 4, float model without graph optimizations): one thread 3.9-4.1 s; onnxruntime's 2 intra-op threads
 2.0-2.1 s; 2 one-thread samples at a time 2.05-2.1 s, with the same bits as one thread.
 
