@@ -339,7 +339,9 @@ def observe(
                              providers=providers, large_model_bytes=large_model_bytes, weights=weights) as sess:
         feeds = feeds_of(source, session_inputs(sess), data_hasher)
         # several samples run at once; the observers see them one by one, in order, in this thread
-        runs = ordered_map(_reduced(sess, fetch), feeds) if fetch else ((i, a, []) for i, a in feeds)
+        # (a sample's fetched activations can be large: at most ~1 GB of them are in flight, `IN_FLIGHT_BYTES`)
+        runs = (ordered_map(_reduced(sess, fetch), feeds, size_of=lambda r: sum(getattr(v, "nbytes", 0) for v in r[2]))
+                if fetch else ((i, a, []) for i, a in feeds))
         for index, arrays, outputs in runs:
             for name in from_feed:
                 observers[name].update(arrays[name], index)

@@ -128,7 +128,8 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
     def run(feed: Feed) -> tuple[Feed, list[Any]]:
         return feed, session_run(session, fetched, feed) if session is not None else []
 
-    for feed, got in ordered_map(run, batches):  # several samples at once, folded in order
+    # several samples at once (at most ~1 GB of fetched tensors in flight), folded in order
+    for feed, got in ordered_map(run, batches, size_of=lambda r: sum(getattr(v, "nbytes", 0) for v in r[1])):
         values = dict(zip(fetched, got, strict=True))
         values.update({n: feed[n] for n in names if n in inputs})
         for spec, res in zip(specs, reservoirs, strict=True):

@@ -11,6 +11,10 @@ depend on the core count. Measured on DNSMOS (speechmos wheel, 16 clips of 9 s, 
 AMD Zen 4, float model without graph optimizations): one thread 3.9-4.1 s; onnxruntime's 2 intra-op threads
 2.0-2.1 s; 2 one-thread samples at a time 2.05-2.1 s, with the same bits as one thread.
 
+Memory: each run in flight holds its results; where they are a sample's fetched activations (calibration,
+`qgraph.runtime.layer_data.sample_inputs`), the first result's size caps the runs in flight to `IN_FLIGHT_BYTES`
+of them, so a many-core machine does not hold one large sample per core.
+
 ``QGRAPH_THREADS=n`` sets the number of runs at once (default: every core this process may use); a worker process
 of a parallel search (`qgraph.runtime.executor`) takes its share of the cores, so that workers do not
 oversubscribe them.
@@ -27,13 +31,16 @@ from typing import TypeVar
 
 from qgraph.errors import UsageError
 
-__all__ = ["ENV", "default_runs", "ordered_map", "parallel_runs", "usable_cores"]
+__all__ = ["ENV", "IN_FLIGHT_BYTES", "default_runs", "ordered_map", "parallel_runs", "usable_cores"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 #: Environment variable that sets how many model runs go at once.
 ENV = "QGRAPH_THREADS"
+
+#: Bytes of results (fetched activations) `ordered_map` holds in flight at most, when it is told their size.
+IN_FLIGHT_BYTES = 1 << 30
 
 _LOCK = threading.Lock()
 _POOL: dict[int, ThreadPoolExecutor] = {}  # the shared pool by its size (at most one)
@@ -80,22 +87,32 @@ def _pool(size: int) -> ThreadPoolExecutor:
         return _POOL[size]
 
 
-def ordered_map(fn: Callable[[T], R], items: Iterable[T], runs: int | None = None) -> Iterator[R]:
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], runs: int | None = None,
+                size_of: Callable[[R], int] | None = None, budget: int = IN_FLIGHT_BYTES) -> Iterator[R]:
     """``fn(item)`` for every item, up to ``runs`` (default `parallel_runs`) at once on threads, yielded in item
     order; ``items`` is read in the calling thread, one item ahead of the runs. ``fn`` must be safe to call from
     several threads at once (an onnxruntime session's ``run`` is). An exception of ``fn`` is raised here, in
-    order; items not started then are dropped, and no call outlives the iterator."""
+    order; items not started then are dropped, and no call outlives the iterator.
+
+    ``size_of(result)``: the bytes a result holds (fetched activations). Once the first result is known, at most
+    ``budget // size`` results are in flight (at least one): on a machine with many cores, a model whose samples'
+    activations are large does not hold one sample's worth per core."""
     size = parallel_runs() if runs is None else max(1, runs)
     if size <= 1 or getattr(_INSIDE, "active", False):
         yield from map(fn, items)
         return
     pool = _pool(size)
+    window = size
     pending: collections.deque[Future[R]] = collections.deque()
     try:
         for item in items:
             pending.append(pool.submit(fn, item))
-            if len(pending) >= size:
-                yield pending.popleft().result()
+            while len(pending) >= window:
+                result = pending.popleft().result()
+                if size_of is not None:
+                    window = max(1, min(size, budget // max(1, size_of(result))))
+                    size_of = None  # the first result sets the window
+                yield result
         while pending:
             yield pending.popleft().result()
     finally:  # stopped early (an error, a consumer that stopped): nothing left running on the caller's sessions

@@ -45,6 +45,27 @@ def test_results_come_in_item_order_whatever_finishes_first(delays: list[int], r
     assert most[0] <= runs  # never more runs at once than asked
 
 
+@pytest.mark.parametrize(("result_bytes", "most"), [(100, 4), (400, 2), (5000, 1)])
+def test_large_results_narrow_the_window_to_the_memory_budget(result_bytes: int, most: int) -> None:
+    """Once the first result's size is known, at most ``budget // size`` results are in flight (at least one)."""
+    running, seen = [0], [0]
+    lock = threading.Lock()
+
+    def work(i: int) -> bytes:
+        with lock:
+            running[0] += 1
+            if i >= 4:  # the first window (4 items) starts before any size is known
+                seen[0] = max(seen[0], running[0])
+        time.sleep(0.003)
+        with lock:
+            running[0] -= 1
+        return bytes(result_bytes)
+
+    got = list(ordered_map(work, range(24), runs=4, size_of=len, budget=1000))
+    assert len(got) == 24 and all(len(g) == result_bytes for g in got)
+    assert 1 <= seen[0] <= most
+
+
 def test_an_error_is_raised_in_order_and_no_later_item_starts() -> None:
     started: list[int] = []
 
