@@ -12,8 +12,10 @@ import pytest
 from qgraph.passes.correct_bias import CorrectBias
 from qgraph.passes.insert_qdq import InsertQDQ
 
-from qgraph import PassResult, Pipeline
+from qgraph import GraphHandle, PassResult, Pipeline
+from qgraph.pipeline import timing
 from qgraph.pipeline.timing import BUDGET, FloatInference, measure_float_inference, run_timing
+from qgraph.testing import mobilenet_v2, random_feeds
 
 sys.path.insert(0, str(Path(__file__).parent / "passes"))
 from insert_qdq_helpers import feeds_for, source, tiny_cnn
@@ -120,3 +122,17 @@ def test_the_float_pass_runs_as_the_passes_do_and_says_so(runs: int, monkeypatch
     measured = measure_float_inference(m, None, feeds_for(m, 6), max_samples=64)
     assert measured is not None and (measured.samples_timed, measured.samples_total, measured.runs) == (6, 6, runs)
     assert ("3 at a time" in measured.describe()) == (runs == 3)
+
+
+def test_the_float_pass_is_optimized_as_a_users_session_unless_the_weights_are_large(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    m = mobilenet_v2(width=0.5, resolution=64, seed=2)
+    model, held = GraphHandle(m).weightless_export()
+    weights = {n: v for n, (v, _) in held.items()}
+    assert weights  # its larger weights are placeholders of the export
+    feeds = random_feeds(m, n=4, seed=1)
+    small = measure_float_inference(model, weights, feeds)
+    assert small is not None and small.optimized and "without graph optimizations" not in small.describe()
+    monkeypatch.setattr(timing, "OPTIMIZED_UP_TO_BYTES", 0)
+    large = measure_float_inference(model, weights, feeds)
+    assert large is not None and not large.optimized and "without graph optimizations" in large.describe()

@@ -21,9 +21,11 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 import onnx
+import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from qgraph.errors import DataError
+from qgraph.errors import DataError, QGraphError
+from qgraph.graph.detach import with_weights
 from qgraph.pipeline.pass_result import PassResult
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.parallel import ordered_map, parallel_runs
@@ -40,6 +42,12 @@ MAX_TIMED_SAMPLES = 64
 #: (9 s audio clips) the full pass cost as much as a whole accuracy pass, spent only on a yardstick.
 MAX_TIMED_SECONDS = 1.0
 MIN_TIMED_SAMPLES = 2
+#: Weights up to this size are written into the yardstick's own model, so onnxruntime optimizes it as a user's float
+#: session would be (PicoDet 1.8 -> 1.1 s, YOLOv8n 0.53 -> 0.38 s, DNSMOS 2.2 -> 1.5 s over the calibration data);
+#: larger ones stay shared and fed, without graph optimizations: the copies a session of its own makes (the model,
+#: its serialized bytes, onnxruntime's) would raise a large model's peak memory (144 MB of weights: 974 MB peak,
+#: against the two model sizes + 300 MB `tests/test_memory.py` holds a run to).
+OPTIMIZED_UP_TO_BYTES = 32 << 20
 
 
 class _Record(Protocol):
@@ -57,14 +65,16 @@ class FloatInference:
     samples_timed: int
     samples_total: int
     runs: int = 1  # samples run at once (`qgraph.runtime.parallel`), as the passes run them
+    optimized: bool = True  # with onnxruntime's graph optimizations (`OPTIMIZED_UP_TO_BYTES`)
 
     def describe(self) -> str:
         """How it was measured, for the summary line."""
         part = ("" if self.samples_timed >= self.samples_total
                 else f", timed on {self.samples_timed} of {self.samples_total} samples")
         at_once = f", {self.runs} at a time" if self.runs > 1 and self.samples_total > 1 else ""
+        how = "" if self.optimized else ", without graph optimizations (weights over 32 MB are not copied for it)"
         return (f"{self.seconds:.2f} s: the float model over {self.samples_total} calibration sample(s){at_once}"
-                f"{part}")
+                f"{part}{how}")
 
 
 def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.NDArray[Any]] | None,
@@ -75,8 +85,19 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
     the session is created outside the timed span; at most ``max_samples`` batches are run (fewer once
     ``max_seconds`` are spent and `MIN_TIMED_SAMPLES` were timed) and the time is scaled to all of them (a stream's
     remaining batches are counted, not run). The batches run as the passes run them: `parallel_runs` at once,
-    one intra-op thread each. None when there is no data."""
-    session = make_session(model, weights=weights)
+    one intra-op thread each; with onnxruntime's graph optimizations up to `OPTIMIZED_UP_TO_BYTES` of weights.
+    None when there is no data."""
+    session: Any = None
+    optimized = sum(int(v.nbytes) for v in (weights or {}).values()) <= OPTIMIZED_UP_TO_BYTES
+    if optimized:  # as a user's float session runs it: weights in the model, onnxruntime's optimizations on
+        try:
+            session = make_session(with_weights(model, weights) if weights else model,
+                                   optimization=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        except (QGraphError, ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument,
+                ort_state.InvalidGraph):  # an optimizer that refuses the model: time it as the passes run it
+            optimized = False
+    if session is None:
+        session = make_session(model, weights=weights)
     names = [o.name for o in session.get_outputs()]
 
     def run(feed: Mapping[str, npt.NDArray[Any]]) -> None:
@@ -106,7 +127,7 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
         total = max(len(batches), timed)
     else:  # a stream: the samples not timed are counted (read, not run), so the time scales to all of them
         total = read[0] + sum(1 for _ in stream)
-    return FloatInference(seconds * total / timed, timed, total, parallel_runs())
+    return FloatInference(seconds * total / timed, timed, total, parallel_runs(), optimized)
 
 
 def _data_does_not_fit(feed: Mapping[str, npt.NDArray[Any]], exc: Exception) -> DataError:
