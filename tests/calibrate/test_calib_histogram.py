@@ -115,3 +115,25 @@ def test_float32_data_bins_exactly_as_float64(seed: int, log_scale: float, inclu
         log_scale += float(rng.uniform(-1.0, 1.0))
     assert np.array_equal(h32.counts, h64.counts) and np.array_equal(h32.zeros, h64.zeros)
     assert np.array_equal(h32.k, h64.k) and np.array_equal(h32.first, h64.first)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), zero_share=st.floats(0.0, 1.0), log_scale=st.floats(-20, 6),
+       batch=st.sampled_from([1, 7, 64, 500]), include_zero=st.booleans(), signed=st.booleans())
+def test_zero_heavy_rows_bin_as_brute_force(seed: int, zero_share: float, log_scale: float, batch: int,
+                                            include_zero: bool, signed: bool) -> None:
+    """Mostly exact zeros (ReLU outputs, masked tensors; +0.0 and -0.0): the zeros are left out of the binning and
+    put in 0's bin afterwards; counts, grid and zero count are those of binning every value."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(500) * 2.0**log_scale).astype(np.float32)
+    x = x if signed else np.abs(x)
+    x[rng.random(500) < zero_share] = 0.0
+    x[rng.random(500) < 0.1 * zero_share] = -0.0
+    h = AlignedHistogram(1, 64, include_zero=include_zero)
+    for i in range(0, x.size, batch):
+        h.update(x[i:i + batch].reshape(1, -1))
+    w, first, counts = ref_histogram(x, 64, include_zero)
+    row = h.row(0)
+    assert row.zeros == int(np.count_nonzero(x == 0))
+    assert row.width == w and row.first == first
+    np.testing.assert_array_equal(row.counts, counts)
