@@ -8,6 +8,7 @@ from calib_reference import ref_histogram
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qgraph.calibrate import histogram
 from qgraph.calibrate.histogram import AlignedHistogram, required_exponent
 
 values_st = st.lists(st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=200)
@@ -137,3 +138,21 @@ def test_zero_heavy_rows_bin_as_brute_force(seed: int, zero_share: float, log_sc
     assert row.zeros == int(np.count_nonzero(x == 0))
     assert row.width == w and row.first == first
     np.testing.assert_array_equal(row.counts, counts)
+
+
+@pytest.mark.parametrize("fast_add_at", [True, False])
+def test_both_counting_paths_bin_as_brute_force(fast_add_at: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy >= 1.25 counts with ``np.add.at`` in place, older numpy with ``np.bincount``: the same counts."""
+    monkeypatch.setattr(histogram, "_FAST_ADD_AT", fast_add_at)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(4000) * 3.0 + 1.0).astype(np.float32)
+    h = AlignedHistogram(1, 64)
+    multi = AlignedHistogram(3, 64)
+    for i in range(0, x.size, 333):
+        h.update(x[i:i + 333].reshape(1, -1))
+        multi.update(np.stack([x[i:i + 333]] * 3))
+    w, first, counts = ref_histogram(x, 64, False)
+    for c, hist in ((0, h), (0, multi), (2, multi)):
+        row = hist.row(c)
+        assert row.width == w and row.first == first
+        np.testing.assert_array_equal(row.counts, counts)
