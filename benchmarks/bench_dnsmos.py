@@ -33,7 +33,9 @@ float reference's outputs from calibration (`qgraph.recovery.reference_outputs`)
 19.0 -> 13.6 -> 10.7-11.6 s wall (smooth_quant 2.0 s, calibration 3.6-4.5 s: its exact histograms are numpy work in
 one thread, correct_bias 6.0 -> 3.6-3.8 s), score MAE unchanged 0.888/0.529/0.593; quantize_static 2.8 s. Still
 about 4x quantize_static: each of smooth_quant, calibration, the rows of correct_bias and its two scores is a pass
-over the 16 clips.
+over the 16 clips. With the histograms' exact zeros counted faster and their counts made in place: 9.8 s wall
+(calibration 3.0 s = 1.9x the optimized float pass, correct_bias 3.6 s, smooth_quant 2.0 s), MAE unchanged;
+quantize_static 2.7 s.
 """
 
 from __future__ import annotations
