@@ -173,6 +173,18 @@ def test_ray_matches_local_and_raises_the_tasks_own_error(local_ray: Any) -> Non
     assert local_ray.is_initialized()  # an executor leaves a Ray it did not start running
 
 
+def _runs_here(shared: None, item: int) -> int:
+    from qgraph.runtime.parallel import parallel_runs
+
+    return parallel_runs()
+
+
+def test_a_ray_task_runs_one_model_at_a_time(local_ray: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task holds one CPU of the cluster (num_cpus=1): its data passes run one sample at a time."""
+    monkeypatch.delenv("QGRAPH_THREADS", raising=False)
+    assert RayExecutor(workers=2).map(_runs_here, [0, 1, 2], shared=None) == [1, 1, 1]
+
+
 def test_ray_puts_the_shared_object_once_and_each_worker_unpickles_it_once(
     local_ray: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

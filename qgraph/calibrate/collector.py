@@ -52,7 +52,7 @@ from qgraph.errors import DataError, ModelError
 from qgraph.graph.detach import with_weights
 from qgraph.graph.opsets import model_opset
 from qgraph.quant.math import ActivationRange
-from qgraph.runtime.parallel import ordered_map
+from qgraph.runtime.parallel import array_bytes, ordered_map
 from qgraph.runtime.segments import observe_segmented, segmentable
 
 ProgressCallback = Callable[[int, int | None], None]
@@ -252,7 +252,7 @@ def _collect_in_graph(
                 feeds = feeds_of(source, session_inputs(sess), run.data_hasher)
             overflowing: list[str] = []
             pulled: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
-            for index, arrays, outputs in ordered_map(_reduced(sess, reduction.outputs), _kept(feeds, pulled)):
+            for index, arrays, outputs in ordered_map(_reduced(sess, reduction.outputs), _recorded(feeds, pulled)):
                 pulled.popleft()
                 r = reduction.split(outputs)
                 certain, maybe = r.suspects()
@@ -340,7 +340,7 @@ def observe(
         feeds = feeds_of(source, session_inputs(sess), data_hasher)
         # several samples run at once; the observers see them one by one, in order, in this thread
         # (a sample's fetched activations can be large: at most ~1 GB of them are in flight, `IN_FLIGHT_BYTES`)
-        runs = (ordered_map(_reduced(sess, fetch), feeds, size_of=lambda r: sum(getattr(v, "nbytes", 0) for v in r[2]))
+        runs = (ordered_map(_reduced(sess, fetch), feeds, size_of=lambda r: array_bytes(r[2]))
                 if fetch else ((i, a, []) for i, a in feeds))
         for index, arrays, outputs in runs:
             for name in from_feed:
@@ -354,7 +354,7 @@ def observe(
     return done
 
 
-def _kept(feeds: Iterator[tuple[int, dict[str, Any]]],
+def _recorded(feeds: Iterator[tuple[int, dict[str, Any]]],
           pulled: collections.deque[tuple[int, dict[str, Any]]]) -> Iterator[tuple[int, dict[str, Any]]]:
     """``feeds``, each also appended to ``pulled`` as it is read (the consumer pops it once used)."""
     for item in feeds:

@@ -47,23 +47,29 @@ class _Kept:
         self.bytes = 0
         self.full = False  # over MAX_BYTES: dropped
 
-    def observer(self, name: str) -> Any:
-        kept = self
+    def observer(self, name: str) -> _Output:
+        """The observer of output ``name``."""
+        return _Output(self, name)
 
-        class _Output:
-            def update(self, x: Any, sample_index: int | None = None) -> None:
-                if kept.full or sample_index is None or sample_index >= kept.samples:
-                    return
-                # a copy: onnxruntime's output can share its session's memory arena, which it would keep alive
-                # (DNSMOS: 490 MB of calibration activations held until the guard ran)
-                value = np.array(x, copy=True)
-                kept.bytes += value.nbytes
-                if kept.bytes > MAX_BYTES:
-                    kept.full, kept.rows = True, {}
-                    return
-                kept.rows.setdefault(sample_index, {})[name] = value
 
-        return _Output()
+class _Output:
+    """Keeps output ``name`` of each of the first samples in ``kept`` (called in sample order, by one thread)."""
+
+    def __init__(self, kept: _Kept, name: str) -> None:
+        self.kept, self.name = kept, name
+
+    def update(self, x: Any, sample_index: int | None = None) -> None:
+        kept = self.kept
+        if kept.full or sample_index is None or sample_index >= kept.samples:
+            return
+        # a copy: onnxruntime's output can share its session's memory arena, which it would keep alive
+        # (DNSMOS: 490 MB of calibration activations held until the guard ran)
+        value = np.array(x, copy=True)
+        kept.bytes += value.nbytes
+        if kept.bytes > MAX_BYTES:
+            kept.full, kept.rows = True, {}
+            return
+        kept.rows.setdefault(sample_index, {})[self.name] = value
 
 
 def keep_reference_outputs(ctx: PassContext, graph: GraphHandle) -> dict[str, Any]:

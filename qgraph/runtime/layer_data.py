@@ -23,7 +23,7 @@ from qgraph.data import Feed
 from qgraph.errors import DataError
 from qgraph.runtime.channel_means import ChannelMeans, augment, channel_means
 from qgraph.runtime.compare import make_session, session_run
-from qgraph.runtime.parallel import ordered_map
+from qgraph.runtime.parallel import array_bytes, ordered_map
 
 __all__ = ["ChannelMeans", "RowSpec", "channel_means", "sample_inputs"]
 
@@ -129,7 +129,7 @@ def sample_inputs(model: onnx.ModelProto, specs: Sequence[RowSpec], batches: Ite
         return feed, session_run(session, fetched, feed) if session is not None else []
 
     # several samples at once (at most ~1 GB of fetched tensors in flight), folded in order
-    for feed, got in ordered_map(run, batches, size_of=lambda r: sum(getattr(v, "nbytes", 0) for v in r[1])):
+    for feed, got in ordered_map(run, batches, size_of=lambda r: array_bytes(r[1])):
         values = dict(zip(fetched, got, strict=True))
         values.update({n: feed[n] for n in names if n in inputs})
         for spec, res in zip(specs, reservoirs, strict=True):

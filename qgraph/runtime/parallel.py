@@ -27,11 +27,11 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from qgraph.errors import UsageError
 
-__all__ = ["ENV", "IN_FLIGHT_BYTES", "default_runs", "ordered_map", "parallel_runs", "usable_cores"]
+__all__ = ["ENV", "IN_FLIGHT_BYTES", "array_bytes", "default_runs", "ordered_map", "parallel_runs", "usable_cores"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -75,6 +75,11 @@ def default_runs(runs: int) -> None:
     process running beside others takes its share of the cores, not all of them."""
     if not os.environ.get(ENV, "").strip():
         os.environ[ENV] = str(max(1, runs))
+
+
+def array_bytes(values: Iterable[Any]) -> int:
+    """Bytes the arrays among ``values`` hold (a run's fetched outputs: `ordered_map`'s ``size_of``)."""
+    return sum(int(getattr(v, "nbytes", 0)) for v in values)
 
 
 def _pool(size: int) -> ThreadPoolExecutor:
