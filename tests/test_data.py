@@ -60,3 +60,49 @@ def test_errors_name_the_sample_and_input(tmp_path: Path) -> None:
         open_data_source("no_such_module_xyz:feeds")
     with pytest.raises(DataError, match="not found"):
         open_data_source(tmp_path / "missing.npz")
+
+
+def test_data_in_memory_a_list_of_feeds_or_stacked_arrays_as_an_npz(tmp_path: Path) -> None:
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    np.savez(tmp_path / "d.npz", x=x, ids=np.arange(5))
+    from_file = list(open_data_source(tmp_path / "d.npz").bind(MODEL))
+    stacked = open_data_source({"x": x, "ids": np.arange(5)}, samples=4).bind(MODEL)
+    assert len(stacked) == 4 and "arrays in memory" in stacked.description  # type: ignore[arg-type]
+    assert [f["x"].tolist() for f in stacked] == [f["x"].tolist() for f in from_file[:4]]
+    feeds = [{"x": x[i : i + 1], "ids": np.array([i])} for i in range(5)]
+    listed = open_data_source(feeds).bind(MODEL)
+    assert [f["x"].tolist() for f in listed] == [f["x"].tolist() for f in from_file]
+    assert len(list(listed)) == 5  # read again: each pass over the data sees every sample
+    assert open_data_source(tuple(feeds), samples=2).bind(MODEL).samples == 2
+
+
+def test_data_of_a_wrong_type_is_a_data_error_naming_it() -> None:
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(DataError, match=r"type generator \(an iterator is read once"):
+        open_data_source({"x": x} for _ in range(2))  # type: ignore[arg-type]
+    with pytest.raises(DataError, match=r"type int: give an \.npz path"):
+        open_data_source(3)  # type: ignore[arg-type]
+    with pytest.raises(DataError, match="key 0 is not an input name"):
+        open_data_source({0: x})
+    with pytest.raises(DataError, match="the mapping is empty"):
+        open_data_source({})
+    with pytest.raises(DataError, match="sample 1: expected a dict"):
+        open_data_source([{"x": x[:1], "ids": np.zeros(1, np.int64)}, x]).bind(MODEL)  # type: ignore[list-item]
+    with pytest.raises(DataError, match="disagree on the number of samples"):
+        open_data_source({"x": x, "ids": np.zeros(3, np.int64)}).bind(MODEL)
+
+
+def test_a_pipeline_calibrates_the_same_from_a_list_of_feeds_as_from_an_npz(tmp_path: Path) -> None:
+    from qgraph import Recipe
+    from qgraph.testing.synthetic import matmul_add_relu_chain
+
+    model = matmul_add_relu_chain(3)
+    x = np.random.default_rng(0).standard_normal((6, 1, 16)).astype(np.float32)
+    np.savez(tmp_path / "cal.npz", input=x)
+    recipe = Recipe.from_text("name: t\npasses:\n  - pass: insert_qdq\n    activations: {method: minmax}\n")
+    from_file = recipe.pipeline().run(model, calibration_data=tmp_path / "cal.npz").model
+    from_list = recipe.pipeline().run(model, calibration_data=[{"input": s} for s in x]).model
+    scales = [t for t in from_file.graph.initializer if t.name.endswith("scale")]
+    assert len(scales) >= 6
+    assert {t.name: t.raw_data for t in from_list.graph.initializer} == {t.name: t.raw_data for t in
+                                                                        from_file.graph.initializer}

@@ -42,6 +42,7 @@ from .inputs import (
 from .sources import (
     CallableSource,
     DataSource,
+    DataSpec,
     FixedInputs,
     FolderSource,
     NpzSource,
@@ -56,6 +57,7 @@ __all__ = [
     "CallableSource",
     "DataLayout",
     "DataSource",
+    "DataSpec",
     "Feed",
     "FixedInputs",
     "FolderSource",

@@ -1,9 +1,10 @@
-"""The data sources: an .npz, a folder of .npz/.npy files, a ``module:function``; validated before any work."""
+"""The data sources: an .npz, a folder of .npz/.npy files, a ``module:function``, or in memory (a list of feed dicts,
+a dict of arrays stacked on axis 0, a function); validated before any work."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,24 @@ class NpzSource(DataSource):
         if not self.arrays:
             raise DataError(f"{path}: the archive holds no arrays; it needs one array per model input.")
 
+    @classmethod
+    def in_memory(cls, arrays: Mapping[Any, Any], samples: int | None = None,
+                  layout: DataLayout = "auto") -> NpzSource:
+        """The same source over ``{input name: array}`` held in memory (axis 0 indexes samples, as in an .npz)."""
+        source = cls.__new__(cls)
+        DataSource.__init__(source, samples, layout)
+        source.description = f"arrays in memory ({', '.join(map(str, list(arrays)[:4]))})"
+        source.path = Path(source.description)
+        source.ignored = []
+        bad = [k for k in arrays if not isinstance(k, str)]
+        if bad:
+            raise DataError(f"calibration arrays in memory: key {bad[0]!r} is not an input name; give "
+                            "{input_name: array stacked on axis 0}.")
+        source.arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        if not source.arrays:
+            raise DataError("calibration arrays in memory: the mapping is empty; give one array per model input.")
+        return source
+
     def __len__(self) -> int:
         n = self._count()
         return int(n if self.samples is None else min(n, self.samples))
@@ -178,7 +197,7 @@ class NpzSource(DataSource):
     def _count(self) -> int:
         counts = {k: (a.shape[0] if a.ndim else 1) for k, a in self.arrays.items()}
         if len(set(counts.values())) > 1:
-            raise DataError(f"{self.path}: the model's input arrays disagree on the number of samples (axis 0): "
+            raise DataError(f"{self.description}: the model's input arrays disagree on the number of samples (axis 0): "
                             f"{counts}. Give every input the same number of samples.")
         return next(iter(counts.values()), 0)
 
@@ -194,7 +213,8 @@ class NpzSource(DataSource):
             self.arrays = {k: v for k, v in self.arrays.items() if k in names}
         self.available = self._count()
         if self.available == 0:
-            raise DataError(f"{self.path}: the arrays hold 0 samples (axis 0 has size 0). Give at least one sample.")
+            raise DataError(f"{self.description}: the arrays hold 0 samples (axis 0 has size 0). "
+                            "Give at least one sample.")
         # Every sample is in memory already: check all of them now, before any work.
         for i, feed in enumerate(self._raw()):
             self._check_feed(feed, i)
@@ -271,6 +291,23 @@ class CallableSource(DataSource):
             index += 1
 
 
+class FeedList(CallableSource):
+    """A list of feed dicts held in memory: every sample is checked before any work, as an .npz's are."""
+
+    def __init__(self, feeds: list[Feed], samples: int | None = None) -> None:
+        super().__init__(lambda: feeds, f"{len(feeds)} feed dict(s) in memory", samples)
+        self.samples = samples  # every sample, as from an .npz (no generator's default cap)
+        self.available = len(feeds)
+        self.feeds = feeds
+
+    def __len__(self) -> int:
+        return len(self.feeds) if self.samples is None else min(len(self.feeds), self.samples)
+
+    def _validate_upfront(self) -> None:
+        for i, feed in enumerate(self._raw()):
+            self._check_feed(feed, i)
+
+
 class FixedInputs(DataSource):
     """``source`` with the inputs a pass fixed to constants (``specialize_inputs``) taken out of every sample.
 
@@ -314,8 +351,13 @@ def without_fixed_inputs(source: DataSource, fixed: dict[str, np.ndarray]) -> Fi
     return cls(source, fixed)
 
 
+#: What a data argument may be: a path (.npz, folder), ``module:function``, a function returning feed dicts, a
+#: `DataSource`, a list of feed dicts, or ``{input name: array}`` stacked on axis 0.
+DataSpec = str | Path | Callable[[], Iterable[Feed]] | DataSource | Sequence[Feed] | Mapping[str, Any]
+
+
 def open_data_source(
-    spec: str | Path | Callable[[], Iterable[Feed]] | DataSource,
+    spec: DataSpec,
     *,
     samples: int | None = None,
     layout: DataLayout = "auto",
@@ -325,6 +367,15 @@ def open_data_source(
         return spec
     if callable(spec):
         return CallableSource(spec, getattr(spec, "__qualname__", "callable"), samples)
+    if isinstance(spec, Mapping):
+        return NpzSource.in_memory(spec, samples, layout)
+    if isinstance(spec, Sequence) and not isinstance(spec, str):
+        return FeedList(list(spec), samples)
+    if not isinstance(spec, (str, Path)):
+        once = " (an iterator is read once; passes read the data several times)" if isinstance(spec, Iterator) else ""
+        raise DataError(f"calibration data of type {type(spec).__name__}{once}: give an .npz path, a folder, "
+                        "module:function, a list of {input_name: array} dicts, a dict of arrays stacked on axis 0, "
+                        "or a function returning an iterable of feed dicts.")
     text = str(spec)
     if not text.strip():
         raise DataError("the data source is an empty string: give an .npz file, a folder, or module:function.")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
-from qgraph.data import DataLayout, DataSource, Feed, batched, open_data_source
+from qgraph.data import DataLayout, DataSource, DataSpec, Feed, batched, open_data_source
 from qgraph.errors import UsageError, VerificationError
 from qgraph.graph import GraphHandle, check_input_structure, check_model
 from qgraph.graph.detach import fill_weights
@@ -174,7 +174,7 @@ class Pipeline(RecipeSpec):
         self,
         model: onnx.ModelProto | str | Path,
         *,
-        calibration_data: DataSource | str | Path | None = None,
+        calibration_data: DataSpec | None = None,
         verify: bool = False,
         verify_tolerance: float = 1e-5,
         verify_samples: int = 2,
@@ -320,7 +320,7 @@ class Pipeline(RecipeSpec):
     def _context(
         self,
         model: onnx.ModelProto,
-        calibration_data: DataSource | str | Path | None,
+        calibration_data: DataSpec | None,
         on_progress: Callable[[str, int, int | None], None] | None = None,
         samples: int | None = None,
         layout: DataLayout = "auto",
