@@ -98,6 +98,27 @@ Outputs byte-identical (the chain at both sizes, and `tools/recipe_digests.py`).
 the Gauss-Seidel sweep itself, one pair after the other (each step reads the previous step's scales), ~25 numpy calls
 per pair per round; in smooth_quant, measuring (0.42 s at 3k, 5.4 s at 30k: the export, onnxruntime fetching every
 MatMul input, in segments above 3k nodes, and the statistics); alpha auto's scoring is ~0.1 s per 1,000 groups.
+
+2026-11-28, idle, 30k nodes: plain 20.1 s, 697 MB; ort-x86-vnni 94.0 s, 1621 MB (correct_bias 43.2, insert_qdq 19.2
+[cal 11.8], equalize_weights 13.1, smooth_quant 7.2). What a node costs in memory, whatever the passes do (the chain's
+quantized 30k-node graph has 70,000 nodes): the graphsurgeon graph holds 2.5 KB per node (172 MB), one onnxruntime
+session of it at ORT_ENABLE_ALL 5.4 KB per node (378 MB). At 100k nodes (~233,000 after quantization) that is
+0.57 GB for the graph and 1.26 GB for any session over all of it: the issue's "< 1 GB at 100k" needs every data pass
+to run slice-major (build one slice's session, run every sample through it, free it) and the plain recipe to do so
+too (2.0 GB at 100k today). Peak RSS after each pass at 30k: insert_qdq 938 MB, correct_bias 1620 MB (its guard's
+sliced session +377 MB while scoring).
+
+Then up to 64 samples run slice-major wherever a long graph runs in slices (`qgraph.runtime.segments.run_slice_major`:
+every sample through one slice, two at a time, and that slice's session freed before the next is built; the guard's
+scoring sessions are single-use). The same runs, so the same model (graph digest equal at 30k and 100k). Same
+minutes, ort-x86-vnni, wall seconds and peak RSS of the whole process:
+
+                                     30,000 nodes                         100,000 nodes
+    before (2396ffa)                 94.8 s, 1617 MB                      367.5 s, 5083 MB
+    after                            97.8 s, 1183 MB                      371.1 s, 3507 MB
+                                     (RSS when smooth_quant ends 672 -> 577 MB, insert_qdq 938 -> 890 MB; at 100k
+                                     1721 -> 1431 and 2857 -> 2556 MB; correct_bias 42.7 -> 45.0 s and
+                                     168.8 -> 181.4 s, one run each)
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class FidelityGuard:
         else:
             # a long graph runs in slices: one session over it costs more than linear time to build (`sliced_session`)
             reference = sliced_session(ctx.float_reference, lambda m, w: make_session(m, weights=w),
-                                       weights=ctx.float_reference_weights, anywhere=True)
+                                       weights=ctx.float_reference_weights, anywhere=True, single_use=True)
             self.scorer = OutputScore(reference, feeds, parts=parts)
         self.kernels = ctx.kernels  # the target's arithmetic: a correction that only helps elsewhere is undone
         self.layers = layers
@@ -215,7 +215,7 @@ class FidelityGuard:
         of inputs on a long chain (onnxruntime checks a feed in O(inputs x fed names))."""
         model, held = graph.weightless_export()
         session = sliced_session(model, lambda m, w: self.kernels.session(m, weights=w),
-                                 weights={n: v for n, (v, _) in held.items()})
+                                 weights={n: v for n, (v, _) in held.items()}, single_use=True)
         return self.scorer.score_db(session)
 
     def finish(self, graph: GraphHandle, tolerance_db: float, report: bool = True) -> bool:

@@ -186,20 +186,20 @@ class _MeansRun:
             for means, sizes in session_runs(self.session, list(self.joined), batches):
                 use(means, sizes)
             return
-        got: dict[str, Any] = {}
+        got: dict[tuple[str, int | None], Any] = {}  # by sample: slice-major runs hand out every sample's first
 
         class _Keep:
             def __init__(self, name: str) -> None:
                 self.name = name
 
             def update(self, x: Any, sample_index: int | None = None) -> None:
-                got[self.name] = x
+                got[self.name, sample_index] = x
 
         groups = self.groups
 
-        def done(_: int) -> None:
-            use(np.concatenate([got.pop(o) for o in groups.means])[groups.mean_order],
-                np.concatenate([got.pop(o) for o in groups.sizes])[groups.size_order])
+        def done(index: int) -> None:
+            use(np.concatenate([got.pop((o, index)) for o in groups.means])[groups.mean_order],
+                np.concatenate([got.pop((o, index)) for o in groups.sizes])[groups.size_order])
 
         observe_segmented(self.model, {o: _Keep(o) for o in [*groups.means, *groups.sizes]},
                           batches, SLICE_NODES, optimization=_NO_OPTIMIZATION,

@@ -129,7 +129,11 @@ def session_run(session: ort.InferenceSession, names: Sequence[str], feed: Mappi
 
 def session_runs(session: Any, names: Sequence[str], feeds: Iterable[Mapping[str, Any]]) -> Iterator[list[Any]]:
     """`session_run` on every feed, in order, several at once (`qgraph.runtime.parallel.ordered_map`): for sessions
-    of one intra-op thread (`make_session`'s default), which then give the bits of one run after another."""
+    of one intra-op thread (`make_session`'s default), which then give the bits of one run after another. A
+    session with ``run_many`` (`qgraph.runtime.sliced.SlicedSession`) runs the feeds itself."""
+    run_many = getattr(session, "run_many", None)
+    if run_many is not None:
+        return iter(run_many(names, list(feeds)))
     return ordered_map(lambda feed: session_run(session, names, feed), feeds)
 
 

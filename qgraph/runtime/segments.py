@@ -6,7 +6,10 @@ whole pass. Above `SEGMENT_THRESHOLD` nodes the topologically sorted node list i
 `SEGMENT_NODES`; each slice becomes a small model whose inputs are the tensors it reads from earlier slices and
 whose outputs are the tensors later slices read plus the tensors being calibrated. Each sample flows through
 the slices in order; a value is dropped as soon as no later slice reads it, so memory stays bounded by the
-widest cut. Sessions are built on the first sample (input element types are taken from the actual values).
+widest cut. Sessions are built on the first sample (input element types are taken from the actual values). Up to
+`SLICE_MAJOR_SAMPLES` samples run slice-major: each slice's session serves every sample, several at once, and is
+freed before the next one is built, so one slice's session is alive at a time (a whole long graph's sessions cost
+onnxruntime ~4-5 KB per node); the same runs, so the same values.
 Graphs with If/Loop/Scan nodes are not segmented (their bodies read outer-scope tensors implicitly).
 :func:`qgraph.calibrate.observe` switches to this runner by itself for graphs that qualify, and so does
 `qgraph.runtime.channel_means` (weight correction): with the same optimization level, a slice computes
@@ -15,6 +18,7 @@ every node exactly as the whole graph's session would.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +31,13 @@ from onnx import helper
 
 from qgraph.errors import DataError, ModelError
 from qgraph.runtime.compare import session_run
+from qgraph.runtime.parallel import ordered_map
 
 SEGMENT_THRESHOLD = 8000
 SEGMENT_NODES = 4000
+#: Up to this many samples run slice-major (`run_slice_major`): every sample through one slice, whose session is
+#: then freed. More stream through every slice one sample at a time, the slices' sessions all kept.
+SLICE_MAJOR_SAMPLES = 64
 
 
 @dataclass
@@ -138,17 +146,19 @@ def observe_segmented(
     """Feed ``observers`` (tensor name -> object with ``update(x, sample_index)``) for every sample of ``data``,
     running the graph slice by slice; returns the number of samples.  ``after_feed(index)`` is called once
     each sample has gone through every slice (progress). ``plan``: `plan_segments` of ``model`` for these
-    observers, kept by the caller: its slices' sessions, built on the first run, serve every later run."""
+    observers, kept by the caller: its slices' sessions, built on the first run, serve every later run. Up to
+    `SLICE_MAJOR_SAMPLES` samples run slice-major instead (`run_slice_major`: one slice's session at a time,
+    samples side by side, each session freed once every sample went through it; ``after_feed`` then follows the
+    last slice)."""
     segments, last_use = plan if plan is not None else plan_segments(model, observers, size)
     inits = {t.name: t for t in model.graph.initializer}
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = optimization
-    opts.log_severity_level = 3
-    # one thread, as `qgraph.runtime.compare.make_session`: the same reductions in the same order as one session,
-    # on every host whatever its core count
-    opts.intra_op_num_threads = 1
-    opts.inter_op_num_threads = 1
-    provs = list(providers) if providers else ["CPUExecutionProvider"]
+    source = iter(data)
+    head = list(itertools.islice(source, SLICE_MAJOR_SAMPLES + 1))
+    if len(head) <= SLICE_MAJOR_SAMPLES:  # few samples: one slice's session at a time, samples side by side
+        return _observe_slice_major(segments, last_use, head, observers,
+                                    lambda seg, values: _segment_session(model, seg, inits, values, optimization,
+                                                                         providers), after_feed)
+    data = itertools.chain(head, source)
     count = 0
     for index, feed in enumerate(data):
         values: dict[str, Any] = {k: np.asarray(v) for k, v in feed.items()}
@@ -157,11 +167,7 @@ def observe_segmented(
                 observers[name].update(arr, index)
         for seg in segments:
             if seg.session is None:
-                proto = segment_model(model, seg, inits, values)
-                try:
-                    seg.session = ort.InferenceSession(proto.SerializeToString(), opts, providers=provs)
-                except Exception as exc:  # onnxruntime raises its own exception classes
-                    raise ModelError(f"onnxruntime cannot load a segment of the model: {exc}") from exc
+                seg.session = _segment_session(model, seg, inits, values, optimization, providers)
             try:
                 outs = session_run(seg.session, seg.outputs, {t: values[t] for t in seg.inputs})
             except Exception as exc:
@@ -178,6 +184,91 @@ def observe_segmented(
     if count == 0:
         raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     return count
+
+
+def run_slice_major(
+    segments: Sequence[_Segment],
+    last_use: Mapping[str, int],
+    feeds: Sequence[Mapping[str, Any]],
+    build: Callable[[_Segment, Mapping[str, Any]], Any],
+    keep: Callable[[str], bool] = lambda name: False,
+    seen: Callable[[int, str, Any], None] | None = None,
+    release: bool = True,
+) -> list[dict[str, Any]]:
+    """Run ``feeds`` through ``segments`` one slice at a time: build the slice's session (``build(segment, the first
+    sample's values)``), run every sample through it, several at once (`qgraph.runtime.parallel.ordered_map`),
+    then drop the session (``release``), so at most one slice's session exists at a time (onnxruntime holds
+    ~4-5 KB per node of a built session). The same runs as slice after slice per sample, so the same bits.
+    ``seen(index, name, value)`` gets each slice output in sample order; a value is dropped once no later slice
+    reads it and ``keep(name)`` is false. Returns each sample's kept values."""
+    values: list[dict[str, Any]] = [dict(f) for f in feeds]
+    for seg in segments:
+        if not values:
+            break
+        if seg.session is None:
+            seg.session = build(seg, values[0])
+        session = seg.session
+
+        def one(item: tuple[int, dict[str, Any]], session: Any = session, seg: _Segment = seg) -> list[Any]:
+            try:
+                return session_run(session, seg.outputs, {t: item[1][t] for t in seg.inputs})
+            except Exception as exc:
+                raise DataError(f"sample {item[0]}: onnxruntime failed to run the model: {exc}") from exc
+
+        for (index, held), outs in zip(enumerate(values), ordered_map(one, list(enumerate(values))), strict=True):
+            for name, arr in zip(seg.outputs, outs, strict=True):
+                held[name] = arr
+                if seen is not None:
+                    seen(index, name, arr)
+            for name in [t for t in held if not keep(t) and last_use.get(t, -1) < seg.end]:
+                del held[name]
+        if release:
+            seg.session = None
+        del session
+    return values
+
+
+def _segment_session(model: onnx.ModelProto, seg: _Segment, inits: Mapping[str, onnx.TensorProto],
+                     values: Mapping[str, Any], optimization: ort.GraphOptimizationLevel,
+                     providers: Sequence[str] | None) -> Any:
+    """A session for slice ``seg``: one thread, as `qgraph.runtime.compare.make_session` (the same reductions in
+    the same order as one session, on every host whatever its core count)."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = optimization
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    proto = segment_model(model, seg, inits, values)
+    try:
+        return ort.InferenceSession(proto.SerializeToString(), opts,
+                                    providers=list(providers) if providers else ["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception classes
+        raise ModelError(f"onnxruntime cannot load a segment of the model: {exc}") from exc
+
+
+def _observe_slice_major(segments: Sequence[_Segment], last_use: Mapping[str, int],
+                         feeds: Sequence[Mapping[str, Any]], observers: Mapping[str, Any],
+                         build: Callable[[_Segment, Mapping[str, Any]], Any],
+                         after_feed: Callable[[int], None] | None) -> int:
+    """`observe_segmented` for a few samples, with `run_slice_major`: each observer still sees its tensor sample
+    after sample, in order."""
+    if not feeds:
+        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
+    arrays = [{k: np.asarray(v) for k, v in feed.items()} for feed in feeds]
+    for index, feed in enumerate(arrays):
+        for name, arr in feed.items():
+            if name in observers:
+                observers[name].update(arr, index)
+
+    def seen(index: int, name: str, arr: Any) -> None:
+        if name in observers:
+            observers[name].update(arr, index)
+
+    run_slice_major(segments, last_use, arrays, build, seen=seen)
+    if after_feed is not None:
+        for index in range(len(arrays)):
+            after_feed(index)
+    return len(arrays)
 
 
 def sink_constants(model: onnx.ModelProto) -> None:

@@ -27,10 +27,13 @@ import onnx
 from onnx import numpy_helper
 
 from qgraph.runtime.compare import session_run
+from qgraph.runtime.parallel import ordered_map
 from qgraph.runtime.segments import (
+    SLICE_MAJOR_SAMPLES,
     has_subgraphs,
     plan_segments,
     producers_and_last_reads,
+    run_slice_major,
     segment_model,
     sink_constants,
 )
@@ -87,13 +90,15 @@ def _integer_edge(t: str, nodes: Sequence[onnx.NodeProto], producer: Mapping[str
 class SlicedSession:
     """``model`` run as consecutive slices (``starts``: `exact_starts`), each a session of ``factory``, built on the
     first run. A slice's inputs have their ``types`` (`inferred_types`: fusions read shapes), else the dtypes of
-    the values fed. Session-like: ``run``, ``get_inputs``, ``get_outputs``. A value is dropped once no later slice
-    reads it."""
+    the values fed. Session-like: ``run``, ``get_inputs``, ``get_outputs``; ``run_many`` runs several feeds
+    slice-major (what `qgraph.runtime.compare.session_runs` uses), and a ``single_use`` session frees each slice's
+    session there once every feed went through it. A value is dropped once no later slice reads it."""
 
     def __init__(self, model: onnx.ModelProto, factory: SessionFactory, starts: Sequence[int],
                  weights: Mapping[str, npt.NDArray[Any]] | None = None,
-                 types: Mapping[str, onnx.TypeProto] | None = None) -> None:
+                 types: Mapping[str, onnx.TypeProto] | None = None, single_use: bool = False) -> None:
         self.model = model
+        self.single_use = single_use
         self.types = dict(types or {})
         self.factory = factory
         self.weights = dict(weights or {})
@@ -134,14 +139,33 @@ class SlicedSession:
         return [values[n] if n in values else numpy_helper.to_array(self.initializers[n])
                 for n in (output_names or self.outputs)]
 
+    def run_many(self, output_names: Sequence[str] | None, feeds: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+        """`run` on every feed, in order (`qgraph.runtime.compare.session_runs` calls this): up to
+        `SLICE_MAJOR_SAMPLES` feeds slice-major (`run_slice_major`: the same runs, so the same values), each
+        slice's session freed once used when the session is ``single_use``; more feeds one after another."""
+        if len(feeds) > SLICE_MAJOR_SAMPLES:
+            return list(ordered_map(lambda feed: self.run(output_names, feed), feeds))
+        names = list(output_names or self.outputs)
+        wanted = set(names)
+
+        def build(seg: Any, values: Mapping[str, Any]) -> Any:
+            proto = segment_model(self.model, seg, self.initializers, values, self.types)
+            return self.factory(proto, {t: self.weights[t] for t in seg.initializers if t in self.weights})
+
+        with self._building:  # the slices' sessions are built and dropped here: no `run` meanwhile
+            kept = run_slice_major(self.segments, self.last_read, feeds, build, keep=wanted.__contains__,
+                                   release=self.single_use)
+        return [[v[n] if n in v else numpy_helper.to_array(self.initializers[n]) for n in names] for v in kept]
+
 
 def sliced_session(model: onnx.ModelProto, factory: SessionFactory, *,
                    weights: Mapping[str, npt.NDArray[Any]] | None = None, anywhere: bool = False,
-                   above: int | None = None, size: int | None = None) -> Any:
+                   above: int | None = None, size: int | None = None, single_use: bool = False) -> Any:
     """A session for ``model`` from ``factory``: one for the whole graph up to ``above`` nodes (or with subgraphs, or
     no exact cut), else a `SlicedSession` over a reordered copy (the same computation). ``weights``: the values of
     a weightless model's placeholders, handed to ``factory`` per slice. ``above`` / ``size`` default to
-    `SLICE_ABOVE` / `SLICE_NODES`."""
+    `SLICE_ABOVE` / `SLICE_NODES`. ``single_use``: the caller runs its feeds once (`SlicedSession.run_many`
+    frees each slice's session as soon as every feed went through it)."""
     weights = dict(weights or {})
     if len(model.graph.node) <= (SLICE_ABOVE if above is None else above) or has_subgraphs(model):
         return factory(model, weights)
@@ -152,7 +176,7 @@ def sliced_session(model: onnx.ModelProto, factory: SessionFactory, *,
     if len(starts) == 1:
         return factory(model, weights)
     # with no rewrite to span a cut (``anywhere``) nothing reads the shapes: the slices type inputs from the values
-    return SlicedSession(copy, factory, starts, weights, None if anywhere else inferred_types(copy))
+    return SlicedSession(copy, factory, starts, weights, None if anywhere else inferred_types(copy), single_use)
 
 
 def inferred_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -17,19 +17,30 @@ def _encoder():
     return m, feeds, names
 
 
-def test_segmented_calibration_matches_one_session() -> None:
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+@pytest.mark.parametrize("slice_major", [True, False])
+def test_segmented_calibration_matches_one_session(monkeypatch: pytest.MonkeyPatch, method: str,
+                                                   slice_major: bool) -> None:
     m, feeds, names = _encoder()
-    whole = {n: make_observer("minmax", n) for n in names}
-    sliced = {n: make_observer("minmax", n) for n in names}
+    whole = {n: make_observer(method, n) for n in names}
+    sliced = {n: make_observer(method, n) for n in names}
     observe(m, whole, feeds, optimize=False)
     import onnxruntime as ort
 
+    # up to SLICE_MAJOR_SAMPLES samples go slice-major: every sample through a slice, whose session is then freed
+    monkeypatch.setattr("qgraph.runtime.segments.SLICE_MAJOR_SAMPLES", 64 if slice_major else 2)
     level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    assert observe_segmented(m, sliced, feeds, size=7, optimization=level) == 3
-    assert len(plan_segments(m, names, 7)[0]) == -(-len(m.graph.node) // 7)
+    plan = plan_segments(m, names, 7)
+    done: list[int] = []
+    assert observe_segmented(m, sliced, feeds, size=7, optimization=level, plan=plan, after_feed=done.append) == 3
+    assert done == [0, 1, 2]
+    assert len(plan[0]) == -(-len(m.graph.node) // 7)
+    alive = [seg.session is not None for seg in plan[0]]
+    assert not any(alive) if slice_major else all(alive)
     for n in names:
         a, b = whole[n].compute(), sliced[n].compute()
         assert (a.rmin, a.rmax) == (b.rmin, b.rmax)
+        assert whole[n].num_values == sliced[n].num_values
 
 
 @pytest.mark.parametrize("method", ["minmax", "percentile"])

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from qgraph import Recipe
 from qgraph.data import CallableSource
-from qgraph.runtime.compare import make_session, session_run
+from qgraph.runtime.compare import make_session, session_run, session_runs
 from qgraph.runtime.kernels.measure import Kernels, deployed, emulated
 from qgraph.runtime.segments import sink_constants
 from qgraph.runtime.sliced import SlicedSession, exact_starts, sliced_session
@@ -70,6 +70,30 @@ def test_slices_give_the_bits_of_one_session(quantized: tuple[str, onnx.ModelPro
     for a, b in zip(whole, got, strict=True):
         for x, y in zip(a, b, strict=True):
             assert np.array_equal(x, y), name  # the same fused kernels: not close, equal
+
+
+@pytest.mark.parametrize("single_use", [True, False])
+def test_feeds_run_slice_major_give_the_same_bits_and_a_single_use_session_frees_its_slices(
+        single_use: bool) -> None:
+    model, feeds = _quantized(matmul_add_relu_chain(60))
+    whole = _outputs(deployed().session(model), model, feeds)
+    built: list[int] = []
+
+    def factory(m: onnx.ModelProto, w: Any) -> Any:
+        built.append(len(m.graph.node))
+        return deployed().session(m, weights=w)
+
+    session = sliced_session(model, factory, above=0, size=40, single_use=single_use)
+    assert isinstance(session, SlicedSession) and session.slices >= 3
+    names = [o.name for o in model.graph.output]
+    for rounds in (1, 2):
+        got = list(session_runs(session, names, feeds))
+        for a, b in zip(whole, got, strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+        alive = [seg.session is not None for seg in session.segments]
+        assert not any(alive) if single_use else all(alive)
+        # a single-use session builds its slices again when run again; a kept one builds them once
+        assert len(built) == session.slices * (rounds if single_use else 1)
 
 
 def _crossing(model: onnx.ModelProto, cut: int) -> set[str]:
