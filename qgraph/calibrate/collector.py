@@ -329,9 +329,9 @@ def observe(
         if weights:  # segments build their own sessions from protobufs: give them the weights
             model = with_weights(model, weights)
         validated = (arrays for _, arrays in feeds_of(source, set(graph_inputs), data_hasher))
-        after = (lambda i: progress(i + 1, total)) if progress is not None else None
+        shown = (lambda done, of: progress(done, total if total is not None else of)) if progress is not None else None
         return observe_segmented(model, observers, validated, optimization=session_options(optimize)
-                                 .graph_optimization_level, providers=providers, after_feed=after)
+                                 .graph_optimization_level, providers=providers, progress=shown)
     from_feed = [n for n in observers if n in graph_inputs]
     fetch = [n for n in observers if n not in graph_inputs]
     done = 0

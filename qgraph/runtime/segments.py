@@ -142,6 +142,7 @@ def observe_segmented(
     providers: Sequence[str] | None = None,
     after_feed: Callable[[int], None] | None = None,
     plan: tuple[list[_Segment], dict[str, int]] | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> int:
     """Feed ``observers`` (tensor name -> object with ``update(x, sample_index)``) for every sample of ``data``,
     running the graph slice by slice; returns the number of samples.  ``after_feed(index)`` is called once
@@ -149,7 +150,8 @@ def observe_segmented(
     observers, kept by the caller: its slices' sessions, built on the first run, serve every later run. Up to
     `SLICE_MAJOR_SAMPLES` samples run slice-major instead (`run_slice_major`: one slice's session at a time,
     samples side by side, each session freed once every sample went through it; ``after_feed`` then follows the
-    last slice)."""
+    last slice). ``progress(done, total or None)``: samples done, after each sample; slice-major, the share of the
+    work done after each slice, in samples."""
     segments, last_use = plan if plan is not None else plan_segments(model, observers, size)
     inits = {t.name: t for t in model.graph.initializer}
     source = iter(data)
@@ -157,7 +159,7 @@ def observe_segmented(
     if len(head) <= SLICE_MAJOR_SAMPLES:  # few samples: one slice's session at a time, samples side by side
         return _observe_slice_major(segments, last_use, head, observers,
                                     lambda seg, values: _segment_session(model, seg, inits, values, optimization,
-                                                                         providers), after_feed)
+                                                                         providers), after_feed, progress)
     data = itertools.chain(head, source)
     count = 0
     for index, feed in enumerate(data):
@@ -181,6 +183,8 @@ def observe_segmented(
         count = index + 1
         if after_feed is not None:
             after_feed(index)
+        if progress is not None:
+            progress(count, None)
     if count == 0:
         raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     return count
@@ -194,15 +198,17 @@ def run_slice_major(
     keep: Callable[[str], bool] = lambda name: False,
     seen: Callable[[int, str, Any], None] | None = None,
     release: bool = True,
+    after_slice: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``feeds`` through ``segments`` one slice at a time: build the slice's session (``build(segment, the first
     sample's values)``), run every sample through it, several at once (`qgraph.runtime.parallel.ordered_map`),
     then drop the session (``release``), so at most one slice's session exists at a time (onnxruntime holds
     ~4-5 KB per node of a built session). The same runs as slice after slice per sample, so the same bits.
     ``seen(index, name, value)`` gets each slice output in sample order; a value is dropped once no later slice
-    reads it and ``keep(name)`` is false. Returns each sample's kept values."""
+    reads it and ``keep(name)`` is false; ``after_slice(slices done, slices)`` follows each slice. Returns each
+    sample's kept values."""
     values: list[dict[str, Any]] = [dict(f) for f in feeds]
-    for seg in segments:
+    for done, seg in enumerate(segments, 1):
         if not values:
             break
         if seg.session is None:
@@ -225,6 +231,8 @@ def run_slice_major(
         if release:
             seg.session = None
         del session
+        if after_slice is not None:
+            after_slice(done, len(segments))
     return values
 
 
@@ -249,7 +257,8 @@ def _segment_session(model: onnx.ModelProto, seg: _Segment, inits: Mapping[str, 
 def _observe_slice_major(segments: Sequence[_Segment], last_use: Mapping[str, int],
                          feeds: Sequence[Mapping[str, Any]], observers: Mapping[str, Any],
                          build: Callable[[_Segment, Mapping[str, Any]], Any],
-                         after_feed: Callable[[int], None] | None) -> int:
+                         after_feed: Callable[[int], None] | None,
+                         progress: Callable[[int, int | None], None] | None) -> int:
     """`observe_segmented` for a few samples, with `run_slice_major`: each observer still sees its tensor sample
     after sample, in order."""
     if not feeds:
@@ -264,7 +273,9 @@ def _observe_slice_major(segments: Sequence[_Segment], last_use: Mapping[str, in
         if name in observers:
             observers[name].update(arr, index)
 
-    run_slice_major(segments, last_use, arrays, build, seen=seen)
+    n = len(arrays)
+    shares = (lambda k, of: progress(n * k // of, n)) if progress is not None else None
+    run_slice_major(segments, last_use, arrays, build, seen=seen, after_slice=shares)
     if after_feed is not None:
         for index in range(len(arrays)):
             after_feed(index)

@@ -34,6 +34,11 @@ def test_segmented_calibration_matches_one_session(monkeypatch: pytest.MonkeyPat
     done: list[int] = []
     assert observe_segmented(m, sliced, feeds, size=7, optimization=level, plan=plan, after_feed=done.append) == 3
     assert done == [0, 1, 2]
+    shown: list[tuple[int, int | None]] = []
+    observe_segmented(m, {n: make_observer(method, n) for n in names}, feeds, size=7, optimization=level,
+                      progress=lambda d, t: shown.append((d, t)))
+    assert shown[-1] == (3, 3 if slice_major else None) and shown == sorted(shown, key=lambda x: x[0])
+    assert len(shown) == (len(plan[0]) if slice_major else 3)
     assert len(plan[0]) == -(-len(m.graph.node) // 7)
     alive = [seg.session is not None for seg in plan[0]]
     assert not any(alive) if slice_major else all(alive)
@@ -61,7 +66,9 @@ def test_long_graphs_are_segmented_automatically(monkeypatch: pytest.MonkeyPatch
     segmented = collect_ranges(m, names, feeds, method, optimize=False, robust_percentile=99.0,
                                progress=lambda d, t: progress.append((d, t)))
     assert seen == [1]
-    assert progress == [(1, 3), (2, 3), (3, 3)]
+    # slice-major (3 samples): the share of the work done after each of the slices, in samples, up to 3 of 3
+    slices = -(-len(m.graph.node) // 7)
+    assert progress == [(3 * k // slices, 3) for k in range(1, slices + 1)] and slices > 3
     for n in names:
         a, b = reference[n], segmented[n]
         assert (a.range.rmin, a.range.rmax) == (b.range.rmin, b.range.rmax), n
