@@ -117,8 +117,14 @@ minutes, ort-x86-vnni, wall seconds and peak RSS of the whole process:
     before (2396ffa)                 94.8 s, 1617 MB                      367.5 s, 5083 MB
     after                            97.8 s, 1183 MB                      371.1 s, 3507 MB
                                      (RSS when smooth_quant ends 672 -> 577 MB, insert_qdq 938 -> 890 MB; at 100k
-                                     1721 -> 1431 and 2857 -> 2556 MB; correct_bias 42.7 -> 45.0 s and
-                                     168.8 -> 181.4 s, one run each)
+                                     1721 -> 1431 and 2857 -> 2556 MB)
+
+Time is unchanged within this host's drift. Three runs at 30k alternating slice-major on / off
+(`SLICE_MAJOR_SAMPLES` 64 / 0):
+- correct_bias 42.8 / 43.5 / 47.4 s;
+- smooth_quant 6.5 / 7.7 / 6.9 s;
+- insert_qdq 18.6 / 20.1 / 18.5 s.
+Inside a slice, two samples run at a time; before, the segmented runs were one at a time.
 """
 
 from __future__ import annotations
