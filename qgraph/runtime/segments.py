@@ -31,13 +31,16 @@ from onnx import helper
 
 from qgraph.errors import DataError, ModelError
 from qgraph.runtime.compare import session_run
-from qgraph.runtime.parallel import ordered_map
+from qgraph.runtime.parallel import IN_FLIGHT_BYTES, array_bytes, ordered_map
 
 SEGMENT_THRESHOLD = 8000
 SEGMENT_NODES = 4000
 #: Up to this many samples run slice-major (`run_slice_major`): every sample through one slice, whose session is
 #: then freed. More stream through every slice one sample at a time, the slices' sessions all kept.
 SLICE_MAJOR_SAMPLES = 64
+#: Past this many bytes of values held across a cut by all samples together, slice-major runs finish the samples
+#: one at a time.
+SLICE_MAJOR_BYTES = IN_FLIGHT_BYTES
 
 
 @dataclass
@@ -205,35 +208,56 @@ def run_slice_major(
     then drop the session (``release``), so at most one slice's session exists at a time (onnxruntime holds
     ~4-5 KB per node of a built session). The same runs as slice after slice per sample, so the same bits.
     ``seen(index, name, value)`` gets each slice output in sample order; a value is dropped once no later slice
-    reads it and ``keep(name)`` is false; ``after_slice(slices done, slices)`` follows each slice. Returns each
-    sample's kept values."""
+    reads it and ``keep(name)`` is false; ``after_slice(slices done, slices)`` follows each slice. When the values
+    every sample holds at a cut outgrow `SLICE_MAJOR_BYTES`, the samples finish the remaining slices one at a time
+    instead (each dropping its values as it goes; those slices' sessions kept until every sample is through).
+    Returns each sample's kept values."""
     values: list[dict[str, Any]] = [dict(f) for f in feeds]
+    items = list(enumerate(values))
     for done, seg in enumerate(segments, 1):
         if not values:
             break
         if seg.session is None:
             seg.session = build(seg, values[0])
-        session = seg.session
-
-        def one(item: tuple[int, dict[str, Any]], session: Any = session, seg: _Segment = seg) -> list[Any]:
-            try:
-                return session_run(session, seg.outputs, {t: item[1][t] for t in seg.inputs})
-            except Exception as exc:
-                raise DataError(f"sample {item[0]}: onnxruntime failed to run the model: {exc}") from exc
-
-        for (index, held), outs in zip(enumerate(values), ordered_map(one, list(enumerate(values))), strict=True):
-            for name, arr in zip(seg.outputs, outs, strict=True):
-                held[name] = arr
-                if seen is not None:
-                    seen(index, name, arr)
-            for name in [t for t in held if not keep(t) and last_use.get(t, -1) < seg.end]:
-                del held[name]
+        _through(seg, items, last_use, keep, seen)
         if release:
             seg.session = None
-        del session
         if after_slice is not None:
             after_slice(done, len(segments))
+        rest = segments[done:]
+        if rest and sum(array_bytes(v.values()) for v in values) > SLICE_MAJOR_BYTES:
+            for item in items:
+                for later in rest:
+                    if later.session is None:
+                        later.session = build(later, item[1])
+                    _through(later, [item], last_use, keep, seen)
+            for later in rest if release else ():
+                later.session = None
+            if after_slice is not None:
+                after_slice(len(segments), len(segments))
+            break
     return values
+
+
+def _through(seg: _Segment, items: list[tuple[int, dict[str, Any]]], last_use: Mapping[str, int],
+             keep: Callable[[str], bool], seen: Callable[[int, str, Any], None] | None) -> None:
+    """``items`` ``(sample index, its values)`` through slice ``seg`` (its session built), several at once: each
+    sample's values gain the slice's outputs (``seen``, in sample order) and lose what no later slice reads."""
+    session = seg.session
+
+    def one(item: tuple[int, dict[str, Any]]) -> list[Any]:
+        try:
+            return session_run(session, seg.outputs, {t: item[1][t] for t in seg.inputs})
+        except Exception as exc:
+            raise DataError(f"sample {item[0]}: onnxruntime failed to run the model: {exc}") from exc
+
+    for (index, held), outs in zip(items, ordered_map(one, items), strict=True):
+        for name, arr in zip(seg.outputs, outs, strict=True):
+            held[name] = arr
+            if seen is not None:
+                seen(index, name, arr)
+        for name in [t for t in held if not keep(t) and last_use.get(t, -1) < seg.end]:
+            del held[name]
 
 
 def _segment_session(model: onnx.ModelProto, seg: _Segment, inits: Mapping[str, onnx.TensorProto],

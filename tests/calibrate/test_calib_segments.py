@@ -18,17 +18,20 @@ def _encoder():
 
 
 @pytest.mark.parametrize("method", ["minmax", "percentile"])
-@pytest.mark.parametrize("slice_major", [True, False])
-def test_segmented_calibration_matches_one_session(monkeypatch: pytest.MonkeyPatch, method: str,
-                                                   slice_major: bool) -> None:
+@pytest.mark.parametrize("order", ["slice_major", "over_budget", "sample_major"])
+def test_segmented_calibration_matches_one_session(monkeypatch: pytest.MonkeyPatch, method: str, order: str) -> None:
     m, feeds, names = _encoder()
     whole = {n: make_observer(method, n) for n in names}
     sliced = {n: make_observer(method, n) for n in names}
     observe(m, whole, feeds, optimize=False)
     import onnxruntime as ort
 
-    # up to SLICE_MAJOR_SAMPLES samples go slice-major: every sample through a slice, whose session is then freed
+    # up to SLICE_MAJOR_SAMPLES samples go slice-major: every sample through a slice, whose session is then freed;
+    # over SLICE_MAJOR_BYTES held at a cut, the samples finish the other slices one at a time
+    slice_major = order != "sample_major"
     monkeypatch.setattr("qgraph.runtime.segments.SLICE_MAJOR_SAMPLES", 64 if slice_major else 2)
+    if order == "over_budget":
+        monkeypatch.setattr("qgraph.runtime.segments.SLICE_MAJOR_BYTES", 1)
     level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     plan = plan_segments(m, names, 7)
     done: list[int] = []
@@ -38,7 +41,7 @@ def test_segmented_calibration_matches_one_session(monkeypatch: pytest.MonkeyPat
     observe_segmented(m, {n: make_observer(method, n) for n in names}, feeds, size=7, optimization=level,
                       progress=lambda d, t: shown.append((d, t)))
     assert shown[-1] == (3, 3 if slice_major else None) and shown == sorted(shown, key=lambda x: x[0])
-    assert len(shown) == (len(plan[0]) if slice_major else 3)
+    assert len(shown) == {"slice_major": len(plan[0]), "over_budget": 2, "sample_major": 3}[order]
     assert len(plan[0]) == -(-len(m.graph.node) // 7)
     alive = [seg.session is not None for seg in plan[0]]
     assert not any(alive) if slice_major else all(alive)

@@ -72,9 +72,12 @@ def test_slices_give_the_bits_of_one_session(quantized: tuple[str, onnx.ModelPro
             assert np.array_equal(x, y), name  # the same fused kernels: not close, equal
 
 
+@pytest.mark.parametrize("over_budget", [False, True])
 @pytest.mark.parametrize("single_use", [True, False])
 def test_feeds_run_slice_major_give_the_same_bits_and_a_single_use_session_frees_its_slices(
-        single_use: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, single_use: bool, over_budget: bool) -> None:
+    if over_budget:  # past the first slice, the samples finish one at a time: the same bits, the same builds
+        monkeypatch.setattr("qgraph.runtime.segments.SLICE_MAJOR_BYTES", 1)
     model, feeds = _quantized(matmul_add_relu_chain(60))
     whole = _outputs(deployed().session(model), model, feeds)
     built: list[int] = []
