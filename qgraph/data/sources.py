@@ -163,32 +163,31 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
 class NpzSource(DataSource):
     """An ``.npz`` file with one array per graph input; axis 0 indexes samples."""
 
-    def __init__(self, path: Path, samples: int | None = None, layout: DataLayout = "auto") -> None:
+    def __init__(self, path: Path | None, samples: int | None = None, layout: DataLayout = "auto",
+                 arrays: Mapping[Any, Any] | None = None) -> None:
         super().__init__(samples, layout)
-        self.path = path
-        self.description = str(path)
+        self.path = path  # None: ``arrays`` held in memory (`in_memory`)
         self.ignored: list[str] = []
-        self.arrays = _load_npz(path)
+        if path is not None:
+            self.description = str(path)
+            self.arrays = _load_npz(path)
+        else:
+            given = dict(arrays or {})
+            self.description = f"arrays in memory ({', '.join(map(str, list(given)[:4]))})"
+            bad = [k for k in given if not isinstance(k, str)]
+            if bad:
+                raise DataError(f"calibration arrays in memory: key {bad[0]!r} is not an input name; give "
+                                "{input_name: array stacked on axis 0}.")
+            self.arrays = {k: np.asarray(v) for k, v in given.items()}
         if not self.arrays:
-            raise DataError(f"{path}: the archive holds no arrays; it needs one array per model input.")
+            what = "the archive holds no arrays; it needs" if path is not None else "the mapping is empty; give"
+            raise DataError(f"{self.description}: {what} one array per model input.")
 
     @classmethod
     def in_memory(cls, arrays: Mapping[Any, Any], samples: int | None = None,
                   layout: DataLayout = "auto") -> NpzSource:
         """The same source over ``{input name: array}`` held in memory (axis 0 indexes samples, as in an .npz)."""
-        source = cls.__new__(cls)
-        DataSource.__init__(source, samples, layout)
-        source.description = f"arrays in memory ({', '.join(map(str, list(arrays)[:4]))})"
-        source.path = Path(source.description)
-        source.ignored = []
-        bad = [k for k in arrays if not isinstance(k, str)]
-        if bad:
-            raise DataError(f"calibration arrays in memory: key {bad[0]!r} is not an input name; give "
-                            "{input_name: array stacked on axis 0}.")
-        source.arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        if not source.arrays:
-            raise DataError("calibration arrays in memory: the mapping is empty; give one array per model input.")
-        return source
+        return cls(None, samples, layout, arrays)
 
     def __len__(self) -> int:
         n = self._count()

@@ -157,40 +157,49 @@ def observe_segmented(
     work done after each slice, in samples."""
     segments, last_use = plan if plan is not None else plan_segments(model, observers, size)
     inits = {t.name: t for t in model.graph.initializer}
+
+    def build(seg: _Segment, values: Mapping[str, Any]) -> Any:
+        return _segment_session(model, seg, inits, values, optimization, providers)
+
+    def seen(index: int, name: str, arr: Any) -> None:
+        if name in observers:
+            observers[name].update(arr, index)
+
     source = iter(data)
-    head = list(itertools.islice(source, SLICE_MAJOR_SAMPLES + 1))
+    head = [{k: np.asarray(v) for k, v in feed.items()} for feed in itertools.islice(source, SLICE_MAJOR_SAMPLES + 1)]
+    if not head:
+        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     if len(head) <= SLICE_MAJOR_SAMPLES:  # few samples: one slice's session at a time, samples side by side
-        return _observe_slice_major(segments, last_use, head, observers,
-                                    lambda seg, values: _segment_session(model, seg, inits, values, optimization,
-                                                                         providers), after_feed, progress)
-    data = itertools.chain(head, source)
+        for index, first in enumerate(head):
+            for name, arr in first.items():
+                seen(index, name, arr)
+        n = len(head)
+        shares = (lambda k, of: progress(n * k // of, n)) if progress is not None else None
+        run_slice_major(segments, last_use, head, build, seen=seen, after_slice=shares)
+        if after_feed is not None:
+            for index in range(n):
+                after_feed(index)
+        return n
     count = 0
-    for index, feed in enumerate(data):
-        values: dict[str, Any] = {k: np.asarray(v) for k, v in feed.items()}
+    for index, sample in enumerate(itertools.chain(head, source)):
+        values: dict[str, Any] = {k: np.asarray(v) for k, v in sample.items()}
         for name, arr in values.items():
-            if name in observers:
-                observers[name].update(arr, index)
+            seen(index, name, arr)
         for seg in segments:
             if seg.session is None:
-                seg.session = _segment_session(model, seg, inits, values, optimization, providers)
-            try:
-                outs = session_run(seg.session, seg.outputs, {t: values[t] for t in seg.inputs})
-            except Exception as exc:
-                raise DataError(f"sample {index}: onnxruntime failed to run the model: {exc}") from exc
-            for name, arr in zip(seg.outputs, outs, strict=True):
-                values[name] = arr
-                if name in observers:
-                    observers[name].update(arr, index)
-            for name in [t for t in values if last_use.get(t, -1) < seg.end]:
-                del values[name]
+                seg.session = build(seg, values)
+            _through(seg, [(index, values)], last_use, _never, seen)
         count = index + 1
         if after_feed is not None:
             after_feed(index)
         if progress is not None:
             progress(count, None)
-    if count == 0:
-        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
     return count
+
+
+def _never(name: str) -> bool:
+    """No value is kept past its last reader (`run_slice_major`'s default ``keep``)."""
+    return False
 
 
 def run_slice_major(
@@ -198,7 +207,7 @@ def run_slice_major(
     last_use: Mapping[str, int],
     feeds: Sequence[Mapping[str, Any]],
     build: Callable[[_Segment, Mapping[str, Any]], Any],
-    keep: Callable[[str], bool] = lambda name: False,
+    keep: Callable[[str], bool] = _never,
     seen: Callable[[int, str, Any], None] | None = None,
     release: bool = True,
     after_slice: Callable[[int, int], None] | None = None,
@@ -224,8 +233,8 @@ def run_slice_major(
             seg.session = None
         if after_slice is not None:
             after_slice(done, len(segments))
-        rest = segments[done:]
-        if rest and sum(array_bytes(v.values()) for v in values) > SLICE_MAJOR_BYTES:
+        if done < len(segments) and sum(array_bytes(v.values()) for v in values) > SLICE_MAJOR_BYTES:
+            rest = segments[done:]
             for item in items:
                 for later in rest:
                     if later.session is None:
@@ -251,7 +260,8 @@ def _through(seg: _Segment, items: list[tuple[int, dict[str, Any]]], last_use: M
         except Exception as exc:
             raise DataError(f"sample {item[0]}: onnxruntime failed to run the model: {exc}") from exc
 
-    for (index, held), outs in zip(items, ordered_map(one, items), strict=True):
+    runs = map(one, items) if len(items) == 1 else ordered_map(one, items)  # one sample: no thread hand-off
+    for (index, held), outs in zip(items, runs, strict=True):
         for name, arr in zip(seg.outputs, outs, strict=True):
             held[name] = arr
             if seen is not None:
@@ -276,34 +286,6 @@ def _segment_session(model: onnx.ModelProto, seg: _Segment, inits: Mapping[str, 
                                     providers=list(providers) if providers else ["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception classes
         raise ModelError(f"onnxruntime cannot load a segment of the model: {exc}") from exc
-
-
-def _observe_slice_major(segments: Sequence[_Segment], last_use: Mapping[str, int],
-                         feeds: Sequence[Mapping[str, Any]], observers: Mapping[str, Any],
-                         build: Callable[[_Segment, Mapping[str, Any]], Any],
-                         after_feed: Callable[[int], None] | None,
-                         progress: Callable[[int, int | None], None] | None) -> int:
-    """`observe_segmented` for a few samples, with `run_slice_major`: each observer still sees its tensor sample
-    after sample, in order."""
-    if not feeds:
-        raise DataError("the calibration data is empty: it yielded no feed dict; provide at least one sample")
-    arrays = [{k: np.asarray(v) for k, v in feed.items()} for feed in feeds]
-    for index, feed in enumerate(arrays):
-        for name, arr in feed.items():
-            if name in observers:
-                observers[name].update(arr, index)
-
-    def seen(index: int, name: str, arr: Any) -> None:
-        if name in observers:
-            observers[name].update(arr, index)
-
-    n = len(arrays)
-    shares = (lambda k, of: progress(n * k // of, n)) if progress is not None else None
-    run_slice_major(segments, last_use, arrays, build, seen=seen, after_slice=shares)
-    if after_feed is not None:
-        for index in range(len(arrays)):
-            after_feed(index)
-    return len(arrays)
 
 
 def sink_constants(model: onnx.ModelProto) -> None:

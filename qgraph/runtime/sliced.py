@@ -129,15 +129,18 @@ class SlicedSession:
             if seg.session is None:
                 with self._building:
                     if seg.session is None:
-                        proto = segment_model(self.model, seg, self.initializers, values, self.types)
-                        seg.session = self.factory(proto, {t: self.weights[t] for t in seg.initializers
-                                                           if t in self.weights})
+                        seg.session = self._build(seg, values)
             values.update(zip(seg.outputs, session_run(seg.session, seg.outputs,
                                                        {t: values[t] for t in seg.inputs}), strict=True))
             for name in [t for t in values if t not in wanted and self.last_read.get(t, -1) < seg.end]:
                 del values[name]
         return [values[n] if n in values else numpy_helper.to_array(self.initializers[n])
                 for n in (output_names or self.outputs)]
+
+    def _build(self, seg: Any, values: Mapping[str, Any]) -> Any:
+        """The session of slice ``seg``, its inputs typed from ``values`` where ``types`` has no entry."""
+        proto = segment_model(self.model, seg, self.initializers, values, self.types)
+        return self.factory(proto, {t: self.weights[t] for t in seg.initializers if t in self.weights})
 
     def run_many(self, output_names: Sequence[str] | None, feeds: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
         """`run` on every feed, in order (`qgraph.runtime.compare.session_runs` calls this): up to
@@ -147,13 +150,8 @@ class SlicedSession:
             return list(ordered_map(lambda feed: self.run(output_names, feed), feeds))
         names = list(output_names or self.outputs)
         wanted = set(names)
-
-        def build(seg: Any, values: Mapping[str, Any]) -> Any:
-            proto = segment_model(self.model, seg, self.initializers, values, self.types)
-            return self.factory(proto, {t: self.weights[t] for t in seg.initializers if t in self.weights})
-
         with self._building:  # the slices' sessions are built and dropped here: no `run` meanwhile
-            kept = run_slice_major(self.segments, self.last_read, feeds, build, keep=wanted.__contains__,
+            kept = run_slice_major(self.segments, self.last_read, feeds, self._build, keep=wanted.__contains__,
                                    release=self.single_use)
         return [[v[n] if n in v else numpy_helper.to_array(self.initializers[n]) for n in names] for v in kept]
 
