@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from qgraph.passes.insert_qdq import InsertQDQ
 from qgraph import GraphHandle, PassResult, Pipeline
 from qgraph.pipeline import timing
 from qgraph.pipeline.timing import BUDGET, FloatInference, measure_float_inference, run_timing
-from qgraph.testing import mobilenet_v2, random_feeds
+from qgraph.testing import matmul_add_relu_chain, mobilenet_v2, random_feeds
 
 sys.path.insert(0, str(Path(__file__).parent / "passes"))
 from insert_qdq_helpers import feeds_for, source, tiny_cnn
@@ -136,3 +137,28 @@ def test_the_float_pass_is_optimized_as_a_users_session_unless_the_weights_are_l
     monkeypatch.setattr(timing, "OPTIMIZED_UP_TO_BYTES", 0)
     large = measure_float_inference(model, weights, feeds)
     assert large is not None and not large.optimized and "without graph optimizations" in large.describe()
+
+
+def test_a_long_graph_is_timed_in_slices_each_built_once_before_the_timed_span(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # one session over a long graph takes more than linear time to build (the 100k-node chain: 26 s against 8 s)
+    from qgraph.runtime import sliced
+
+    monkeypatch.setattr(sliced, "SLICE_ABOVE", 30)
+    monkeypatch.setattr(sliced, "SLICE_NODES", 10)
+    built: list[int] = []
+    real = timing.make_session
+
+    def counting(model: Any, **kw: Any) -> Any:
+        built.append(len(model.graph.node))
+        return real(model, **kw)
+
+    monkeypatch.setattr(timing, "make_session", counting)
+    m = matmul_add_relu_chain(12)  # 36 nodes
+    fi = measure_float_inference(m, None, random_feeds(m, 6, seed=0))
+    assert fi is not None and fi.optimized and fi.slices == 4 and (fi.samples_timed, fi.samples_total) == (6, 6)
+    assert sorted(built) == [6, 10, 10, 10]  # every slice built once, all on the untimed first run
+    assert fi.describe().endswith(", in 4 slices")
+    built.clear()
+    short = measure_float_inference(matmul_add_relu_chain(8), None, random_feeds(m, 2, seed=0))
+    assert short is not None and short.slices == 1 and built == [24] and "slices" not in short.describe()

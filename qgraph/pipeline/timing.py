@@ -4,8 +4,8 @@ Accuracy techniques (equalization, SmoothQuant, bias correction, rounding optimi
 search) and calibration itself cost time; the budget a demanding user can accept is a small multiple of what the
 float model costs to run over the calibration data once (issue #13: at most 10x; issue #34: the yardstick must be
 something no pass can slow down). `measure_float_inference` times that float pass apart from every pass (its own
-onnxruntime session, created outside the timed span, on at most `MAX_TIMED_SAMPLES` samples or about
-`MAX_TIMED_SECONDS`, scaled to the whole data); `run_timing` puts every pass's whole
+onnxruntime session, created outside the timed span, in slices on a long graph, on at most `MAX_TIMED_SAMPLES`
+samples or about `MAX_TIMED_SECONDS`, scaled to the whole data); `run_timing` puts every pass's whole
 time (the quantizing pass's calibration included, and also shown on its own) against it, and `Timing.line` is what
 the run summary and the report print: the multiples, the passes over `BUDGET`, and which pass dominated the run.
 """
@@ -29,6 +29,7 @@ from qgraph.graph.detach import with_weights
 from qgraph.pipeline.pass_result import PassResult
 from qgraph.runtime.compare import make_session, session_run
 from qgraph.runtime.parallel import ordered_map, parallel_runs
+from qgraph.runtime.sliced import SlicedSession, sliced_session
 
 #: The multiple of one float inference pass a pass may take before the summary flags it.
 BUDGET = 10.0
@@ -66,6 +67,7 @@ class FloatInference:
     samples_total: int
     runs: int = 1  # samples run at once (`qgraph.runtime.parallel`), as the passes run them
     optimized: bool = True  # with onnxruntime's graph optimizations (`OPTIMIZED_UP_TO_BYTES`)
+    slices: int = 1  # sessions the graph ran in (`qgraph.runtime.sliced`: a long graph)
 
     def describe(self) -> str:
         """How it was measured, for the summary line."""
@@ -73,6 +75,7 @@ class FloatInference:
                 else f", timed on {self.samples_timed} of {self.samples_total} samples")
         at_once = f", {self.runs} at a time" if self.runs > 1 and self.samples_total > 1 else ""
         how = "" if self.optimized else ", without graph optimizations (weights over 32 MB are not copied for it)"
+        how += f", in {self.slices} slices" if self.slices > 1 else ""
         return (f"{self.seconds:.2f} s: the float model over {self.samples_total} calibration sample(s){at_once}"
                 f"{part}{how}")
 
@@ -86,18 +89,26 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
     ``max_seconds`` are spent and `MIN_TIMED_SAMPLES` were timed) and the time is scaled to all of them (a stream's
     remaining batches are counted, not run). The batches run as the passes run them: `parallel_runs` at once,
     one intra-op thread each; with onnxruntime's graph optimizations up to `OPTIMIZED_UP_TO_BYTES` of weights.
-    None when there is no data."""
+    A graph over `SLICE_ABOVE` nodes runs as slices (`qgraph.runtime.sliced`), built on an untimed first run:
+    one session over it takes more than linear time to build. None when there is no data."""
+    stream = iter(batches)
+    first = next(stream, None)
+    if first is None:
+        return None
+    batches_left: Iterable[Mapping[str, npt.NDArray[Any]]] = itertools.chain([first], stream)
     session: Any = None
     optimized = sum(int(v.nbytes) for v in (weights or {}).values()) <= OPTIMIZED_UP_TO_BYTES
     if optimized:  # as a user's float session runs it: weights in the model, onnxruntime's optimizations on
         try:
-            session = make_session(with_weights(model, weights) if weights else model,
-                                   optimization=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+            session = _built(model, weights, first, optimize=True)
         except (QGraphError, ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument,
                 ort_state.InvalidGraph):  # an optimizer that refuses the model: time it as the passes run it
             optimized = False
     if session is None:
-        session = make_session(model, weights=weights)
+        try:
+            session = _built(model, weights, first, optimize=False)
+        except (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument) as exc:
+            raise _data_does_not_fit(first, exc) from None
     names = [o.name for o in session.get_outputs()]
 
     def run(feed: Mapping[str, npt.NDArray[Any]]) -> None:
@@ -107,7 +118,7 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
             raise _data_does_not_fit(feed, exc) from None
 
     # run as the passes run the model: several samples at once, one per core (`qgraph.runtime.parallel`)
-    stream = iter(batches)
+    stream = iter(batches_left)
     read = [0]
 
     def counted() -> Iterator[Mapping[str, npt.NDArray[Any]]]:
@@ -127,7 +138,26 @@ def measure_float_inference(model: onnx.ModelProto, weights: Mapping[str, npt.ND
         total = max(len(batches), timed)
     else:  # a stream: the samples not timed are counted (read, not run), so the time scales to all of them
         total = read[0] + sum(1 for _ in stream)
-    return FloatInference(seconds * total / timed, timed, total, parallel_runs(), optimized)
+    return FloatInference(seconds * total / timed, timed, total, parallel_runs(), optimized,
+                          int(getattr(session, "slices", 1)))
+
+
+def _built(model: onnx.ModelProto, weights: Mapping[str, npt.NDArray[Any]] | None,
+           first: Mapping[str, npt.NDArray[Any]], optimize: bool) -> Any:
+    """The yardstick's session: optimized with the weights written in, or fed them unoptimized. A long graph is
+    sliced anywhere (a fusion a cut prevents changes the time of a few nodes, not the scale), its slices' inputs
+    typed with the graph's inferred shapes when optimized (the fusions inside a slice read them: untyped, the
+    30k-node chain ran 1.8x slower), and its slices are built now, by running ``first`` once, so that building
+    stays outside the timed span."""
+    def build(m: onnx.ModelProto, w: Mapping[str, npt.NDArray[Any]]) -> Any:
+        if optimize:
+            return make_session(with_weights(m, w) if w else m, optimization=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        return make_session(m, weights=w)
+
+    session = sliced_session(model, build, weights=weights, anywhere=True, typed=optimize)
+    if isinstance(session, SlicedSession):
+        session_run(session, [o.name for o in session.get_outputs()], first)
+    return session
 
 
 def _data_does_not_fit(feed: Mapping[str, npt.NDArray[Any]], exc: Exception) -> DataError:

@@ -158,12 +158,15 @@ class SlicedSession:
 
 def sliced_session(model: onnx.ModelProto, factory: SessionFactory, *,
                    weights: Mapping[str, npt.NDArray[Any]] | None = None, anywhere: bool = False,
-                   above: int | None = None, size: int | None = None, single_use: bool = False) -> Any:
+                   above: int | None = None, size: int | None = None, single_use: bool = False,
+                   typed: bool | None = None) -> Any:
     """A session for ``model`` from ``factory``: one for the whole graph up to ``above`` nodes (or with subgraphs, or
     no exact cut), else a `SlicedSession` over a reordered copy (the same computation). ``weights``: the values of
     a weightless model's placeholders, handed to ``factory`` per slice. ``above`` / ``size`` default to
     `SLICE_ABOVE` / `SLICE_NODES`. ``single_use``: the caller runs its feeds once (`SlicedSession.run_many`
-    frees each slice's session as soon as every feed went through it)."""
+    frees each slice's session as soon as every feed went through it). ``typed``: the slices' inputs get the
+    whole graph's inferred shapes (`inferred_types`), so that onnxruntime's fusions inside each slice read them
+    (default: unless ``anywhere``, where the values' dtypes are enough for the same numbers)."""
     weights = dict(weights or {})
     if len(model.graph.node) <= (SLICE_ABOVE if above is None else above) or has_subgraphs(model):
         return factory(model, weights)
@@ -174,7 +177,8 @@ def sliced_session(model: onnx.ModelProto, factory: SessionFactory, *,
     if len(starts) == 1:
         return factory(model, weights)
     # with no rewrite to span a cut (``anywhere``) nothing reads the shapes: the slices type inputs from the values
-    return SlicedSession(copy, factory, starts, weights, None if anywhere else inferred_types(copy), single_use)
+    typed = not anywhere if typed is None else typed
+    return SlicedSession(copy, factory, starts, weights, inferred_types(copy) if typed else None, single_use)
 
 
 def inferred_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

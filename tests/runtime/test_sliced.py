@@ -194,3 +194,26 @@ def test_float_reference_slices_anywhere() -> None:
     assert isinstance(session, SlicedSession) and session.slices >= len(model.graph.node) // 9
     for a, b in zip(_outputs(make_session(model), model, feeds), _outputs(session, model, feeds), strict=True):
         assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_typed_slices_cut_anywhere_read_the_graphs_shapes() -> None:
+    # untyped, a slice's inputs have no shape, so onnxruntime's fusions inside it (MatMul + Add -> Gemm) do not apply
+    model = matmul_add_relu_chain(12)
+    feeds = random_feeds(model, 2, seed=3)
+    inputs: list[list[onnx.ValueInfoProto]] = []
+
+    def factory(m: onnx.ModelProto, w: Any) -> Any:
+        inputs.append(list(m.graph.input))
+        return make_session(m, weights=w)
+
+    for typed in (False, True):
+        inputs.clear()
+        session = sliced_session(model, factory, above=0, size=10, anywhere=True, typed=typed)
+        assert isinstance(session, SlicedSession) and session.slices == 4
+        outs = _outputs(session, model, feeds)
+        for a, b in zip(_outputs(make_session(model), model, feeds), outs, strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+        later = [i for slice_inputs in inputs[1:] for i in slice_inputs]  # the first slice reads the model's input
+        assert later and all(i.type.tensor_type.HasField("shape") == typed for i in later)
+        if typed:
+            assert all([d.dim_value for d in i.type.tensor_type.shape.dim] == [1, 16] for i in later)
