@@ -15,7 +15,7 @@ from qgraph.runtime.kernels.cpu import host_cpu
 from qgraph.runtime.kernels.measure import target_family
 
 from .bodies import BodiesOutcome, quantize_bodies
-from .build import activation_params, emit_plan
+from .build import activation_params, channel_codes, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
 from .config import PRESETS, InsertQDQConfig
@@ -28,6 +28,7 @@ from .joins import wide_joins
 from .latency import LatencyOptions
 from .latency_check import Builder, run_check, twin_builder
 from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
+from .pairsafe import ChannelCodes, pair_axes
 from .placement import Planner
 from .presets import CPU_PRESETS, PRESET_CPUS
 from .saturation import pair_safe_decisions, saturation_details
@@ -136,13 +137,16 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         ranges: dict[str, RangeInfo] = {}
         forbidden: dict[str, str] = {}
         calib_details: dict[str, Any] = {}
+        codes: dict[str, ChannelCodes] = {}
+        pairs = pair_axes(plan.units) if saturation == "avoid" and cfg.saturation_codes == "calibrated" else {}
         if cfg.mode == "static" and plan.roots:
-            ranges, calib_details, cal = self._calibrate(graph, ctx, plan, res)
+            ranges, calib_details, cal = self._calibrate(graph, ctx, plan, res, pairs)
             plan, forbidden = self._replan(graph, ctx, plan, (selected, floats, wspec), ranges, cal, res)
             ranges = clip_flat_sides(graph, plan, ranges, cal.overridden, cfg.activations, calib_details, res)
             params = activation_params(cfg, plan, ranges)
+            codes = channel_codes(plan, params, cal.channels_on(pairs))
         before = len(graph.graph.nodes)
-        built = emit_plan(graph, cfg, wspec, plan, params)
+        built = emit_plan(graph, cfg, wspec, plan, params, codes)
         em, wq, dyn = built.em, built.weights, built.dynamic
         sub_units, sub_skips = self._subgraphs(graph, em, dyn, ops)
         graph.changed()
@@ -161,8 +165,8 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         res.nodes_removed = max(0, before + len(em.new_nodes) - len(graph.graph.nodes))
         if wq.adjusted:
             res.notes.append(f"weight scales raised so int32 biases fit: {', '.join(wq.adjusted)}")
-        sat = saturation_details(plan, params, wq.weights) if (wspec.dtype == QuantDtype.INT8
-                                                                and saturation_wanted(cfg, cpu)) else None
+        sat = saturation_details(plan, params, wq.weights, codes) if (wspec.dtype == QuantDtype.INT8
+                                                                       and saturation_wanted(cfg, cpu)) else None
         res.details = InsertQDQDetails(
             depthwise_auto=self._early.depthwise_auto, latency=self._early.latency, preset=self.config.preset,
             why=PRESETS[self.config.preset].why if self.config.preset else "", mode=self.config.mode,
@@ -173,17 +177,18 @@ class InsertQDQ(Pass[InsertQDQConfig]):
             subgraph_nodes_quantized=sub_units, subgraph_nodes_quantized_static=in_bodies.quantized,
             calibration={"method": cfg.activations.method, **calib_details} if calib_details else None,
             saturation=sat,
-            pair_safe=pair_safe_decisions([*wq.rescaled, *dyn.rescaled], res, cfg.saturation == "avoid", sat_at))
+            pair_safe=pair_safe_decisions([*wq.rescaled, *dyn.rescaled], res, cfg.saturation == "avoid", sat_at,
+                                          calibrated=bool(codes)))
         return res
 
     def _calibrate(
-        self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult
+        self, graph: GraphHandle, ctx: PassContext, plan: Plan, res: PassResult, pairs: dict[str, int]
     ) -> tuple[dict[str, RangeInfo], dict[str, Any], Calibration]:
         """Calibrated ranges with the unclipped inputs' observed ranges and the bounded ops' known ranges applied;
         decisions, the calibration details, and the calibration (per-tensor results, hand overrides, per-channel
-        ranges of depthwise inputs for ``depthwise: auto``)."""
+        ranges of depthwise inputs for ``depthwise: auto`` and of ``pairs``' tensors on their axes)."""
         dw = depthwise_units(graph, plan.units) if self.config.depthwise == "auto" else []
-        axes = {u.act_inputs[0]: 1 for u in dw}
+        axes = {**pairs, **{u.act_inputs[0]: 1 for u in dw}}
         cal = calibrate(graph, ctx, plan.roots, self.config, axes)
         res.notes += cal.notes
         res.calibration_seconds = cal.seconds

@@ -7,17 +7,21 @@ copies of the graph to time them: the same code builds what is timed and what is
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from qgraph import GraphHandle
-from qgraph.quant.math import QuantSpec, compute_scale_zero_point
+from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, dtype_range
 
 from .calib import RangeInfo
 from .config import InsertQDQConfig
 from .dynamic import DynamicQuantizer
 from .emit import ActParams, insert_activation_qdq
+from .pairsafe import ChannelCodes
 from .units import Plan, Unit
 from .weights import Emitter, WeightQuantizer
 
@@ -50,16 +54,42 @@ def input_scale(plan: Plan, params: dict[str, ActParams], unit: Unit) -> float |
     return act.scale if act is not None else None
 
 
+def channel_codes(plan: Plan, params: dict[str, ActParams],
+                  channels: Mapping[str, tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> dict[str, ChannelCodes]:
+    """Per layer input (``channels``: its observed per-channel float min and max): the raw codes each channel
+    takes on the calibration data once quantized with its ``params``, the zero point (what padding reads)
+    included; s8 codes shifted to u8 as the kernels shift them (`qgraph.runtime.kernels.pairs`)."""
+    out: dict[str, ChannelCodes] = {}
+    for tensor, (lo, hi) in channels.items():
+        act = params.get(plan.tensors.get(tensor, ""))
+        if act is None or act.dtype not in (QuantDtype.UINT8, QuantDtype.INT8):
+            continue
+        shift = 128 if act.dtype == QuantDtype.INT8 else 0
+        zp = act.zero_point + shift
+        out[tensor] = (np.minimum(_codes(lo, act, low=True) + shift, zp), np.maximum(_codes(hi, act) + shift, zp))
+    return out
+
+
+def _codes(x: npt.NDArray[Any], act: ActParams, low: bool = False) -> npt.NDArray[np.int64]:
+    """``x`` quantized with ``act`` (NaN: the grid's end on that side)."""
+    qmin, qmax = dtype_range(act.dtype)
+    q = np.rint(np.asarray(x, np.float64) / act.scale) + act.zero_point
+    codes: npt.NDArray[np.int64] = np.clip(np.nan_to_num(q, nan=qmin if low else qmax), qmin, qmax).astype(np.int64)
+    return codes
+
+
 def emit_plan(graph: GraphHandle, cfg: InsertQDQConfig, wspec: QuantSpec, plan: Plan,
-              params: dict[str, ActParams]) -> Emitted:
+              params: dict[str, ActParams], codes: dict[str, ChannelCodes] | None = None) -> Emitted:
     """Quantize every unit of ``plan`` in ``graph`` (weights with ``wspec``, activations with ``params``); top-level
-    graph only (bodies are the pass's own business)."""
+    graph only (bodies are the pass's own business). ``codes``: `channel_codes` of the layer inputs, which bound
+    ``saturation: avoid``'s pairs (`pairsafe`)."""
     em = Emitter(graph)
     wq = WeightQuantizer(em, wspec, cfg.weights.format, cfg.activations.dtype, cfg.bias)
     wq.auto_symmetric, wq.asym_gain = cfg.weights.symmetric == "auto", cfg.weights.asymmetric_gain
     dyn = DynamicQuantizer(em, wspec.model_copy(update={"per_channel": cfg.weights.per_channel}))
     dyn.auto_symmetric, dyn.asym_gain = wq.auto_symmetric, wq.asym_gain
     wq.pair_safe = dyn.pair_safe = cfg.saturation == "avoid"
+    wq.input_codes = dict(codes or {})
     scale = functools.partial(input_scale, plan, params)
     wq.prepare([(u, scale(u)) for u in plan.units if u.kind == "weighted"])
     for unit in plan.units:

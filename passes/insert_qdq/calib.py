@@ -69,6 +69,12 @@ class Calibration:
     channels: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     #: Seconds the data pass took (None when every range came from the ranges file).
     seconds: float | None = None
+    #: The channel axis each tensor of ``channels`` was measured on.
+    axes: dict[str, int] = field(default_factory=dict)
+
+    def channels_on(self, axes: dict[str, int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The per-channel ranges of the tensors of ``axes`` that were measured on that axis."""
+        return {t: self.channels[t] for t, axis in axes.items() if t in self.channels and self.axes.get(t) == axis}
 
 
 def observer_options(cfg: InsertQDQConfig) -> dict[str, Any]:
@@ -149,7 +155,8 @@ def calibrate(graph: GraphHandle, ctx: PassContext, names: list[str], cfg: Inser
         )
     channels = {t: (np.asarray(o.observed().rmin, np.float64), np.asarray(o.observed().rmax, np.float64))
                 for t, o in side.items() if o.num_updates}
-    return Calibration(out, notes, _fragile(measured), measured, overridden, channels, time.perf_counter() - start)
+    return Calibration(out, notes, _fragile(measured), measured, overridden, channels, time.perf_counter() - start,
+                       dict(channel_axes or {}))
 
 
 def _fragile(measured: dict[str, TensorCalibration]) -> dict[str, Any]:

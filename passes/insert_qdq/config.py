@@ -212,6 +212,14 @@ class InsertQDQConfig(PassConfig):
         "auto: avoid when the target CPU saturates (x86-avx2, or host on such a CPU), else nothing; report: only "
         "analyse; off.",
     )
+    saturation_codes: Literal["calibrated", "any"] = Field(
+        default="calibrated",
+        description="saturation: avoid: the activation codes a pair of weight codes is checked against. calibrated: "
+        "each input channel's codes on the calibration data (and the zero point padding reads): a channel whose "
+        "data never reaches the top codes keeps its 8-bit weights; codes beyond those on other data can still "
+        "saturate (qgraph check counts it); any: every code 0-255, so that no input can saturate (YOLOv8n: 4,238 of "
+        "5,447 channels raised, against 484).",
+    )
     latency: LatencyOptions = Field(
         default_factory=LatencyOptions,
         description="Keep units float where int8 would be slower on the target runtime (off | table | measure).",

@@ -19,8 +19,9 @@ import onnx_graphsurgeon as gs
 
 from qgraph.quant.math import QuantDtype, QuantSpec, quantize
 
+from .pairsafe import PairSafeLayer, pair_safe_layer
 from .units import Unit
-from .weights import Emitter, PairSafeLayer, finite_constant, pair_safe_layer, quantize_weight_values, release_float
+from .weights import Emitter, finite_constant, quantize_weight_values, release_float
 from .wmath import lopsided
 
 

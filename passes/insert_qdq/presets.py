@@ -120,7 +120,8 @@ PRESET_DATA: dict[str, PresetData] = {
             "full 8-bit s8 weights wherever no pair of codes can overflow, and on the output channels where one "
             "can, a weight scale raised just enough that every same-sign pair sums to at most 128 codes "
             "(saturation: avoid; at most the 6 dB that 7-bit reduce_range would cost every channel of every "
-            "layer). Each raised layer is reported with its weight SQNR before and after."
+            "layer), each pair bounded by the codes its input channels took on the calibration data "
+            "(saturation_codes). Each raised layer is reported with its weight SQNR before and after."
         ),
         options={
             "weights": _S8_SYMMETRIC_PER_CHANNEL,

@@ -17,14 +17,16 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import onnx_graphsurgeon as gs
 
 from qgraph import PassResult
 from qgraph.quant.math import QuantDtype, dtype_range
 from qgraph.runtime.kernels.pairs import INT16_MAX, INT16_MIN, kernel_rows, pair_bounds
 
 from .emit import ActParams
+from .pairsafe import ChannelCodes, KernelCodes, PairSafeLayer, kernel_codes
 from .units import Plan, label
-from .weights import PairSafeLayer, QuantizedWeight
+from .weights import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class LayerSaturation:
     pairs: int
     pairs_at_risk: int
     worst_pair_sum: int
+    #: What bounded the codes: ``tensor`` (the input's range) or ``calibrated`` (each input channel's codes).
+    bound: str = "tensor"
 
     @property
     def at_risk(self) -> bool:
@@ -58,6 +62,7 @@ class LayerSaturation:
             "pairs_at_risk": self.pairs_at_risk,
             "pairs": self.pairs,
             "worst_pair_sum": self.worst_pair_sum,
+            "codes": self.bound,
         }
 
 
@@ -67,13 +72,15 @@ def _rows(w: QuantizedWeight) -> npt.NDArray[np.int32] | None:
     return kernel_rows(w.values, w.op, w.transposed)
 
 
-def analyze_layer(w: QuantizedWeight, codes: tuple[int, int]) -> LayerSaturation | None:
-    """Saturation risk of one quantized layer whose activation codes span ``codes``."""
+def analyze_layer(w: QuantizedWeight, codes: tuple[int, int],
+                  per_channel: KernelCodes | None = None) -> LayerSaturation | None:
+    """Saturation risk of one quantized layer whose activation codes span ``codes`` (``per_channel``: each K
+    position's codes instead, `pairsafe.kernel_codes`)."""
     rows = _rows(w)
     if rows is None or np.asarray(w.values).dtype != np.int8:
         return None
     lo, hi = codes
-    top, bottom = pair_bounds(rows, lo, hi)
+    top, bottom = pair_bounds(rows, *(per_channel if per_channel is not None else (lo, hi)))
     risky = (top > INT16_MAX) | (bottom < INT16_MIN)
     tmax = int(top.max()) if top.size else 0
     bmin = int(bottom.min()) if bottom.size else 0
@@ -87,6 +94,7 @@ def analyze_layer(w: QuantizedWeight, codes: tuple[int, int]) -> LayerSaturation
         pairs=int(risky.size),
         pairs_at_risk=int(risky.sum()),
         worst_pair_sum=tmax if tmax >= -bmin else bmin,
+        bound="tensor" if per_channel is None else "calibrated",
     )
 
 
@@ -98,23 +106,30 @@ def activation_codes(rmin: float, rmax: float, scale: float, zero_point: int) ->
     return lo, hi
 
 
-def analyze(weights: list[QuantizedWeight], codes: dict[str, tuple[int, int]]) -> list[LayerSaturation]:
-    """Analyze every layer whose node has activation codes; returns all results (``at_risk`` tells)."""
+def analyze(weights: list[QuantizedWeight], codes: dict[str, tuple[int, int]],
+            per_channel: dict[str, tuple[gs.Node, ChannelCodes]] | None = None) -> list[LayerSaturation]:
+    """Analyze every layer whose node has activation codes; returns all results (``at_risk`` tells).
+    ``per_channel``: by node, the node and its input channels' codes (`pairsafe.kernel_codes` lays them out)."""
     out = []
     for w in weights:
         c = codes.get(w.node)
         if c is None:
             continue
-        res = analyze_layer(w, c)
+        node_codes = (per_channel or {}).get(w.node)
+        laid = kernel_codes(node_codes[0], np.shape(w.values), node_codes[1]) if node_codes is not None else None
+        res = analyze_layer(w, c, laid)
         if res is not None:
             out.append(res)
     return out
 
 
-def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[QuantizedWeight]) -> dict[str, Any]:
+def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[QuantizedWeight],
+                       channel_codes: dict[str, ChannelCodes] | None = None) -> dict[str, Any]:
     """The report of the u8 x s8 saturation analysis: per weighted unit with u8 activations, its input codes against
-    its weights (``WeightQuantizer.weights``)."""
+    its weights (``WeightQuantizer.weights``); ``channel_codes``: the calibrated codes of each input channel,
+    which ``saturation_codes: calibrated`` bounded the pairs with (`pairsafe`): the same bound here."""
     codes: dict[str, tuple[int, int]] = {}
+    per_channel: dict[str, tuple[gs.Node, ChannelCodes]] = {}
     for u in plan.units:
         if u.kind != "weighted" or not u.act_inputs:
             continue
@@ -123,7 +138,10 @@ def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[Q
         if p is None or p.dtype != QuantDtype.UINT8:
             continue
         codes[label(u.node)] = activation_codes(p.rmin, p.rmax, p.scale, p.zero_point)
-    results = analyze(weights, codes)
+        got = (channel_codes or {}).get(u.act_inputs[0])
+        if got is not None:
+            per_channel[label(u.node)] = (u.node, got)
+    results = analyze(weights, codes, per_channel)
     risky = [r.to_dict() for r in results if r.at_risk]
     return {
         "kernel": "u8 x s8 VPMADDUBSW (AVX2 without VNNI)",
@@ -134,26 +152,31 @@ def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[Q
     }
 
 
-def pair_safe_decisions(layers: list[PairSafeLayer], res: PassResult, active: bool,
-                        at: int) -> list[dict[str, Any]] | None:
+def pair_safe_decisions(layers: list[PairSafeLayer], res: PassResult, active: bool, at: int,
+                        calibrated: bool = False) -> list[dict[str, Any]] | None:
     """One decision (inserted at ``at``) for the layers `saturation: avoid` rescaled (worst first); returns every
-    layer for the details (None when `saturation: avoid` is not active)."""
+    layer for the details (None when `saturation: avoid` is not active). ``calibrated``: the pairs were bounded
+    by each input channel's calibrated codes (`pairsafe`), which the line says."""
     if not active:
         return None
     pair_safe = [layer.to_dict() for layer in layers]
+    bound = (" for the codes each input channel took on the calibration data (saturation_codes: calibrated; codes "
+             "beyond those on other inputs can still saturate a pair: `qgraph check` counts them)" if calibrated
+             else " for any activation code")
     if not layers:
         res.decisions.insert(at, "saturation: avoid: no u8×s8 layer has a pair of weight codes that could exceed "
-                                 "int16: every layer keeps full 8-bit weights")
+                                 f"int16{bound}: every layer keeps full 8-bit weights")
         return pair_safe
     worst = sorted(layers, key=lambda la: la.sqnr_after - la.sqnr_before)
     channels = sum(la.channels for la in layers)
+    of = sum(la.of for la in layers)
     loss = [la.sqnr_before - la.sqnr_after for la in layers]
     shown = "; ".join(f"{la.node}: {la.channels} of {la.of} channels x{la.max_factor:.2f} max, weight SQNR "
                       f"{la.sqnr_before:.1f} -> {la.sqnr_after:.1f} dB" for la in worst[:3])
     more = f" (+{len(layers) - 3} more layers in the report)" if len(layers) > 3 else ""
     res.decisions.insert(at,
-        f"saturation: avoid: {len(layers)} layer(s) had u8×s8 weight pairs that could exceed int16: the scales of "
-        f"their {channels} channel(s) at risk raised (weight SQNR -{max(loss):.2f} dB at worst, "
+        f"saturation: avoid: {len(layers)} layer(s) had u8×s8 weight pairs that could exceed int16{bound}: the "
+        f"scales of their {channels} channel(s) at risk (of {of}) raised (weight SQNR -{max(loss):.2f} dB at worst, "
         f"-{float(np.median(loss)):.2f} dB median; every other channel and layer keeps full 8-bit weights): "
         f"{shown}{more}")
     return pair_safe

@@ -18,9 +18,9 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
 from qgraph import GraphHandle, PassError
-from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, dtype_range, quantize
-from qgraph.runtime.kernels.pairs import kernel_rows, pair_safe_scales, risky_pairs
+from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, quantize
 
+from .pairsafe import ChannelCodes, PairSafeLayer, pair_safe_layer
 from .units import Unit, label
 from .wmath import WeightMath, layer_math, lopsided, stacked_math
 
@@ -155,62 +155,6 @@ def check_finite_weights(graph: GraphHandle, units: list[Unit]) -> None:
                 finite_constant(value, owner.inputs[index].name, owner.name)
 
 
-@dataclass
-class PairSafeLayer:
-    """A layer whose weight scales were raised on the channels where a u8 x s8 pair could leave int16."""
-
-    node: str
-    scale: npt.NDArray[np.float32]
-    channels: int
-    of: int
-    pairs_at_risk: int
-    max_factor: float
-    #: Weight SQNR (dB) with the range's scales and with the raised ones.
-    sqnr_before: float
-    sqnr_after: float
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"node": self.node, "channels": self.channels, "of": self.of, "pairs_at_risk": self.pairs_at_risk,
-                "max_factor": self.max_factor, "weight_sqnr_db": self.sqnr_before,
-                "weight_sqnr_pair_safe_db": self.sqnr_after}
-
-
-def _weight_sqnr(w: npt.NDArray[np.float32], rows_q: npt.NDArray[Any], scale: npt.NDArray[Any]) -> float:
-    """SQNR (dB) of a symmetric per-row quantization of ``w`` (as rows) with codes ``rows_q``."""
-    err = float(np.sum((w - rows_q * scale.reshape(-1, 1)) ** 2))
-    return 10.0 * float(np.log10(float(np.sum(w.astype(np.float64) ** 2)) / err)) if err > 0 else float("inf")
-
-
-def pair_safe_layer(node: gs.Node, w: npt.NDArray[np.float32], qw: npt.NDArray[Any], scale: npt.NDArray[np.float32],
-                    spec: QuantSpec) -> PairSafeLayer | None:
-    """New scales for a symmetric s8 layer whose weight pairs could overflow an AVX2 u8 x s8 kernel's int16
-    (`qgraph.runtime.kernels.pairs.pair_safe_scales`), or None when no pair can (or the kernel has no pairs:
-    depthwise)."""
-    transposed = node.op == "Gemm" and bool(int(node.attrs.get("transB", 0)))
-    if node.op not in ("Conv", "MatMul", "Gemm") or (node.op == "MatMul" and w.ndim != 2):
-        return None
-    if node.op == "Conv" and w.shape[1] == 1 and int(node.attrs.get("group", 1)) == w.shape[0]:
-        return None  # depthwise: onnxruntime's depthwise kernel widens to int16 first
-    rows_q = kernel_rows(qw, node.op, transposed)
-    rows_w = kernel_rows(w, node.op, transposed)
-    if rows_q is None or rows_w is None:
-        return None
-    risky = risky_pairs(rows_q.astype(np.int32))
-    if not risky.count:
-        return None
-    per_row = np.broadcast_to(scale, (rows_w.shape[0],)) if scale.ndim == 0 else scale
-    qmin, qmax = dtype_range(spec.dtype, spec.narrow_range, spec.reduce_range)
-    raised = pair_safe_scales(rows_w, per_row, qmin, qmax)
-    if scale.ndim == 0:
-        raised = np.full_like(raised, raised.max())
-    factor = raised / per_row
-    after = np.clip(np.rint(rows_w / raised.reshape(-1, 1)), qmin, qmax)
-    return PairSafeLayer(label(node), np.asarray(raised.max(), np.float32) if scale.ndim == 0 else raised,
-                         int((factor > 1).sum()), int(factor.size), risky.count, float(factor.max()),
-                         _weight_sqnr(rows_w, rows_q, per_row), _weight_sqnr(rows_w, after, raised))
-
-
 def quantize_weight_values(
     w: npt.NDArray[np.float32], spec: QuantSpec
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[Any]]:
@@ -242,6 +186,8 @@ class WeightQuantizer:
         self._pre: dict[int, WeightMath] = {}
         #: ``saturation: avoid``: raise the scales of channels whose u8 x s8 pairs could leave int16 (AVX2).
         self.pair_safe = False
+        #: Raw codes of each layer input's channels on the calibration data (`pairsafe`; absent: any code).
+        self.input_codes: dict[str, ChannelCodes] = {}
         self.rescaled: list[PairSafeLayer] = []
 
     def _inputs(
@@ -303,7 +249,8 @@ class WeightQuantizer:
         w, spec, bias = self._inputs(unit, input_scale)
         math = self._pre.pop(id(unit), None) or layer_math(w, spec, bias, input_scale)
         if self.pair_safe and spec.symmetric and spec.dtype == QuantDtype.INT8:
-            fixed = pair_safe_layer(node, w, math.qw, math.scale, spec)
+            codes = self.input_codes.get(unit.act_inputs[0]) if unit.act_inputs else None
+            fixed = pair_safe_layer(node, w, math.qw, math.scale, spec, codes)
             if fixed is not None:
                 self.rescaled.append(fixed)
                 math = layer_math(w, spec, bias, input_scale, scale=fixed.scale)

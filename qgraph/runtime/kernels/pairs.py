@@ -85,12 +85,27 @@ def kernel_rows(values: npt.ArrayLike, op: str, transposed: bool = False) -> npt
     return None
 
 
-def pair_bounds(rows: npt.NDArray[Any], lo: int, hi: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Largest and smallest pair sums per (channel, pair) for activation codes in [lo, hi]."""
+#: Activation codes a pair is bounded with: one for every K position, or per position (``(K,)`` or ``(rows, K)``).
+Codes = int | np.integer[Any] | npt.NDArray[Any]
+
+
+def _halves(codes: Codes) -> tuple[Any, Any]:
+    """The codes of each pair's first and second element (a scalar serves both)."""
+    c = np.asarray(codes, np.int64)
+    if c.ndim == 0:
+        return c, c
+    c = pad_even(c)
+    return c[..., 0::2], c[..., 1::2]
+
+
+def pair_bounds(rows: npt.NDArray[Any], lo: Codes, hi: Codes) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Largest and smallest pair sums per (channel, pair) for activation codes in [lo, hi] (scalars, or per K
+    position)."""
     r = pad_even(np.asarray(rows).astype(np.int64))
     w0, w1 = r[:, 0::2], r[:, 1::2]
-    top = np.maximum(lo * w0, hi * w0) + np.maximum(lo * w1, hi * w1)
-    bottom = np.minimum(lo * w0, hi * w0) + np.minimum(lo * w1, hi * w1)
+    (lo0, lo1), (hi0, hi1) = _halves(lo), _halves(hi)
+    top = np.maximum(lo0 * w0, hi0 * w0) + np.maximum(lo1 * w1, hi1 * w1)
+    bottom = np.minimum(lo0 * w0, hi0 * w0) + np.minimum(lo1 * w1, hi1 * w1)
     return top, bottom
 
 
@@ -122,9 +137,10 @@ class RiskyPairs:
         return int(np.unique(self.channel).size)
 
 
-def risky_pairs(rows: npt.NDArray[Any], lo: int = RAW_CODES[0], hi: int = RAW_CODES[1]) -> RiskyPairs:
+def risky_pairs(rows: npt.NDArray[Any], lo: Codes = RAW_CODES[0], hi: Codes = RAW_CODES[1]) -> RiskyPairs:
     """Every pair of ``rows`` (output channels x K, `kernel_rows`) whose sum can leave [-32768, 32767] for
-    activation codes in ``[lo, hi]`` (row-major: sorted by channel, then by position on K)."""
+    activation codes in ``[lo, hi]`` (scalars, or per K position; row-major: sorted by channel, then by position
+    on K)."""
     top, bottom = pair_bounds(rows, lo, hi)
     risky = (top > INT16_MAX) | (bottom < INT16_MIN)
     channel, pair = np.nonzero(risky)
@@ -137,12 +153,13 @@ def risky_pairs(rows: npt.NDArray[Any], lo: int = RAW_CODES[0], hi: int = RAW_CO
 
 
 def pair_safe_scales(rows: npt.NDArray[Any], scale: npt.NDArray[Any], qmin: int, qmax: int,
-                     lo: int = RAW_CODES[0], hi: int = RAW_CODES[1], max_rounds: int = 32) -> npt.NDArray[np.float32]:
+                     lo: Codes = RAW_CODES[0], hi: Codes = RAW_CODES[1],
+                     max_rounds: int = 32) -> npt.NDArray[np.float32]:
     """Per-channel symmetric weight scales (``rows``: float weights, output channels x K in the kernel's order;
     ``scale``: their scales, one per row) raised just enough on the channels where a pair of codes could leave
-    int16 for activation codes in [lo, hi]: ``|q0 + q1| <= 128`` for same-sign pairs of u8 codes up to 255. A
-    channel without such a pair keeps its scale; one that has them loses ``20 log10(factor)`` dB of resolution,
-    at most 6 dB (``reduce_range`` costs every channel 6 dB)."""
+    int16 for activation codes in [lo, hi] (scalars, or per K position): ``|q0 + q1| <= 128`` for same-sign pairs
+    of u8 codes up to 255. A channel without such a pair keeps its scale; one that has them loses
+    ``20 log10(factor)`` dB of resolution, at most 6 dB (``reduce_range`` costs every channel 6 dB)."""
     s = np.asarray(scale, np.float64).reshape(-1).copy()
     w = np.asarray(rows, np.float64)
     for _ in range(max_rounds):
