@@ -125,6 +125,18 @@ Time is unchanged within this host's drift. Three runs at 30k alternating slice-
 - smooth_quant 6.5 / 7.7 / 6.9 s;
 - insert_qdq 18.6 / 20.1 / 18.5 s.
 Inside a slice, two samples run at a time; before, the segmented runs were one at a time.
+
+2026-11-29: the run summary's float yardstick built one onnxruntime session over the whole input graph, the last
+whole-graph session of a run on the chain, and its build time grows faster than the graph (26.4 s at 100k nodes,
+4.1 s at 30k). It now runs in slices typed with the graph's inferred shapes, all built on an untimed first run
+(8.3 s and 2.1 s; the timed pass itself 0.85 -> 0.73 s at 100k). Idle host, wall seconds, peak RSS:
+
+                                     3,000 nodes          30,000 nodes                100,000 nodes
+    plain                            1.61 s, 199 MB       20.1 -> 16.8 s, 695 MB      60.3 s, 2035 MB (was 70.3)
+    ort-x86-vnni                     7.0 s, 278 MB        ~90 -> 86.5 s, 1144 MB      371 -> 328 s, 3512 MB
+                                                                                      (correct_bias 150, insert_qdq
+                                                                                       70.5 [cal 41.5], equalize 45.3,
+                                                                                       smooth_quant 26.1)
 """
 
 from __future__ import annotations
