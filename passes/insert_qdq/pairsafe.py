@@ -1,7 +1,7 @@
 """``saturation: avoid``: weight scales raised just where a u8 x s8 pair could leave int16 (x86 AVX2 without VNNI).
 
 A pair of adjacent products ``a[2i] w[2i] + a[2i+1] w[2i+1]`` (`qgraph.runtime.kernels.pairs`) can only overflow
-when both activation codes are large. With ``saturation_bound: calibrated`` each pair is bounded by the raw codes
+when both activation codes are large. With ``saturation_codes: calibrated`` each pair is bounded by the raw codes
 its two input channels took on the calibration data (each channel's observed ``[min, max]``, measured in the
 calibration pass, and the zero point a padded position reads); with ``any`` by every code ``[0, 255]``. Input
 channels rarely all reach the tensor's top code: on YOLOv8n 4,238 of 5,447 output channels are at risk for any codes
