@@ -15,7 +15,7 @@ from qgraph.runtime.kernels.cpu import host_cpu
 from qgraph.runtime.kernels.measure import target_family
 
 from .bodies import BodiesOutcome, quantize_bodies
-from .build import activation_params, channel_codes, emit_plan
+from .build import activation_params, emit_plan
 from .calib import Calibration, RangeInfo, calibrate, screen
 from .choices import auto_decision, auto_summary, fix_bounded, fixed_decision, unclip, unclip_decision
 from .config import PRESETS, InsertQDQConfig
@@ -31,7 +31,7 @@ from .ops import BINARY, UNARY, VARIADIC, WEIGHTED, float32_tensors
 from .pairsafe import ChannelCodes, pair_axes
 from .placement import Planner
 from .presets import CPU_PRESETS, PRESET_CPUS
-from .saturation import pair_safe_decisions, saturation_details
+from .saturation import channel_codes, pair_safe_decisions, saturation_details
 from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
 from .through import clip_flat_sides
 from .units import Plan, Unit, label

@@ -7,15 +7,12 @@ copies of the graph to time them: the same code builds what is timed and what is
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from qgraph import GraphHandle
-from qgraph.quant.math import QuantDtype, QuantSpec, compute_scale_zero_point, dtype_range
+from qgraph.quant.math import QuantSpec, compute_scale_zero_point
 
 from .calib import RangeInfo
 from .config import InsertQDQConfig
@@ -54,35 +51,11 @@ def input_scale(plan: Plan, params: dict[str, ActParams], unit: Unit) -> float |
     return act.scale if act is not None else None
 
 
-def channel_codes(plan: Plan, params: dict[str, ActParams],
-                  channels: Mapping[str, tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> dict[str, ChannelCodes]:
-    """Per layer input (``channels``: its observed per-channel float min and max): the raw codes each channel
-    takes on the calibration data once quantized with its ``params``, the zero point (what padding reads)
-    included; s8 codes shifted to u8 as the kernels shift them (`qgraph.runtime.kernels.pairs`)."""
-    out: dict[str, ChannelCodes] = {}
-    for tensor, (lo, hi) in channels.items():
-        act = params.get(plan.tensors.get(tensor, ""))
-        if act is None or act.dtype not in (QuantDtype.UINT8, QuantDtype.INT8):
-            continue
-        shift = 128 if act.dtype == QuantDtype.INT8 else 0
-        zp = act.zero_point + shift
-        out[tensor] = (np.minimum(_codes(lo, act, low=True) + shift, zp), np.maximum(_codes(hi, act) + shift, zp))
-    return out
-
-
-def _codes(x: npt.NDArray[Any], act: ActParams, low: bool = False) -> npt.NDArray[np.int64]:
-    """``x`` quantized with ``act`` (NaN: the grid's end on that side)."""
-    qmin, qmax = dtype_range(act.dtype)
-    q = np.rint(np.asarray(x, np.float64) / act.scale) + act.zero_point
-    codes: npt.NDArray[np.int64] = np.clip(np.nan_to_num(q, nan=qmin if low else qmax), qmin, qmax).astype(np.int64)
-    return codes
-
-
 def emit_plan(graph: GraphHandle, cfg: InsertQDQConfig, wspec: QuantSpec, plan: Plan,
               params: dict[str, ActParams], codes: dict[str, ChannelCodes] | None = None) -> Emitted:
     """Quantize every unit of ``plan`` in ``graph`` (weights with ``wspec``, activations with ``params``); top-level
-    graph only (bodies are the pass's own business). ``codes``: `channel_codes` of the layer inputs, which bound
-    ``saturation: avoid``'s pairs (`pairsafe`)."""
+    graph only (bodies are the pass's own business). ``codes``: `saturation.channel_codes` of the layer inputs,
+    which bound ``saturation: avoid``'s pairs (`pairsafe`)."""
     em = Emitter(graph)
     wq = WeightQuantizer(em, wspec, cfg.weights.format, cfg.activations.dtype, cfg.bias)
     wq.auto_symmetric, wq.asym_gain = cfg.weights.symmetric == "auto", cfg.weights.asymmetric_gain

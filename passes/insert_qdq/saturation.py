@@ -12,6 +12,7 @@ K axis of MatMul/Gemm, (kh, kw, c) for Conv (onnxruntime runs u8 convolutions ch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,12 +99,28 @@ def analyze_layer(w: QuantizedWeight, codes: tuple[int, int],
     )
 
 
-def activation_codes(rmin: float, rmax: float, scale: float, zero_point: int) -> tuple[int, int]:
-    """u8 codes ``[q(rmin), q(rmax)]`` of a calibrated range."""
-    qmin, qmax = dtype_range(QuantDtype.UINT8)
-    lo = int(np.clip(np.rint(rmin / scale) + zero_point, qmin, qmax))
-    hi = int(np.clip(np.rint(rmax / scale) + zero_point, qmin, qmax))
-    return lo, hi
+def channel_codes(plan: Plan, params: dict[str, ActParams],
+                  channels: Mapping[str, tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> dict[str, ChannelCodes]:
+    """Per layer input (``channels``: its observed per-channel float min and max): the raw codes each channel
+    takes on the calibration data once quantized with its ``params``, the zero point (what padding reads)
+    included; s8 codes shifted to u8 as the kernels shift them (`qgraph.runtime.kernels.pairs`)."""
+    out: dict[str, ChannelCodes] = {}
+    for tensor, (lo, hi) in channels.items():
+        act = params.get(plan.tensors.get(tensor, ""))
+        if act is None or act.dtype not in (QuantDtype.UINT8, QuantDtype.INT8):
+            continue
+        shift = 128 if act.dtype == QuantDtype.INT8 else 0
+        zp = act.zero_point + shift
+        out[tensor] = (np.minimum(act_codes(lo, act, low=True) + shift, zp), np.maximum(act_codes(hi, act) + shift, zp))
+    return out
+
+
+def act_codes(x: npt.ArrayLike, act: ActParams, low: bool = False) -> npt.NDArray[np.int64]:
+    """The codes of ``x`` quantized with ``act`` (NaN: the grid's end on that side)."""
+    qmin, qmax = dtype_range(act.dtype)
+    q = np.rint(np.asarray(x, np.float64) / act.scale) + act.zero_point
+    codes: npt.NDArray[np.int64] = np.clip(np.nan_to_num(q, nan=qmin if low else qmax), qmin, qmax).astype(np.int64)
+    return codes
 
 
 def analyze(weights: list[QuantizedWeight], codes: dict[str, tuple[int, int]],
@@ -137,7 +154,7 @@ def saturation_details(plan: Plan, params: dict[str, ActParams], weights: list[Q
         p = params.get(root or "")
         if p is None or p.dtype != QuantDtype.UINT8:
             continue
-        codes[label(u.node)] = activation_codes(p.rmin, p.rmax, p.scale, p.zero_point)
+        codes[label(u.node)] = (int(act_codes(p.rmin, p, low=True)), int(act_codes(p.rmax, p)))
         got = (channel_codes or {}).get(u.act_inputs[0])
         if got is not None:
             per_channel[label(u.node)] = (u.node, got)
