@@ -51,18 +51,27 @@ def _out() -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     return nodes, [nh.from_array(np.array(np.float32(0.5)), "os"), nh.from_array(np.array(np.uint8(128)), "ozp")]
 
 
+def _bias(rng: np.random.Generator, n: int, ws: np.ndarray) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """int32 bias codes at scale ``s_x · s_w`` (what onnxruntime's fused kernels add to the int32 sum)."""
+    codes = rng.integers(-20000, 20000, size=n).astype(np.int32)
+    return ([h.make_node("DequantizeLinear", ["b", "bs"], ["bd"], axis=0, name="b/dq")],
+            [nh.from_array(codes, "b"), nh.from_array((np.float32(0.05) * ws).astype(np.float32), "bs")])
+
+
 def conv_case(name: str, c: int, o: int, k: int, *, group: int = 1, stride: int = 1, pad: int = 1,
-              signed: bool = False, wzp: int = 0, size: int = 9, seed: int = 0) -> Case:
-    """A Q/DQ convolution (onnxruntime fuses it into QLinearConv)."""
+              signed: bool = False, wzp: int = 0, size: int = 9, seed: int = 0, bias: bool = False) -> Case:
+    """A Q/DQ convolution (onnxruntime fuses it into QLinearConv), with int32 bias codes when ``bias``."""
     rng = np.random.default_rng(seed)
     w = rng.integers(-128, 128, size=(o, c // group, k, k)).astype(np.int8)
+    ws = (rng.random(o) * 0.01 + 0.005).astype(np.float32)
     an, ai = _act(signed)
     on, oi = _out()
-    nodes = [*an, h.make_node("DequantizeLinear", ["w", "ws", "wzp"], ["wd"], axis=0, name="w/dq"),
-             h.make_node("Conv", ["xd", "wd"], ["c"], group=group, strides=[stride] * 2, pads=[pad] * 4,
-                         kernel_shape=[k, k], name="conv"), *on]
-    inits = [nh.from_array(w, "w"), nh.from_array((rng.random(o) * 0.01 + 0.005).astype(np.float32), "ws"),
-             nh.from_array(np.full(o, wzp, np.int8), "wzp"), *ai, *oi]
+    bn, bi = _bias(rng, o, ws) if bias else ([], [])
+    nodes = [*an, h.make_node("DequantizeLinear", ["w", "ws", "wzp"], ["wd"], axis=0, name="w/dq"), *bn,
+             h.make_node("Conv", ["xd", "wd", *(["bd"] if bias else [])], ["c"], group=group, strides=[stride] * 2,
+                         pads=[pad] * 4, kernel_shape=[k, k], name="conv"), *on]
+    inits = [nh.from_array(w, "w"), nh.from_array(ws, "ws"), nh.from_array(np.full(o, wzp, np.int8), "wzp"), *ai, *oi,
+             *bi]
     x = (np.random.default_rng(seed + 1).random((1, c, size, size)) * 14 - 2).astype(np.float32)
     return Case(name, _model(nodes, inits, [1, c, size, size]), x)
 
@@ -80,6 +89,24 @@ def matmul_case(name: str, k: int, n: int, *, rows: tuple[int, ...] = (5,), sign
              nh.from_array(np.full(n, wzp, np.int8), "wzp"), *ai, *oi]
     x = (np.random.default_rng(seed + 1).random((*rows, k)) * 14 - 2).astype(np.float32)
     return Case(name, _model(nodes, inits, [*rows, k]), x)
+
+
+def gemm_case(name: str, k: int, n: int, *, trans_b: bool = True, quantized_output: bool = True, alpha: float = 1.0,
+              seed: int = 0) -> Case:
+    """A Q/DQ Gemm with int32 bias codes (onnxruntime's QGemm, with a float output without the output Q/DQ)."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-128, 128, size=(n, k) if trans_b else (k, n)).astype(np.int8)
+    ws = (rng.random(n) * 0.01 + 0.005).astype(np.float32)
+    an, ai = _act(False)
+    on, oi = _out() if quantized_output else ([], [])
+    bn, bi = _bias(rng, n, ws)
+    nodes = [*an, h.make_node("DequantizeLinear", ["w", "ws", "wzp"], ["wd"], axis=0 if trans_b else 1, name="w/dq"),
+             *bn,
+             h.make_node("Gemm", ["xd", "wd", "bd"], ["c" if quantized_output else "y"], transB=int(trans_b),
+                         alpha=alpha, name="gemm"), *on]
+    inits = [nh.from_array(w, "w"), nh.from_array(ws, "ws"), nh.from_array(np.zeros(n, np.int8), "wzp"), *ai, *oi, *bi]
+    x = (np.random.default_rng(seed + 1).random((5, k)) * 14 - 2).astype(np.float32)
+    return Case(name, _model(nodes, inits, [5, k]), x)
 
 
 def dynamic_case(name: str, k: int, n: int, *, contrib: bool = False, seed: int = 0) -> Case:
@@ -114,6 +141,17 @@ def cases() -> list[Case]:
         matmul_case("matmul_float_output", 64, 8, quantized_output=False),
         dynamic_case("dynamic", 64, 8), dynamic_case("dynamic_contrib", 64, 8, contrib=True),
     ]
+
+
+def requant_cases() -> list[Case]:
+    """Layers onnxruntime fuses, for writing each as its fused kernel computes it: the shapes of `cases` and int32
+    biases, Gemms (transposed weights, float outputs)."""
+    return [*(c for c in cases() if not c.name.startswith("dynamic")),
+            conv_case("conv_bias", 8, 4, 3, bias=True), conv_case("conv_bias_groups", 8, 4, 3, group=2, bias=True),
+            # sums beyond float32's exact integers (256 x 9 products of up to 255 x 128): ConvInteger, not float
+            conv_case("conv_wide", 256, 4, 3, bias=True),
+            gemm_case("gemm_trans_b", 64, 8), gemm_case("gemm", 63, 8, trans_b=False),
+            gemm_case("gemm_float_output", 64, 8, quantized_output=False)]
 
 
 def _init(model: onnx.ModelProto, name: str) -> np.ndarray:

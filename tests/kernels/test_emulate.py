@@ -110,7 +110,7 @@ def test_fused_layers_are_remembered_by_structure_scales_and_zero_points(monkeyp
     from onnx import numpy_helper
 
     from qgraph.quant.qdq import is_dequantize
-    from qgraph.runtime.kernels import emulate as em
+    from qgraph.runtime.kernels import fusion as em
     from qgraph.testing.depthwise import depthwise_float_and_qdq
 
     _, qdq = depthwise_float_and_qdq(seed=3)

@@ -3,8 +3,9 @@
 On an AVX2 host without VNNI the real kernels run in this process. Anywhere else on x86-64, qemu-user (Debian's
 ``qemu-user``; CI installs it) runs a child Python on an emulated Haswell (AVX2, no AVX-512, no VNNI), so
 onnxruntime dispatches its AVX2 kernels there; the child first proves it with the saturation probe. The emulation
-(built here, on whatever kernels this host has) must give what those kernels give: every layer shape of
-`kernel_models`, and the digits CNN quantized for VNNI (where saturation costs it accuracy on AVX2).
+(built here, on whatever kernels this host has) must give what those kernels give, bit for bit: every layer shape of
+`kernel_models`, and the digits CNN quantized for VNNI (where saturation costs it accuracy on AVX2). The Q/DQ-in-float
+form the layer-by-layer diff reads is held to float tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kernel_models import cases
 
 from qgraph.runtime.kernels.emulate import emulate
 from qgraph.runtime.kernels.host import probe_pair_saturation
+from qgraph.runtime.kernels.measure import emulated
 
 #: An AVX2-only x86 CPU for qemu-user (features TCG cannot emulate are switched off to keep stderr clean).
 QEMU_CPU = "Haswell-noTSX,-pcid,-tsc-deadline,-x2apic,-invpcid"
@@ -82,6 +84,14 @@ def _real_avx2(models: list[onnx.ModelProto], inputs: list[np.ndarray], tmp: Pat
 
 
 def _emulated(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """How qgraph measures a model for AVX2 on this host (`Kernels.session`): this host's fused kernels, the layers
+    that can saturate rewritten (`qgraph.runtime.kernels.requant`)."""
+    s = emulated("x86-avx2").session(model)
+    return np.asarray(s.run(None, {s.get_inputs()[0].name: x})[0])
+
+
+def _emulated_in_float(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """Q/DQ in float with optimizations off, the saturation as corrections (the layer-by-layer diff reads it)."""
     em = emulate(model, "x86-avx2", host_saturates=probe_pair_saturation(), count=False)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -101,14 +111,16 @@ def test_emulation_matches_the_real_avx2_kernels(tmp_path: Path) -> None:
     inputs = [c.x for c in layers] + [x_digits]
     real = _real_avx2(models, inputs, tmp_path)
     for case, got in zip(layers, real, strict=False):
-        want = _emulated(case.model, case.x)
+        np.testing.assert_array_equal(_emulated(case.model, case.x), got, err_msg=case.name)  # bit for bit
+        want = _emulated_in_float(case.model, case.x)
         np.testing.assert_allclose(want, got, rtol=0, atol=1e-5 * float(np.abs(got).max()), err_msg=case.name)
-    logits_real, logits_emulated = real[-1], _emulated(vnni, x_digits)
-    exact = ort.InferenceSession(vnni.SerializeToString(), providers=["CPUExecutionProvider"]) if \
-        not probe_pair_saturation() else None
-    err = float(np.sum((logits_emulated - logits_real) ** 2))
+    logits_real = real[-1]
+    np.testing.assert_array_equal(_emulated(vnni, x_digits), logits_real)
+    logits_float = _emulated_in_float(vnni, x_digits)
+    err = float(np.sum((logits_float - logits_real) ** 2))
     sqnr = 10 * np.log10(float(np.sum(logits_real.astype(np.float64) ** 2)) / max(err, 1e-30))
-    assert sqnr > 60, f"emulated vs real AVX2 logits: {sqnr:.1f} dB"
-    if exact is not None:  # and saturation does change this model on AVX2 (what the emulation is for)
+    assert sqnr > 60, f"emulated (Q/DQ in float) vs real AVX2 logits: {sqnr:.1f} dB"
+    if not probe_pair_saturation():  # and saturation does change this model on AVX2 (what the emulation is for)
+        exact = ort.InferenceSession(vnni.SerializeToString(), providers=["CPUExecutionProvider"])
         logits_exact = exact.run(None, {"input": x_digits})[0]
         assert float(np.abs(logits_exact - logits_real).max()) > 0.1

@@ -1,20 +1,31 @@
 """A model rewritten so onnxruntime computes a target CPU's integer arithmetic on any host.
 
-Run with graph optimizations off (``ORT_DISABLE_ALL``), a Q/DQ model computes every quantized layer as
-``DequantizeLinear -> float op -> QuantizeLinear``: exact int32 accumulation up to float rounding, which is what
-VNNI and ARM dot products compute. Two things stand between that and a given CPU's deployed numbers:
+Two ways, by the session that runs it:
+
+- ``requantize`` (how `qgraph.runtime.kernels.measure.Kernels` measures every CPU family): the session keeps
+  onnxruntime's optimizations, so every Q/DQ layer fuses into this host's integer kernels as it deploys. Only the
+  layers whose arithmetic differs between this host and the target (u8 x s8 pair sums that can leave int16, where
+  one of the two saturates) are rewritten, as the fused kernel computes them: the exact int32 sum, the target's pair
+  saturation added, then onnxruntime's requantization (`qgraph.runtime.kernels.requant`). Bit for bit the
+  target's deployed outputs: YOLOv8n (both recipes), PicoDet and the digits CNN against onnxruntime 1.32's real
+  AVX2 kernels under qemu-user.
+- Q/DQ in float (the default; ``exact`` arithmetic and the layer-by-layer diff): with optimizations off
+  (``ORT_DISABLE_ALL``) every quantized layer computes ``DequantizeLinear -> float op -> QuantizeLinear``, exact
+  int32 accumulation up to float rounding, and a saturating layer gets a correction in float. It rounds one code
+  differently from the fused kernels now and then, which compounds through deep networks (YOLOv8n: 20 % of the
+  head's codes one step apart; detection F1 0.978 against 0.956 deployed).
+
+Either way:
 
 1. **Integer ops written into the model** (``MatMulInteger`` from dynamic quantization, ``ConvInteger``, and the
    fused forms other tools write: ``QLinearConv``, ``QLinearMatMul``, ``DynamicQuantizeMatMul``,
-   ``MatMulIntegerToFloat``) run onnxruntime's real integer kernels even with optimizations off, so on an AVX2
-   host they saturate. The fused forms are expanded into their standard-op definitions; where this host's kernels
-   saturate, ``MatMulInteger``/``ConvInteger`` become the same sums in float64/float32 (exact).
-2. **AVX2 without VNNI** adds adjacent u8 x s8 products into a saturating int16 (`qgraph.runtime.kernels.pairs`). For
-   that
-   target every layer that runs as a u8 x s8 integer kernel on deployment gets the correction subgraph of
-   `qgraph.runtime.kernels.corrections` for exactly the weight pairs that can overflow. Which Q/DQ layers fuse is asked
-   of onnxruntime itself: the graph its optimizer (``ORT_ENABLE_EXTENDED``) writes names each fused kernel after the
-   layer it replaces.
+   ``MatMulIntegerToFloat``) run onnxruntime's real integer kernels, so on an AVX2 host they saturate. The fused
+   forms are expanded into their standard-op definitions; where this host's kernels saturate,
+   ``MatMulInteger``/``ConvInteger`` become the same sums in float64/float32 (exact).
+2. **AVX2 without VNNI** adds adjacent u8 x s8 products into a saturating int16 (`qgraph.runtime.kernels.pairs`):
+   every layer that runs as a u8 x s8 integer kernel on deployment gets the correction subgraph of
+   `qgraph.runtime.kernels.corrections` for exactly the weight pairs that can overflow. Which Q/DQ layers fuse is
+   asked of onnxruntime itself (`qgraph.runtime.kernels.fusion`).
 
 Measured against onnxruntime 1.32's AVX2 kernels under qemu-user on convolutions (odd/even channels, groups,
 strides, s8 activations, weight zero points), MatMuls, Gemms and dynamic quantization: identical outputs.
@@ -22,28 +33,27 @@ strides, s8 activations, weight zero points), MatMuls, Gemms and dynamic quantiz
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from qgraph.graph.detach import with_weights
 from qgraph.graph.ops import proto_scopes
-from qgraph.quant.qdq import is_dequantize, is_dynamic_quantize, is_qdq, is_quantize
+from qgraph.quant.qdq import is_dequantize, is_dynamic_quantize, is_qdq
 
 from .corrections import MIN_OPSET, ConvGeometry, CorrectionInput, ProtoEmitter, conv_correction, matmul_correction
 from .expand import exact_integer_node, expand_fused
+from .fusion import FUSED_GEMM_OPS, Constants, fused_layers, fusion_key
 from .host import saturates
 from .pairs import RiskyPairs, kernel_rows, risky_pairs
+from .requant import IntegerForm, integer_form
 
-#: Ops onnxruntime's CPU optimizer fuses Q/DQ layers into, whose u8 x s8 products go through the GEMM kernels.
-FUSED_GEMM_OPS = frozenset({"QLinearConv", "QLinearMatMul", "MatMulIntegerToFloat", "QGemm", "DynamicQuantizeMatMul"})
+__all__ = ["FUSED_GEMM_OPS", "INTEGER_OPS", "Emulation", "SaturationSite", "emulate", "fused_layers", "fusion_key",
+           "has_integer_work"]
+
 #: Integer ops a model may hold itself.
 INTEGER_OPS = frozenset({"MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeMatMul",
                          "MatMulIntegerToFloat"})
@@ -86,6 +96,11 @@ class Emulation:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     #: Layers that run as u8 x s8 kernels on the target and were checked (with or without risky pairs).
     analysed: int = 0
+    #: Layers written as their fused kernel computes them (``requantize``: `qgraph.runtime.kernels.requant`).
+    requantized: list[str] = field(default_factory=list)
+    #: (node, why) layers ``requantize`` could not write that way: their pair saturation is added to Q/DQ in float
+    #: (one code apart now and then from the fused kernel's rounding).
+    approximate: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def counters(self) -> list[str]:
@@ -97,106 +112,6 @@ def has_integer_work(model: onnx.ModelProto) -> bool:
     """Whether ``model`` holds Q/DQ or integer ops anywhere (a float model needs no emulation)."""
     return any(is_qdq(n.op_type, n.domain, dynamic=True) or n.op_type in INTEGER_OPS
                for g in proto_scopes(model.graph) for n in g.node)
-
-
-#: `fused_layers` answers by the model's fusion key (`fusion_key`), a few models at most: a weight-correcting pass
-#: emulates the same structure before and after changing only bias or weight codes (its fidelity guard), and each
-#: answer costs an optimizing onnxruntime session (1-2 s on a 3,000-layer chain).
-_FUSED: dict[str, frozenset[str]] = {}
-_FUSED_KEPT = 4
-#: Initializers up to this many elements enter the fusion key by value (scales, zero points, shapes, clip bounds).
-_KEY_VALUE_ELEMENTS = 64
-
-
-def fusion_key(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> str:
-    """What onnxruntime's Q/DQ fusion of ``model`` can depend on: every node (name, op, domain, wiring,
-    non-graph attributes), every initializer's name, type and shape, the values of every scale and zero point (per
-    channel too) and of the other small ones (shapes, clip bounds), except a DequantizeLinear's data input (bias
-    and weight codes: fusion only asks that they are constant). Two models with the same key fuse the same
-    layers."""
-    h = hashlib.sha256()
-    codes: set[str] = set()
-    grids: set[str] = set()
-    for g in proto_scopes(model.graph):
-        for n in g.node:
-            h.update(repr((n.name, n.domain, n.op_type, tuple(n.input), tuple(n.output))).encode())
-            for a in n.attribute:
-                if a.type not in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
-                    h.update(a.SerializeToString())
-            if is_dequantize(n.op_type, n.domain) and n.input:
-                codes.add(n.input[0])
-            if is_quantize(n.op_type, n.domain) or is_dequantize(n.op_type, n.domain):
-                grids.update(n.input[1:])  # scales and zero points, per channel too: always by value
-    for g in proto_scopes(model.graph):
-        for vi in (*g.input, *g.output):
-            h.update(vi.SerializeToString())
-        for t in g.initializer:
-            h.update(repr((t.name, t.data_type, tuple(t.dims))).encode())
-            if t.name not in grids and (t.name in codes or int(np.prod(t.dims)) > _KEY_VALUE_ELEMENTS):
-                continue
-            if weights and t.name in weights:
-                h.update(np.ascontiguousarray(weights[t.name]).tobytes())
-            elif t.data_location == TensorProto.EXTERNAL:
-                h.update(repr([(e.key, e.value) for e in t.external_data]).encode())
-            else:
-                h.update(np.ascontiguousarray(numpy_helper.to_array(t)).tobytes())
-    return h.hexdigest()
-
-
-def fused_layers(model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> set[str]:
-    """Names of the layers onnxruntime's CPU optimizer turns into u8/s8 GEMM-based integer kernels (every node
-    must have a unique name); ``weights``: the values of a weightless model's placeholders. Remembered by
-    `fusion_key` for the last few models."""
-    key = fusion_key(model, weights)
-    if key not in _FUSED:
-        while len(_FUSED) >= _FUSED_KEPT:
-            del _FUSED[next(iter(_FUSED))]
-        _FUSED[key] = frozenset(_fused_layers(with_weights(model, weights) if weights else model))
-    return set(_FUSED[key])
-
-
-def _fused_layers(model: onnx.ModelProto) -> set[str]:
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory(prefix="qgraph-fused-") as tmp:
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        opts.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
-        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
-        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        opts.log_severity_level = 3
-        ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(str(Path(tmp) / "optimized.onnx"), load_external_data=False)
-    return {n.name for g in proto_scopes(optimized.graph) for n in g.node if n.op_type in FUSED_GEMM_OPS}
-
-
-class _Constants:
-    """Initializers and Constant outputs of every scope, read lazily by name (a weightless model's placeholders
-    from ``weights``)."""
-
-    def __init__(self, model: onnx.ModelProto, weights: Mapping[str, np.ndarray] | None = None) -> None:
-        self.weights = weights or {}
-        self.protos: dict[str, onnx.TensorProto] = {}
-        for g in proto_scopes(model.graph):
-            for t in g.initializer:
-                self.protos[t.name] = t
-            for n in g.node:
-                if n.op_type == "Constant" and n.output and n.attribute and n.attribute[0].name == "value":
-                    self.protos[n.output[0]] = n.attribute[0].t
-        self.cache: dict[str, np.ndarray] = {}
-
-    def get(self, name: str) -> np.ndarray | None:
-        """The value of constant ``name``, or None for anything else (an activation, a missing optional)."""
-        if name in self.cache:
-            return self.cache[name]
-        if name in self.weights:
-            return np.asarray(self.weights[name])
-        t = self.protos.get(name)
-        if t is None or t.data_location == TensorProto.EXTERNAL:
-            return None
-        value = numpy_helper.to_array(t)
-        self.cache[name] = value
-        return value
 
 
 @dataclass(frozen=True)
@@ -212,11 +127,14 @@ class _Layer:
 
 
 def emulate(model: onnx.ModelProto, family: str, *, host_saturates: bool,
-            weights: Mapping[str, np.ndarray] | None = None, count: bool = True) -> Emulation:
-    """The model rewritten to compute ``family``'s integer arithmetic in onnxruntime with optimizations off, on a
-    host whose kernels saturate (``host_saturates``) or not (see module docs); ``weights`` are the values of a
-    weightless model's placeholders (they stay placeholders); ``count`` adds the saturation counters as graph
-    outputs (without it the graph's outputs are the model's). ``model`` is not modified."""
+            weights: Mapping[str, np.ndarray] | None = None, count: bool = True, requantize: bool = False) -> Emulation:
+    """The model rewritten to compute ``family``'s integer arithmetic in onnxruntime, on a host whose kernels
+    saturate (``host_saturates``) or not (see module docs); ``weights`` are the values of a weightless model's
+    placeholders (they stay placeholders); ``count`` adds the saturation counters as graph outputs (without it the
+    graph's outputs are the model's); ``requantize``: for a session with onnxruntime's optimizations on, only the
+    layers whose arithmetic differs on this host are rewritten, as exact int32 sums with onnxruntime's own
+    requantization (else: corrections on Q/DQ computed in float, for a session with optimizations off). ``model``
+    is not modified."""
     if not has_integer_work(model):
         return Emulation(model, family)
     work = onnx.ModelProto()
@@ -226,12 +144,13 @@ def emulate(model: onnx.ModelProto, family: str, *, host_saturates: bool,
     opset = next((o.version for o in work.opset_import if o.domain in ("", "ai.onnx")), 0)
     expanded = expand_fused(work, taken, opset)
     out.rewritten += expanded
-    consts = _Constants(work, weights)
+    consts = Constants(work, weights)
     fused = set(expanded)
-    if saturates(family):
+    if saturates(family) or (requantize and host_saturates):
         fused |= fused_layers(work, weights)
     for graph in proto_scopes(work.graph):
-        _rewrite_scope(graph, out, consts, taken, opset, fused, host_saturates, top=count and graph is work.graph)
+        _rewrite_scope(graph, out, _Scope(consts, taken, opset, fused, host_saturates, requantize),
+                       top=count and graph is work.graph)
     for name in out.counters:
         work.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, []))
     return out
@@ -254,20 +173,49 @@ def _name_nodes(model: onnx.ModelProto) -> set[str]:
     return taken
 
 
-def _rewrite_scope(graph: onnx.GraphProto, out: Emulation, consts: _Constants, taken: set[str], opset: int,
-                   fused: set[str], host_saturates: bool, top: bool) -> None:
+@dataclass(frozen=True)
+class _Scope:
+    """What every scope's rewrite reads."""
+
+    consts: Constants
+    taken: set[str]
+    opset: int
+    fused: set[str]
+    host_saturates: bool
+    requantize: bool
+
+
+def _rewrite_scope(graph: onnx.GraphProto, out: Emulation, sc: _Scope, top: bool) -> None:
     """Exact forms for this scope's integer nodes and corrections for its saturating layers, in place."""
     producers = {t: n for n in graph.node for t in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n)
+    outputs = {o.name for o in graph.output}
     nodes: list[onnx.NodeProto] = []
     extra_inits: list[onnx.TensorProto] = []
+    removed: set[str] = set()
+    differs = saturates(out.family) or (sc.requantize and sc.host_saturates)
     for node in graph.node:
-        em = ProtoEmitter(taken, opset)
-        layer = _integer_layer(node, producers, consts, fused, out) if saturates(out.family) else None
-        if layer is not None:
-            _add_correction(layer, em, out, opset, top)  # renames the node's output: the exact form below writes it
-        if host_saturates and node.op_type in ("MatMulInteger", "ConvInteger"):
-            exact = ProtoEmitter(taken, opset)
-            nodes += exact_integer_node(node, exact, consts.get)
+        em = ProtoEmitter(sc.taken, sc.opset)
+        layer = _integer_layer(node, producers, sc.consts, sc.fused, out) if differs else None
+        risky = _risk(layer, out, sc.opset) if layer is not None and sc.requantize and \
+            node.op_type in ("Conv", "MatMul", "Gemm") else None
+        form = integer_form(node, producers, consumers, sc.consts.get, outputs) if risky is not None else None
+        if isinstance(form, str):
+            out.approximate.append((node.name, form))
+        if layer is not None and risky is not None and isinstance(form, IntegerForm):
+            _requantize(layer, form, risky, em, out, sc.consts, sc.host_saturates, top)
+            removed |= form.replaces
+            nodes += em.nodes
+            extra_inits += em.inits
+            continue
+        if layer is not None and saturates(out.family):
+            _add_correction(layer, em, out, sc.opset, top)  # renames the node's output: the exact form writes it
+        if sc.host_saturates and node.op_type in ("MatMulInteger", "ConvInteger"):
+            exact = ProtoEmitter(sc.taken, sc.opset)
+            nodes += exact_integer_node(node, exact, sc.consts.get)
             extra_inits += exact.inits
             out.rewritten.append(node.name)
         else:
@@ -275,11 +223,11 @@ def _rewrite_scope(graph: onnx.GraphProto, out: Emulation, consts: _Constants, t
         nodes += em.nodes
         extra_inits += em.inits
     del graph.node[:]
-    graph.node.extend(nodes)
+    graph.node.extend(n for n in nodes if n.name not in removed)
     graph.initializer.extend(extra_inits)
 
 
-def _integer_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], consts: _Constants, fused: set[str],
+def _integer_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], consts: Constants, fused: set[str],
                    out: Emulation) -> _Layer | None:
     """The node as a u8/s8 x s8 layer of the deployed model, or None (a reason goes to ``out.skipped`` when it is
     one but cannot be emulated)."""
@@ -316,7 +264,7 @@ def _integer_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], c
     return _Layer(node, node.op_type, inp, wdq.input[0], weight, float(zp) if zp is not None else 0.0)
 
 
-def _explicit_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], consts: _Constants,
+def _explicit_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], consts: Constants,
                     out: Emulation) -> _Layer | None:
     """``MatMulInteger``/``ConvInteger`` with a constant s8 weight, as a layer with an int32 accumulator."""
     weight = consts.get(node.input[1])
@@ -337,43 +285,75 @@ def _explicit_layer(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], 
                   float(np.asarray(zp).reshape(-1)[0]) if zp is not None else 0.0)
 
 
-def _add_correction(layer: _Layer, em: ProtoEmitter, out: Emulation, opset: int, count: bool) -> None:
-    """Rename the layer's output and add ``output = renamed + correction`` when some pair can saturate; with
-    ``count``, the site's counters become graph outputs (If/Loop bodies cannot export them)."""
+def _risk(layer: _Layer, out: Emulation, opset: int) -> RiskyPairs | None:
+    """The layer's weight pairs that can leave int16, or None when none can (or the layer cannot be emulated: the
+    reason goes to ``out.skipped``)."""
     node = layer.node
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     group = int(attrs.get("group", 1))
     if layer.op == "Conv" and layer.weight.shape[1] == 1 and layer.weight.shape[0] == group:
-        return  # depthwise: onnxruntime's depthwise kernel has no int16 pairs
+        return None  # depthwise: onnxruntime's depthwise kernel has no int16 pairs
     rows = kernel_rows(layer.weight, layer.op, bool(attrs.get("transB", 0)))
     if rows is None or (layer.op == "MatMul" and layer.weight.ndim != 2):
         out.skipped.append((node.name, f"weight of shape {list(layer.weight.shape)} is not emulated"))
-        return
+        return None
     out.analysed += 1
     risky = risky_pairs(rows)
     if not risky.count:
-        return
+        return None
     if opset < MIN_OPSET:
         out.skipped.append((node.name, f"opset {opset} < {MIN_OPSET}: its saturation is not emulated"))
-        return
+        return None
+    if layer.op == "Conv" and _geometry(attrs, layer.weight, group) is None:
+        out.skipped.append((node.name, f"auto_pad {attrs.get('auto_pad')!r} is not emulated"))
+        return None
+    return risky
+
+
+def _correction(layer: _Layer, em: ProtoEmitter, out: Emulation, risky: RiskyPairs, inp: CorrectionInput,
+                output: str, count: bool) -> str:
+    """The correction to add to ``output`` (the layer's exact result in ``inp``'s units); with ``count``, the
+    site's counters become graph outputs (If/Loop bodies cannot export them)."""
+    node = layer.node
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     base = f"{node.name}/avx2"
-    exact = em.name(f"{node.output[0]}/exact")
     if layer.op == "Conv":
-        geo = _geometry(attrs, layer.weight, group)
-        if geo is None:
-            out.skipped.append((node.name, f"auto_pad {attrs.get('auto_pad')!r} is not emulated"))
-            return
-        corr, sat, computed = conv_correction(em, layer.inp, risky, geo, layer.zero_point, layer.weight.shape[0],
-                                              exact, base, count)
+        geo = _geometry(attrs, layer.weight, int(attrs.get("group", 1)))
+        assert geo is not None  # `_risk` checked
+        corr, sat, computed = conv_correction(em, inp, risky, geo, layer.zero_point, layer.weight.shape[0], output,
+                                              base, count)
     else:
-        corr, sat, computed = matmul_correction(em, layer.inp, risky, base, count)
-    final = node.output[0]
-    node.output[0] = exact
-    em.nodes.append(helper.make_node("Add", [exact, corr], [final], name=em.name(f"{base}/saturated")))
+        corr, sat, computed = matmul_correction(em, inp, risky, base, count)
     if count:
         out.sites.append(_site(layer, risky, sat, computed))
     else:
         out.skipped.append((node.name, "saturation emulated inside a subgraph: not counted"))
+    return corr
+
+
+def _add_correction(layer: _Layer, em: ProtoEmitter, out: Emulation, opset: int, count: bool) -> None:
+    """Rename the layer's output and add ``output = renamed + correction`` when some pair can saturate."""
+    risky = _risk(layer, out, opset)
+    if risky is None:
+        return
+    node = layer.node
+    exact = em.name(f"{node.output[0]}/exact")
+    corr = _correction(layer, em, out, risky, layer.inp, exact, count)
+    final = node.output[0]
+    node.output[0] = exact
+    em.nodes.append(helper.make_node("Add", [exact, corr], [final], name=em.name(f"{node.name}/avx2/saturated")))
+
+
+def _requantize(layer: _Layer, form: IntegerForm, risky: RiskyPairs, em: ProtoEmitter, out: Emulation,
+                consts: Constants, host_saturates: bool, count: bool) -> None:
+    """The layer as its fused kernel computes it (`qgraph.runtime.kernels.requant`): the exact int32 sum, the
+    target's pair saturation added to it where the target has it, then onnxruntime's requantization."""
+    acc = form.accumulator(em, consts.get, exact_float=host_saturates)
+    if saturates(out.family):
+        corr = _correction(layer, em, out, risky, CorrectionInput(form.codes, form.signed, "int32"), acc, count)
+        acc = em.op("Add", [acc, corr], f"{layer.node.name}/avx2/saturated")
+    form.finish(em, acc)
+    out.requantized.append(layer.node.name)
 
 
 def _site(layer: _Layer, risky: RiskyPairs, saturated: str, computed: str) -> SaturationSite:

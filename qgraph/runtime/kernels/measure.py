@@ -7,9 +7,12 @@ Every accuracy number qgraph prints (``check``, ``diff``, ``run``'s final check 
 - ``deployed``: onnxruntime with its default graph optimizations (``ORT_ENABLE_ALL``) on this host, so Q/DQ
   layers run as the fused integer kernels a user deploys (QLinearConv, QGemm, DynamicQuantizeMatMul, ...) with
   this CPU's arithmetic;
-- ``emulated``: a target CPU's arithmetic reproduced on any host (`qgraph.runtime.kernels.emulate`): Q/DQ in float with
-  optimizations off (exact int32 accumulation: VNNI, ARM), plus AVX2's int16 pair saturation where the target
-  has it.
+- ``emulated``: a target CPU's arithmetic reproduced on any host (`qgraph.runtime.kernels.emulate`). The host's own
+  fused kernels run every layer whose integer arithmetic is the same on both CPUs; a layer whose u8×s8 pair sums can
+  leave int16 where one of them saturates (AVX2 without VNNI) is rewritten as the exact int32 sum, plus the pair
+  saturation when the target has it, and onnxruntime's own requantization (`qgraph.runtime.kernels.requant`).
+  Bit for bit what the target's deployed kernels give (YOLOv8n, PicoDet and the digits CNN against onnxruntime's
+  real AVX2 kernels). ``exact`` (no CPU in particular) computes Q/DQ in float with optimizations off.
 
 `choose` picks for a model made for ``target`` (a recipe's ``target.cpu``): the host's deployed kernels when the
 host is that kind of CPU (or no CPU is declared), else the target's arithmetic emulated, with the host's deployed
@@ -185,11 +188,26 @@ class Kernels:
         from .emulate import emulate
 
         proto = _load(model)
-        off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        emulation = emulate(proto, self.family, host_saturates=here.probed_saturation, weights=weights)
-        session = make_session(emulation.model, optimization=off, threads=threads, mem_pattern=mem_pattern,
+        if self.fused:  # onnxruntime fuses every layer the emulation leaves alone: weights must be initializers
+            if weights:
+                from qgraph.graph.detach import with_weights
+
+                proto, weights = with_weights(proto, weights), None
+            level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        else:
+            level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        emulation = emulate(proto, self.family, host_saturates=here.probed_saturation, weights=weights,
+                            requantize=self.fused)
+        session = make_session(emulation.model, optimization=level, threads=threads, mem_pattern=mem_pattern,
                                weights=weights)
         return EmulatedSession(session, emulation) if emulation.sites else session
+
+    @property
+    def fused(self) -> bool:
+        """Whether an emulation runs on this host's fused kernels, with only the layers whose arithmetic differs
+        rewritten (`qgraph.runtime.kernels.requant`): every CPU family; not ``exact`` (Q/DQ in float, the
+        arithmetic of no CPU in particular)."""
+        return self.family != EXACT
 
     def label(self) -> str:
         """A few words: ``deployed kernels (x86-vnni)`` or ``x86-avx2 arithmetic, emulated``."""
@@ -204,17 +222,23 @@ class Kernels:
         h = self.host
         if self.mode == "deployed" and not h.emulated:
             return f"deployed kernels: {h.runtime} {h.provider}, ORT_ENABLE_ALL, on this host {h.describe()}"
-        extra = " plus the int16 pair saturation of every u8×s8 layer that can overflow" if saturates(self.family) \
-            else " (exact int32)"
         why = " (this host as $QGRAPH_CPU_FLAGS declares it)" if self.mode == "deployed" else ""
-        return (f"{self.family} arithmetic emulated{why}: {h.runtime} {h.provider}, ORT_DISABLE_ALL, Q/DQ in "
-                f"float{extra}")
+        if not self.fused:
+            return f"{self.family} arithmetic emulated{why}: {h.runtime} {h.provider}, ORT_DISABLE_ALL, Q/DQ in " \
+                "float (exact int32)"
+        differs = "every u8×s8 layer whose pair sums can leave int16" if saturates(self.family) or \
+            h.probed_saturation else "no layer (this host's integer arithmetic is the target's)"
+        return (f"{self.family} arithmetic emulated{why}: {h.runtime} {h.provider}, ORT_ENABLE_ALL, this host's "
+                f"fused kernels, with {differs} rewritten as the exact int32 sum"
+                f"{' plus its int16 pair saturation' if saturates(self.family) else ''} and onnxruntime's "
+                "requantization")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"mode": self.mode, "family": self.family, "emulated": self.emulates,
-                "arithmetic": arithmetic(self.family), "optimization": "ORT_DISABLE_ALL" if self.emulates
-                else "ORT_ENABLE_ALL", "runtime": self.host.runtime, "provider": self.host.provider,
+                "arithmetic": arithmetic(self.family),
+                "optimization": "ORT_DISABLE_ALL" if self.emulates and not self.fused else "ORT_ENABLE_ALL",
+                "runtime": self.host.runtime, "provider": self.host.provider,
                 "host": self.host.to_dict(), "description": self.describe()}
 
 
