@@ -78,7 +78,7 @@ def test_the_integer_form_is_the_fused_kernel_bit_for_bit(name: str, exact_float
     for want, got in zip(_deployed(case.model, case.x), _deployed(rewritten, case.x), strict=True):
         np.testing.assert_array_equal(got, want)
     integer_ops = {n.op_type for n in rewritten.graph.node} & {"ConvInteger", "MatMulInteger"}
-    if exact_float or "s8" in name or "weight_zero_point" in name and name.startswith("conv"):
+    if exact_float or "s8" in name or ("weight_zero_point" in name and name.startswith("conv")):
         assert not integer_ops  # exact float forms (no integer kernel for these operands, or a saturating host)
     elif name.startswith("conv"):  # float32 Conv where every partial sum is below 2^24, ConvInteger beyond
         assert integer_ops == ({"ConvInteger"} if name == "conv_wide" else set())
