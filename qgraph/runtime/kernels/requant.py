@@ -58,7 +58,8 @@ class IntegerForm:
     #: The QuantizeLinear the layer's output feeds alone, and its scale (None: the output stays float).
     quantize: onnx.NodeProto | None
     y_scale: np.float32 | None
-    #: Nodes the form replaces: the layer, its output QuantizeLinear, the DequantizeLinears only the layer reads.
+    #: Nodes the form replaces: the layer, its output QuantizeLinear (and a Relu before it), the DequantizeLinears
+    #: only the layer reads (the form reads their codes).
     replaces: frozenset[str]
     #: Gemm with transB: the weight codes transposed to the (K, N) MatMulInteger reads.
     transposed: np.ndarray | None = None
@@ -182,7 +183,7 @@ def integer_form(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
         lowest = np.iinfo(y_zp.dtype).min if y_zp is not None else 0
         if y_zp is not None and int(y_zp.reshape(())) != lowest:
             return "a Relu before a QuantizeLinear whose zero point is not the lowest code"
-    own = {p.name for i in (1, 2) if _operand(node, i)
+    own = {p.name for i in (0, 1, 2) if _operand(node, i)
            for p in [producers.get(node.input[i])] if p is not None and len(consumers.get(node.input[i], [])) == 1}
     signed = zero_point is not None and zero_point.dtype == np.int8
     zero_weights = w_zp is None or not np.any(w_zp)  # left out: ConvInteger takes no per-channel zero points
