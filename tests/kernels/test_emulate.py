@@ -86,6 +86,9 @@ def test_sites_name_the_layer_its_pair_and_how_many_pairs_can_overflow() -> None
     assert em.analysed == 1 and em.skipped == []
     again = emulate(case.model, "x86-avx2", host_saturates=False, count=False)
     assert again.counters == [] and [o.name for o in again.model.graph.output] == ["y"]
+    fused = emulate(case.model, "x86-avx2", host_saturates=False, requantize=True)  # the same site, analysed once
+    assert [s.node for s in fused.sites] == ["conv"] and fused.analysed == 1 and fused.requantized == ["conv"]
+    assert fused.approximate == [] and "conv" not in {n.name for n in fused.model.graph.node}
 
 
 def test_a_layer_onnxruntime_does_not_fuse_is_left_float() -> None:

@@ -200,19 +200,18 @@ def _rewrite_scope(graph: onnx.GraphProto, out: Emulation, sc: _Scope, top: bool
     for node in graph.node:
         em = ProtoEmitter(sc.taken, sc.opset)
         layer = _integer_layer(node, producers, sc.consts, sc.fused, out) if differs else None
-        risky = _risk(layer, out, sc.opset) if layer is not None and sc.requantize and \
-            node.op_type in ("Conv", "MatMul", "Gemm") else None
-        form = integer_form(node, producers, consumers, sc.consts.get, outputs) if risky is not None else None
-        if isinstance(form, str):
+        risky = _risk(layer, out, sc.opset) if layer is not None else None
+        if layer is not None and risky is not None and sc.requantize and node.op_type in ("Conv", "MatMul", "Gemm"):
+            form = integer_form(node, producers, consumers, sc.consts.get, outputs)
+            if isinstance(form, IntegerForm):
+                _requantize(layer, form, risky, em, out, sc.consts, sc.host_saturates, top)
+                removed |= form.replaces
+                nodes += em.nodes
+                extra_inits += em.inits
+                continue
             out.approximate.append((node.name, form))
-        if layer is not None and risky is not None and isinstance(form, IntegerForm):
-            _requantize(layer, form, risky, em, out, sc.consts, sc.host_saturates, top)
-            removed |= form.replaces
-            nodes += em.nodes
-            extra_inits += em.inits
-            continue
-        if layer is not None and saturates(out.family):
-            _add_correction(layer, em, out, sc.opset, top)  # renames the node's output: the exact form writes it
+        if layer is not None and risky is not None and saturates(out.family):
+            _add_correction(layer, risky, em, out, top)  # renames the node's output: the exact form writes it
         if sc.host_saturates and node.op_type in ("MatMulInteger", "ConvInteger"):
             exact = ProtoEmitter(sc.taken, sc.opset)
             nodes += exact_integer_node(node, exact, sc.consts.get)
@@ -331,11 +330,8 @@ def _correction(layer: _Layer, em: ProtoEmitter, out: Emulation, risky: RiskyPai
     return corr
 
 
-def _add_correction(layer: _Layer, em: ProtoEmitter, out: Emulation, opset: int, count: bool) -> None:
-    """Rename the layer's output and add ``output = renamed + correction`` when some pair can saturate."""
-    risky = _risk(layer, out, opset)
-    if risky is None:
-        return
+def _add_correction(layer: _Layer, risky: RiskyPairs, em: ProtoEmitter, out: Emulation, count: bool) -> None:
+    """Rename the layer's output and add ``output = renamed + correction`` for its ``risky`` pairs."""
     node = layer.node
     exact = em.name(f"{node.output[0]}/exact")
     corr = _correction(layer, em, out, risky, layer.inp, exact, count)
