@@ -86,6 +86,8 @@ class CheckRow:
     host_score: StageScore | None = None
     #: Layers whose int16 pair sums saturated (emulated AVX2 arithmetic).
     saturation: list[SaturationCount] = field(default_factory=list)
+    #: Where the emulation that measured the stage is not the target's arithmetic bit for bit.
+    emulation: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -99,7 +101,7 @@ class CheckRow:
                 "host_deployed": None if host is None else {
                     "sqnr_db": host.sqnr_db, "cosine": host.cosine, "top1_agreement": host.top1_agreement,
                     "metric": host.metric, "error": host.error},
-                "saturation": [c.to_dict() for c in self.saturation]}
+                "saturation": [c.to_dict() for c in self.saturation], "emulation_notes": self.emulation}
 
     def measured_with(self) -> str:
         """``reference: deployed kernels (x86-vnni, this host)``."""
@@ -160,7 +162,8 @@ class CheckResult:
 
     def saturation_lines(self) -> list[str]:
         """The layers whose int16 pair sums saturated, per stage (the worst first)."""
-        return [f"{r.stage}: int16 saturation in {c.describe()}" for r in self.rows for c in r.saturation]
+        lines = [f"{r.stage}: int16 saturation in {c.describe()}" for r in self.rows for c in r.saturation]
+        return lines + [f"{r.stage}: emulation not exact at {note}" for r in self.rows for note in r.emulation]
 
     @property
     def passed(self) -> bool:
@@ -227,7 +230,7 @@ def check_chain(
     this host is not is gated on that CPU's arithmetic, emulated, and also measured on this host's deployed
     kernels (shown, not gated)."""
     ref_choice = choose(model_target(reference), kernels)
-    names, ref_out, _ = evaluation.run(reference, ref_choice.kernels)
+    names, ref_out, *_ = evaluation.run(reference, ref_choice.kernels)
     parts = output_parts_of(reference, enabled=not whole_outputs)
     stages: list[_Stage] = []
     if reference_outputs is not None:
@@ -251,7 +254,7 @@ def check_chain(
     result = CheckResult([], evaluation.describe(), quality_name, max_drop, max_total_drop, parts=parts)
     for st in stages:
         row = CheckRow(st.label, st.source, st.score(base, names, evaluation, parts, classes), choice=st.choice,
-                       saturation=st.saturation)
+                       saturation=st.saturation, emulation=st.emulation)
         row.quality = _quality(row.score)
         if st.host is not None:
             row.host_score = st.host.score(base, names, evaluation, parts, classes)
@@ -282,6 +285,7 @@ class _Stage:
     error: str | None = None
     choice: KernelChoice | None = None
     saturation: list[SaturationCount] = field(default_factory=list)
+    emulation: list[str] = field(default_factory=list)
     host: _Stage | None = None
 
     def score(self, base: list[np.ndarray], names: list[str], evaluation: Evaluation,
@@ -295,7 +299,7 @@ def _run_stage(label: str, path: Path, evaluation: Evaluation, kernels: Kernels,
     """Run one candidate; its outputs are returned in the order of the reference's ``names`` (paired by name: two
     models whose outputs are listed in another order are still compared output by output)."""
     try:
-        got_names, got, saturation = evaluation.run(path, kernels)
+        got_names, got, saturation, emulation = evaluation.run(path, kernels)
     except QGraphError:
         raise
     except Exception as exc:  # onnxruntime cannot load or run it: a failed stage, not a crash
@@ -303,7 +307,7 @@ def _run_stage(label: str, path: Path, evaluation: Evaluation, kernels: Kernels,
     ordered = paired(names, got_names, got)
     if isinstance(ordered, str):
         return _Stage(label, str(path), None, ordered)
-    return _Stage(label, str(path), ordered, saturation=saturation)
+    return _Stage(label, str(path), ordered, saturation=saturation, emulation=emulation)
 
 
 def nonfinite_outputs(names: list[str], outputs: list[np.ndarray]) -> str | None:

@@ -29,7 +29,7 @@ from qgraph.errors import DataError
 from qgraph.io.inputs import array_file_problem, input_file_problem
 from qgraph.metrics import BuiltinMetric, builtin_metric, is_builtin
 from qgraph.runtime.compare import TensorDiff, session_runs
-from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, saturation_of
+from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, emulation_notes, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs
 
 Metric = Callable[[list[np.ndarray], Any], float]
@@ -158,15 +158,16 @@ class Evaluation:
         return self.run(model, kernels)[:2]
 
     def run(self, model: onnx.ModelProto | str | Path, kernels: Kernels | None = None
-            ) -> tuple[list[str], list[np.ndarray], list[SaturationCount]]:
-        """`outputs`, and the layers whose int16 pair sums saturated on the way (emulated AVX2 arithmetic)."""
+            ) -> tuple[list[str], list[np.ndarray], list[SaturationCount], list[str]]:
+        """`outputs`, the layers whose int16 pair sums saturated on the way (emulated AVX2 arithmetic), and where
+        an emulation is not bit for bit the target's deployed arithmetic (`emulation_notes`)."""
         session = (kernels or deployed()).session(model, mem_pattern=False, count=True)
         names = [o.name for o in session.get_outputs()]
         per: list[list[np.ndarray]] = [[] for _ in names]
         for values in session_runs(session, names, self.feeds):
             for i, v in enumerate(values):
                 per[i].append(np.asarray(v))
-        return names, [concat(v) for v in per], saturation_of(session)
+        return names, [concat(v) for v in per], saturation_of(session), emulation_notes(session)
 
 
 def _checked_labels(labels: np.ndarray, where: str, feeds: list[Feed], truncated: bool) -> tuple[np.ndarray, str]:

@@ -143,3 +143,35 @@ def test_fused_layers_are_remembered_by_structure_scales_and_zero_points(monkeyp
     assert em.fused_layers(edited(bias, 3)) == first and len(sessions) == 1  # one optimizing session, not two
     assert em.fused_layers(edited(zero, 1)) is not None and len(sessions) == 2
     assert first == real(qdq) and first  # the remembered answer is onnxruntime's
+
+
+def test_a_layer_it_cannot_write_as_its_fused_kernel_is_named_with_why() -> None:
+    """Conv -> Clip(0, 6) -> Q fuses on onnxruntime (the Q's range is within the Clip), but the requantizing form
+    knows only Conv -> [Relu] -> Q: the layer keeps its saturation as a correction on Q/DQ in float, and a
+    measurement says so (`emulation_notes`)."""
+    from qgraph.runtime.kernels.measure import emulated, emulation_notes, emulation_notes_of
+
+    model = onnx.ModelProto()
+    model.CopyFrom(conv_case("conv", 8, 4, 3).model)
+    g = model.graph
+    conv = next(n for n in g.node if n.op_type == "Conv")
+    conv.output[0] = "c_raw"
+    lo, hi = onnx.numpy_helper.from_array(np.float32(0), "lo"), onnx.numpy_helper.from_array(np.float32(6), "hi")
+    g.initializer.extend([lo, hi])
+    clip = onnx.helper.make_node("Clip", ["c_raw", "lo", "hi"], ["c"], name="clip")
+    g.node.insert(list(g.node).index(conv) + 1, clip)
+    q = next(n for n in g.node if n.name == "c/q")
+    for t in g.initializer:
+        if t.name == "os":
+            t.CopyFrom(onnx.numpy_helper.from_array(np.float32(6 / 255), "os"))
+        if t.name == "ozp":
+            t.CopyFrom(onnx.numpy_helper.from_array(np.uint8(0), "ozp"))
+    assert q.input[1:] == ["os", "ozp"]
+    em = emulate(model, "x86-avx2", host_saturates=False, requantize=True)
+    assert em.requantized == [] and [node for node, _ in em.approximate] == ["conv"]
+    (note,) = emulation_notes_of(em)
+    assert note.startswith("conv: not written as its fused kernel (its output is not requantized") and "float" in note
+    session = emulated("x86-avx2").session(model)
+    assert emulation_notes(session) == [note] and len(session.run(None, {"x": CASES["conv_even"].x})[0])
+    plain = emulate(conv_case("conv", 8, 4, 3).model, "x86-avx2", host_saturates=False, requantize=True)
+    assert emulation_notes_of(plain) == []

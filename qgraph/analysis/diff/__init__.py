@@ -122,9 +122,9 @@ def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluati
     ``host``: the same numbers on this host's deployed kernels when ``choice`` emulates another CPU;
     ``saturation``: B's layers whose int16 pair sums saturated."""
     choice = choice or choose(None)
-    names, ref, _ = evaluation.run(a, choose(model_target(a)).kernels)
+    names, ref, *_ = evaluation.run(a, choose(model_target(a)).kernels)
     classes = class_outputs(a)  # top-1 agreement for class scores only
-    got_names, got, saturation = evaluation.run(b, choice.kernels)
+    got_names, got, saturation, emulation = evaluation.run(b, choice.kernels)
     # by name when both models name the same outputs (listed in any order); renamed outputs by position, as the
     # layer diff pairs them (`numeric._pair_tensors`), and its table shows that pairing
     by_name = got_names if sorted(got_names) == sorted(names) else None
@@ -133,9 +133,9 @@ def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluati
            "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
            "sqnr_db": score.sqnr_db, "cosine": score.cosine, "error": score.error,
            "kernels": choice.to_dict(), "measured_with": choice.kernels.label(),
-           "saturation": [c.to_dict() for c in saturation]}
+           "saturation": [c.to_dict() for c in saturation], "emulation_notes": emulation}
     if choice.other is not None:
-        host_names, host_got, _ = evaluation.run(b, choice.other)
+        host_names, host_got, *_ = evaluation.run(b, choice.other)
         host = score_stage("B", ref, names, host_got, evaluation, got_names=host_names if by_name else None,
                             classes=classes)
         out["host"] = {"measured_with": choice.other.label(), "top1_agreement": host.top1_agreement,

@@ -29,6 +29,7 @@ def evaluation_line(ev: dict[str, Any]) -> str:
         lines.append(f"int16 saturation in {s['node']}: {100 * s['fraction']:.3g}% of its u8×s8 pair sums (Q/DQ "
                      f"pair {s['activation']} × weight {s['weight']}; {s['channels_at_risk']} of {s['channels']} "
                      "channels can)")
+    lines += [f"emulation not exact at {note}" for note in ev.get("emulation_notes", [])]
     return "\n".join(lines)
 
 
