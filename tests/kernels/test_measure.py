@@ -60,6 +60,14 @@ def test_kernels_option_forces_one_way_and_exact_is_host_independent() -> None:
     exact = choose(EXACT, host=AVX2).kernels
     assert (exact.mode, exact.family) == ("emulated", EXACT)
     assert "ORT_DISABLE_ALL" in exact.describe() and "exact int32" in exact.describe()
+    # every CPU family is emulated on the host's fused kernels, rewriting only what differs
+    avx2_here = choose("x86-avx2", host=VNNI).kernels
+    assert avx2_here.fused and avx2_here.to_dict()["optimization"] == "ORT_ENABLE_ALL"
+    assert "rewritten as the exact int32 sum plus its int16 pair saturation" in avx2_here.describe()
+    vnni_here = choose("x86-vnni", "emulated", host=VNNI).kernels
+    assert vnni_here.describe().endswith("(their integer arithmetic is the target's: no layer rewritten)")
+    vnni_on_avx2 = choose("x86-vnni", host=AVX2).kernels
+    assert "rewritten as the exact int32 sum and onnxruntime's requantization" in vnni_on_avx2.describe()
     assert deployed(VNNI).describe().startswith("deployed kernels: onnxruntime 1.32.0 CPUExecutionProvider, "
                                                 "ORT_ENABLE_ALL, on this host x86-vnni (AVX512-VNNI, AVX2)")
 

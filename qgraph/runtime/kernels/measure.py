@@ -243,10 +243,11 @@ class Kernels:
         if not self.fused:
             return f"{self.family} arithmetic emulated{why}: {h.runtime} {h.provider}, ORT_DISABLE_ALL, Q/DQ in " \
                 "float (exact int32)"
-        differs = "every u8×s8 layer whose pair sums can leave int16" if saturates(self.family) or \
-            h.probed_saturation else "no layer (this host's integer arithmetic is the target's)"
-        return (f"{self.family} arithmetic emulated{why}: {h.runtime} {h.provider}, ORT_ENABLE_ALL, this host's "
-                f"fused kernels, with {differs} rewritten as the exact int32 sum"
+        head = (f"{self.family} arithmetic emulated{why}: {h.runtime} {h.provider}, ORT_ENABLE_ALL, this host's "
+                "fused kernels")
+        if not (saturates(self.family) or h.probed_saturation):
+            return f"{head} (their integer arithmetic is the target's: no layer rewritten)"
+        return (f"{head}, with every u8×s8 layer whose pair sums can leave int16 rewritten as the exact int32 sum"
                 f"{' plus its int16 pair saturation' if saturates(self.family) else ''} and onnxruntime's "
                 "requantization")
 
