@@ -149,7 +149,7 @@ def test_a_layer_it_cannot_write_as_its_fused_kernel_is_named_with_why() -> None
     """Conv -> Clip(0, 6) -> Q fuses on onnxruntime (the Q's range is within the Clip), but the requantizing form
     knows only Conv -> [Relu] -> Q: the layer keeps its saturation as a correction on Q/DQ in float, and a
     measurement says so (`emulation_notes`)."""
-    from qgraph.runtime.kernels.measure import emulated, emulation_notes, emulation_notes_of
+    from qgraph.runtime.kernels.measure import emulated, emulation_notes
 
     model = onnx.ModelProto()
     model.CopyFrom(conv_case("conv", 8, 4, 3).model)
@@ -169,9 +169,13 @@ def test_a_layer_it_cannot_write_as_its_fused_kernel_is_named_with_why() -> None
     assert q.input[1:] == ["os", "ozp"]
     em = emulate(model, "x86-avx2", host_saturates=False, requantize=True)
     assert em.requantized == [] and [node for node, _ in em.approximate] == ["conv"]
-    (note,) = emulation_notes_of(em)
+    (note,) = em.notes()
     assert note.startswith("conv: not written as its fused kernel (its output is not requantized") and "float" in note
     session = emulated("x86-avx2").session(model)
     assert emulation_notes(session) == [note] and len(session.run(None, {"x": CASES["conv_even"].x})[0])
     plain = emulate(conv_case("conv", 8, 4, 3).model, "x86-avx2", host_saturates=False, requantize=True)
-    assert emulation_notes_of(plain) == []
+    assert plain.notes() == []
+    # a VNNI target on a host whose kernels saturate: the layer it cannot write runs this host's saturating kernel
+    on_avx2 = emulate(model, "x86-vnni", host_saturates=True, requantize=True)
+    (note,) = on_avx2.notes()
+    assert note.startswith("conv: not written as its fused kernel") and "this host's integer kernel" in note

@@ -98,14 +98,27 @@ class Emulation:
     analysed: int = 0
     #: Layers written as their fused kernel computes them (``requantize``: `qgraph.runtime.kernels.requant`).
     requantized: list[str] = field(default_factory=list)
-    #: (node, why) layers ``requantize`` could not write that way: their pair saturation is added to Q/DQ in float
-    #: (one code apart now and then from the fused kernel's rounding).
+    #: (node, why) layers ``requantize`` could not write that way (`notes` says what they compute instead).
     approximate: list[tuple[str, str]] = field(default_factory=list)
+    #: Layers inside If/Loop bodies whose saturation is emulated but not counted (a body cannot export counters).
+    uncounted: list[str] = field(default_factory=list)
 
     @property
     def counters(self) -> list[str]:
         """The extra graph outputs (two per site)."""
         return [n for s in self.sites for n in (s.saturated_output, s.computed_output)]
+
+    def notes(self) -> list[str]:
+        """Where this emulation is not the target's deployed arithmetic bit for bit, one line per layer with why:
+        layers whose saturation (the target's, or this host's where the target has none) it cannot handle, and
+        layers it could not write as their fused kernel."""
+        target = saturates(self.family)
+        lost = "int16 pair saturation not emulated" if target else \
+            "runs this host's integer kernel, whose int16 pair sums can saturate where the target's do not"
+        instead = "its pair saturation is added to Q/DQ computed in float, which can round a code differently" \
+            if target else lost
+        return [f"{node}: {lost} ({why})" for node, why in self.skipped] + \
+            [f"{node}: not written as its fused kernel ({why}): {instead}" for node, why in self.approximate]
 
 
 def has_integer_work(model: onnx.ModelProto) -> bool:
@@ -326,7 +339,7 @@ def _correction(layer: _Layer, em: ProtoEmitter, out: Emulation, risky: RiskyPai
     if count:
         out.sites.append(_site(layer, risky, sat, computed))
     else:
-        out.skipped.append((node.name, "saturation emulated inside a subgraph: not counted"))
+        out.uncounted.append(node.name)
     return corr
 
 

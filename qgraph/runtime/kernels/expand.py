@@ -23,7 +23,8 @@ Lookup = Callable[[str], "np.ndarray | None"]
 _MS = "com.microsoft"
 
 
-def _opt(node: onnx.NodeProto, i: int) -> str:
+def operand(node: onnx.NodeProto, i: int) -> str:
+    """Input ``i`` of ``node``, "" when absent (an omitted optional input)."""
     return node.input[i] if len(node.input) > i else ""
 
 
@@ -33,11 +34,11 @@ def _dq(em: ProtoEmitter, codes: str, scale: str, zp: str, base: str, axis: int 
 
 
 def _qlinear_conv(node: onnx.NodeProto, em: ProtoEmitter) -> None:
-    x, xs, xzp, w, ws, wzp, ys, yzp = (_opt(node, i) for i in range(8))
+    x, xs, xzp, w, ws, wzp, ys, yzp = (operand(node, i) for i in range(8))
     xd = _dq(em, x, xs, xzp, f"{node.name}/x_dq")
     wd = _dq(em, w, ws, wzp, f"{node.name}/w_dq", axis=0)
     inputs = [xd, wd]
-    bias = _opt(node, 8)
+    bias = operand(node, 8)
     if bias:
         scale = em.op("Mul", [xs, ws], f"{node.name}/bias_scale")
         inputs.append(em.op("Mul", [em.op("Cast", [bias], f"{node.name}/bias_f", to=TensorProto.FLOAT), scale],
@@ -50,7 +51,7 @@ def _qlinear_conv(node: onnx.NodeProto, em: ProtoEmitter) -> None:
 
 
 def _qlinear_matmul(node: onnx.NodeProto, em: ProtoEmitter) -> None:
-    a, as_, azp, b, bs, bzp, ys, yzp = (_opt(node, i) for i in range(8))
+    a, as_, azp, b, bs, bzp, ys, yzp = (operand(node, i) for i in range(8))
     ad = _dq(em, a, as_, azp, f"{node.name}/a_dq")
     bd = _dq(em, b, bs, bzp, f"{node.name}/b_dq", axis=-1)
     mm = em.name(f"{node.name}/float")
@@ -70,7 +71,7 @@ def _to_float(em: ProtoEmitter, node: onnx.NodeProto, acc: str, scale: str, bias
 
 
 def _dynamic_matmul(node: onnx.NodeProto, em: ProtoEmitter) -> None:
-    a, b, bs, bzp, bias = (_opt(node, i) for i in range(5))
+    a, b, bs, bzp, bias = (operand(node, i) for i in range(5))
     q = em.op("DynamicQuantizeLinear", [a], f"{node.name}/dynq", outputs=3)
     s, z = em.nodes[-1].output[1], em.nodes[-1].output[2]
     acc = em.name(f"{node.name}/acc")
@@ -79,7 +80,7 @@ def _dynamic_matmul(node: onnx.NodeProto, em: ProtoEmitter) -> None:
 
 
 def _integer_to_float(node: onnx.NodeProto, em: ProtoEmitter) -> None:
-    a, b, as_, bs, azp, bzp, bias = (_opt(node, i) for i in range(7))
+    a, b, as_, bs, azp, bzp, bias = (operand(node, i) for i in range(7))
     acc = em.name(f"{node.name}/acc")
     inputs = [a, b, azp, bzp] if bzp else [a, b, azp] if azp else [a, b]
     em.nodes.append(helper.make_node("MatMulInteger", inputs, [acc], name=node.name))
@@ -118,7 +119,7 @@ def exact_integer_node(node: onnx.NodeProto, em: ProtoEmitter, consts: Lookup) -
     """``MatMulInteger`` as a float64 MatMul of zero-point-free codes, ``ConvInteger`` as a float32 Conv: the same
     int32 results without the host's integer kernels."""
     base = node.name
-    x, w, xzp, wzp = (_opt(node, i) for i in range(4))
+    x, w, xzp, wzp = (operand(node, i) for i in range(4))
     wide = TensorProto.DOUBLE if node.op_type == "MatMulInteger" else TensorProto.FLOAT
 
     def centred(codes: str, zp: str, tag: str, per_channel_axis: int | None) -> str:

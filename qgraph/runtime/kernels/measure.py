@@ -144,21 +144,12 @@ def saturation_of(session: Any) -> list[SaturationCount]:
     return session.saturation() if isinstance(session, (EmulatedSession, CountedSession)) else []
 
 
-def emulation_notes_of(emulation: Any) -> list[str]:
-    """Where an emulation (`qgraph.runtime.kernels.emulate.Emulation`) is not the target's deployed arithmetic bit
-    for bit: layers whose saturation is not emulated, layers computed as Q/DQ in float (each with why)."""
-    notes = [f"{node}: int16 pair saturation not emulated ({why})" for node, why in emulation.skipped
-             if "not counted" not in why]
-    notes += [f"{node}: not written as its fused kernel ({why}): its pair saturation is added to Q/DQ computed in "
-              "float, which can round a code differently" for node, why in emulation.approximate]
-    return notes
-
-
 def emulation_notes(session: Any) -> list[str]:
-    """`emulation_notes_of` for a session `Kernels.session` made (empty for any other session)."""
+    """`qgraph.runtime.kernels.emulate.Emulation.notes` of a session `Kernels.session` made (empty for any other
+    session)."""
     if isinstance(session, CountedSession):
         session = session.counting
-    return emulation_notes_of(session.emulation) if isinstance(session, EmulatedSession) else []
+    return list(session.emulation.notes()) if isinstance(session, EmulatedSession) else []
 
 
 @dataclass(frozen=True)
@@ -217,7 +208,7 @@ class Kernels:
                             requantize=self.fused)
         session = make_session(emulation.model, optimization=level, threads=threads, mem_pattern=mem_pattern,
                                weights=weights)
-        return EmulatedSession(session, emulation) if emulation.sites or emulation_notes_of(emulation) else session
+        return EmulatedSession(session, emulation) if emulation.sites or emulation.notes() else session
 
     @property
     def fused(self) -> bool:

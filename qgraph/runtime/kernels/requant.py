@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 from qgraph.quant.qdq import is_dequantize, is_quantize
 
 from .corrections import ProtoEmitter
-from .expand import exact_integer_node
+from .expand import exact_integer_node, operand
 
 Lookup = Callable[[str], "np.ndarray | None"]
 
@@ -125,10 +125,6 @@ def _scalar(consts: Lookup, name: str) -> np.ndarray | None:
     return value if value is not None and value.size == 1 else None
 
 
-def _operand(node: onnx.NodeProto, i: int) -> str:
-    return node.input[i] if len(node.input) > i else ""
-
-
 def _output_quantize(node: onnx.NodeProto, consumers: dict[str, list[onnx.NodeProto]], graph_outputs: set[str]
                      ) -> tuple[onnx.NodeProto | None, onnx.NodeProto | None]:
     """The QuantizeLinear that alone reads the layer's output, directly or through a Relu (which the fused
@@ -149,13 +145,13 @@ def integer_form(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
                  graph_outputs: set[str]) -> IntegerForm | str:
     """``node`` (a Conv, MatMul or Gemm onnxruntime fuses) as an `IntegerForm`, or why it cannot be written as one."""
     op = node.op_type
-    act, wdq = producers.get(node.input[0]), producers.get(_operand(node, 1))
+    act, wdq = producers.get(node.input[0]), producers.get(operand(node, 1))
     if act is None or wdq is None or not is_dequantize(act.op_type, act.domain) or \
             not is_dequantize(wdq.op_type, wdq.domain):
         return "its inputs are not DequantizeLinear outputs"
     weight, w_scale = consts(wdq.input[0]), consts(wdq.input[1])
-    x_scale, zero_point = _scalar(consts, act.input[1]), _scalar(consts, _operand(act, 2))
-    if weight is None or w_scale is None or x_scale is None or (_operand(act, 2) and zero_point is None):
+    x_scale, zero_point = _scalar(consts, act.input[1]), _scalar(consts, operand(act, 2))
+    if weight is None or w_scale is None or x_scale is None or (operand(act, 2) and zero_point is None):
         return "its scales, zero points or weight are not constants"
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     transposed = None
@@ -166,9 +162,9 @@ def integer_form(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
     elif op == "MatMul" and weight.ndim != 2:
         return f"a MatMul weight of shape {list(weight.shape)}"
     n_out = weight.shape[0] if op == "Conv" or transposed is not None else weight.shape[-1]
-    w_zp = consts(_operand(wdq, 2)) if _operand(wdq, 2) else None
+    w_zp = consts(operand(wdq, 2)) if operand(wdq, 2) else None
     bias: np.ndarray | None = None
-    if op in ("Conv", "Gemm") and _operand(node, 2):
+    if op in ("Conv", "Gemm") and operand(node, 2):
         bdq = producers.get(node.input[2])
         codes = consts(bdq.input[0]) if bdq is not None and is_dequantize(bdq.op_type, bdq.domain) else None
         if codes is None or codes.dtype != np.int32:
@@ -179,17 +175,17 @@ def integer_form(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto],
     if (quantize is None and op == "Conv") or (quantize is not None and y_scale is None):
         return "its output is not requantized by one QuantizeLinear with constant scale"
     if relu is not None:
-        y_zp = _scalar(consts, _operand(quantize, 2)) if quantize is not None else None
+        y_zp = _scalar(consts, operand(quantize, 2)) if quantize is not None else None
         lowest = np.iinfo(y_zp.dtype).min if y_zp is not None else 0
         if y_zp is not None and int(y_zp.reshape(())) != lowest:
             return "a Relu before a QuantizeLinear whose zero point is not the lowest code"
-    own = {p.name for i in (0, 1, 2) if _operand(node, i)
+    own = {p.name for i in (0, 1, 2) if operand(node, i)
            for p in [producers.get(node.input[i])] if p is not None and len(consumers.get(node.input[i], [])) == 1}
     signed = zero_point is not None and zero_point.dtype == np.int8
     zero_weights = w_zp is None or not np.any(w_zp)  # left out: ConvInteger takes no per-channel zero points
     return IntegerForm(
-        node, op, act.input[0], _operand(act, 2), signed, np.float32(x_scale.reshape(())), wdq.input[0],
-        "" if zero_weights else _operand(wdq, 2),
+        node, op, act.input[0], operand(act, 2), signed, np.float32(x_scale.reshape(())), wdq.input[0],
+        "" if zero_weights else operand(wdq, 2),
         np.broadcast_to(np.asarray(w_scale, np.float32).reshape(-1), (n_out,)).copy(), bias,
         quantize, np.float32(y_scale.reshape(())) if y_scale is not None else None,
         frozenset({node.name, *own, *(n.name for n in (relu, quantize) if n is not None)}), transposed,
