@@ -59,8 +59,7 @@ def reading_activation(graph: GraphHandle, tensor: str, quantized: dict[str, str
     readers = graph.consumers(tensor)
     if len(readers) == 1 and readers[0].op in _SINGLE and _first_input(readers[0]) == tensor:
         out = readers[0].outputs[0].name if readers[0].outputs else ""
-        exact = readers[0].op in _EXACTLY_FLAT and not graph.is_graph_output(out)
-        transfer = _single(graph, readers[0]) if out in quantized or exact else None
+        transfer = _single(graph, readers[0]) if out in quantized or readers[0].op in _EXACTLY_FLAT else None
         return Reading(transfer, out) if transfer is not None else None
     if len(readers) == 2:
         sig = next((r for r in readers if r.op == "Sigmoid"), None)
