@@ -132,3 +132,17 @@ def test_an_exactly_flat_activation_clips_its_input_even_where_its_output_stays_
     assert q_range(on.model, "d")[0] == pytest.approx(-3.0, abs=0.15) and q_range(off.model, "d")[0] < -20
     gain = sqnr(model, on.model, ev) - sqnr(model, off.model, ev)
     assert gain > 1.5, gain  # 3.7x finer steps on d; measured 2.8 dB at the output
+
+
+def test_an_exactly_flat_activation_whose_output_is_a_graph_output_clips_its_input_too() -> None:
+    text = FLOAT_READER.replace("=> (float[1, 3, 8, 8] y)", "=> (float[1, 3, 8, 8] y, float[1, 3, 8, 8] h)")
+    rng = np.random.default_rng(5)
+    model = with_weights(text, {"wd": rng.normal(0, 2.0, (3, 4, 3, 3)).astype(np.float32),
+                                "bd": np.full(3, -20.0, np.float32)})
+    q = quantize(model, feeds_for(model, 8), preset="ort-x86-vnni", activations={"method": "auto"})
+    assert q_range(q.model, "d")[0] == pytest.approx(-3.0, abs=0.15)
+    ev = feeds_for(model, 8, seed=9)
+    ref = np.concatenate([run(model, f)[1] for f in ev])
+    got = np.concatenate([run(q.model, f)[1] for f in ev])
+    zero = ref == 0  # d <= -3: HardSwish's exact 0, which the clipped grid keeps (its lowest code is <= -3)
+    assert zero.mean() > 0.5 and float(np.mean(got[zero] == 0)) > 0.95
