@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +187,43 @@ def test_an_output_a_concat_joins_is_checked_part_by_part(detector: dict[str, Pa
     out, err = " ".join(captured.out.split()), " ".join(captured.err.split())
     assert "output0[0:4] (boxes)" in out and "output0[4:22] (scores)" in out  # the parts table
     assert "output0 is scored as 2 parts" in err and "FAIL: candidate 1" in err
+
+
+def test_a_builtin_metric_has_its_sampling_interval(degraded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--metric top1`` against the labels: each stage's score comes with its 95 % bootstrap interval over the
+    450 samples, as wide as the binomial law says, in the JSON and the table."""
+    code, data = _check(capsys, str(DIGITS / "model.onnx"), str(degraded), "--data", str(DIGITS / "eval.npz"),
+                        "--metric", "top1", "--max-drop", "50%")
+    assert code == 0
+    stages = data["stages"]
+    assert isinstance(stages, list)
+    for stage in stages:
+        p, iv = stage["metric"], stage["metric_interval"]
+        assert iv["samples"] == 450 and iv["level"] == 0.95 and iv["low"] <= p <= iv["high"]
+        half = 1.96 * math.sqrt(p * (1 - p) / 450)
+        assert (iv["high"] - iv["low"]) / 2 == pytest.approx(half, abs=0.006)
+    assert stages[1]["metric"] < stages[0]["metric"] - 0.02  # the broken scales cost top-1: a wider interval
+    main(["check", str(DIGITS / "model.onnx"), str(degraded), "--data", str(DIGITS / "eval.npz"), "--metric",
+          "top1", "--max-drop", "50%"])
+    out = capsys.readouterr().out
+    iv = stages[1]["metric_interval"]
+    assert "metric (95% interval)" in out and f"({iv['low']:.4g}-{iv['high']:.4g})" in out
+
+
+def test_a_failing_drop_within_the_sampling_interval_says_so() -> None:
+    from qgraph.analysis.check import CheckResult, CheckRow, _judge
+    from qgraph.metrics import Interval
+    from qgraph.runtime.evaluation import StageScore
+
+    result = CheckResult([], "data", "top1", Drop.parse("0.5%"))
+    first = CheckRow("reference", "a.onnx", StageScore("reference", metric=0.96), quality=0.96)
+    _judge(result, first, True)
+    result.rows.append(first)
+    near = CheckRow("candidate 1", "b.onnx", StageScore("candidate 1", metric=0.95,
+                                                        metric_interval=Interval(0.93, 0.97, 0.95, 160)), quality=0.95)
+    _judge(result, near, True)
+    assert not near.ok and "lies within this stage's 95% interval 0.9300-0.9700 over 160 samples" in near.why
+    far = CheckRow("candidate 2", "c.onnx", StageScore("candidate 2", metric=0.90,
+                                                       metric_interval=Interval(0.88, 0.92, 0.95, 160)), quality=0.90)
+    _judge(result, far, True)
+    assert not far.ok and "interval" not in far.why

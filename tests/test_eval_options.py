@@ -83,3 +83,21 @@ def test_diff_says_how_many_of_the_samples_it_used(tmp_path: Path, capsys: pytes
     assert main([*args, "--samples", "12"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "on 12 sample(s) of" in out and "--samples to use more" not in out
+
+
+def test_a_builtin_metric_in_the_run_report_has_its_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    """``--metric top1`` against the labels: every fidelity row carries the score's 95 % bootstrap interval over
+    the 450 held-out samples, and the check after the run prints it."""
+    code = main(["run", str(RECIPE), str(DIGITS / "model.onnx"), "-o", str(tmp_path / "int8.onnx"),
+                 "--calibration-data", str(DIGITS / "calibration.npz"), "--report", str(tmp_path / "rep.json"),
+                 "--eval-data", str(DIGITS / "eval.npz"), "--metric", "top1"])
+    assert code == 0
+    rows = {r["stage"]: r for r in json.loads((tmp_path / "rep.json").read_text())["fidelity"]}
+    final = rows["final"]
+    spread = final["metric_interval"]
+    assert spread["samples"] == 450 and spread["low"] <= final["metric"] <= spread["high"] < 1.0
+    p = final["metric"]
+    assert (spread["high"] - spread["low"]) / 2 == pytest.approx(1.96 * np.sqrt(p * (1 - p) / 450), abs=0.006)
+    printed = capsys.readouterr()
+    assert f"95% interval {spread['low']:.4g}-{spread['high']:.4g} over 450 samples" in printed.out + printed.err

@@ -95,6 +95,7 @@ class CheckRow:
         host = self.host_score
         return {"stage": self.stage, "source": self.source, "sqnr_db": s.sqnr_db, "cosine": s.cosine,
                 "top1_agreement": s.top1_agreement, "metric": s.metric, "quality": self.quality,
+                "metric_interval": s.metric_interval.to_dict() if s.metric_interval else None,
                 "step_drop": self.step_drop, "total_drop": self.total_drop, "ok": self.ok, "why": self.why,
                 "error": s.error, "outputs": [_output_dict(d) for d in [*s.outputs, *(p for p in s.parts if p.part)]],
                 "kernels": self.choice.to_dict() if self.choice else None,
@@ -343,6 +344,16 @@ def _quality(score: StageScore) -> float:
     return min(agreement, score.cosine) if agreement is not None else score.cosine
 
 
+def _within_interval(row: CheckRow, before: float) -> str:
+    """A failing drop that the stage's sampling interval covers is said to be so: the data cannot tell it from
+    chance (the gate still fails; more evaluation samples decide)."""
+    interval = row.score.metric_interval
+    if interval is None or not interval.low <= before <= interval.high:
+        return ""
+    return (f"; the earlier score {before:.4g} lies within this stage's {interval.describe()}: more evaluation "
+            "samples would tell whether the drop is real")
+
+
 def _judge(result: CheckResult, row: CheckRow, higher_is_better: bool) -> None:
     if row.score.error is not None:
         row.ok, row.why = False, row.score.error
@@ -365,9 +376,11 @@ def _judge(result: CheckResult, row: CheckRow, higher_is_better: bool) -> None:
     unit = "%" if result.max_drop.relative else ""
     if row.step_drop > result.max_drop.value:
         row.ok, row.why = False, f"drops {row.step_drop:.3g}{unit} from {prev.stage} (allowed {result.max_drop})"
+        row.why += _within_interval(row, prev.quality)
         result.failures.append(f"{row.stage} ({row.source}) {row.why}")
     elif result.max_total_drop is not None and row.total_drop > result.max_total_drop.value:
         row.ok = False
         total_unit = "%" if result.max_total_drop.relative else ""
         row.why = f"drops {row.total_drop:.3g}{total_unit} in total (allowed {result.max_total_drop})"
+        row.why += _within_interval(row, result.rows[0].quality)
         result.failures.append(f"{row.stage} ({row.source}) {row.why}")

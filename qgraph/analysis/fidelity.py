@@ -139,6 +139,9 @@ def _describe(row: dict[str, Any], float_metric: float | None) -> str:
         parts.append(f"top-1 agreement {row['top1_agreement']:.1%}")
     if row.get("metric") is not None:
         base = f" (float {float_metric:.4g})" if float_metric is not None else ""
+        spread = row.get("metric_interval")
+        if spread and spread["low"] < spread["high"]:
+            base += f", 95% interval {spread['low']:.4g}-{spread['high']:.4g} over {spread['samples']} samples"
         parts.append(f"metric {row['metric']:.4g}{base}")
     return f"{name}: " + ", ".join(parts)
 

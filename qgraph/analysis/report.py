@@ -162,8 +162,8 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
     ref_sess = (reference_kernels or deployed()).session(reference)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = [run(ref_sess, f) for f in feeds]
-    scored = evaluation is not None and evaluation.metric is not None
-    ref_all = [concat([r[n] for r in refs]) for n in names] if scored else []
+    metric_of = evaluation.metric_and_interval if evaluation is not None and evaluation.metric is not None else None
+    ref_all = [concat([r[n] for r in refs]) for n in names] if metric_of else []
     rows: list[dict[str, Any]] = []
     for label, model in stages:
         accs = PartDiffs(layout, names)
@@ -178,7 +178,7 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
                 got = run(sess, feed)
                 accs.add([ref[n] for n in names], [got[c] for c in cand])
                 for i, (name, other) in enumerate(zip(names, cand, strict=True)):
-                    if scored:
+                    if metric_of:
                         got_all[i].append(got[other])
                     need = classes.get(name)
                     agree = top1_agreement(np.asarray(ref[name]), np.asarray(got[other]), need) if need else None
@@ -188,21 +188,21 @@ def stage_fidelity(reference: onnx.ModelProto | str | Path,
         except _RUNTIME_ERRORS as exc:
             rows.append({"stage": label, "output": "", "error": str(exc).splitlines()[0][:300]})
             continue
-        metric = evaluation.score([concat(g) for g in got_all], ref_all) if scored and evaluation else None
+        scores = metric_of([concat(g) for g in got_all], ref_all) if metric_of else (None, None)
         first = len(rows)
         for (d, cut), (hits, total) in zip(accs.by_output(), top1, strict=True):
-            rows.append(_fidelity_row(label, d, hits / total if total else None, metric))
-            rows += [_fidelity_row(label, p, None, metric) for p in cut]
+            rows.append(_fidelity_row(label, d, hits / total if total else None, scores))
+            rows += [_fidelity_row(label, p, None, scores) for p in cut]
         saturated = [c.to_dict() for c in saturation_of(sess)]
         if saturated and len(rows) > first:  # on the stage's first row: the layers, not an output's
             rows[first]["saturation"] = saturated
     return rows
 
 
-def _fidelity_row(stage: str, d: TensorDiff, top1: float | None, metric: float | None) -> dict[str, Any]:
-    """One row of `stage_fidelity` (a part's row names its output in ``part_of``)."""
+def _fidelity_row(stage: str, d: TensorDiff, top1: float | None, scores: tuple[float | None, Any]) -> dict[str, Any]:
+    """One row of `stage_fidelity` (a part's row names its output in ``part_of``); ``scores``: metric, interval."""
     row = {"stage": stage, "output": d.name, "sqnr_db": d.sqnr_db, "cosine": d.cosine, "max_abs": d.max_abs,
-           "relative": d.relative, "top1_agreement": top1, "metric": metric,
+           "relative": d.relative, "top1_agreement": top1, "metric": scores[0], "metric_interval": scores[1],
            "nonfinite_reference": d.nonfinite_reference, "nonfinite_candidate": d.nonfinite_candidate}
     if d.part is not None:
         row["part_of"] = d.part.output

@@ -129,11 +129,15 @@ def _print(result: object) -> None:
     rows = []
     for r in result.rows:
         s = r.score
-        quality = [cell(s.metric)] if scored else []
+        ci = s.metric_interval  # a point interval (the reference against itself) is not shown
+        spread = f" ({ci.low:.4g}-{ci.high:.4g})" if ci and ci.low < ci.high else ""
+        quality = [cell(s.metric) + spread] if scored else []
         rows.append([r.stage, r.source, cell(s.sqnr_db, exact_note=r is not result.rows[0]), cell(s.cosine),
                      cell(s.top1_agreement), *quality, "-" if r.step_drop is None else f"{r.step_drop:.3g}{unit}",
                      "-" if r.total_drop is None else f"{r.total_drop:.3g}{total_unit}", _verdict(r)])
-    head = ["stage", "source", "SQNR dB", "cosine", "top-1 agr.", *(["metric"] if scored else []), "step drop",
+    intervals = any(r.score.metric_interval for r in result.rows)
+    metric_head = "metric (95% interval)" if intervals else "metric"
+    head = ["stage", "source", "SQNR dB", "cosine", "top-1 agr.", *([metric_head] if scored else []), "step drop",
             "total drop", "verdict"]
     _app.out.print(rich_table(f"validation chain on {result.data} (quality: {result.quality_name}; drops against "
                               "the previous stage and the first)", head, rows))

@@ -23,13 +23,14 @@ from qgraph.errors import DataError, QGraphError
 from qgraph.metrics.basic import COSINE, SQNR, TOP1, TOPK
 from qgraph.metrics.detection import FAMILY as DETECTION
 from qgraph.metrics.family import Family
+from qgraph.metrics.interval import Interval, bootstrap
 from qgraph.metrics.spec import MetricSpec, looks_builtin, parse_spec
 from qgraph.metrics.text import CTC, TEXT_BOXES
 
 #: Every built-in family by name.
 FAMILIES: dict[str, Family] = {f.name: f for f in (DETECTION, TEXT_BOXES, CTC, TOP1, TOPK, COSINE, SQNR)}
 
-__all__ = ["FAMILIES", "BuiltinMetric", "MetricSpec", "builtin_metric", "is_builtin"]
+__all__ = ["FAMILIES", "BuiltinMetric", "Interval", "MetricSpec", "builtin_metric", "is_builtin"]
 
 
 def is_builtin(text: str) -> bool:
@@ -85,6 +86,22 @@ class BuiltinMetric:
 
     def __call__(self, outputs: list[np.ndarray], target: Any) -> float:
         return float(self.scores(outputs, target, self.field)[self.field])
+
+    def interval(self, outputs: list[np.ndarray], target: Any, level: float = 0.95) -> Interval | None:
+        """The bootstrap interval of the score over the samples (`qgraph.metrics.interval`); None for a field that
+        pools no per-sample counts (mAP, cosine, SQNR) or when the family's rows are not the samples (a top-1 over
+        ``[S, T, C]`` outputs scores S x T rows)."""
+        family = self.family
+        if family.counts is None or family.pooled is None or self.field in ("map", "map50") or not outputs:
+            return None
+        if not isinstance(target, np.ndarray) and all(a is b for a, b in zip(outputs, target, strict=False)):
+            return None  # the reference against itself: nothing to sample
+        got = family.decode(self.options, [np.asarray(o) for o in outputs])
+        counts = family.counts(self.options, got, self.truth(outputs, target))
+        if len(counts) != int(np.shape(outputs[0])[0]):
+            return None
+        return bootstrap(counts, family.pooled, self.field, level, failures=family.failures,
+                         higher_is_better=self.higher_is_better)
 
 
 def builtin_metric(text: str, error: type[QGraphError] = DataError) -> BuiltinMetric:

@@ -67,10 +67,30 @@ def _compare_topk(_opts: ClassOptions, got: np.ndarray, truth: np.ndarray, _want
     return {"agreement": float(np.mean(np.any(got == truth[:, None], axis=1))) if len(got) else 1.0}
 
 
+def _hits(got: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Per row: 1 (the row) and whether it agrees, ``[rows, 2]`` (top-1: the classes; top-k: ``got`` [rows, k])."""
+    hit = got == truth if got.ndim == 1 else np.any(got == truth[:, None], axis=1)
+    return np.stack([np.ones(len(hit)), hit.astype(np.float64)], axis=1)
+
+
+def _row_counts(_opts: ClassOptions, got: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    if len(got) != len(truth):
+        raise DataError(f"metric top1/topk: {len(got)} row(s) scored against {len(truth)}.")
+    return _hits(np.asarray(got), np.asarray(truth))
+
+
+def _pooled_agreement(sums: np.ndarray) -> dict[str, np.ndarray]:
+    n, hits = np.asarray(sums, np.float64)[..., 0], np.asarray(sums, np.float64)[..., 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {"agreement": np.where(n > 0, hits / np.where(n > 0, n, 1.0), 1.0)}
+
+
 TOP1 = Family("top1", {"agreement": True}, "agreement", ClassOptions, _argmax, _compare_top1,
-              from_labels=_class_labels, summary="arg-max class equal to the reference's (or the label)")
+              from_labels=_class_labels, summary="arg-max class equal to the reference's (or the label)",
+              counts=_row_counts, pooled=_pooled_agreement, failures=((0.0, -1.0),))
 TOPK = Family("topk", {"agreement": True}, "agreement", ClassOptions, _topk, _compare_topk, truth=_argmax,
-              from_labels=_class_labels, summary="reference's class (or the label) among the k highest scores")
+              from_labels=_class_labels, summary="reference's class (or the label) among the k highest scores",
+              counts=_row_counts, pooled=_pooled_agreement, failures=((0.0, -1.0),))
 
 
 class SliceOptions(MetricOptions):

@@ -97,16 +97,31 @@ def match(pred: Detections, truth: Detections, thresholds: np.ndarray) -> np.nda
     return hits
 
 
+def box_counts(pred: list[Detections], truth: list[Detections], iou: float) -> np.ndarray:
+    """Per image: true positives at match IoU ``iou``, predictions and truths, ``[S, 3]``."""
+    rows = [(int(match(p, t, np.array([iou]))[0].sum()), len(p), len(t)) for p, t in zip(pred, truth, strict=True)]
+    return np.array(rows, np.float64).reshape(-1, 3)
+
+
+#: One lost detection (a truth unmatched, one prediction fewer) and one extra (a prediction more), in `box_counts`.
+BOX_FAILURES = ((-1.0, -1.0, 0.0), (0.0, 1.0, 0.0))
+
+
+def pooled_f1(sums: np.ndarray) -> dict[str, np.ndarray]:
+    """F1, precision and recall from summed ``box_counts`` (any leading axes): 1.0 each when neither side detects
+    anything; precision 1.0 when nothing is predicted, recall 1.0 when there is nothing to find."""
+    tp, n_pred, n_true = (np.asarray(sums, np.float64)[..., i] for i in range(3))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        precision = np.where(n_pred > 0, tp / np.where(n_pred > 0, n_pred, 1.0), 1.0)
+        recall = np.where(n_true > 0, tp / np.where(n_true > 0, n_true, 1.0), 1.0)
+        both = precision + recall
+        f1 = np.where(both > 0, 2 * precision * recall / np.where(both > 0, both, 1.0), 0.0)
+    return {"f1": f1, "precision": precision, "recall": recall, "count": n_pred, "reference_count": n_true}
+
+
 def f1_counts(pred: list[Detections], truth: list[Detections], iou: float) -> dict[str, float]:
-    """Precision, recall and F1 pooled over images at one match IoU (1.0 each when neither side detects anything;
-    precision 1.0 when nothing is predicted, recall 1.0 when there is nothing to find)."""
-    tp = sum(int(match(p, t, np.array([iou]))[0].sum()) for p, t in zip(pred, truth, strict=True))
-    n_pred, n_true = sum(len(p) for p in pred), sum(len(t) for t in truth)
-    precision = tp / n_pred if n_pred else 1.0
-    recall = tp / n_true if n_true else 1.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"f1": f1, "precision": precision, "recall": recall, "count": float(n_pred), "reference_count":
-            float(n_true)}
+    """Precision, recall and F1 pooled over images at one match IoU (`pooled_f1` of the summed `box_counts`)."""
+    return {k: float(v) for k, v in pooled_f1(box_counts(pred, truth, iou).sum(axis=0)).items()}
 
 
 def average_precision(pred: list[Detections], truth: list[Detections], thresholds: np.ndarray) -> float:

@@ -27,7 +27,17 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from qgraph.errors import DataError
-from qgraph.metrics.boxes import COCO_IOUS, Detections, average_precision, cxcywh_to_xyxy, f1_counts, nms
+from qgraph.metrics.boxes import (
+    BOX_FAILURES,
+    COCO_IOUS,
+    Detections,
+    average_precision,
+    box_counts,
+    cxcywh_to_xyxy,
+    f1_counts,
+    nms,
+    pooled_f1,
+)
 from qgraph.metrics.family import Family, MetricOptions, split_list
 
 
@@ -223,7 +233,15 @@ def compare(opts: DetectionOptions, got: list[Detections], truth: list[Detection
     return out
 
 
+def counts(opts: DetectionOptions, got: list[Detections], truth: list[Detections]) -> np.ndarray:
+    """True positives, predictions and truths per image (`box_counts`; mAP pools no per-image counts)."""
+    if len(got) != len(truth):
+        raise DataError(f"metric detection: {len(got)} sample(s) scored against {len(truth)}.")
+    return box_counts(got, truth, opts.match)
+
+
 FAMILY = Family(
     "detection", {"f1": True, "precision": True, "recall": True, "map50": True, "map": True}, "f1",
-    DetectionOptions, decode, compare, from_labels=from_labels, labels_per_sample=False,
+    DetectionOptions, decode, compare, from_labels=from_labels, labels_per_sample=False, counts=counts,
+    pooled=pooled_f1, failures=BOX_FAILURES,
     summary="detections (YOLOv5/v8, per-level, NMSed) vs the reference's or labels: F1, precision, recall, mAP")

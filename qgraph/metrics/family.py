@@ -3,6 +3,10 @@
 A family turns a model's outputs into what a user judges (detections, text boxes, strings, classes) with
 ``decode``, the reference's outputs or the labels into the truth with ``truth`` / ``from_labels``, and
 ``compare`` scores the first against the second, giving every field it knows (``f1``, ``precision``, ...).
+
+A family whose fields pool additive per-sample counts (true positives, predictions, exact strings, edits, ...) also
+gives ``counts`` (one row of counts per sample) and ``pooled`` (the fields from summed counts, vectorised): the
+sampling interval of its score (`qgraph.metrics.interval`) resamples those rows instead of re-running ``compare``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ class MetricOptions(BaseModel):
 
 Decode = Callable[[Any, list[np.ndarray]], Any]
 Compare = Callable[[Any, Any, Any, "str | None"], dict[str, float]]
+#: ``(options, got, truth) -> counts [S, k]``: additive counts per sample
+Counts = Callable[[Any, Any, Any], np.ndarray]
+#: ``sums [..., k] -> {field: values [...]}``: the fields from summed counts (the same formulas as ``compare``)
+Pooled = Callable[[np.ndarray], dict[str, np.ndarray]]
 
 
 def _no_labels(name: str) -> Callable[[Any, np.ndarray, list[np.ndarray]], Any]:
@@ -51,6 +59,12 @@ class Family:
     #: False: the labels are one table for every sample (detection boxes), not one row per sample
     labels_per_sample: bool = True
     summary: str = ""
+    #: per-sample counts and the fields they pool into (None: no sampling interval, e.g. cosine over whole arrays)
+    counts: Counts | None = None
+    pooled: Pooled | None = None
+    #: how one failure of each kind changes a sample's counts (a lost and an extra detection; a misread line): the
+    #: interval's bound when no sample differs (`qgraph.metrics.interval`, the rule of three)
+    failures: tuple[tuple[float, ...], ...] = ()
 
     def truth_of(self, opts: Any, refs: list[np.ndarray]) -> Any:
         """The truth decoded from the reference outputs."""

@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import Field
 
 from qgraph.errors import DataError
-from qgraph.metrics.boxes import Detections, f1_counts
+from qgraph.metrics.boxes import BOX_FAILURES, Detections, box_counts, f1_counts, pooled_f1
 from qgraph.metrics.components import components
 from qgraph.metrics.family import Family, MetricOptions, output
 
@@ -80,8 +80,12 @@ def _compare_boxes(opts: TextBoxOptions, got: list[Detections], truth: list[Dete
     return f1_counts(got, truth, opts.match)
 
 
+def _box_counts(opts: TextBoxOptions, got: list[Detections], truth: list[Detections]) -> np.ndarray:
+    return box_counts(got, truth, opts.match)
+
+
 TEXT_BOXES = Family("text_boxes", {"f1": True, "precision": True, "recall": True}, "f1", TextBoxOptions,
-                    _decode_boxes, _compare_boxes,
+                    _decode_boxes, _compare_boxes, counts=_box_counts, pooled=pooled_f1, failures=BOX_FAILURES,
                     summary="DB text-detector boxes vs the reference's: F1, precision, recall")
 
 
@@ -144,15 +148,28 @@ def _ctc_labels(opts: CtcOptions, labels: np.ndarray, _outputs: list[np.ndarray]
     return [tuple(index[c] for c in str(s)) for s in arr.ravel()]
 
 
-def _compare_ctc(_opts: CtcOptions, got: list[tuple[int, ...]], truth: list[tuple[int, ...]], _want: str | None
-                 ) -> dict[str, float]:
+def _ctc_counts(_opts: CtcOptions, got: list[tuple[int, ...]], truth: list[tuple[int, ...]]) -> np.ndarray:
+    """Per string: 1 (the sample), exact match, edit distance and the truth's length, ``[S, 4]``."""
     if len(got) != len(truth):
         raise DataError(f"metric ctc: {len(got)} sample(s) scored against {len(truth)} truth string(s).")
-    exact = float(np.mean([g == t for g, t in zip(got, truth, strict=True)])) if got else 1.0
-    total = sum(len(t) for t in truth)
-    errors = sum(edit_distance(g, t) for g, t in zip(got, truth, strict=True))
-    return {"exact": exact, "cer": errors / total if total else float(errors > 0)}
+    rows = [(1, g == t, edit_distance(g, t), len(t)) for g, t in zip(got, truth, strict=True)]
+    return np.array(rows, np.float64).reshape(-1, 4)
+
+
+def _pooled_ctc(sums: np.ndarray) -> dict[str, np.ndarray]:
+    """Exact-match share and CER from summed `_ctc_counts` (1.0 exact for no sample; CER 1 or 0 when no truth
+    has characters, by whether any edit is needed)."""
+    n, exact, errors, total = (np.asarray(sums, np.float64)[..., i] for i in range(4))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {"exact": np.where(n > 0, exact / np.where(n > 0, n, 1.0), 1.0),
+                "cer": np.where(total > 0, errors / np.where(total > 0, total, 1.0), (errors > 0) * 1.0)}
+
+
+def _compare_ctc(opts: CtcOptions, got: list[tuple[int, ...]], truth: list[tuple[int, ...]], _want: str | None
+                 ) -> dict[str, float]:
+    return {k: float(v) for k, v in _pooled_ctc(_ctc_counts(opts, got, truth).sum(axis=0)).items()}
 
 
 CTC = Family("ctc", {"exact": True, "cer": False}, "exact", CtcOptions, _decode_ctc, _compare_ctc,
-             from_labels=_ctc_labels, summary="greedy CTC strings vs the reference's or labels: exact match, CER")
+             from_labels=_ctc_labels, counts=_ctc_counts, pooled=_pooled_ctc, failures=((0.0, -1.0, 1.0, 0.0),),
+             summary="greedy CTC strings vs the reference's or labels: exact match, CER")

@@ -27,7 +27,7 @@ import onnx
 from qgraph.data import DataSource, Feed, import_callable, open_data_source, user_code
 from qgraph.errors import DataError
 from qgraph.io.inputs import array_file_problem, input_file_problem
-from qgraph.metrics import BuiltinMetric, builtin_metric, is_builtin
+from qgraph.metrics import BuiltinMetric, Interval, builtin_metric, is_builtin
 from qgraph.runtime.compare import TensorDiff, session_runs
 from qgraph.runtime.kernels.measure import Kernels, SaturationCount, deployed, emulation_notes, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs
@@ -134,22 +134,40 @@ class Evaluation:
             parts.append(f"metric {self.metric_spec} ({'higher' if self.higher_is_better else 'lower'} is better)")
         return "; ".join(parts)
 
+    def _target(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> Any:
+        """What the metric compares with: the labels for these output rows, else the reference outputs."""
+        if self.labels is None:
+            return references
+        rows = outputs[0].shape[0] if outputs and np.ndim(outputs[0]) else len(self.feeds)
+        per_sample = not isinstance(self.metric, BuiltinMetric) or self.metric.labels_per_sample
+        if per_sample and rows > len(self.labels):
+            raise DataError(f"labels {self.labels_from}: {len(self.labels)} label(s) for {rows} output rows; "
+                            "give one label per sample.")
+        return labels_for(self.metric, self.labels, rows)
+
     def score(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> float | None:
         """The metric on ``outputs`` (None without a metric); NaN when the metric returns NaN."""
         if self.metric is None:
             return None
-        target: Any = references
-        if self.labels is not None:
-            rows = outputs[0].shape[0] if outputs and np.ndim(outputs[0]) else len(self.feeds)
-            per_sample = not isinstance(self.metric, BuiltinMetric) or self.metric.labels_per_sample
-            if per_sample and rows > len(self.labels):
-                raise DataError(f"labels {self.labels_from}: {len(self.labels)} label(s) for {rows} output rows; "
-                                "give one label per sample.")
-            target = labels_for(self.metric, self.labels, rows)
+        target = self._target(outputs, references)
         with user_code(f"--metric {self.metric_spec}", "the metric", should="A metric returns a float; it is called "
                        "as function(outputs, labels or reference outputs), outputs[i] = output i over all samples "
                        "(axis 0)."):
             return float(self.metric(outputs, target))
+
+    def metric_and_interval(self, outputs: list[np.ndarray], references: list[np.ndarray]
+                            ) -> tuple[float | None, dict[str, Any] | None]:
+        """`score` and, for a built-in metric, its `interval` in JSON form (report rows)."""
+        value = self.score(outputs, references)
+        spread = self.interval(outputs, references) if value is not None else None
+        return value, spread.to_dict() if spread is not None else None
+
+    def interval(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> Interval | None:
+        """The 95 % bootstrap interval of a built-in metric's score over the samples (`qgraph.metrics.interval`);
+        None for a user metric or a field that pools no per-sample counts."""
+        if not isinstance(self.metric, BuiltinMetric):
+            return None
+        return self.metric.interval(outputs, self._target(outputs, references))
 
     def outputs(self, model: onnx.ModelProto | str | Path,
                 kernels: Kernels | None = None) -> tuple[list[str], list[np.ndarray]]:
@@ -222,6 +240,8 @@ class StageScore:
     outputs: list[TensorDiff] = field(default_factory=list)
     top1: list[float | None] = field(default_factory=list)
     metric: float | None = None
+    #: How far the metric could move on another draw of as many samples (built-in metrics; `qgraph.metrics.interval`)
+    metric_interval: Interval | None = None
     error: str | None = None
     #: The scored parts of the outputs (`qgraph.runtime.output_parts`: each part of an output a final Concat joins, else
     #: the whole output); empty: the outputs themselves.
@@ -285,4 +305,6 @@ def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str
     out.outputs, out.parts = diffs.whole(), diffs.scored() if parts is not None and parts.split else []
     if evaluation is not None:
         out.metric = evaluation.score(list(got), list(reference))
+        if out.metric is not None and math.isfinite(out.metric):
+            out.metric_interval = evaluation.interval(list(got), list(reference))
     return out

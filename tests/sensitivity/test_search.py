@@ -403,3 +403,23 @@ def test_sensitivity_scores_each_part_of_an_output_a_concat_joins(detector: dict
     result = json.loads(report.read_text())
     assert result["nodes"] == [] and result["int8_score"] > 40 and result["output_parts"] == []
     assert "scored as 2 parts" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (DIGITS / "model.onnx").exists(), reason="examples/digits not built")
+def test_a_builtin_metric_target_reports_the_interval_of_its_score(tmp_path: Path) -> None:
+    """The chosen model's score comes with its 95 % bootstrap interval over the evaluation samples, and the message
+    says when the threshold lies inside it (the target may not hold on the next samples)."""
+    sys.path.insert(0, str(DIGITS))
+    import metric as digits
+    from onnxruntime.quantization import CalibrationMethod
+
+    qdq = _ort_qdq(DIGITS / "model.onnx", tmp_path / "qdq.onnx", digits.calibration_feeds(batch_size=1),
+                   calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": 99.0})
+    result = auto_fallback(onnx.load(DIGITS / "model.onnx"), qdq, str(DIGITS / "eval.npz"), "top1:0.995")
+    iv = result.interval
+    assert result.target_met and iv is not None and iv.samples == 450
+    assert iv.low <= result.score <= iv.high
+    message = result.message()
+    assert f"The score's {iv.describe()}" in message
+    assert ("the threshold lies within it" in message) == (iv.low < result.threshold)
+    assert result.to_dict()["interval"] == iv.to_dict()

@@ -131,6 +131,7 @@ def compare_outputs(a: onnx.ModelProto, b: onnx.ModelProto, evaluation: Evaluati
     score = score_stage("B", ref, names, got, evaluation, got_names=by_name, classes=classes)
     out = {"data": evaluation.describe(), "top1_agreement": score.top1_agreement,
            "metric": evaluation.metric_spec, "metric_a": evaluation.score(ref, ref), "metric_b": score.metric,
+           "metric_b_interval": score.metric_interval.to_dict() if score.metric_interval else None,
            "sqnr_db": score.sqnr_db, "cosine": score.cosine, "error": score.error,
            "kernels": choice.to_dict(), "measured_with": choice.kernels.label(),
            "saturation": [c.to_dict() for c in saturation], "emulation_notes": emulation}

@@ -42,7 +42,10 @@ def _scores(ev: dict[str, Any], head: str) -> str:
     if ev.get("metric"):
         a, b = ev.get("metric_a"), ev.get("metric_b")
         change = f" ({(b - a) / abs(a):+.2%})" if isinstance(a, float) and isinstance(b, float) and a else ""
-        parts.append(f"metric {ev['metric']}: A {fmt(a, 5)} → B {fmt(b, 5)}{change}")
+        ci = ev.get("metric_b_interval")
+        spread = (f", B's {ci['level']:.0%} interval {ci['low']:.4f}-{ci['high']:.4f} over {ci['samples']} samples"
+                  if ci else "")
+        parts.append(f"metric {ev['metric']}: A {fmt(a, 5)} → B {fmt(b, 5)}{change}{spread}")
     if ev.get("error"):
         parts.append(f"error: {ev['error']}")
     return "; ".join(parts)

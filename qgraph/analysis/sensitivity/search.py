@@ -58,6 +58,7 @@ from qgraph.data import DataSource, model_inputs
 from qgraph.errors import ModelError
 from qgraph.graph import named_model
 from qgraph.io.outputs import write_atomic
+from qgraph.metrics import Interval
 from qgraph.pipeline.recipe_text import recipe_yaml
 from qgraph.quant.dynamic_graph import DYNAMIC_OPS
 from qgraph.remedy.apply import body_candidates
@@ -87,6 +88,8 @@ class AutoResult:
     latency: dict[str, float] = field(default_factory=dict)  # modelled (cost table) and measured, see `_latency`
     remedy: str = "float"  # what the chosen nodes became: float, a16w8 (16-bit activations) or a16w16
     float_model: str | None = None  # the float model file the chosen nodes' weights came from (the patch says so)
+    #: The chosen model's score interval over the evaluation samples (built-in metrics, `qgraph.metrics.interval`)
+    interval: Interval | None = None
 
     @property
     def became(self) -> str:
@@ -100,7 +103,20 @@ class AutoResult:
         shown = self.nodes if len(self.nodes) <= 8 else [*self.nodes[:8], f"... {len(self.nodes) - 8} more"]
         return (f"{verdict}: {self.target.describe()} (threshold {self.threshold:.6g}); {self.scores()} with "
                 f"{len(self.nodes)} node(s) {self.became}{': ' + ', '.join(shown) if shown else ''}. Search stopped: "
-                f"{self.stop_reason}. {self.tried()}{self.latency_sentence()}")
+                f"{self.stop_reason}.{self.spread()} {self.tried()}{self.latency_sentence()}")
+
+    def spread(self) -> str:
+        """How far the chosen model's score could move on other samples of the same kind (' ...' or ''), and
+        whether the threshold lies within that: a target met on few samples may not hold on the next ones."""
+        iv = self.interval
+        if iv is None:
+            return ""
+        text = f" The score's {iv.describe()}"
+        beyond = iv.low < self.threshold if self.target.higher_is_better else iv.high > self.threshold
+        if self.target_met and beyond:
+            text += (": the threshold lies within it, so on other data of this kind the target may not hold (more "
+                     "evaluation samples, auto.data, narrow it)")
+        return text + "."
 
     def scores(self) -> str:
         """``full INT8 20.5 dB, best 44.7 dB``; the float model's own score only for a user metric (against
@@ -188,6 +204,7 @@ class AutoResult:
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
             "latency": {k: num(v) for k, v in self.latency.items()},
+            "interval": self.interval.to_dict() if self.interval is not None else None,
             "sensitivity": self.sensitivity.to_dict() if self.sensitivity else None,
         }
 
@@ -252,6 +269,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
                      threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=o.remedy)
     if out.target_met and not o.report_only:
+        out.interval = tgt.interval(base.outputs, run.refs)
         return _finish(run, out, "the INT8 model already meets the target")
     report = rank_nodes(evaluator, tgt, found, base, base_nodes=chosen, exact_top=o.exact_top,
                         deadline=run.deadline, progress=run.reporter("ranking"), exact_progress=run.reporter("exact"),
@@ -285,6 +303,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
             confirmed = evaluator.run(out.model, out.nodes)
             run.evaluations += 1
             out.score = tgt.score(confirmed.scored, confirmed.outputs, run.refs)
+            out.interval = tgt.interval(confirmed.outputs, run.refs)
             if tick is not None:
                 tick(1, 1)
             run.stage_end("confirmation")

@@ -34,7 +34,7 @@ import numpy as np
 
 from qgraph.data import import_callable, user_code
 from qgraph.errors import RecipeError
-from qgraph.metrics import BuiltinMetric, builtin_metric, is_builtin
+from qgraph.metrics import BuiltinMetric, Interval, builtin_metric, is_builtin
 from qgraph.runtime.compare import TensorDiff
 
 Metric = Callable[[list[np.ndarray], list[np.ndarray]], float]
@@ -106,6 +106,13 @@ class Target:
         if math.isinf(score) and math.isinf(baseline) and (score > 0) == (baseline > 0):
             return 0.0
         return score - baseline if self.higher_is_better else baseline - score
+
+    def interval(self, outputs: list[np.ndarray] | None, refs: list[np.ndarray] | None) -> Interval | None:
+        """The bootstrap interval of a built-in metric's score over the evaluation samples
+        (`qgraph.metrics.interval`); None for cosine/sqnr targets, user metrics and fields without one (mAP)."""
+        if not isinstance(self.metric, BuiltinMetric) or outputs is None or refs is None:
+            return None
+        return self.metric.interval(outputs, refs)
 
     def describe(self) -> str:
         """Human-readable form, e.g. ``cosine >= 0.99``."""
