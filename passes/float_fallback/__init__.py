@@ -228,6 +228,8 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         ))
         details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
+        if result.data_limit is not None:
+            res.decisions.append(f"auto: {result.data_limit}")
         res.notes.extend(f"auto: {n}" for n in result.notes)
         if not result.target_met:
             res.unmet = (

@@ -323,6 +323,8 @@ def run_command(
     print_culprits(out, attribution, top=5)
     for note in result.notes:
         emit(console, f"note: {note}")
+    if result.data_limit is not None:
+        emit(console, f"note: {result.data_limit}")
     # Everything is measured: write the outputs now (each atomically).
     if json_path is not None:
         payload = (

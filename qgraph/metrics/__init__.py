@@ -23,7 +23,7 @@ from qgraph.errors import DataError, QGraphError
 from qgraph.metrics.basic import COSINE, SQNR, TOP1, TOPK
 from qgraph.metrics.detection import FAMILY as DETECTION
 from qgraph.metrics.family import Family
-from qgraph.metrics.interval import Interval, bootstrap
+from qgraph.metrics.interval import Interval, bootstrap, samples_to_show
 from qgraph.metrics.spec import MetricSpec, looks_builtin, parse_spec
 from qgraph.metrics.text import CTC, TEXT_BOXES
 
@@ -102,6 +102,19 @@ class BuiltinMetric:
             return None
         return bootstrap(counts, family.pooled, self.field, level, failures=family.failures,
                          higher_is_better=self.higher_is_better)
+
+    def agreement_bound(self, refs: list[np.ndarray], threshold: float) -> tuple[int, float, int | None] | None:
+        """What these samples can show: their count, the worse end of the 95 % interval of a model that agrees
+        with ``refs`` everywhere, and the samples of this kind that would put it at ``threshold`` (None: these do;
+        0: none would). None for a field with no interval (`interval`)."""
+        family = self.family
+        if family.counts is None or family.pooled is None or self.field in ("map", "map50") or not refs:
+            return None
+        truth = self.truth(refs, refs)
+        counts = family.counts(self.options, truth, truth)
+        end, needed = samples_to_show(counts, family.pooled, self.field, threshold, family.failures,
+                                      self.higher_is_better)
+        return len(counts), end, needed
 
 
 def builtin_metric(text: str, error: type[QGraphError] = DataError) -> BuiltinMetric:

@@ -86,3 +86,40 @@ def bootstrap(counts: np.ndarray, pooled: Pooled, field: str, level: float = 0.9
     if higher_is_better:
         return Interval(min(min(worst), low), high, level, samples, unseen)
     return Interval(low, max(max(worst), high), level, samples, unseen)
+
+
+def samples_to_show(counts: np.ndarray, pooled: Pooled, field: str, threshold: float,
+                    failures: Sequence[Sequence[float]], higher_is_better: bool = True, level: float = 0.95
+                    ) -> tuple[float, int | None]:
+    """For a model that agrees with the truth on every one of these samples (``counts`` of the truth against
+    itself): the worse end of its interval (the rule-of-three bound), and how many samples of this kind would put
+    that end at ``threshold`` (None: these already do; 0: none would, e.g. a threshold at the field's maximum).
+
+    More samples of the same kind scale the summed counts; the bound is monotone in that scale, so doubling then
+    bisecting finds the smallest count."""
+    rows = np.asarray(counts, np.float64)
+    samples, sums = len(rows), rows.sum(axis=0)
+    unseen = -math.log((1.0 - level) / 2.0)
+
+    def bound(scale: float) -> float:
+        worst = [float(pooled(np.maximum(scale * sums + unseen * np.asarray(d, np.float64), 0.0))[field])
+                 for d in failures]
+        return min(worst) if higher_is_better else max(worst)
+
+    def shown(scale: float) -> bool:
+        value = bound(scale)
+        return value >= threshold if higher_is_better else value <= threshold
+
+    here = bound(1.0)
+    if not samples or not failures or shown(1.0):
+        return here, None
+    high = 2.0
+    while not shown(high):
+        if high > 1e6:
+            return here, 0
+        high *= 2.0
+    low = high / 2.0
+    while (high - low) * samples > 0.5:
+        mid = (low + high) / 2.0
+        low, high = (low, mid) if shown(mid) else (mid, high)
+    return here, math.ceil(high * samples)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from qgraph.metrics import FAMILIES, builtin_metric
 from qgraph.metrics.boxes import Detections, match
-from qgraph.metrics.interval import bootstrap
+from qgraph.metrics.interval import bootstrap, samples_to_show
 
 
 def _classes(n: int, agree: int, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
@@ -155,3 +155,19 @@ def test_bootstrap_bounds_memory_by_blocks() -> None:
     counts = np.stack([np.ones(9000), (np.arange(9000) % 10 != 0).astype(float)], axis=1)
     iv = bootstrap(counts, FAMILIES["top1"].pooled or (lambda s: {}), "agreement", rounds=1500)
     assert iv is not None and iv.low < 0.9 < iv.high and iv.high - iv.low < 0.02
+
+
+def test_samples_to_show_a_goal_solve_the_rule_of_three() -> None:
+    """A model agreeing on every sample: how many samples put the interval's worse end at the goal."""
+    unseen = -math.log(0.025)
+    family = FAMILIES["detection"]
+    assert family.pooled is not None
+    counts = np.tile([3.0, 3.0, 3.0], (40, 1))  # 40 images, 3 detections each, all found
+    end, needed = samples_to_show(counts, family.pooled, "f1", 0.995, family.failures)
+    recall = (120 - unseen) / 120
+    assert end == pytest.approx(2 * recall / (1 + recall))
+    # F1 of n detections with `unseen` lost: 2(n - u) / (2n - u) >= 0.995  <=>  n >= u (2 - g) / (2 (1 - g))
+    detections = unseen * (2 - 0.995) / (2 * (1 - 0.995))
+    assert needed is not None and abs(needed * 3 - detections) <= 3.5
+    assert samples_to_show(counts, family.pooled, "f1", 0.95, family.failures)[1] is None  # 120 are enough
+    assert samples_to_show(counts, family.pooled, "f1", 1.0, family.failures)[1] == 0  # never

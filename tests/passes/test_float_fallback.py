@@ -530,3 +530,17 @@ def test_auto_scores_each_part_of_an_output_a_concat_joins() -> None:
     assert res.details["auto"]["int8_score"] == pytest.approx(whole.score_db(int8), abs=0.01)
     assert any(d.startswith("auto: target met") and "already meets the target" in d for d in res.decisions)
     assert any(d.startswith("auto: output0 scored whole (output_parts: false)") for d in res.decisions)
+
+
+def test_a_target_the_data_cannot_show_is_a_decision_line(tmp_path: Path) -> None:
+    """top1:0.995 on the digits' 450 held-out samples: even a model agreeing everywhere has a 95 % interval reaching
+    1 - 3.69 / 450 = 0.9918, so the pass says in its decisions that meeting the target there shows little."""
+    digits = Path(__file__).resolve().parents[2] / "examples" / "digits"
+    int8 = Recipe.from_yaml(Path(__file__).resolve().parents[2] / "recipes" / "ort-x86-vnni.yaml").pipeline().run(
+        str(digits / "model.onnx"), calibration_data=str(digits / "calibration.npz"))
+    fallback = FloatFallback(auto={"target": "top1:0.995", "data": str(digits / "eval.npz"),
+                                   "reference": str(digits / "model.onnx"), "latency_rounds": 0})
+    res = Pipeline([fallback]).run(int8.model).records[0].result
+    limit = [d for d in res.decisions if d.startswith("auto: on these 450 samples even a model that agrees")]
+    assert len(limit) == 1 and "reaching 0.9918" in limit[0] and "samples of this kind would" in limit[0]
+    assert res.details["auto"]["data_limit"] == limit[0].removeprefix("auto: ")

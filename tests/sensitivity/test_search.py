@@ -423,3 +423,7 @@ def test_a_builtin_metric_target_reports_the_interval_of_its_score(tmp_path: Pat
     assert f"The score's {iv.describe()}" in message
     assert ("the threshold lies within it" in message) == (iv.low < result.threshold)
     assert result.to_dict()["interval"] == iv.to_dict()
+    # 450 samples cannot show 0.995: all agreeing, the rule of three reaches 1 - 3.69 / 450 = 0.9918; 738 could
+    limit = result.data_limit
+    assert limit is not None and limit.startswith("on these 450 samples") and "reaching 0.9918" in limit
+    assert any(f"about {n} samples" in limit for n in (738, 739))

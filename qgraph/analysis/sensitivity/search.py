@@ -90,6 +90,8 @@ class AutoResult:
     float_model: str | None = None  # the float model file the chosen nodes' weights came from (the patch says so)
     #: The chosen model's score interval over the evaluation samples (built-in metrics, `qgraph.metrics.interval`)
     interval: Interval | None = None
+    #: Why these samples cannot show the target met, whatever the model (`Target.data_limit`); None: they can
+    data_limit: str | None = None
 
     @property
     def became(self) -> str:
@@ -205,6 +207,7 @@ class AutoResult:
             "seconds": round(self.seconds, 3),
             "latency": {k: num(v) for k, v in self.latency.items()},
             "interval": self.interval.to_dict() if self.interval is not None else None,
+            "data_limit": self.data_limit,
             "sensitivity": self.sensitivity.to_dict() if self.sensitivity else None,
         }
 
@@ -267,7 +270,8 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
         inside, more = body_candidates(evaluator.variant(chosen), o.candidates)
         notes.extend(more)
     out = AutoResult(evaluator.variant(chosen), list(chosen), tgt, tgt.met(int8_score, threshold), int8_score,
-                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=o.remedy)
+                     threshold, float_score, int8_score, "", None, [], notes, 0.0, shapes, remedy=o.remedy,
+                     data_limit=tgt.data_limit(run.refs, threshold))
     if out.target_met and not o.report_only:
         out.interval = tgt.interval(base.outputs, run.refs)
         return _finish(run, out, "the INT8 model already meets the target")

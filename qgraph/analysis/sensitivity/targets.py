@@ -114,6 +114,22 @@ class Target:
             return None
         return self.metric.interval(outputs, refs)
 
+    def data_limit(self, refs: list[np.ndarray] | None, threshold: float) -> str | None:
+        """A sentence when these evaluation samples cannot show the target met: even a model that agrees with the
+        reference everywhere has a 95 % interval reaching past ``threshold`` (the rule of three,
+        `qgraph.metrics.interval`), with how many samples of this kind could. None when they can, or no interval."""
+        if not isinstance(self.metric, BuiltinMetric) or refs is None:
+            return None
+        shown = self.metric.agreement_bound(refs, threshold)
+        if shown is None or shown[2] is None:
+            return None
+        samples, end, needed = shown
+        more = (f"about {needed} samples of this kind would (auto.data)" if needed else
+                "no number of samples would: the threshold is the score's best value")
+        return (f"on these {samples} samples even a model that agrees with the reference everywhere has a 95% "
+                f"interval reaching {end:.4f} (the rule of three), past the threshold {threshold:.6g}: meeting the "
+                f"target here does not show that it holds on other samples of this kind; {more}")
+
     def describe(self) -> str:
         """Human-readable form, e.g. ``cosine >= 0.99``."""
         rel = ">=" if self.higher_is_better else "<="
