@@ -87,12 +87,17 @@ class BuiltinMetric:
     def __call__(self, outputs: list[np.ndarray], target: Any) -> float:
         return float(self.scores(outputs, target, self.field)[self.field])
 
+    @property
+    def pools_counts(self) -> bool:
+        """Whether the field is a ratio of per-sample counts (so it has an interval): not mAP, cosine or SQNR."""
+        return self.family.counts is not None and self.field in self.family.pooled_fields
+
     def interval(self, outputs: list[np.ndarray], target: Any, level: float = 0.95) -> Interval | None:
         """The bootstrap interval of the score over the samples (`qgraph.metrics.interval`); None for a field that
         pools no per-sample counts (mAP, cosine, SQNR) or when the family's rows are not the samples (a top-1 over
         ``[S, T, C]`` outputs scores S x T rows)."""
         family = self.family
-        if family.counts is None or family.pooled is None or self.field in ("map", "map50") or not outputs:
+        if not self.pools_counts or family.counts is None or family.pooled is None or not outputs:
             return None
         if not isinstance(target, np.ndarray) and all(a is b for a, b in zip(outputs, target, strict=False)):
             return None  # the reference against itself: nothing to sample
@@ -108,7 +113,7 @@ class BuiltinMetric:
         with ``refs`` everywhere, and the samples of this kind that would put it at ``threshold`` (None: these do;
         0: none would). None for a field with no interval (`interval`)."""
         family = self.family
-        if family.counts is None or family.pooled is None or self.field in ("map", "map50") or not refs:
+        if not self.pools_counts or family.counts is None or family.pooled is None or not refs:
             return None
         truth = self.truth(refs, refs)
         counts = family.counts(self.options, truth, truth)

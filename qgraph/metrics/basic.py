@@ -87,10 +87,12 @@ def _pooled_agreement(sums: np.ndarray) -> dict[str, np.ndarray]:
 
 TOP1 = Family("top1", {"agreement": True}, "agreement", ClassOptions, _argmax, _compare_top1,
               from_labels=_class_labels, summary="arg-max class equal to the reference's (or the label)",
-              counts=_row_counts, pooled=_pooled_agreement, failures=((0.0, -1.0),))
+              counts=_row_counts, pooled=_pooled_agreement, failures=((0.0, -1.0),),
+              pooled_fields=("agreement",))
 TOPK = Family("topk", {"agreement": True}, "agreement", ClassOptions, _topk, _compare_topk, truth=_argmax,
               from_labels=_class_labels, summary="reference's class (or the label) among the k highest scores",
-              counts=_row_counts, pooled=_pooled_agreement, failures=((0.0, -1.0),))
+              counts=_row_counts, pooled=_pooled_agreement, failures=((0.0, -1.0),),
+              pooled_fields=("agreement",))
 
 
 class SliceOptions(MetricOptions):

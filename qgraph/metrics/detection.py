@@ -243,5 +243,5 @@ def counts(opts: DetectionOptions, got: list[Detections], truth: list[Detections
 FAMILY = Family(
     "detection", {"f1": True, "precision": True, "recall": True, "map50": True, "map": True}, "f1",
     DetectionOptions, decode, compare, from_labels=from_labels, labels_per_sample=False, counts=counts,
-    pooled=pooled_f1, failures=BOX_FAILURES,
+    pooled=pooled_f1, failures=BOX_FAILURES, pooled_fields=("f1", "precision", "recall"),
     summary="detections (YOLOv5/v8, per-level, NMSed) vs the reference's or labels: F1, precision, recall, mAP")

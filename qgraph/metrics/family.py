@@ -65,6 +65,8 @@ class Family:
     #: how one failure of each kind changes a sample's counts (a lost and an extra detection; a misread line): the
     #: interval's bound when no sample differs (`qgraph.metrics.interval`, the rule of three)
     failures: tuple[tuple[float, ...], ...] = ()
+    #: the fields ``pooled`` gives (the others, e.g. mAP, have no interval)
+    pooled_fields: tuple[str, ...] = ()
 
     def truth_of(self, opts: Any, refs: list[np.ndarray]) -> Any:
         """The truth decoded from the reference outputs."""

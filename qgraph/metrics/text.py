@@ -86,6 +86,7 @@ def _box_counts(opts: TextBoxOptions, got: list[Detections], truth: list[Detecti
 
 TEXT_BOXES = Family("text_boxes", {"f1": True, "precision": True, "recall": True}, "f1", TextBoxOptions,
                     _decode_boxes, _compare_boxes, counts=_box_counts, pooled=pooled_f1, failures=BOX_FAILURES,
+                    pooled_fields=("f1", "precision", "recall"),
                     summary="DB text-detector boxes vs the reference's: F1, precision, recall")
 
 
@@ -172,4 +173,5 @@ def _compare_ctc(opts: CtcOptions, got: list[tuple[int, ...]], truth: list[tuple
 
 CTC = Family("ctc", {"exact": True, "cer": False}, "exact", CtcOptions, _decode_ctc, _compare_ctc,
              from_labels=_ctc_labels, counts=_ctc_counts, pooled=_pooled_ctc, failures=((0.0, -1.0, 1.0, 0.0),),
+             pooled_fields=("exact", "cer"),
              summary="greedy CTC strings vs the reference's or labels: exact match, CER")
