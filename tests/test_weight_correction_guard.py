@@ -102,3 +102,28 @@ def test_a_long_graph_is_scored_in_slices_with_the_same_numbers(monkeypatch: pyt
     assert len(made) == 4 and min(made) >= 3
     assert sliced_lines == whole_lines and any("kept" in line for line in whole_lines)
     assert sliced_bytes == whole_bytes
+
+
+def test_the_guard_undoes_only_a_loss_its_samples_show() -> None:
+    """Codes scaled by 0.8 lose fidelity on every sample: the change's 95 % interval lies wholly below the tolerance
+    and it is undone; the decision line gives that interval."""
+    import re
+
+    _, res = _run(tiny_cnn(), factor=0.8)
+    line = next(d for d in res.decisions if d.startswith("guard:"))
+    low, high = (float(v) for v in re.search(r"interval of the change ([-+][\d.]+) to ([-+][\d.]+) dB", line).groups())
+    assert low <= high < -0.05 and "undone" in line and res.rewritten == 0
+
+
+@pytest.mark.parametrize(("change", "kept"), [((-1.0, 0.5), True), ((-1.0, -0.2), False)])
+def test_a_drop_within_the_interval_of_the_change_is_kept(monkeypatch: pytest.MonkeyPatch,
+                                                          change: tuple[float, float], kept: bool) -> None:
+    """The rule: a score that fell by more than the tolerance is undone only when the whole interval of the change
+    lies below it (the interval itself is `tests/metrics/test_interval.py`'s)."""
+    import qgraph.recovery.weight_correction as wc
+
+    monkeypatch.setattr(wc, "sqnr_change", lambda before, after: change)
+    _, res = _run(tiny_cnn(), factor=0.8)  # a real drop on every sample
+    line = next(d for d in res.decisions if d.startswith("guard:"))
+    assert (res.rewritten == 3) == kept and ("cannot tell from chance" in line) == kept
+    assert ("undone" in line) != kept

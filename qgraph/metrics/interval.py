@@ -123,3 +123,30 @@ def samples_to_show(counts: np.ndarray, pooled: Pooled, field: str, threshold: f
         mid = (low + high) / 2.0
         low, high = (low, mid) if shown(mid) else (mid, high)
     return here, math.ceil(high * samples)
+
+
+def sqnr_change(before: np.ndarray, after: np.ndarray, level: float = 0.95, rounds: int = ROUNDS, seed: int = 0
+                ) -> tuple[float, float]:
+    """The ``level`` interval of a change in the lowest SQNR over output parts, from per-sample sums ``[S, parts,
+    2]`` of ``(Σ r², Σ (c - r)²)`` before and after it on the same samples: paired draws (one resampling of the
+    samples for both), each giving ``min_p SQNR_after - min_p SQNR_before`` in dB. A change from exact (no error)
+    to some error is -inf; two exact models differ by 0."""
+    b, a = np.asarray(before, np.float64), np.asarray(after, np.float64)
+    samples = len(b)
+    if not samples:
+        return 0.0, 0.0
+    weights = np.random.default_rng(seed).multinomial(samples, np.full(samples, 1.0 / samples), size=rounds)
+
+    def lowest_db(sums: np.ndarray) -> np.ndarray:
+        signal, noise = weights @ sums[:, :, 0], weights @ sums[:, :, 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            db = np.where(noise > 0, 10.0 * np.log10(np.maximum(signal, 1e-300) / np.where(noise > 0, noise, 1.0)),
+                          np.inf)
+        return np.asarray(db.min(axis=1))
+
+    lo, hi = lowest_db(b), lowest_db(a)
+    with np.errstate(invalid="ignore"):
+        change = np.where(np.isinf(lo) & np.isinf(hi) & (lo == hi), 0.0, hi - lo)
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(change, [tail, 1.0 - tail], method="inverted_cdf")  # drawn values: -inf stays -inf
+    return float(low), float(high)

@@ -157,6 +157,7 @@ class OutputScore:
             chunk = run_streamed(reference, self.names, self.feeds, self.starts, recurrence)
         self.reference = [[np.asarray(r[n], np.float64) for n in self.names] for r in chunk]
         self.last: list[Any] = []
+        self.last_sums = np.zeros((0, len(self.units), 2))
 
     @classmethod
     def of_outputs(cls, names: Sequence[str], feeds: Sequence[Feed], outputs: Sequence[Sequence[Any]],
@@ -193,13 +194,13 @@ class OutputScore:
         else:
             got = list(session_runs(session, self.names, self.feeds))
         self.last = got
-        signal = np.zeros(len(self.units))
-        noise = np.zeros(len(self.units))
-        for ref, out in zip(self.reference, got, strict=True):
+        #: per sample and scored part: (sum r², sum (c - r)²), for a paired interval of a change (`sqnr_change`)
+        self.last_sums = np.zeros((len(got), len(self.units), 2))
+        for s, (ref, out) in enumerate(zip(self.reference, got, strict=True)):
             for u, (k, part) in enumerate(self.units):
                 a, b = part.cut(ref[k]), part.cut(np.asarray(out[k], np.float64))
-                signal[u] += float(np.sum(a * a))
-                noise[u] += float(np.sum((a - b) ** 2))
+                self.last_sums[s, u] = float(np.sum(a * a)), float(np.sum((a - b) ** 2))
+        signal, noise = self.last_sums.sum(axis=0).T
         return [-math.inf if not math.isfinite(n) else math.inf if n == 0 else
                 10 * math.log10(max(s, 1e-300) / n) for s, n in zip(signal, noise, strict=True)]
 

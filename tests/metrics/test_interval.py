@@ -171,3 +171,26 @@ def test_samples_to_show_a_goal_solve_the_rule_of_three() -> None:
     assert needed is not None and abs(needed * 3 - detections) <= 3.5
     assert samples_to_show(counts, family.pooled, "f1", 0.95, family.failures)[1] is None  # 120 are enough
     assert samples_to_show(counts, family.pooled, "f1", 1.0, family.failures)[1] == 0  # never
+
+
+def test_sqnr_change_is_paired_over_samples() -> None:
+    from qgraph.metrics.interval import sqnr_change
+
+    rng = np.random.default_rng(0)
+    signal = rng.uniform(1.0, 2.0, size=(40, 2))
+    noise = rng.uniform(0.01, 0.02, size=(40, 2))
+    before = np.stack([signal, noise], axis=2)
+    assert sqnr_change(before, before) == (0.0, 0.0)
+    doubled = np.stack([signal, 2 * noise], axis=2)  # every sample's error doubled: -3.01 dB, nothing else
+    low, high = sqnr_change(before, doubled)
+    assert low == pytest.approx(-10 * math.log10(2), abs=1e-9) and high == pytest.approx(low, abs=1e-9)
+    # one sample much better, the others a little worse: the pooled score falls, but the samples cannot show it
+    mixed = noise.copy()
+    mixed[0] *= 0.2
+    mixed[1:] *= 1.05
+    noisy_before = np.stack([signal, noise * np.where(np.arange(40) == 0, 30.0, 1.0)[:, None]], axis=2)
+    noisy_after = np.stack([signal, mixed * np.where(np.arange(40) == 0, 30.0, 1.0)[:, None]], axis=2)
+    low, high = sqnr_change(noisy_before, noisy_after)
+    assert low < 0.0 < high
+    exact = np.stack([signal, np.zeros_like(noise)], axis=2)
+    assert sqnr_change(exact, before)[1] == -math.inf  # from no error to some: always a loss
