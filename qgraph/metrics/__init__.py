@@ -94,15 +94,30 @@ class BuiltinMetric:
 
     def interval(self, outputs: list[np.ndarray], target: Any, level: float = 0.95) -> Interval | None:
         """The bootstrap interval of the score over the samples (`qgraph.metrics.interval`); None for a field that
-        pools no per-sample counts (mAP, cosine, SQNR) or when the family's rows are not the samples (a top-1 over
-        ``[S, T, C]`` outputs scores S x T rows)."""
-        family = self.family
-        if not self.pools_counts or family.counts is None or family.pooled is None or not outputs:
+        pools no per-sample counts (mAP, cosine, SQNR), for the reference against itself, or when the family's rows
+        are not the samples (a top-1 over ``[S, T, C]`` outputs scores S x T rows)."""
+        if not self._has_interval(outputs, target):
             return None
-        if not isinstance(target, np.ndarray) and all(a is b for a, b in zip(outputs, target, strict=False)):
-            return None  # the reference against itself: nothing to sample
-        got = family.decode(self.options, [np.asarray(o) for o in outputs])
-        counts = family.counts(self.options, got, self.truth(outputs, target))
+        got = self.family.decode(self.options, [np.asarray(o) for o in outputs])
+        return self._spread(outputs, got, self.truth(outputs, target), level)
+
+    def score_with_interval(self, outputs: list[np.ndarray], target: Any, level: float = 0.95
+                            ) -> tuple[float, Interval | None]:
+        """The score (``metric(outputs, target)``) and its `interval`, the outputs decoded once."""
+        got = self.family.decode(self.options, [np.asarray(o) for o in outputs])
+        truth = self.truth(outputs, target)
+        value = float(self.family.compare(self.options, got, truth, self.field)[self.field])
+        spread = self._spread(outputs, got, truth, level) if self._has_interval(outputs, target) else None
+        return value, spread
+
+    def _has_interval(self, outputs: list[np.ndarray], target: Any) -> bool:
+        same = not isinstance(target, np.ndarray) and all(a is b for a, b in zip(outputs, target, strict=False))
+        return self.pools_counts and bool(outputs) and not same  # the reference against itself: nothing to sample
+
+    def _spread(self, outputs: list[np.ndarray], got: Any, truth: Any, level: float) -> Interval | None:
+        family = self.family
+        assert family.counts is not None and family.pooled is not None
+        counts = family.counts(self.options, got, truth)
         if len(counts) != int(np.shape(outputs[0])[0]):
             return None
         return bootstrap(counts, family.pooled, self.field, level, failures=family.failures,
@@ -115,7 +130,7 @@ class BuiltinMetric:
         family = self.family
         if not self.pools_counts or family.counts is None or family.pooled is None or not refs:
             return None
-        truth = self.truth(refs, refs)
+        truth = self.truth(refs, refs)  # counts of the truth against itself: a model that agrees everywhere
         counts = family.counts(self.options, truth, truth)
         end, needed = samples_to_show(counts, family.pooled, self.field, threshold, family.failures,
                                       self.higher_is_better)

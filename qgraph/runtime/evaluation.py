@@ -147,27 +147,26 @@ class Evaluation:
 
     def score(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> float | None:
         """The metric on ``outputs`` (None without a metric); NaN when the metric returns NaN."""
+        return self.scored(outputs, references)[0]
+
+    def scored(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> tuple[float | None, Interval | None]:
+        """`score` and, for a built-in metric, the 95 % bootstrap interval of it over the samples
+        (`qgraph.metrics.interval`; None for a user metric or a field that pools no per-sample counts)."""
         if self.metric is None:
-            return None
+            return None, None
         target = self._target(outputs, references)
         with user_code(f"--metric {self.metric_spec}", "the metric", should="A metric returns a float; it is called "
                        "as function(outputs, labels or reference outputs), outputs[i] = output i over all samples "
                        "(axis 0)."):
-            return float(self.metric(outputs, target))
+            if isinstance(self.metric, BuiltinMetric):
+                return self.metric.score_with_interval(outputs, target)
+            return float(self.metric(outputs, target)), None
 
     def metric_and_interval(self, outputs: list[np.ndarray], references: list[np.ndarray]
                             ) -> tuple[float | None, dict[str, Any] | None]:
-        """`score` and, for a built-in metric, its `interval` in JSON form (report rows)."""
-        value = self.score(outputs, references)
-        spread = self.interval(outputs, references) if value is not None else None
+        """`scored` with the interval in JSON form (report rows)."""
+        value, spread = self.scored(outputs, references)
         return value, spread.to_dict() if spread is not None else None
-
-    def interval(self, outputs: list[np.ndarray], references: list[np.ndarray]) -> Interval | None:
-        """The 95 % bootstrap interval of a built-in metric's score over the samples (`qgraph.metrics.interval`);
-        None for a user metric or a field that pools no per-sample counts."""
-        if not isinstance(self.metric, BuiltinMetric):
-            return None
-        return self.metric.interval(outputs, self._target(outputs, references))
 
     def outputs(self, model: onnx.ModelProto | str | Path,
                 kernels: Kernels | None = None) -> tuple[list[str], list[np.ndarray]]:
@@ -304,7 +303,5 @@ def score_stage(stage: str, reference: Sequence[np.ndarray], names: Sequence[str
     diffs.add(reference, got)
     out.outputs, out.parts = diffs.whole(), diffs.scored() if parts is not None and parts.split else []
     if evaluation is not None:
-        out.metric = evaluation.score(list(got), list(reference))
-        if out.metric is not None and math.isfinite(out.metric):
-            out.metric_interval = evaluation.interval(list(got), list(reference))
+        out.metric, out.metric_interval = evaluation.scored(list(got), list(reference))
     return out
