@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassResult, register
-from qgraph.graph import NoMatch, const_value, consumers, is_default_domain, producer, rebuild
+from qgraph.graph import NoMatch, channel_vector, const_value, consumers, is_default_domain, producer, rebuild
 
 __all__ = ["FuseBias", "FuseBiasConfig"]
 
@@ -45,20 +45,6 @@ class FuseBiasConfig(PassConfig):
     op_types: tuple[str, ...] = Field(
         default=HOSTS, description="Producers whose bias input takes the constant: Conv and/or ConvTranspose."
     )
-
-
-def channel_vector(c: np.ndarray, channels: int, out_rank: int) -> np.ndarray:
-    """``c`` as the length-``channels`` vector it adds per output channel (axis 1 of a rank-``out_rank``
-    output), or `NoMatch` when adding ``c`` is not constant over every other axis (or would broadcast the
-    output to more axes)."""
-    if c.ndim > out_rank:
-        raise NoMatch(f"the constant has rank {c.ndim} > the output's rank {out_rank}")
-    if c.size == 1:
-        return np.full(channels, c.reshape(-1)[0], dtype=c.dtype)
-    full = (1,) * (out_rank - c.ndim) + tuple(c.shape)  # numpy broadcasting aligns the trailing axes
-    if full[1] != channels or any(d != 1 for i, d in enumerate(full) if i != 1):
-        raise NoMatch(f"the constant of shape {list(c.shape)} is not one value per output channel ({channels})")
-    return c.reshape(channels)
 
 
 def match(add: gs.Node, graph: GraphHandle, hosts: tuple[str, ...]) -> tuple[gs.Node, np.ndarray]:

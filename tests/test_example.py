@@ -40,9 +40,9 @@ def test_readme_main_job(tmp_path: Path) -> None:
     assert meta["qgraph.recipe"] == Recipe.from_yaml(RECIPE).canonical_text()
     assert meta["qgraph.target_cpu"] == choose(None).kernels.host.family  # made for this host
     stats = json.loads(meta["qgraph.passes"])
-    assert [s["pass"] for s in stats] == ["fold_constants", "fuse_bias", "fuse_batchnorm", "fuse_activations",
+    assert [s["pass"] for s in stats] == ["fold_constants", "fuse_activations", "fuse_affine", "fuse_batchnorm",
                                           "cleanup", "equalize_weights", "smooth_quant", "insert_qdq", "correct_bias"]
-    assert stats[2]["rewritten"] == 3  # the three BatchNormalization nodes
+    assert stats[3]["rewritten"] == 3  # the three BatchNormalization nodes
     ops = [n.op_type for n in out.graph.node]
     assert "BatchNormalization" not in ops and ops.count("QuantizeLinear") >= 4
     float_top1, int8_top1 = _top1(str(DIGITS / "model.onnx")), _top1(out)

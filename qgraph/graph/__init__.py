@@ -29,7 +29,7 @@ from .checks import (
 from .detach import placeholders_as_inputs
 from .fresh import ProtoNames, free_name, fresh_name, model_names
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
-from .match import NoMatch
+from .match import NoMatch, channel_vector
 from .naming import (
     Naming,
     gs_label,
@@ -81,6 +81,7 @@ __all__ = [
     "NoMatch",
     "ProtoNames",
     "Shape",
+    "channel_vector",
     "check_acyclic",
     "check_input_structure",
     "check_model",
