@@ -25,7 +25,16 @@ import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassResult, register
-from qgraph.graph import NoMatch, channel_vector, const_value, consumers, is_default_domain, producer, rebuild
+from qgraph.graph import (
+    NoMatch,
+    channel_vector,
+    const_value,
+    consumers,
+    is_default_domain,
+    pinned_tensors,
+    producer,
+    rebuild,
+)
 
 __all__ = ["FuseBias", "FuseBiasConfig"]
 
@@ -89,6 +98,7 @@ class FuseBias(Pass[FuseBiasConfig]):
         hosts = tuple(self.config.op_types)
         for scope in graph.scopes():
             removed: list[gs.Node] = []
+            pinned = pinned_tensors(scope)  # a subgraph's output or implicit input keeps its producer
             for add in list(scope.nodes):
                 if add.op != "Add" or not is_default_domain(add.domain):
                     continue
@@ -100,6 +110,8 @@ class FuseBias(Pass[FuseBiasConfig]):
                 res.matched += 1
                 try:
                     conv, vector = match(add, graph, hosts)
+                    if id(conv.outputs[0]) in pinned:
+                        raise NoMatch(f"{conv.name}'s output is a subgraph output or read by a nested subgraph")
                 except NoMatch as exc:
                     res.skip(add.name, exc)
                     continue

@@ -7,7 +7,8 @@
   provenance tags. The pipeline tags every node a pass creates with the pass's name.
 - Graph operations (``ops``), O(what they touch) and valid in any scope: `const_value`, `set_const`,
   `producer`, `consumers`, `redirect` (replace every use of a tensor), `renew_const`, `detach`, `unlink`, `rebuild`,
-  `graph_scopes`, `node_subgraphs`, `dependencies`, `topological_order`, `tensor_shape`, `tensor_dtype`.
+  `graph_scopes`, `node_subgraphs`, `dependencies`, `pinned_tensors`, `topological_order`, `tensor_shape`,
+  `tensor_dtype`.
 - Node names (``naming``): the one rule that names unnamed nodes ``<OpType>(<first output>)`` and numbers repeated
   names (``add1#2``), applied on load (``handle.naming``) and by `proto_node_names` / `named_model` for protos.
 - Fresh names (``fresh``): one rule (``base``, ``base_1``, ...) for every generated name; `GraphHandle.unique_name`
@@ -58,6 +59,7 @@ from .ops import (
     node_subgraphs,
     onnx_type_name,
     outer_inputs,
+    pinned_tensors,
     producer,
     proto_scopes,
     proto_subgraphs,
@@ -110,6 +112,7 @@ __all__ = [
     "node_subgraphs",
     "onnx_type_name",
     "outer_inputs",
+    "pinned_tensors",
     "placeholders_as_inputs",
     "producer",
     "proto_label",

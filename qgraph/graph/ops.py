@@ -290,6 +290,16 @@ def outer_inputs(graph: gs.Graph) -> list[gs.Tensor]:
     return list(out.values())
 
 
+def pinned_tensors(scope: gs.Graph) -> set[int]:
+    """Ids of the tensors of ``scope`` whose producer a rewrite must keep although `consumers` may show none or one:
+    the scope's outputs and every tensor a nested subgraph reads from it (an If branch's implicit inputs)."""
+    pinned = {id(t) for t in scope.outputs}
+    for node in scope.nodes:
+        if node_subgraphs(node):
+            pinned.update(id(t) for t in dependencies(node))
+    return pinned
+
+
 def dependencies(node: gs.Node) -> Iterator[gs.Tensor]:
     """``node``'s inputs plus whatever its subgraphs read from the scope ``node`` lives in."""
     yield from node.inputs

@@ -186,3 +186,37 @@ def test_pp_ocrv4_recognizer_keeps_its_outputs() -> None:
     assert err <= max(noise, 1e-5 * float(np.abs(plain).max())), (err, noise)
     assert sum(n.op_type in ("Mul", "Add") for n in result.model.graph.node) < sum(
         n.op_type in ("Mul", "Add") for n in base.graph.node) - 70
+
+
+def test_a_tensor_an_if_branch_reads_or_returns_keeps_its_producer(prep: Any) -> None:
+    """``c`` feeds the Mul and, implicitly, the If's then-branch; in the else-branch ``e_c`` feeds a Mul and is one
+    of the branch's outputs. Folding either Mul would take its input away; the branch's third chain folds."""
+    w = numpy_helper.from_array(_RNG.standard_normal((4, 8, 1, 1)).astype(np.float32), "w")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    shape = [1, 4, 10, 10]
+
+    def outs(*names: str) -> list[onnx.ValueInfoProto]:
+        return [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names]
+
+    then_g = helper.make_graph([helper.make_node("Identity", ["c"], [f"t{i}"]) for i in range(3)], "then", [],
+                               outs("t0", "t1", "t2"))
+    else_g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["e_c"]), helper.make_node("Mul", ["e_c", "two"], ["e_m"]),
+         helper.make_node("Conv", ["x", "w"], ["e_d"]), helper.make_node("Mul", ["e_d", "two"], ["e_n"])],
+        "else", [], outs("e_c", "e_m", "e_n"))
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Mul", ["c", "two"], ["m"], name="mul"),
+             helper.make_node("If", ["flag"], ["p0", "p1", "p2"], name="if", then_branch=then_g, else_branch=else_g)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10]),
+                     helper.make_tensor_value_info("flag", TensorProto.BOOL, [])], outs("m", "p0", "p1", "p2"),
+        [w, two])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out, (res,), _ = prep.apply(model, FuseAffine())
+    assert res.details_dict() == {"after": 1, "before": 0}  # e_n's Mul only
+    for flag in (True, False):
+        feed = {**_feed(), "flag": np.array(flag)}
+        want = ort.InferenceSession(model.SerializeToString()).run(None, feed)
+        got = ort.InferenceSession(out.SerializeToString()).run(None, feed)
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

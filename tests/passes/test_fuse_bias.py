@@ -163,3 +163,25 @@ def test_int8_error_drops_when_the_bn_can_fold(tmp_path: Any) -> None:
     # narrow channels get a few codes; folded, the BN's per-channel scale sits in the per-channel weights.
     # Measured: 2.2 -> 34.4 dB.
     assert sq_after > sq_before + 10.0, (sq_before, sq_after)
+
+
+def test_a_branch_output_keeps_its_convolution(prep: Any) -> None:
+    """In an If branch, ``e_c`` is both the bias Add's input and a branch output: folding would take it away."""
+    w = numpy_helper.from_array(np.random.default_rng(2).standard_normal((4, 4, 1, 1)).astype(np.float32), "w")
+    c = numpy_helper.from_array(np.arange(4, dtype=np.float32).reshape(1, 4, 1, 1), "c")
+    shape = [1, 4, 6, 6]
+    branch_outs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("e_c", "e_a")]
+    body = [helper.make_node("Conv", ["x", "w"], ["e_c"]), helper.make_node("Add", ["e_c", "c"], ["e_a"])]
+    else_g = helper.make_graph(body, "else", [], branch_outs)
+    then_g = helper.make_graph([helper.make_node("Identity", ["x"], [n]) for n in ("t0", "t1")], "then", [],
+                               [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("t0", "t1")])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["flag"], ["p0", "p1"], then_branch=then_g, else_branch=else_g)], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, shape),
+         helper.make_tensor_value_info("flag", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("p0", "p1")], [w, c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out, (res,), _ = prep.apply(model, FuseBias())
+    assert res.rewritten == 0 and any("subgraph output" in s.reason for s in res.skipped)
+    feed = {**_feed(), "flag": np.array(False)}
+    assert prep.relative_error(model, out, feed) < 1e-6
