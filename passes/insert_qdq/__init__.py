@@ -11,6 +11,7 @@ from qgraph.graph import topological_order
 from qgraph.pipeline.target import CalibrationSpec
 from qgraph.quant.math import QuantDtype, QuantSpec
 from qgraph.quant.qdq_graph import is_dq
+from qgraph.runtime.compare import ORT_ERRORS
 from qgraph.runtime.kernels.cpu import host_cpu
 from qgraph.runtime.kernels.measure import target_family
 
@@ -32,7 +33,16 @@ from .pairsafe import ChannelCodes, pair_axes
 from .placement import Planner
 from .presets import CPU_PRESETS, PRESET_CPUS
 from .saturation import channel_codes, pair_safe_decisions, saturation_details
-from .speed import LatencyOutcome, baseline, latency_decision, measure_twin, name_nodes, require_preset, sample_shapes
+from .speed import (
+    LatencyOutcome,
+    baseline,
+    first_sample,
+    latency_decision,
+    measure_twin,
+    name_nodes,
+    require_preset,
+    sample_shapes,
+)
 from .through import clip_flat_sides
 from .units import Plan, Unit, label
 from .weights import Emitter, check_finite_weights
@@ -262,13 +272,20 @@ class InsertQDQ(Pass[InsertQDQConfig]):
         if cfg.latency.mode == "measure":
             twin = GraphHandle(name_nodes(graph.to_onnx()))
             InsertQDQ(cfg.model_copy(update={"latency": LatencyOptions()})).run(twin, ctx)
-            measured = measure_twin(graph, twin.to_onnx(), cfg.latency)
-            host, target = host_cpu(), ctx.target.cpu_info()
-            where = f"latency: measured on this host ({host.describe()})"
-            if target is not None and target.arch != host.arch and target.source == "declared":
-                where += (f", but the recipe targets {ctx.target.cpu}: these float/int8 choices are this host's; run "
-                          "qgraph on the target machine for its own")
-            res.decisions.append(where)
+            try:
+                measured = measure_twin(graph, twin.to_onnx(), cfg.latency, first_sample(ctx))
+            except ORT_ERRORS as exc:
+                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+                res.decide(f"latency: measure could not run the model in onnxruntime on this host ({reason}); the "
+                           "shipped cost table decides instead (give calibration data of the size the model runs "
+                           "at, or use `latency: {mode: table}`)", attention=True)
+            if measured is not None:
+                host, target = host_cpu(), ctx.target.cpu_info()
+                where = f"latency: measured on this host ({host.describe()})"
+                if target is not None and target.arch != host.arch and target.source == "declared":
+                    where += (f", but the recipe targets {ctx.target.cpu}: these float/int8 choices are this "
+                              "host's; run qgraph on the target machine for its own")
+                res.decisions.append(where)
         shapes, why = sample_shapes(graph, ctx)
         if why:
             res.decisions.append(why)

@@ -238,7 +238,7 @@ def latency_decision(
     d = decide(p.costs, p.edges, p.forced, p.requant)
     if p.proxy:
         out.decisions.append(p.proxy)
-    _report(out, p, d, opts.mode)
+    _report(out, p, d, opts.mode if measured is not None else "table")
     out.priced, out.labels = p, list(d.int8)
     return out
 
@@ -298,15 +298,20 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     return named_model(model)[0]
 
 
+def first_sample(ctx: PassContext) -> dict[str, np.ndarray] | None:
+    """The first calibration sample (batch of one), or None without calibration data."""
+    if ctx.calibration_data is None:
+        return None
+    return next(iter(batched(ctx.calibration_data, 1)), None)
+
+
 def sample_shapes(graph: GraphHandle, ctx: PassContext) -> tuple[Inferred | None, str | None]:
     """Tensor shapes for the cost model when the graph has inputs of no fixed size: inferred with the inputs
     of the first calibration sample (the sizes the model will be calibrated, and presumably run, at), and the
     decision saying so. ``(None, None)`` when every input is static or there is no calibration data (units
     without a known size then have no cost and stay int8, as before)."""
     dynamic = graph.dynamic_inputs()
-    if not dynamic or ctx.calibration_data is None:
-        return None, None
-    first = next(iter(batched(ctx.calibration_data, 1)), None)
+    first = first_sample(ctx) if dynamic else None
     if first is None:
         return None, None
     dims = {name: tuple(int(d) for d in np.shape(first[name])) for name in dynamic if name in first}
@@ -320,14 +325,21 @@ def sample_shapes(graph: GraphHandle, ctx: PassContext) -> tuple[Inferred | None
     )
 
 
-def measure_twin(graph: GraphHandle, twin: onnx.ModelProto, opts: LatencyOptions) -> Measured:
+def measure_twin(graph: GraphHandle, twin: onnx.ModelProto, opts: LatencyOptions,
+                 sample: dict[str, np.ndarray] | None = None) -> Measured:
     """Profile the float ``graph`` (nodes named as `name_nodes` does) and its all-int8 ``twin`` alternately in
-    onnxruntime (bounded by ``opts.measure_seconds``) on seeded random inputs, plus this host's Q/DQ costs."""
+    onnxruntime (bounded by ``opts.measure_seconds``), plus this host's Q/DQ costs. On ``sample`` (the first
+    calibration sample: the sizes the model runs at) when it feeds every input; else on seeded random inputs, whose
+    dynamic dimensions are 1 (a detector's ``[1, 3, H, W]`` image would then be 1x1)."""
     from qgraph.runtime.compare import random_feeds
     from qgraph.runtime.latency import element_costs, profile_kernels
 
     model = name_nodes(graph.to_onnx())
-    feeds = random_feeds(model, 1)[0]
+    names = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    if sample is not None and all(n in sample for n in names):
+        feeds = {n: np.asarray(sample[n]) for n in names}
+    else:
+        feeds = random_feeds(model, 1)[0]
     prof = profile_kernels({"float": model, "int8": twin}, feeds, runs=opts.runs,
                            budget_seconds=opts.measure_seconds)
     q_ns, dq_ns = element_costs()

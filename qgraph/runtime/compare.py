@@ -29,6 +29,10 @@ from qgraph.io.model_io import PROTOBUF_LIMIT, save_model
 from qgraph.runtime.parallel import ordered_map
 from qgraph.runtime.part import OutputPart
 
+#: What onnxruntime raises when a session cannot be built or run (they derive from Exception, not RuntimeError).
+ORT_ERRORS: tuple[type[Exception], ...] = (ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument,
+                                           ort_state.NotImplemented, ort_state.InvalidGraph)
+
 
 def make_session(
     model: onnx.ModelProto | str | Path,

@@ -74,21 +74,22 @@ def profile_kernels(
                 for label, model in models.items()}
     feed = dict(feeds)
     start = time.perf_counter()
-    for sess in sessions.values():  # warm-up (the median below also drops it)
-        sess.run(None, feed)
-    for _ in range(max(1, runs)):
-        for sess in sessions.values():
-            sess.run(None, feed)
-        if time.perf_counter() - start > budget_seconds:
-            break
     out: dict[str, dict[str, float]] = {}
-    for label, sess in sessions.items():
-        path = Path(sess.end_profiling())
-        try:
-            events = json.loads(path.read_text())
-        finally:
-            path.unlink(missing_ok=True)
-        out[label] = _medians(events)
+    try:
+        for sess in sessions.values():  # warm-up (the median below also drops it)
+            sess.run(None, feed)
+        for _ in range(max(1, runs)):
+            for sess in sessions.values():
+                sess.run(None, feed)
+            if time.perf_counter() - start > budget_seconds:
+                break
+    finally:  # a failed run still ends every profile, so no profile file is left behind
+        for label, sess in sessions.items():
+            path = Path(sess.end_profiling())
+            try:
+                out[label] = _medians(json.loads(path.read_text()))
+            finally:
+                path.unlink(missing_ok=True)
     return out
 
 

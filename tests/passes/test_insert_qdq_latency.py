@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from insert_qdq_helpers import feeds_for, quantize, source, tiny_cnn
+from insert_qdq_helpers import feeds_for, quantize, source, tiny_cnn, with_weights
 from qgraph.passes.insert_qdq import InsertQDQ
 from qgraph.passes.insert_qdq.latency import Cost, Decision, Edge, decide
 
@@ -345,3 +346,51 @@ def test_a_conv_after_a_softmax_stays_int8_whatever_the_table_says(tmp_path: Pat
                    latency={"mode": "table", "check": False, "table": str(table)})
     rows = {r["node"]: r for r in res.records[0].result.details["latency"]["units"]}
     assert rows["Conv(c)"]["decision"] == "float" and "blind" not in rows["Conv(c)"]
+
+
+def _pyramid(height: str = "H") -> Any:
+    """A YOLO-style join on an image of any size: a stride-2 Conv, Resize x2 back up, Concat with the full-size
+    branch. At 1x1 (random feeds' size for a dynamic dimension) the Resize gives 2x2 and the Concat fails."""
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[1, 3, {height}, W] x) => (float[1, 16, {height}, W] y) {{
+        a = Conv <pads = [1, 1, 1, 1]> (x, w1, b1)
+        d = Conv <pads = [1, 1, 1, 1], strides = [2, 2]> (a, w2, b2)
+        sc = Constant <value = float[4] {{1, 1, 2, 2}}> ()
+        u = Resize <mode = "nearest"> (d, , sc)
+        y = Concat <axis = 1> (a, u)
+    }}
+    """
+    rng = np.random.default_rng(0)
+    weights = {"w1": rng.normal(0, 0.3, (8, 3, 3, 3)), "b1": rng.normal(0, 0.1, 8),
+               "w2": rng.normal(0, 0.2, (8, 8, 3, 3)), "b2": rng.normal(0, 0.1, 8)}
+    return with_weights(text, {k: v.astype(np.float32) for k, v in weights.items()})
+
+
+def test_measure_profiles_at_the_calibration_size_of_a_dynamic_input() -> None:
+    """``latency: measure`` on an input of no fixed size profiles at the first calibration sample's size (1x1
+    random feeds broke the Concat: a YOLOv8 detector failed the whole pass with onnxruntime's error)."""
+    model = _pyramid()
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(2)]
+    res = quantize(model, feeds, preset="ort-x86-vnni", latency={"mode": "measure", "runs": 2, "measure_seconds": 5})
+    decisions = res.records[0].result.decisions
+    assert any(d.startswith("latency: measured on this host") for d in decisions), decisions
+    assert any(d.startswith("latency (measure):") for d in decisions), decisions
+
+
+def test_measure_that_cannot_run_falls_back_to_the_table_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    import qgraph.passes.insert_qdq as insert_qdq_pass
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ort_state.Fail("[ONNXRuntimeError] : 1 : FAIL : Non concat axis dimensions must match\nmore")
+
+    monkeypatch.setattr(insert_qdq_pass, "measure_twin", broken)
+    model = tiny_cnn()
+    res = quantize(model, feeds_for(model, 2), preset="ort-x86-vnni", latency={"mode": "measure"})
+    result = res.records[0].result
+    said = [d for d in result.decisions if d.startswith("latency: measure could not run")]
+    assert len(said) == 1 and "Non concat axis dimensions must match)" in said[0] and "cost table" in said[0]
+    assert not any(d.startswith("latency: measured on this host") for d in result.decisions)
+    assert any(d.startswith("latency (table):") for d in result.decisions), result.decisions
