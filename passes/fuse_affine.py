@@ -23,10 +23,11 @@ readers, a graph or subgraph output, or a tensor a nested subgraph reads. Exact 
 detector's probability map moves by 5e-5; onnxruntime's own graph optimizations move it by 1.9e-4). Each
 convolution is visited once, each affine node at most twice: O(nodes).
 
-Measured (PP-OCRv4 detector, rapidocr wheel, 64 held-out pages, ``ort-x86-vnni`` on an AVX512-VNNI host): 56
-affine nodes fold after their convolutions and 10 into the 1x1 convolution after them; the INT8 model's probability
-map 19.6 -> 21.7 dB against float, text-box F1 0.994 -> 0.995, and INT8/float latency x0.80 -> x0.66 on 2 threads
-(the float Mul/Add on dequantized 368x368 maps were a third of the INT8 model's time).
+Measured (PP-OCRv4 detector, rapidocr wheel, 64 held-out pages, ``ort-x86-vnni`` on an AVX512-VNNI host): 58
+affine nodes fold after their convolutions and 20 (ten ``Mul -> Add`` blocks) into the 1x1 convolutions after them;
+the INT8 model's probability map 19.6 -> 21.2 dB against float, text-box F1 0.994 either way, and INT8/float
+latency x0.79 -> x0.67 on 2 threads (the float Mul/Add on dequantized 368x368 maps were a third of the INT8 model's
+time). ``docs/accuracy.md`` has both CPUs and the recognizer.
 """
 
 from __future__ import annotations
