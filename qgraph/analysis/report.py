@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from qgraph.analysis.diff.attribution import Attribution
 from qgraph.analysis.diff.culprits import attribute
@@ -43,7 +42,7 @@ from qgraph.pipeline.recipe import Recipe
 from qgraph.pipeline.runner import PipelineResult
 from qgraph.pipeline.timing import run_timing
 from qgraph.runtime.class_outputs import class_outputs
-from qgraph.runtime.compare import TensorDiff, random_feeds, run
+from qgraph.runtime.compare import ORT_ERRORS, TensorDiff, random_feeds, run
 from qgraph.runtime.evaluation import Evaluation, concat, top1_agreement
 from qgraph.runtime.kernels.measure import Kernels, deployed, saturation_of
 from qgraph.runtime.output_parts import OutputParts, PartDiffs, output_parts_of
@@ -51,8 +50,7 @@ from qgraph.runtime.output_parts import OutputParts, PartDiffs, output_parts_of
 #: Samples of the calibration data used for fidelity (random inputs when there is no data).
 REPORT_SAMPLES = 8
 RANDOM_SAMPLES = 4
-_RUNTIME_ERRORS = (QGraphError, ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument,
-                   ort_state.NotImplemented, ort_state.InvalidGraph)
+_RUNTIME_ERRORS: tuple[type[Exception], ...] = (QGraphError, *ORT_ERRORS)
 
 
 def write_report(path: Path, recipe: Recipe, result: PipelineResult, evaluation: Evaluation | None = None,

@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import onnx
 import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from qgraph.data import Feed
 from qgraph.errors import QGraphError, VerificationError
 from qgraph.quant.qdq import has_qdq
-from qgraph.runtime.compare import TensorDiff, compare_models, make_session
+from qgraph.runtime.compare import ORT_ERRORS, TensorDiff, compare_models, make_session
 
 if TYPE_CHECKING:
     from qgraph.runtime.kernels.measure import Kernels
@@ -43,8 +42,7 @@ if TYPE_CHECKING:
 NOISE_FLOOR_FACTOR = 4.0
 #: Floors above this (relative) are capped: beyond it an output is unstable, not merely rounded.
 MAX_NOISE_FLOOR = 1e-3
-_ORT_ERRORS = (QGraphError, ort_state.Fail, ort_state.RuntimeException, ort_state.InvalidArgument,
-               ort_state.NotImplemented, ort_state.InvalidGraph)
+_ORT_ERRORS: tuple[type[Exception], ...] = (QGraphError, *ORT_ERRORS)
 
 
 @dataclass(frozen=True)
