@@ -40,20 +40,23 @@ from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassResult, register
 from qgraph.graph import (
+    AFFINE_OPS,
     NoMatch,
-    channel_vector,
+    affine_step,
     const_value,
     consumers,
+    conv_params,
+    fold_after_conv,
     is_default_domain,
     pinned_tensors,
     producer,
     rebuild,
+    set_conv_params,
 )
 
-__all__ = ["FuseAffine", "FuseAffineConfig", "affine_step"]
+__all__ = ["FuseAffine", "FuseAffineConfig"]
 
 HOSTS = ("Conv", "ConvTranspose")
-AFFINE_OPS = ("Mul", "Add", "Sub", "Div")
 
 
 @dataclass(frozen=True)
@@ -74,101 +77,6 @@ class FuseAffineConfig(PassConfig):
     before: bool = Field(
         default=True, description="Also fold an affine step into the Conv(s) reading it, where that is exact (no "
         "padding, or a pure scale).")
-
-
-def affine_step(node: gs.Node, x: gs.Tensor, channels: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """``node`` as ``s * x + d`` with ``s``, ``d`` one value per channel (axis 1 of a rank-``rank`` tensor), or
-    `NoMatch` with why not."""
-    if node.op not in AFFINE_OPS or not is_default_domain(node.domain) or len(node.inputs) != 2:
-        raise NoMatch(f"{node.op} is not an elementwise Mul/Add/Sub/Div of two inputs")
-    k = 1 if node.inputs[0] is x else 0
-    if node.inputs[1 - k] is not x:
-        raise NoMatch(f"{node.name} does not read {x.name}")
-    c = const_value(node.inputs[k])
-    if c is None:
-        raise NoMatch(f"{node.name}'s other input is computed, not a constant")
-    if k == 0 and node.op in ("Sub", "Div"):
-        raise NoMatch(f"{node.name} computes c {'-' if node.op == 'Sub' else '/'} x, not affine in this form")
-    if c.dtype.kind != "f":
-        raise NoMatch(f"{node.name}'s constant is {c.dtype}, not float")
-    vec = channel_vector(c, channels, rank).astype(np.float64)
-    one, zero = np.ones(channels), np.zeros(channels)
-    if node.op == "Mul":
-        return vec, zero
-    if node.op == "Add":
-        return one, vec
-    if node.op == "Sub":
-        return one, -vec
-    if np.any(vec == 0):
-        raise NoMatch(f"{node.name} divides by zero in some channel")
-    return 1.0 / vec, zero
-
-
-def _weights(conv: gs.Node) -> tuple[np.ndarray, np.ndarray | None]:
-    w = const_value(conv.inputs[1]) if len(conv.inputs) > 1 else None
-    if w is None or w.dtype.kind != "f":
-        raise NoMatch(f"{conv.name}'s weight is not a float constant")
-    has_bias = len(conv.inputs) > 2 and bool(conv.inputs[2].name)
-    b = const_value(conv.inputs[2]) if has_bias else None
-    if has_bias and b is None:
-        raise NoMatch(f"{conv.name}'s bias is computed, not a constant")
-    return w, b
-
-
-def _set_params(graph: GraphHandle, conv: gs.Node, w: np.ndarray, b: np.ndarray, dtype: np.dtype) -> None:
-    """New constants (the old ones may be shared by other nodes) for ``conv``'s weight and bias."""
-    conv.inputs[1] = gs.Constant(graph.unique_name(f"{conv.name}/weight", "tensor"),
-                                 np.ascontiguousarray(w.astype(dtype)))
-    bias = gs.Constant(graph.unique_name(f"{conv.name}/bias", "tensor"), np.ascontiguousarray(b.astype(dtype)))
-    if len(conv.inputs) > 2:
-        conv.inputs[2] = bias
-    else:
-        conv.inputs.append(bias)
-
-
-def _out_channels(conv: gs.Node, w: np.ndarray) -> int:
-    return int(w.shape[0]) if conv.op == "Conv" else int(w.shape[1]) * int(conv.attrs.get("group", 1))
-
-
-def _fold_after(graph: GraphHandle, conv: gs.Node, kept: set[int], res: PassResult, removed: list[gs.Node]) -> int:
-    """Fold the chain of affine nodes after ``conv``; returns how many."""
-    chain: list[gs.Node] = []
-    try:
-        w, b = _weights(conv)
-    except NoMatch:
-        return 0
-    m, rank = _out_channels(conv, w), w.ndim
-    scale, shift = np.ones(m), np.zeros(m)
-    y = conv.outputs[0]
-    while True:
-        readers = consumers(y)
-        if len(readers) != 1 or readers[0].op not in AFFINE_OPS or id(y) in kept or graph.is_graph_output(y):
-            break
-        res.matched += 1
-        try:
-            s, d = affine_step(readers[0], y, m, rank)
-        except NoMatch as exc:
-            res.skip(readers[0].name, exc)
-            break
-        scale, shift = scale * s, shift * s + d
-        chain.append(readers[0])
-        y = readers[0].outputs[0]
-    if not chain:
-        return 0
-    if conv.op == "Conv":
-        w2 = w * scale.reshape((-1,) + (1,) * (rank - 1))
-    else:  # ConvTranspose: W is [C_in, M / group, k...], output channel g * (M / group) + j
-        groups = int(conv.attrs.get("group", 1))
-        per = scale.reshape(groups, 1, m // groups, *(1,) * (rank - 2))
-        w2 = (w.reshape(groups, w.shape[0] // groups, *w.shape[1:]) * per).reshape(w.shape)
-    b0 = np.zeros(m) if b is None else b.reshape(-1).astype(np.float64)
-    _set_params(graph, conv, w2, b0 * scale + shift, w.dtype)
-    out = chain[-1].outputs[0]
-    for node in chain:
-        node.outputs.clear()
-    conv.outputs[0] = out
-    removed.extend(chain)
-    return len(chain)
 
 
 def _padded(conv: gs.Node) -> bool:
@@ -206,7 +114,7 @@ def _fold_before(graph: GraphHandle, x: gs.Tensor, kept: set[int], res: PassResu
         if id(x) in kept or graph.is_graph_output(x) or any(r.op != "Conv" or r.inputs[0] is not x or
                                            any(t is x for t in r.inputs[1:]) for r in readers):
             raise NoMatch(f"{x.name} is read by other nodes than Convs' data input, a subgraph, or is an output")
-        params = [_weights(r) for r in readers]
+        params = [conv_params(r) for r in readers]
         rank = params[0][0].ndim
         channels = {int(w.shape[1]) * int(r.attrs.get("group", 1)) for r, (w, _) in zip(readers, params, strict=True)}
         if len(channels) != 1:
@@ -231,7 +139,7 @@ def _fold_before(graph: GraphHandle, x: gs.Tensor, kept: set[int], res: PassResu
         s_oi, d_oi = scale[index].reshape(m, per_group, *tail), shift[index].reshape(m, per_group, *tail)
         w64 = w.astype(np.float64)
         b0 = np.zeros(m) if b is None else b.reshape(-1).astype(np.float64)
-        _set_params(graph, conv, w64 * s_oi, b0 + (w64 * d_oi).reshape(m, -1).sum(axis=1), w.dtype)
+        set_conv_params(graph, conv, w64 * s_oi, b0 + (w64 * d_oi).reshape(m, -1).sum(axis=1), w.dtype)
         conv.inputs[0] = chain[0][1]
     removed.extend(node for node, _ in chain)
     return len(chain)
@@ -258,7 +166,12 @@ class FuseAffine(Pass[FuseAffineConfig]):
             hosts = [n for n in scope.nodes if n.op in self.config.op_types and is_default_domain(n.domain)]
             kept = pinned_tensors(scope)
             for conv in hosts:
-                after += _fold_after(graph, conv, kept, res, removed)
+                fold = fold_after_conv(graph, conv, kept)
+                res.matched += fold.matched
+                for node, why in fold.refusals:
+                    res.skip(node, why)
+                removed += fold.folded
+                after += len(fold.folded)
             if self.config.before:
                 seen: set[int] = set()
                 for conv in hosts:

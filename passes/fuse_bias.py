@@ -12,29 +12,20 @@ is added in int32 inside the integer kernel and the BN folds next. Exact up to f
 
 M, the output channel count, is read from the weight: ``W.shape[0]`` for Conv, ``W.shape[1] * group`` for
 ConvTranspose. Left alone, with the reason: an Add whose constant is not per output channel (e.g. per pixel), a
-producer whose output has other readers or is a graph output, a non-constant weight or bias, non-float dtypes.
-One walk over the Adds of every scope: O(nodes).
+producer whose output has other readers or is a graph or subgraph output, a non-constant weight or bias, non-float
+dtypes. The mechanism is ``fuse_affine``'s (`qgraph.graph.fold_after_conv`, restricted to Add; ``fuse_affine`` also
+folds Mul/Sub/Div and does what this pass does in the ready recipes). One visit per convolution: O(nodes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import Field
 
 from qgraph import GraphHandle, Pass, PassConfig, PassContext, PassDetails, PassResult, register
-from qgraph.graph import (
-    NoMatch,
-    channel_vector,
-    const_value,
-    consumers,
-    is_default_domain,
-    pinned_tensors,
-    producer,
-    rebuild,
-)
+from qgraph.graph import fold_after_conv, is_default_domain, pinned_tensors, rebuild
 
 __all__ = ["FuseBias", "FuseBiasConfig"]
 
@@ -56,31 +47,6 @@ class FuseBiasConfig(PassConfig):
     )
 
 
-def match(add: gs.Node, graph: GraphHandle, hosts: tuple[str, ...]) -> tuple[gs.Node, np.ndarray]:
-    """The Conv/ConvTranspose feeding ``add`` and the per-channel vector the Add adds; `NoMatch` otherwise."""
-    if len(add.inputs) != 2:
-        raise NoMatch("the Add does not have two inputs")
-    consts = [const_value(t) for t in add.inputs]
-    if sum(v is not None for v in consts) != 1:
-        raise NoMatch("the Add does not add exactly one constant")
-    k = 0 if consts[0] is not None else 1
-    c, y = consts[k], add.inputs[1 - k]
-    assert c is not None
-    conv = producer(y)
-    if conv is None or conv.op not in hosts or not is_default_domain(conv.domain) or len(conv.inputs) < 2:
-        raise NoMatch(f"the Add's input is not produced by {'/'.join(hosts)}")
-    if len(consumers(y)) != 1 or graph.is_graph_output(y):
-        raise NoMatch(f"{conv.name}'s output has other readers or is a graph output")
-    w = const_value(conv.inputs[1])
-    if w is None or w.dtype.kind != "f" or c.dtype != w.dtype:
-        raise NoMatch("the weight is not a float constant of the Add's dtype")
-    channels = int(w.shape[0]) if conv.op == "Conv" else int(w.shape[1]) * int(conv.attrs.get("group", 1))
-    vector = channel_vector(c, channels, w.ndim)
-    if len(conv.inputs) > 2 and conv.inputs[2].name and const_value(conv.inputs[2]) is None:
-        raise NoMatch("the bias is not a constant")
-    return conv, vector
-
-
 @register
 class FuseBias(Pass[FuseBiasConfig]):
     """Fold ``Add(Conv(x, W[, b]), c)`` with ``c`` constant per output channel into ``Conv(x, W, b + c)``.
@@ -93,40 +59,19 @@ class FuseBias(Pass[FuseBiasConfig]):
     preserves_float = True
 
     def run(self, graph: GraphHandle, ctx: PassContext) -> PassResult:
-        """Fold every matching Add of every scope; an Add after a host op that cannot fold is skipped with why."""
+        """Fold every matching Add of every scope (`qgraph.graph.fold_after_conv` restricted to Add); an Add after
+        a host op that cannot fold is skipped with why."""
         res = PassResult()
-        hosts = tuple(self.config.op_types)
         for scope in graph.scopes():
             removed: list[gs.Node] = []
             pinned = pinned_tensors(scope)  # a subgraph's output or implicit input keeps its producer
-            for add in list(scope.nodes):
-                if add.op != "Add" or not is_default_domain(add.domain):
-                    continue
-                prod = [producer(t) for t in add.inputs]
-                if not any(p is not None and p.op in hosts for p in prod):
-                    continue
-                if all(const_value(t) is None for t in add.inputs):
-                    continue  # a join of two computed tensors (a residual sum): nothing to fold
-                res.matched += 1
-                try:
-                    conv, vector = match(add, graph, hosts)
-                    if id(conv.outputs[0]) in pinned:
-                        raise NoMatch(f"{conv.name}'s output is a subgraph output or read by a nested subgraph")
-                except NoMatch as exc:
-                    res.skip(add.name, exc)
-                    continue
-                old = const_value(conv.inputs[2]) if len(conv.inputs) > 2 and conv.inputs[2].name else None
-                bias = (vector if old is None else old.reshape(-1) + vector).astype(vector.dtype)
-                new = gs.Constant(graph.unique_name(f"{conv.name}/bias", "tensor"), np.ascontiguousarray(bias))
-                if len(conv.inputs) > 2:
-                    conv.inputs[2] = new
-                else:
-                    conv.inputs.append(new)
-                out = add.outputs[0]
-                add.outputs.clear()  # the Add gives up its output to the fused op
-                conv.outputs[0] = out
-                removed.append(add)
-                res.rewritten += 1
+            for conv in [n for n in scope.nodes if n.op in self.config.op_types and is_default_domain(n.domain)]:
+                fold = fold_after_conv(graph, conv, pinned, ops=("Add",))
+                res.matched += fold.matched
+                for node, why in fold.refusals:
+                    res.skip(node, why)
+                removed += fold.folded
+            res.rewritten += len(removed)
             if removed:
                 rebuild(scope, removed)
         if res.rewritten:

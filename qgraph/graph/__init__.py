@@ -14,6 +14,8 @@
 - Fresh names (``fresh``): one rule (``base``, ``base_1``, ...) for every generated name; `GraphHandle.unique_name`
   on the graphsurgeon graph, `ProtoNames` / `fresh_name` on a ``ModelProto`` (every scope, linear time).
 - Checks (``checks``): `check_model` on every input model, `check_structure` after every pass.
+- Convolution affine steps (``conv_affine``): `affine_step`, `conv_params`, `set_conv_params`, `fold_after_conv`
+  (what ``fuse_affine`` and ``fuse_bias`` fold).
 - `NoMatch` (``match``): how a pass says "this pattern does not apply here, because ..." (the one refusal).
 """
 
@@ -27,6 +29,7 @@ from .checks import (
     check_unique_names,
     cycle_message,
 )
+from .conv_affine import AFFINE_OPS, AffineFold, affine_step, conv_params, fold_after_conv, set_conv_params
 from .detach import placeholders_as_inputs
 from .fresh import ProtoNames, free_name, fresh_name, model_names
 from .handle import TAG_PREFIX, GraphHandle, GraphIndex, describe
@@ -74,8 +77,10 @@ from .ops import (
 )
 
 __all__ = [
+    "AFFINE_OPS",
     "DEFAULT_DOMAINS",
     "TAG_PREFIX",
+    "AffineFold",
     "GraphHandle",
     "GraphIndex",
     "Inferred",
@@ -83,6 +88,7 @@ __all__ = [
     "NoMatch",
     "ProtoNames",
     "Shape",
+    "affine_step",
     "channel_vector",
     "check_acyclic",
     "check_input_structure",
@@ -93,10 +99,12 @@ __all__ = [
     "const_value",
     "constant_node_value",
     "consumers",
+    "conv_params",
     "cycle_message",
     "dependencies",
     "describe",
     "detach",
+    "fold_after_conv",
     "free_name",
     "fresh_name",
     "graph_scopes",
@@ -123,6 +131,7 @@ __all__ = [
     "redirect",
     "renew_const",
     "set_const",
+    "set_conv_params",
     "tensor_dtype",
     "tensor_shape",
     "topological_order",
