@@ -50,7 +50,8 @@ manual ``nodes: {names: [...]}`` entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -81,7 +82,7 @@ from .parts import scored_parts
 from .record import apply_and_record
 from .strip import compare_with, recipe_reference
 
-__all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig"]
+__all__ = ["AutoFallbackConfig", "FloatFallback", "FloatFallbackConfig", "measured_latency_check"]
 
 
 @register
@@ -228,6 +229,9 @@ class FloatFallback(Pass[FloatFallbackConfig]):
         ))
         details["auto"] = {k: v for k, v in result.to_dict().items() if k != "sensitivity"}
         res.decisions.append("auto: " + result.message())
+        slower = measured_latency_check(result.latency, auto.max_latency)
+        if slower is not None:
+            res.decide(f"auto: {slower}", attention=True)
         if result.data_limit is not None:
             res.decisions.append(f"auto: {result.data_limit}")
         res.notes.extend(f"auto: {n}" for n in result.notes)
@@ -285,3 +289,24 @@ def _stage_progress(ctx: PassContext) -> Callable[[str, int, int | None], None] 
             fn(done, total)
 
     return report if ctx.progress("auto") is not None else None
+
+
+def measured_latency_check(latency: Mapping[str, float], max_latency: float | None) -> str | None:
+    """What the measured latency of the chosen model contradicts, or None.
+
+    The search bounds the *modelled* latency (the cost table prices each node alone); on a real model the float
+    nodes and their Q/DQ boundaries can cost more than the table says, and only the timing after the search shows
+    it. So the measured ratio is checked against ``max_latency`` (or, without one, against float itself), and the
+    sentence says by how much the table was off and which bound would have held."""
+    measured, modelled = latency.get("measured_chosen"), latency.get("modelled_chosen_ratio")
+    bound = 1.0 if max_latency is None else max_latency
+    if measured is None or not math.isfinite(measured) or measured <= bound:
+        return None
+    what = f"max_latency {max_latency:g}x" if max_latency is not None else "float's own latency"
+    text = f"the chosen model is {measured:.2f}x the float reference as measured here, beyond {what}"
+    if modelled is None or not math.isfinite(modelled) or modelled <= 0:
+        return text + " (timed with onnxruntime after the search; no cost table modelled it)"
+    return (f"{text}; the cost table modelled {modelled:.2f}x, so it underprices this model's float nodes by "
+            f"{measured / modelled:.2f}x: max_latency {bound * modelled / measured:.2g} would bound what is "
+            "measured here (timings on a loaded machine move; `latency_rounds` sets the rounds)")
+

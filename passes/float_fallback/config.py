@@ -58,7 +58,9 @@ class AutoFallbackConfig(PassConfig):
     )
     max_latency: float | None = Field(
         default=None, gt=0, description="With cost: latency, keep at most this many times the float model's "
-        "modelled latency (1.0: never slower than float); a target that needs more is reported as not met.",
+        "latency (1.0: never slower than float): the search bounds the modelled latency, then (latency_rounds > 0) "
+        "the chosen set is timed in onnxruntime and cut back to the largest prefix timed within the bound; a "
+        "target that needs more is reported as not met.",
     )
     latency_rounds: int = Field(
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "

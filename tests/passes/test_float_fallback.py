@@ -544,3 +544,20 @@ def test_a_target_the_data_cannot_show_is_a_decision_line(tmp_path: Path) -> Non
     limit = [d for d in res.decisions if d.startswith("auto: on these 450 samples even a model that agrees")]
     assert len(limit) == 1 and "reaching 0.9918" in limit[0] and "samples of this kind would" in limit[0]
     assert res.details["auto"]["data_limit"] == limit[0].removeprefix("auto: ")
+
+
+def test_measured_latency_beyond_the_bound_is_an_attention_with_the_bound_that_would_hold() -> None:
+    """The search bounds the modelled latency; the measured one can exceed it (YOLOv8n: modelled 0.63x, measured
+    1.02x with max_latency 0.9). The check says by how much the cost table was off and which bound would hold."""
+    from qgraph.passes.float_fallback import measured_latency_check
+
+    assert measured_latency_check({}, 0.9) is None  # not timed (latency_rounds: 0)
+    assert measured_latency_check({"measured_chosen": 0.85, "modelled_chosen_ratio": 0.6}, 0.9) is None
+    assert measured_latency_check({"measured_chosen": 0.98, "modelled_chosen_ratio": 0.6}, None) is None
+    text = measured_latency_check({"measured_chosen": 1.02, "modelled_chosen_ratio": 0.63}, 0.9)
+    assert text is not None
+    assert "1.02x the float reference" in text and "beyond max_latency 0.9x" in text
+    assert "modelled 0.63x" in text and "by 1.62x" in text and "max_latency 0.56 would bound" in text
+    unbounded = measured_latency_check({"measured_chosen": 1.2}, None)
+    assert unbounded is not None and "beyond float's own latency" in unbounded and "no cost table" in unbounded
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -148,9 +149,9 @@ def test_no_op_when_the_target_is_already_met(fragile: tuple[onnx.ModelProto, on
     assert r.stop_reason == "the INT8 model already meets the target"
 
 
-def test_pass_summary_shows_latency_and_restores_float_weights(tmp_path: Path) -> None:
-    """insert_qdq then float_fallback auto in one recipe: the summary line gives the latency of the chosen
-    model, and the nodes that went back to float read the float model's weights, not the rounded ones."""
+def _fallback_after_qdq(tmp_path: Path, auto: str) -> tuple[onnx.ModelProto, Any]:
+    """insert_qdq then float_fallback auto (``target: sqnr:35`` plus ``auto``) in one recipe on a residual net
+    with one fragile block: the float model and the pipeline result."""
     from qgraph import Recipe
     from qgraph.testing.synthetic import fragile_resnet
 
@@ -159,8 +160,14 @@ def test_pass_summary_shows_latency_and_restores_float_weights(tmp_path: Path) -
     np.savez(tmp_path / "cal.npz", input=rng.standard_normal((8, 8, 16, 16)).astype(np.float32))
     recipe = Recipe.from_text(
         "name: r\npasses:\n  - pass: insert_qdq\n    preset: ort-x86-vnni\n  - pass: float_fallback\n"
-        "    auto: {target: 'sqnr:35', latency_rounds: 1}\n")
-    result = Pipeline(recipe.passes, recipe=recipe).run(model, calibration_data=str(tmp_path / "cal.npz"))
+        f"    auto: {{target: 'sqnr:35', {auto}}}\n")
+    return model, Pipeline(recipe.passes, recipe=recipe).run(model, calibration_data=str(tmp_path / "cal.npz"))
+
+
+def test_pass_summary_shows_latency_and_restores_float_weights(tmp_path: Path) -> None:
+    """insert_qdq then float_fallback auto in one recipe: the summary line gives the latency of the chosen
+    model, and the nodes that went back to float read the float model's weights, not the rounded ones."""
+    model, result = _fallback_after_qdq(tmp_path, "latency_rounds: 1")
     res = result.records[-1].result
     assert res.details["auto"]["target_met"] and res.rewritten > 0
     assert any("Latency of the chosen model: modelled (cost table)" in d for d in res.decisions)
@@ -219,3 +226,67 @@ def test_cli_cost_choice_orders_the_search_by_latency_or_error(
     bad = CliRunner().invoke(app, ["sensitivity", str(folder / "float.onnx"), str(folder / "qdq.onnx"),
                                    "--data", data, "--cost", "speed", "-q"])
     assert bad.exit_code == 2 and "speed" in bad.output
+
+
+def test_measure_latency_is_the_engine_timer_as_ratios(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search's timing is `qgraph.runtime.latency.time_models` (turns of ~150 ms whose first two runs are not
+    counted), given as ratios to the first model: the runs right after a session switch read YOLOv8n's INT8 model
+    at 0.48-0.97x float where the steady state is 0.6-0.7x."""
+    import qgraph.runtime.latency as latency
+    from qgraph.analysis.sensitivity.cost import measure_latency
+
+    seen: dict[str, object] = {}
+
+    def fake(models: dict[str, object], feed: object, rounds: int, threads: int, budget_seconds: float
+             ) -> dict[str, float]:
+        seen.update(labels=list(models), rounds=rounds, threads=threads, budget=budget_seconds)
+        return {"float": 8.0, "int8": 5.0, "chosen": 7.2}
+
+    monkeypatch.setattr(latency, "time_models", fake)
+    model = onnx.ModelProto()
+    out = measure_latency({"float": model, "int8": model, "chosen": model}, {}, rounds=7, budget_seconds=9.0)
+    assert seen == {"labels": ["float", "int8", "chosen"], "rounds": 7, "threads": 2, "budget": 9.0}
+    assert out == {"float": 1.0, "float_ms": 8.0, "int8": 0.625, "int8_ms": 5.0, "chosen": 0.9, "chosen_ms": 7.2}
+
+
+def test_pass_flags_a_chosen_model_measured_slower_than_float(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wired into the pass: with the timing replaced by a slow one, the summary's attention line says so."""
+    import qgraph.analysis.sensitivity.search as search
+
+    monkeypatch.setattr(search, "measure_latency", lambda models, feed, rounds: {
+        "int8": 0.5, "chosen": 1.3, "float_ms": 2.0, "int8_ms": 1.0, "chosen_ms": 2.6})
+    res = _fallback_after_qdq(tmp_path, "latency_rounds: 1")[1].records[-1].result
+    assert res.details["auto"]["target_met"] and res.details["auto"]["nodes"]
+    assert res.details["auto"]["latency"]["measured_chosen"] == 1.3
+    flagged = [a for a in res.attention if "1.30x the float reference as measured here" in a]
+    assert flagged and "beyond float's own latency" in flagged[0], res.attention
+
+
+def test_the_search_cuts_back_a_prefix_timed_over_max_latency(
+        fragile: tuple[onnx.ModelProto, onnx.ModelProto, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost table models the chosen set within ``max_latency``; onnxruntime (here a stand-in that charges 0.1x
+    float per node returned to float, on top of 0.5x) times it over the bound: the search keeps the largest prefix
+    timed within it, scores that model, and says so in the stop reason."""
+    model, qdq, data = fragile
+    options = dict(costs=CostSpec(_table(), "p"), float_weights=ReferenceWeights(model), latency_rounds=1)
+    free = auto_fallback(model, qdq, data, "sqnr:30", SearchOptions(**options))  # type: ignore[arg-type]
+    assert free.target_met and len(free.nodes) >= 2
+    counted = sum(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
+
+    def charge(models: dict[str, onnx.ModelProto], feed: Any, rounds: int) -> dict[str, float]:
+        back = counted - sum(n.op_type == "QuantizeLinear" for n in models["chosen"].graph.node)
+        return {"float": 1.0, "chosen": 0.5 + 0.1 * max(back, 0)}
+
+    import qgraph.analysis.sensitivity.measured_cap as measured_cap
+
+    monkeypatch.setattr(measured_cap, "measure_latency", charge)
+    bound = 0.5 + 0.1 * 0.5  # timed within it only with no Q removed: the INT8 model
+    capped = auto_fallback(model, qdq, data, "sqnr:30", SearchOptions(**options, max_latency=bound))  # type: ignore[arg-type]
+    assert capped.stop_reason.startswith("max_latency reached as measured"), capped.stop_reason
+    assert capped.nodes == [] and not capped.target_met
+    assert math.isclose(capped.score, capped.int8_score) and capped.score < 30
+    assert any("max_latency reached as measured" in n for n in capped.notes)
+    relaxed = auto_fallback(model, qdq, data, "sqnr:30", SearchOptions(**options, max_latency=10.0))  # type: ignore[arg-type]
+    assert relaxed.target_met and relaxed.nodes == free.nodes and "as measured" not in relaxed.stop_reason

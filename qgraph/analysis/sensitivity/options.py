@@ -47,7 +47,8 @@ class SearchOptions:
     costs: CostSpec | None = None
     #: > 0: time the float, INT8 and chosen models in onnxruntime that many rounds.
     latency_rounds: int = 0
-    #: With ``costs``: prefixes modelled at most this many times the float model's latency (1.0: never slower).
+    #: With ``costs``: prefixes modelled at most this many times the float model's latency (1.0: never slower),
+    #: and, with ``latency_rounds``, cut back until timed within it (`qgraph.analysis.sensitivity.measured_cap`).
     max_latency: float | None = None
     #: ``latency`` (error per added latency, with ``costs``) or ``error``.
     rank_by: str = "latency"

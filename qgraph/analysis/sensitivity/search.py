@@ -50,6 +50,7 @@ from qgraph.analysis.sensitivity.evaluate import (
     reference_outputs,
     streamed_reference_outputs,
 )
+from qgraph.analysis.sensitivity.measured_cap import hold_measured_bound
 from qgraph.analysis.sensitivity.options import SearchOptions
 from qgraph.analysis.sensitivity.prefix import AutoStep, Clock, PrefixSearch
 from qgraph.analysis.sensitivity.ranking import SensitivityReport, candidate_nodes, rank_nodes
@@ -262,8 +263,7 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     int8_score = run.int8_score = tgt.score(base.scored, base.outputs, run.refs)
     run.stage_end("baseline")
     found, notes = candidate_nodes(evaluator.variant(chosen), o.candidates, dynamic=o.remedy == "float")
-    notice = naming.notice()
-    if notice:
+    if notice := naming.notice():
         notes.insert(0, f"QDQ model: {notice}")
     inside: list[tuple[str, str]] = []
     if o.in_bodies:
@@ -292,15 +292,16 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     predicted = report.model.prefix_scores(tgt, order[:cap]) if report.model is not None else []
     search = PrefixSearch(evaluator, tgt, threshold, chosen, order, cap, run, pool)
     size, reason = search.run(predicted, o.max_nodes)
-    if slow is not None and slow == cap and reason.startswith(("max_nodes", "every candidate")):
-        reason = (f"max_latency reached: more than {cap} node(s) in float is modelled slower than {o.max_latency:g}x "
-                  "float")
+    reason = _modelled_cap_reason(reason, slow, cap, o.max_latency)
+    if size and o.max_latency is not None and o.latency_rounds > 0 and latency is not None and run.time_left(2):
+        size, reason = hold_measured_bound(size, reason, o.max_latency, o.latency_rounds, reference, evaluator,
+                                           chosen, order, lambda: run.time_left(2), notes)
     out.steps = search.steps
     run.stage_end("search")
     if size:
         out.nodes = [*chosen, *order[:size]]
         out.model = build_model(qdq, out.nodes, o.float_weights, o.remedy)
-        if run.time_left(1):
+        if run.time_left(1) or size not in search.scores:  # a prefix cut back by timing is not scored yet
             tick = run.reporter("confirmation")
             if tick is not None:
                 tick(0, 1)
@@ -318,6 +319,12 @@ def _auto_fallback(reference: onnx.ModelProto, qdq: onnx.ModelProto, data: str |
     _latency(out, latency, chosen, o.latency_rounds, reference, evaluator)
     return _finish(run, out, "target met" if out.target_met else reason)
 
+
+def _modelled_cap_reason(reason: str, slow: int | None, cap: int, max_latency: float | None) -> str:
+    """The stop reason, naming ``max_latency`` when the modelled bound is what ended the search."""
+    if slow is None or slow != cap or not reason.startswith(("max_nodes", "every candidate")):
+        return reason
+    return f"max_latency reached: more than {cap} node(s) in float is modelled slower than {max_latency:g}x float"
 
 def _rank_by(asked: str, qdq: onnx.ModelProto, notes: list[str]) -> str:
     """``asked``, except that a model with dynamically quantized MatMuls is ranked by error (the cost table
