@@ -64,7 +64,7 @@ class AutoFallbackConfig(PassConfig):
     )
     latency_rounds: int = Field(
         default=5, ge=0, le=100, description="Time the float, INT8 and chosen models in onnxruntime this many "
-        "rounds and report the ratios (0: do not measure).",
+        "rounds (at least 3) and report the ratios (0: do not measure).",
     )
     outputs: tuple[GraphOutputName, ...] = Field(
         default=(), description="With a cosine/sqnr target, score only these graph outputs (default: every one), "

@@ -346,7 +346,7 @@ def measure_latency(models: Mapping[str, onnx.ModelProto], feed: Mapping[str, np
     (``ORT_ENABLE_ALL``, ``threads`` threads, one sample), by `qgraph.runtime.latency.time_models`: models take
     turns of about 150 ms, the first two runs of every turn not counted, at least 3 and at most ``rounds`` rounds,
     none started after ``budget_seconds``. (Counting the runs right after another session ran, as this did before,
-    read YOLOv8n's INT8 model at 0.48-0.97x float where the deployed ratio is 0.63x.)"""
+    read YOLOv8n's INT8 model at 0.48-0.97x float where its steady state is 0.6-0.7x.)"""
     from qgraph.runtime.latency import time_models
 
     ms = time_models(dict(models), feed, rounds=rounds, threads=threads, budget_seconds=budget_seconds)
