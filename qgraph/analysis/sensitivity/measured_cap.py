@@ -18,7 +18,7 @@ import onnx
 from qgraph.analysis.sensitivity.cost import measure_latency
 from qgraph.analysis.sensitivity.evaluate import Evaluator, first_sample
 
-__all__ = ["MeasuredCap", "cap_by_measurement", "hold_measured_bound", "prefix_timer"]
+__all__ = ["MeasuredCap", "cap_by_measurement", "hold_measured_bound"]
 
 
 @dataclass
@@ -68,12 +68,6 @@ def cap_by_measurement(size: int, bound: float, timed: Callable[[int], float], r
     return cap
 
 
-def prefix_timer(measure: Callable[[Sequence[str]], float], base: Sequence[str],
-                 order: Sequence[str]) -> Callable[[int], float]:
-    """``timed(m)`` for `cap_by_measurement`: the model with ``base`` and the first ``m`` of ``order`` in float."""
-    return lambda m: measure([*base, *order[:m]])
-
-
 def hold_measured_bound(size: int, reason: str, bound: float, rounds: int, reference: onnx.ModelProto,
                         evaluator: Evaluator, base: Sequence[str], order: Sequence[str],
                         has_time: Callable[[], bool], notes: list[str]) -> tuple[int, str]:
@@ -81,10 +75,11 @@ def hold_measured_bound(size: int, reason: str, bound: float, rounds: int, refer
     timing ``rounds`` rounds against ``reference`` on the first evaluation sample); a cut is also a note."""
     feed = first_sample(evaluator.batches[0], reference)
 
-    def measure(nodes: Sequence[str]) -> float:
-        return measure_latency({"float": reference, "chosen": evaluator.variant(nodes)}, feed, rounds)["chosen"]
+    def timed(m: int) -> float:  # ``base`` and the first ``m`` nodes of ``order`` in float, against float
+        chosen = evaluator.variant([*base, *order[:m]])
+        return measure_latency({"float": reference, "chosen": chosen}, feed, rounds)["chosen"]
 
-    capped = cap_by_measurement(size, bound, prefix_timer(measure, base, order), has_time=has_time)
+    capped = cap_by_measurement(size, bound, timed, has_time=has_time)
     if not capped.trimmed:
         return size, reason
     notes.append(capped.reason(size))
